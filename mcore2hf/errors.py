@@ -1,0 +1,47 @@
+"""Exceptions. Each names the parameter or setting involved and what was expected and found."""
+
+from __future__ import annotations
+
+
+class Mcore2HFError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class UnknownParametersError(Mcore2HFError):
+    """Megatron parameters that no rule of the converter maps, all listed at once."""
+
+    def __init__(self, model_type: str, names: list[str]):
+        self.names = sorted(names)
+        shown = "\n  ".join(self.names)
+        super().__init__(
+            f"{len(self.names)} Megatron parameter(s) have no mapping in the {model_type!r} converter:\n  {shown}"
+        )
+
+
+class MissingWeightsError(Mcore2HFError):
+    """HF tensors that loading needs but the source does not have, all listed at once."""
+
+    def __init__(self, names: list[str], source: str):
+        self.names = sorted(names)
+        shown = "\n  ".join(self.names)
+        super().__init__(f"{len(self.names)} HF tensor(s) missing from {source}:\n  {shown}")
+
+
+class ConfigMismatchError(Mcore2HFError):
+    """The HF config disagrees with the Megatron model (heads, groups, experts, vocab, layers...)."""
+
+
+class ShapeMismatchError(Mcore2HFError):
+    """A tensor's shape differs from what the config and the layout imply."""
+
+
+class LayoutError(Mcore2HFError):
+    """A parameter is sharded in a way this library does not convert (e.g. an unexpected stride)."""
+
+
+class ParallelStateError(Mcore2HFError):
+    """Megatron's parallel state is not initialized, or disagrees with the model."""
+
+
+class UnsupportedArchitectureError(Mcore2HFError):
+    """No converter is registered for the HF model_type."""

@@ -1,0 +1,214 @@
+"""HFExporter: a live, sharded Megatron model -> byte-bounded buckets of full HF tensors."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import regex
+import torch
+import torch.distributed as dist
+
+from .buckets import Bucket
+from .errors import ConfigMismatchError, Mcore2HFError
+from .gather import Executor
+from .hf_config import HFConfigLike, load_hf_config
+from .mapping import Converter
+from .naming import LocalTensor, local_tensors, unwrap_model
+from .parallel import ParallelContext
+from .plan import ExportPlan, Source, assign_buckets, build_sources, gather_records
+from .registry import get_converter
+from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+Receivers = str | int | Sequence[int] | None
+
+_DECODER_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.")
+
+
+class HFExporter:
+    """Streams a Megatron model's weights out as HF-named full tensors.
+
+    Every rank of the model's world constructs it and calls `buckets()` / `save_pretrained()` in step: the
+    collectives happen inside. The first call builds the plan (one metadata all-gather); later calls reuse it.
+
+    Which ranks receive full tensors is the `receivers` argument of `buckets()`:
+      * "all" (default): every rank gets every tensor (colocated RL sync: each trainer rank feeds the
+        inference engine on its GPU);
+      * a rank or list of ranks: only those get tensors (saving, a distributed sender), and each shard is
+        sent once to each of them; the others yield empty buckets so every rank's loop runs in step.
+
+    Peak extra memory per rank is about two buckets (the receive buffers of the bucket being converted and its
+    output buffer) plus the first-stage receive buffer of the next bucket, which is in flight meanwhile.
+    """
+
+    def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None):
+        self.chunks = unwrap_model(model)
+        self.hf_config = load_hf_config(hf_config)
+        self.converter = converter or get_converter(self.hf_config.model_type)
+        from importlib import import_module
+
+        self.spec = import_module(self.converter.spec)
+        self.dims = self.spec.dims(self.hf_config)
+        self.ctx = ParallelContext.from_megatron()
+        self._local: dict[str, LocalTensor] | None = None
+        self._sources: dict[str, Source] | None = None
+        self._records = None
+        self._plans: dict[int, ExportPlan] = {}
+        self._executors: dict[tuple[int, tuple[int, ...] | None], Executor] = {}
+        p = next(self.chunks[0].parameters())
+        self.device = p.device
+
+    # -- planning --------------------------------------------------------------------------------------------
+    def _build_sources(self) -> dict[str, Source]:
+        if self._sources is None:
+            check_model_config(self.chunks[0].config, self.spec, self.hf_config)
+            local = local_tensors(self.chunks, self.ctx)
+            self._local = {t.name: t for t in local}
+            self._records = gather_records(local, self.ctx)
+            self._sources = build_sources(self._records, self.converter, self.dims, self.ctx.tp.size,
+                                          self.ctx.etp.size)
+            check_structure(self._sources, self.spec, self.hf_config, self.dims)
+        return self._sources
+
+    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExportPlan:
+        """The export plan (collective on first call). `print(plan.describe())` is the dry run."""
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if bucket_bytes not in self._plans:
+            sources = self._build_sources()
+            self._plans[bucket_bytes] = ExportPlan(
+                model_type=self.converter.model_type, sources=sources,
+                buckets=assign_buckets(sources, bucket_bytes), bucket_bytes=bucket_bytes,
+                records=self._records, world_size=self.ctx.world_size)
+        return self._plans[bucket_bytes]
+
+    def _receivers(self, receivers: Receivers) -> tuple[int, ...] | None:
+        if receivers is None or (isinstance(receivers, str) and receivers == "all"):
+            return None
+        if isinstance(receivers, int):
+            receivers = (receivers,)
+        out = tuple(sorted(set(int(r) for r in receivers)))
+        bad = [r for r in out if not 0 <= r < self.ctx.world_size]
+        if bad or not out:
+            raise ValueError(f"receivers must be 'all' or ranks in [0, {self.ctx.world_size}), got {receivers!r}")
+        return out
+
+    def executor(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all") -> Executor:
+        recv = self._receivers(receivers)
+        key = (bucket_bytes, recv)
+        if key not in self._executors:
+            self._executors[key] = Executor(self.plan(bucket_bytes), self.ctx, self._local, recv, self.device)
+        return self._executors[key]
+
+    # -- export ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all") -> Iterator[Bucket]:
+        """Yield buckets of (HF name, full tensor). Every rank must iterate to the end."""
+        yield from self.executor(bucket_bytes, receivers).run()
+
+    def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      receivers: Receivers = "all") -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets(bucket_bytes, receivers):
+            yield from bucket
+
+    def state_dict(self, receivers: Receivers = "all") -> dict[str, torch.Tensor]:
+        """All HF tensors as one dict (copies): for tests and small models."""
+        return {name: t.clone() for name, t in self.named_tensors(receivers=receivers)}
+
+    def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer_rank: int = 0,
+                        overwrite: bool = False, extra_files: Sequence[str] = ()) -> str:
+        """Write config.json, sharded *.safetensors and model.safetensors.index.json (from writer_rank only).
+
+        Collective. The directory appears only when complete; on failure every rank raises and nothing is left."""
+        plan = self.plan(bucket_bytes)
+        writer = None
+        error = None
+        if self.ctx.rank == writer_rank:
+            try:
+                check_target(out_dir, overwrite)
+                infos = [TensorInfo(e.name, e.shape, e.dtype) for e in plan.hf_entries()]
+                writer = SafetensorsWriter(out_dir, infos, self.hf_config, max_shard_size=max_shard_size,
+                                           overwrite=overwrite, extra_files=extra_files)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(e).__name__}: {e}"
+        error = self._agree(error, writer_rank)
+        if error:
+            raise Mcore2HFError(f"save_pretrained({out_dir}) failed on rank {writer_rank}: {error}")
+        for bucket in self.buckets(bucket_bytes, receivers=writer_rank):
+            if writer is not None and error is None:
+                try:
+                    writer.send(bucket)
+                except Exception as e:  # noqa: BLE001 - keep draining so the other ranks do not hang
+                    error = f"{type(e).__name__}: {e}"
+        if writer is not None:
+            if error is None:
+                try:
+                    writer.finish()
+                except Exception as e:  # noqa: BLE001
+                    error = f"{type(e).__name__}: {e}"
+            else:
+                writer.abort()
+        error = self._agree(error, writer_rank)
+        if error:
+            raise Mcore2HFError(f"save_pretrained({out_dir}) failed on rank {writer_rank}: {error}")
+        return os.path.abspath(os.fspath(out_dir))
+
+    def _agree(self, error: str | None, src: int) -> str | None:
+        """Broadcast the writer's status so every rank raises together."""
+        if self.ctx.world_size == 1:
+            return error
+        box = [error]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+
+STRUCTURAL_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "mtp_num_layers",
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+)
+
+
+def check_model_config(model_config, spec, hf_config) -> None:
+    """The Megatron model's structure must be what the HF config describes (every difference listed)."""
+    expected = spec.structural_fields(hf_config)
+    diffs = []
+    for name, want in expected.items():
+        have = getattr(model_config, name, None)
+        if have != want:
+            diffs.append(f"{name}: HF config implies {want!r}, the Megatron model has {have!r}")
+    if diffs:
+        raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
+                                  + "\n  ".join(diffs))
+
+
+def check_structure(sources: dict[str, Source], spec, hf_config, dims) -> None:
+    """Global checks the per-tensor ops cannot make: layer set, dense/MoE pattern, tied embeddings."""
+    problems = []
+    layers: dict[int, set[str]] = {}
+    for name in sources:
+        m = _DECODER_LAYER.match(name)
+        if m:
+            layers.setdefault(int(m.group(1)), set()).add(name[m.end():])
+    want = set(range(dims.num_layers + dims.num_mtp_layers))
+    if set(layers) != want:
+        problems.append(f"decoder layers: HF config implies {dims.num_layers} (+{dims.num_mtp_layers} MTP), "
+                        f"the model has layers {sorted(layers)}")
+    for layer, names in sorted(layers.items()):
+        if layer >= dims.num_layers:
+            continue
+        has_router = "mlp.router.weight" in names
+        if has_router != spec.is_moe_layer(hf_config, layer):
+            problems.append(f"layer {layer}: HF config says {'MoE' if not has_router else 'dense'}, "
+                            f"the model's layer is {'MoE' if has_router else 'dense'}")
+    has_output = "output_layer.weight" in sources
+    if dims.tie_word_embeddings and has_output:
+        problems.append("HF config ties word embeddings, the model has a separate output_layer")
+    if not dims.tie_word_embeddings and not has_output:
+        problems.append("HF config has a separate lm_head, the model shares embedding and output weights")
+    if problems:
+        raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
+                                  + "\n  ".join(problems))

@@ -1,0 +1,265 @@
+"""Layout ops: small pure functions between one Megatron tensor, held as its tensor-parallel shards, and
+the HF tensor(s) it becomes.
+
+Every op works on the list of TP shards in rank order (a single-element list when the tensor is not
+sharded), so gathers never have to build an intermediate "full Megatron tensor":
+
+    to_hf(shards, outs)                 writes the HF tensors into preallocated `outs` (one copy per byte)
+    shard_from_hf(hf, index, count, full_shape) -> the shard `index` of `count`, reading only the slices it needs
+    hf_shapes(full_shape)               the HF shapes, validating the Megatron shape against the config
+
+`hf` items may be torch tensors or safetensors slices (anything with `[a:b]` / `[:, a:b]` indexing), which is
+how loading reads only the bytes a rank's shard needs. Each op is the exact inverse of the other direction:
+the round trip is a permutation, tested bit for bit for every shard count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import ShapeMismatchError
+
+Shape = tuple[int, ...]
+
+
+def shape_of(x) -> Shape:
+    """Shape of a torch tensor or of a safetensors slice."""
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x.get_shape())
+
+
+def _take(x, dim: int, start: int, stop: int) -> torch.Tensor:
+    """x[start:stop] along `dim` (0 or 1), for tensors and safetensors slices alike."""
+    if dim == 0:
+        return x[start:stop]
+    if dim == 1:
+        return x[:, start:stop]
+    raise ValueError(f"slicing along dim {dim} is not supported")
+
+
+def _full(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else x[:]
+
+
+def _check(cond: bool, what: str, expected, actual) -> None:
+    if not cond:
+        raise ShapeMismatchError(f"{what}: expected {expected}, got {actual}")
+
+
+class LayoutOp:
+    """Base: a Megatron tensor <-> HF tensors. Subclasses set `tp_dim` and `n_out` and implement the three methods."""
+
+    #: dim along which Megatron shards the tensor over TP ranks; None: every TP rank holds all of it.
+    tp_dim: int | None = None
+    #: values of Megatron's `partition_stride` attribute that mean this layout.
+    strides: tuple[int, ...] = (1,)
+    n_out: int = 1
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        raise NotImplementedError
+
+    def to_hf(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def shard_from_hf(self, hf: Sequence, index: int, count: int, full_shape: Shape) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def from_dims(cls, dims) -> LayoutOp:
+        """Build the op for a model's dimensions (`ModelDims`); ops without parameters ignore them."""
+        return cls()
+
+    # Convenience for tests and offline tools: allocate and return the HF tensors.
+    def hf_tensors(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        full = full_shape_of(shards, self.tp_dim)
+        outs = [torch.empty(s, dtype=shards[0].dtype, device=shards[0].device) for s in self.hf_shapes(full)]
+        self.to_hf(shards, outs)
+        return outs
+
+    def shards_from_hf(self, hf: Sequence, count: int, full_shape: Shape) -> list[torch.Tensor]:
+        return [self.shard_from_hf(hf, i, count, full_shape) for i in range(count)]
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def full_shape_of(shards: Sequence[torch.Tensor], tp_dim: int | None) -> Shape:
+    """Shape of the whole Megatron tensor that `shards` partition along `tp_dim`."""
+    shape = list(shards[0].shape)
+    if tp_dim is not None and len(shards) > 1:
+        shape[tp_dim] *= len(shards)
+    return tuple(shape)
+
+
+class Replicated(LayoutOp):
+    """Same tensor on every TP rank (norms, routers, biases of row-parallel layers): a plain copy."""
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        return [tuple(full_shape)]
+
+    def to_hf(self, shards, outs) -> None:
+        outs[0].copy_(shards[0])
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        return _full(hf[0])
+
+
+class Concat(LayoutOp):
+    """Sharded along `tp_dim` and otherwise identical to HF: column- (dim 0) or row-parallel (dim 1) linears."""
+
+    def __init__(self, tp_dim: int | None = None):
+        if tp_dim is not None:
+            self.tp_dim = tp_dim
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        return [tuple(full_shape)]
+
+    def to_hf(self, shards, outs) -> None:
+        if len(shards) == 1:
+            outs[0].copy_(shards[0])
+        else:
+            torch.cat(list(shards), dim=self.tp_dim, out=outs[0])
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        n = full_shape[self.tp_dim] // count
+        return _take(hf[0], self.tp_dim, index * n, (index + 1) * n)
+
+
+class Column(Concat):
+    """Column-parallel linear (weight rows / bias split over TP)."""
+
+    tp_dim = 0
+
+
+class Row(Concat):
+    """Row-parallel linear (weight columns split over TP)."""
+
+    tp_dim = 1
+
+
+class VocabRows(LayoutOp):
+    """Vocab-parallel embedding / output layer: shards along rows, and Megatron pads the vocab.
+
+    HF keeps the first `vocab_size` rows; loading fills the padding rows with zeros."""
+
+    tp_dim = 0
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_dims(cls, dims) -> VocabRows:
+        return cls(dims.vocab_size)
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[0] >= self.vocab_size, "padded vocab rows >= HF vocab_size",
+               f">= {self.vocab_size}", full_shape[0])
+        return [(self.vocab_size, *full_shape[1:])]
+
+    def to_hf(self, shards, outs) -> None:
+        rows = shards[0].shape[0]
+        parts = []
+        for i, s in enumerate(shards):
+            keep = min(rows, self.vocab_size - i * rows)
+            if keep <= 0:
+                break
+            parts.append(s[:keep])
+        if len(parts) == 1:
+            outs[0].copy_(parts[0])
+        else:
+            torch.cat(parts, dim=0, out=outs[0])
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        rows = full_shape[0] // count
+        start, stop = index * rows, (index + 1) * rows
+        real = _take(hf[0], 0, min(start, self.vocab_size), min(stop, self.vocab_size))
+        if real.shape[0] == rows:
+            return real
+        pad = torch.zeros((rows - real.shape[0], *real.shape[1:]), dtype=real.dtype, device=real.device)
+        return torch.cat([real, pad], dim=0)
+
+
+class GatedColumn(LayoutOp):
+    """GLU `linear_fc1`: the full tensor is [gate; up], and TP shard i holds [gate_i; up_i].
+
+    Megatron marks this with partition_stride=2 (local spec, TE dense) or 1 (TE grouped experts); both mean
+    this layout, so re-chunking the shards gives HF's separate gate_proj and up_proj."""
+
+    tp_dim = 0
+    strides = (1, 2)
+    n_out = 2
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[0] % 2 == 0, "GLU linear_fc1 rows (gate + up) even", "an even count", full_shape[0])
+        half = (full_shape[0] // 2, *full_shape[1:])
+        return [half, half]
+
+    def to_hf(self, shards, outs) -> None:
+        half = shards[0].shape[0] // 2
+        for j, out in enumerate(outs):
+            parts = [s[j * half:(j + 1) * half] for s in shards]
+            if len(parts) == 1:
+                out.copy_(parts[0])
+            else:
+                torch.cat(parts, dim=0, out=out)
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        n = full_shape[0] // 2 // count
+        return torch.cat([_take(h, 0, index * n, (index + 1) * n) for h in hf], dim=0)
+
+
+class QKV(LayoutOp):
+    """Fused `linear_qkv` (weight or bias) -> q, k, v.
+
+    Megatron interleaves per query group: [q_g (heads_per_group * d); k_g (d); v_g (d)] for each group g, and
+    TP splits whole groups, so each shard is the same interleave over its own groups."""
+
+    tp_dim = 0
+    n_out = 3
+
+    def __init__(self, num_heads: int, num_groups: int, head_dim: int):
+        if num_heads % num_groups:
+            raise ShapeMismatchError(f"num_attention_heads {num_heads} is not a multiple of num_query_groups {num_groups}")
+        self.num_heads, self.num_groups, self.head_dim = num_heads, num_groups, head_dim
+
+    @classmethod
+    def from_dims(cls, dims) -> QKV:
+        return cls(dims.num_attention_heads, dims.num_query_groups, dims.head_dim)
+
+    @property
+    def _hpg(self) -> int:
+        return self.num_heads // self.num_groups
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        g, d, hpg = self.num_groups, self.head_dim, self._hpg
+        _check(full_shape[0] == g * (hpg + 2) * d,
+               f"linear_qkv rows = groups*(heads_per_group+2)*head_dim ({g}*({hpg}+2)*{d})",
+               g * (hpg + 2) * d, full_shape[0])
+        rest = tuple(full_shape[1:])
+        return [(self.num_heads * d, *rest), (g * d, *rest), (g * d, *rest)]
+
+    def to_hf(self, shards, outs) -> None:
+        d, hpg = self.head_dim, self._hpg
+        rest = tuple(shards[0].shape[1:])
+        groups_local = shards[0].shape[0] // ((hpg + 2) * d)
+        spans = [(0, hpg * d), (hpg * d, (hpg + 1) * d), ((hpg + 1) * d, (hpg + 2) * d)]
+        for out, (a, b) in zip(outs, spans):
+            parts = [s.view(groups_local, (hpg + 2) * d, *rest)[:, a:b] for s in shards]
+            dst = out.view(self.num_groups, b - a, *rest)
+            if len(parts) == 1:
+                dst.copy_(parts[0])
+            else:
+                torch.cat(parts, dim=0, out=dst)
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        d, hpg = self.head_dim, self._hpg
+        gl = self.num_groups // count
+        g0, g1 = index * gl, (index + 1) * gl
+        q = _take(hf[0], 0, g0 * hpg * d, g1 * hpg * d)
+        k = _take(hf[1], 0, g0 * d, g1 * d)
+        v = _take(hf[2], 0, g0 * d, g1 * d)
+        rest = tuple(q.shape[1:])
+        parts = [q.reshape(gl, hpg * d, *rest), k.reshape(gl, d, *rest), v.reshape(gl, d, *rest)]
+        return torch.cat(parts, dim=1).reshape(gl * (hpg + 2) * d, *rest)

@@ -1,0 +1,150 @@
+"""load_hf_weights: HF tensors -> a sharded Megatron model. Each rank reads only the slices its shards need."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
+from .exporter import check_model_config
+from .hf_config import HFConfigLike, load_hf_config
+from .layouts import shape_of
+from .mapping import Converter
+from .naming import local_tensors, unwrap_model
+from .parallel import ParallelContext
+from .plan import _shard_split
+
+
+class HFReader:
+    """Lazy access to the tensors of an HF directory (sharded or not) or of an in-memory state dict."""
+
+    def __init__(self, source: str | os.PathLike | Mapping[str, torch.Tensor]):
+        self._files: dict[str, object] = {}
+        if isinstance(source, Mapping):
+            self.where = "the given state dict"
+            self._tensors = dict(source)
+            self._map = None
+            return
+        root = os.fspath(source)
+        self.where = root
+        self._tensors = None
+        self.root = root
+        index = os.path.join(root, "model.safetensors.index.json")
+        single = os.path.join(root, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self._map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            with safe_open(single, framework="pt") as f:
+                self._map = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise FileNotFoundError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
+
+    def names(self) -> set[str]:
+        return set(self._tensors) if self._tensors is not None else set(self._map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._tensors if self._tensors is not None else self._map)
+
+    def slice(self, name: str):
+        """A torch tensor or a safetensors slice (read lazily, only the indexed part)."""
+        if self._tensors is not None:
+            return self._tensors[name]
+        fname = self._map[name]
+        f = self._files.get(fname)
+        if f is None:
+            f = self._files[fname] = safe_open(os.path.join(self.root, fname), framework="pt")
+        return f.get_slice(name)
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+@dataclass
+class LoadReport:
+    loaded: int  # local tensors filled on this rank
+    hf_tensors_read: int  # distinct HF tensors this rank read from
+
+
+def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor],
+                    hf_config: HFConfigLike | None = None, *, converter: Converter | None = None,
+                    strict: bool = True) -> LoadReport:
+    """Fill a Megatron model (any TP/PP/VPP/EP/ETP layout) from HF weights: a directory or a state dict.
+
+    `hf_config` defaults to the directory's config.json. With `strict`, HF tensors that no rank used are an
+    error (collective: every rank of the world must call it)."""
+    chunks = unwrap_model(model)
+    if hf_config is None:
+        if isinstance(source, Mapping):
+            raise Mcore2HFError("hf_config is required when loading from a state dict")
+        hf_config = source
+    cfg = load_hf_config(hf_config)
+    from .registry import get_converter
+
+    converter = converter or get_converter(cfg.model_type)
+    spec = import_module(converter.spec)
+    dims = spec.dims(cfg)
+    ctx = ParallelContext.from_megatron()
+    check_model_config(chunks[0].config, spec, cfg)
+    reader = HFReader(source)
+    local = local_tensors(chunks, ctx)
+
+    unknown = [t.name for t in local if converter.resolve(t.name, dims) is None]
+    if unknown:
+        raise UnknownParametersError(converter.model_type, unknown)
+    missing = sorted({n for t in local for n in converter.resolve(t.name, dims).hf_names if n not in reader})
+    if missing:
+        raise MissingWeightsError(missing, reader.where)
+
+    used: set[str] = set()
+    problems: list[str] = []
+    with torch.no_grad():
+        for t in local:
+            r = converter.resolve(t.name, dims)
+            op = r.op
+            group = ctx.etp if t.is_expert else ctx.tp
+            count, dim = _shard_split(t.name, t.local_name, op, t.sharded, t.dim, t.stride, group.size, t.is_expert)
+            index = group.rank if count > 1 else 0
+            full = list(t.shape)
+            if dim is not None:
+                full[dim] *= count
+            hf = [reader.slice(n) for n in r.hf_names]
+            try:
+                want = op.hf_shapes(tuple(full))
+            except ShapeMismatchError as e:
+                problems.append(f"{t.local_name} ({t.name}): {e}")
+                continue
+            have = [shape_of(x) for x in hf]
+            if [tuple(w) for w in want] != have:
+                problems.append(f"{t.local_name} ({t.name}) <- {list(r.hf_names)}: expected HF shapes "
+                                f"{[list(w) for w in want]}, found {[list(h) for h in have]}")
+                continue
+            shard = op.shard_from_hf(hf, index, count, tuple(full))
+            if tuple(shard.shape) != t.shape:
+                problems.append(f"{t.local_name}: shard shape {tuple(shard.shape)} != parameter shape {t.shape}")
+                continue
+            t.get().copy_(shard)
+            used.update(r.hf_names)
+    reader_names = reader.names()
+    reader.close()
+    if problems:
+        raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
+    if strict:
+        all_used = set(used)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, sorted(used))
+            all_used = set().union(*map(set, gathered))
+        ignored = {n for n in reader_names if converter.ignored_on_load(n, dims)}
+        unused = sorted(reader_names - all_used - ignored)
+        if unused:
+            raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.where} match no Megatron parameter "
+                                f"(pass strict=False to ignore):\n  " + "\n  ".join(unused[:50]))
+    return LoadReport(loaded=len(local), hf_tensors_read=len(used))

@@ -1,0 +1,149 @@
+"""Declarative conversion tables: Megatron global names (patterns) -> HF names + a layout op.
+
+A converter is one table of `Rule`s. Patterns name *canonical* Megatron parameters (see `naming`): local-spec
+names with global indices, so one rule covers every PP/VPP/EP layout and both the local and the TE spec.
+
+Placeholders in patterns: {L} decoder layer, {E} routed expert, {M} MTP layer. In HF templates the same fields
+are available; in MTP rules {L} is `num_hidden_layers + M`, the index HF checkpoints give MTP layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import regex
+
+from .errors import UnknownParametersError
+from .layouts import LayoutOp, Replicated
+
+_PLACEHOLDER = regex.compile(r"\{([A-Z])\}")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The numbers layout ops need, read from the HF config by the architecture's model spec."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    num_mtp_layers: int = 0
+    # multi-latent attention (DeepSeek-V3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+
+OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]
+
+
+def _compile(pattern: str) -> regex.Pattern:
+    parts = _PLACEHOLDER.split(pattern)
+    out = []
+    for i, part in enumerate(parts):
+        out.append(f"(?P<{part}>\\d+)" if i % 2 else regex.escape(part))
+    return regex.compile("".join(out))
+
+
+@dataclass
+class Rule:
+    """One Megatron tensor family -> its HF tensor(s).
+
+    `hf` lists the op's outputs in order; `copies` are extra HF names that receive the same tensor as the
+    first output on export (e.g. MTP layers' shared embedding) and are ignored on load."""
+
+    megatron: str
+    hf: str | Sequence[str]
+    op: OpSpec = Replicated
+    copies: Sequence[str] = ()
+
+    def __post_init__(self):
+        self.hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
+        self.copies = tuple(self.copies)
+        self._regex = _compile(self.megatron)
+
+    def build_op(self, dims: ModelDims) -> LayoutOp:
+        op = self.op
+        if isinstance(op, LayoutOp):
+            return op
+        if isinstance(op, type) and issubclass(op, LayoutOp):
+            return op.from_dims(dims)
+        return op(dims)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A canonical Megatron name bound to its HF names and op."""
+
+    megatron: str
+    hf_names: tuple[str, ...]
+    copies: tuple[str, ...]
+    op: LayoutOp
+    rule: Rule
+
+
+@dataclass
+class Converter:
+    """The conversion table of one architecture (HF `model_type`)."""
+
+    model_type: str
+    rules: list[Rule]
+    #: module path of the architecture's model spec (HF config <-> TransformerConfig + layer spec)
+    spec: str
+    #: HF model_types that share this format (e.g. kimi_k2 -> deepseek_v3)
+    aliases: tuple[str, ...] = ()
+    #: HF name patterns (same placeholders) that loading may skip, beyond the rules' export-only copies
+    ignore_on_load: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        templates = [t for rule in self.rules for t in rule.copies] + list(self.ignore_on_load)
+        self._ignored = [_compile(t) for t in templates]
+
+    def ignored_on_load(self, hf_name: str, dims: ModelDims) -> bool:
+        """HF tensors that have no Megatron counterpart to load into (copies the export writes, etc.)."""
+        return any(p.fullmatch(hf_name) for p in self._ignored)
+
+    def resolve(self, name: str, dims: ModelDims) -> Resolved | None:
+        for rule in self.rules:
+            m = rule._regex.fullmatch(name)
+            if m is None:
+                continue
+            fields = {k: int(v) for k, v in m.groupdict().items()}
+            if "M" in fields:
+                fields["L"] = dims.num_layers + fields["M"]
+            hf = tuple(t.format(**fields) for t in rule.hf)
+            copies = tuple(t.format(**fields) for t in rule.copies)
+            return Resolved(name, hf, copies, _op_cache(rule, dims), rule)
+        return None
+
+    def resolve_all(self, names: Sequence[str], dims: ModelDims) -> dict[str, Resolved]:
+        """Resolve every name; unknown names are reported all at once."""
+        out, unknown = {}, []
+        for name in names:
+            r = self.resolve(name, dims)
+            if r is None:
+                unknown.append(name)
+            else:
+                out[name] = r
+        if unknown:
+            raise UnknownParametersError(self.model_type, unknown)
+        return out
+
+
+_OPS: dict[tuple[int, ModelDims], LayoutOp] = {}
+
+
+def _op_cache(rule: Rule, dims: ModelDims) -> LayoutOp:
+    # one op object per rule and model: tens of thousands of expert tensors share a handful of ops
+    key = (id(rule), dims)
+    op = _OPS.get(key)
+    if op is None:
+        op = _OPS[key] = rule.build_op(dims)
+    return op

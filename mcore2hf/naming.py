@@ -1,0 +1,148 @@
+"""Global, canonical names for every local parameter (and `expert_bias` buffer) of a Megatron model.
+
+Canonical names are local-spec names with global indices, whatever the layout and the spec:
+
+* decoder layers: the index is the layer's own `layer_number - 1`, which Megatron sets from the PP / virtual-PP
+  offset (uneven first/last stages and custom pipeline layouts included), so no offset arithmetic is repeated
+  here and nothing depends on `get_transformer_layer_offset`'s signature in a given megatron-core release;
+* routed experts: `mlp.experts.{E}.linear_fc{1,2}.weight` with E = ep_rank * num_local_experts + local index,
+  from the local spec's `local_experts.{i}` and TE's grouped `linear_fc{1,2}.weight{i}` alike;
+* TE's fused norms are renamed to the local spec's modules (`TE_RENAMES`);
+* MTP layer m: `mtp.layers.{m}.{enorm,hnorm,eh_proj,final_layernorm}` and its inner transformer layer as decoder
+  layer `num_layers + m` (where HF checkpoints put it);
+* the last stage's copy of a tied embedding (and the MTP stage's) is the embedding itself, a replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import regex
+import torch
+
+from .parallel import ParallelContext
+
+# TE spec name -> local spec name (suffix inside a decoder layer)
+TE_RENAMES: dict[str, str] = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    # MLA without q_lora_rank: the input norm fused into the q and kv down projections' first linear
+    "self_attention.linear_q_proj.layer_norm_weight": "input_layernorm.weight",
+}
+
+_LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
+_LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+_GROUPED_EXPERT = regex.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
+_MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
+
+
+@dataclass
+class LocalTensor:
+    """A parameter or buffer this rank holds, under its canonical global name."""
+
+    name: str
+    local_name: str
+    get: Callable[[], torch.Tensor]  # read at every export: training may replace .data (offloading)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_expert: bool
+    sharded: bool  # tensor_model_parallel attribute (and not a TE 'duplicated' linear)
+    dim: int | None  # partition_dim attribute
+    stride: int  # partition_stride attribute
+    is_buffer: bool = False
+
+
+def unwrap_model(model) -> list[torch.nn.Module]:
+    """The model chunks (one per virtual-PP stage) without DDP / Float16Module wrappers."""
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    out = []
+    for m in chunks:
+        while not hasattr(m, "decoder") and hasattr(m, "module"):
+            m = m.module
+        out.append(m)
+    return out
+
+
+def _param_getter(p: torch.nn.Parameter) -> Callable[[], torch.Tensor]:
+    return lambda: p.data
+
+
+def _buffer_getter(module: torch.nn.Module, attr: str) -> Callable[[], torch.Tensor]:
+    return lambda: getattr(module, attr)
+
+
+def _submodule(root: torch.nn.Module, dotted: str) -> torch.nn.Module:
+    m = root
+    for part in dotted.split("."):
+        m = getattr(m, part)
+    return m
+
+
+def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_local_experts: int,
+                   num_layers: int) -> str:
+    """Canonical global name of `name` (a name in `chunk.named_parameters()`)."""
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return name
+    kind, idx, rest = m.group(1), int(m.group(2)), m.group(3)
+    layer_module = getattr(chunk, kind).layers[idx]
+    number = layer_module.layer_number - 1
+    if kind == "mtp":
+        for inner in _MTP_INNER:
+            if rest.startswith(inner):
+                kind, number, rest = "decoder", num_layers + number, rest[len(inner):]
+                break
+    rest = TE_RENAMES.get(rest, rest)
+    e = _LOCAL_EXPERT.fullmatch(rest)
+    if e is not None:
+        rest = f"mlp.experts.{ctx_ep_rank * num_local_experts + int(e.group(1))}.{e.group(2)}"
+    else:
+        g = _GROUPED_EXPERT.fullmatch(rest)
+        if g is not None:
+            rest = f"mlp.experts.{ctx_ep_rank * num_local_experts + int(g.group(3))}.{g.group(1)}.{g.group(2)}"
+    return f"{kind}.layers.{number}.{rest}"
+
+
+def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[LocalTensor]:
+    """Every parameter and `expert_bias` buffer of this rank, canonically named."""
+    out: list[LocalTensor] = []
+    seen: set[str] = set()
+    for vp, chunk in enumerate(chunks):
+        cfg = chunk.config
+        num_experts = getattr(cfg, "num_moe_experts", None) or 0
+        num_local = num_experts // ctx.ep.size if num_experts else 0
+        prefix = f"chunk{vp}." if len(chunks) > 1 else ""
+        items: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor], bool]] = []
+        for name, p in chunk.named_parameters():
+            items.append((name, p, _param_getter(p), False))
+        for name, b in chunk.named_buffers():
+            if name.endswith("expert_bias"):
+                owner, _, attr = name.rpartition(".")
+                items.append((name, b, _buffer_getter(_submodule(chunk, owner), attr), True))
+        for name, t, getter, is_buffer in items:
+            canon = canonical_name(name, chunk, ctx.ep.rank, num_local, cfg.num_layers)
+            if canon == "output_layer.weight" and getattr(t, "shared_embedding", False):
+                canon = "embedding.word_embeddings.weight"  # the last (or MTP) stage's copy of a tied embedding
+            if canon in seen:
+                continue
+            seen.add(canon)
+            sharded = bool(getattr(t, "tensor_model_parallel", False)) and (
+                getattr(t, "parallel_mode", None) != "duplicated")
+            out.append(LocalTensor(
+                name=canon,
+                local_name=prefix + name,
+                get=getter,
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                is_expert=".mlp.experts." in f".{canon}",
+                sharded=sharded,
+                dim=getattr(t, "partition_dim", None) if sharded else None,
+                stride=int(getattr(t, "partition_stride", 1) or 1),
+                is_buffer=is_buffer,
+            ))
+    return out

@@ -1,0 +1,295 @@
+"""The export plan: built once (one metadata all-gather), reused by every export.
+
+It holds, identically on every rank:
+* one `Source` per canonical Megatron tensor: who holds which shard, its full shape, its converter rule and op;
+* the HF tensors each source becomes, with shapes and dtypes;
+* byte-bounded buckets, filled round-robin over holder classes (PP stage, EP rank) so that every rank
+  contributes about the same number of bytes to each bucket's collectives.
+
+`ExportPlan.describe()` is the dry run: every HF tensor with shape, dtype, source Megatron tensor and bucket.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import regex
+import torch
+import torch.distributed as dist
+
+from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
+from .mapping import Converter, ModelDims, Resolved
+from .naming import LocalTensor
+from .parallel import ParallelContext
+
+ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders layer and expert indices numerically."""
+    return tuple(int(t) if t.isdigit() else t for t in regex.split(r"(\d+)", name))
+
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                               torch.int32, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn,
+                               torch.float8_e5m2)}
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank tells the others when the plan is built."""
+
+    rank: int
+    pp: int
+    tp: int
+    ep: int
+    etp: int
+    tensors: tuple[tuple, ...]  # (name, local_name, shape, dtype, is_expert, sharded, dim, stride)
+
+
+@dataclass
+class Source:
+    """One canonical Megatron tensor, as the whole world holds it."""
+
+    name: str
+    resolved: Resolved
+    dtype: torch.dtype
+    shard_shape: tuple[int, ...]
+    count: int  # TP (or expert-TP) shards; 1 when every holder has all of it
+    full_shape: tuple[int, ...]
+    is_expert: bool
+    stages: tuple[int, ...]  # PP stages holding it (more than one for a tied embedding's copy)
+    ep: int  # EP rank holding it, -1 for non-expert tensors
+    holders: dict[int, tuple[int, ...]]  # shard index -> global ranks holding that shard
+    hf_shapes: list[tuple[int, ...]]
+    local_name: str = ""
+
+    @property
+    def stage(self) -> int:
+        """The PP stage that contributes it to gathers."""
+        return self.stages[0]
+
+    @property
+    def shard_nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shard_shape:
+            n *= s
+        return n
+
+    @property
+    def stacked_nbytes(self) -> int:
+        """Bytes of all shards laid out one after the other (each aligned)."""
+        return self.count * align(self.shard_nbytes)
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return self.resolved.hf_names + self.resolved.copies
+
+    def out_shapes(self) -> list[tuple[int, ...]]:
+        return self.hf_shapes + [self.hf_shapes[0]] * len(self.resolved.copies)
+
+    @property
+    def hf_nbytes(self) -> int:
+        total = 0
+        for shape in self.out_shapes():
+            n = self.dtype.itemsize
+            for s in shape:
+                n *= s
+            total += align(n)
+        return total
+
+
+@dataclass(frozen=True)
+class HFEntry:
+    """One HF tensor in a bucket's flat output buffer (SGLang FlattenedTensorMetadata fields, in bytes)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int
+    nbytes: int
+    source: str
+
+
+@dataclass
+class BucketPlan:
+    index: int
+    sources: list[Source] = field(default_factory=list)
+    entries: list[HFEntry] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class ExportPlan:
+    model_type: str
+    sources: dict[str, Source]
+    buckets: list[BucketPlan]
+    bucket_bytes: int
+    records: list[RankRecord]
+    world_size: int
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.entries) for b in self.buckets)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for b in self.buckets for e in b.entries)
+
+    def hf_entries(self) -> list[HFEntry]:
+        return [e for b in self.buckets for e in b.entries]
+
+    def describe(self, limit: int | None = None) -> str:
+        """The dry run: every HF tensor with shape, dtype, its Megatron source (and its shards) and bucket."""
+        lines = [
+            f"plan for {self.model_type}: {self.num_tensors} HF tensors, {self.total_bytes / 2**20:.1f} MiB, "
+            f"{len(self.buckets)} bucket(s) of <= {self.bucket_bytes / 2**20:.1f} MiB, world size {self.world_size}",
+            f"{'bucket':>6}  {'HF tensor':<60} {'shape':<18} {'dtype':<9} source (shards x where)",
+        ]
+        shown = 0
+        for b in self.buckets:
+            for e in b.entries:
+                if limit is not None and shown >= limit:
+                    lines.append(f"... {self.num_tensors - shown} more")
+                    return "\n".join(lines)
+                src = self.sources[e.source]
+                where = f"pp{','.join(map(str, src.stages))}" + (f" ep{src.ep}" if src.ep >= 0 else "")
+                op = type(src.resolved.op).__name__
+                lines.append(f"{b.index:>6}  {e.name:<60} {str(list(e.shape)):<18} {str(e.dtype)[6:]:<9} "
+                             f"{src.name} [{op}, {src.count} shard(s) x {where}]")
+                shown += 1
+        return "\n".join(lines)
+
+
+def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankRecord]:
+    """Every rank's tensor list (one all_gather_object, at plan time only)."""
+    mine = RankRecord(
+        rank=ctx.rank, pp=ctx.pp.rank, tp=ctx.tp.rank, ep=ctx.ep.rank, etp=ctx.etp.rank,
+        tensors=tuple((t.name, t.local_name, t.shape, str(t.dtype), t.is_expert, t.sharded, t.dim, t.stride)
+                      for t in local),
+    )
+    if ctx.world_size == 1:
+        return [mine]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _shard_split(name: str, local_name: str, op, sharded: bool, dim, stride: int, group: int,
+                 is_expert: bool) -> tuple[int, int | None]:
+    """(shard count, dim) from the parameter's attributes, checked against what its layout op expects."""
+    if not sharded or group == 1:
+        return 1, None
+    if op.tp_dim is None:
+        raise LayoutError(f"{local_name} ({name}) is split over {group} TP ranks along dim {dim}, "
+                          f"but its mapping ({type(op).__name__}) expects a tensor replicated on every rank")
+    if dim != op.tp_dim and not (is_expert and op.tp_dim == 1 and dim == 0):
+        # the exception: TE's expert linears (grouped or not) drop parallel_mode, so row-parallel expert
+        # weights carry partition_dim=0 although Megatron splits them along dim 1
+        raise LayoutError(f"{local_name} ({name}): partition_dim={dim}, but its mapping "
+                          f"({type(op).__name__}) shards along dim {op.tp_dim}")
+    if stride not in op.strides:
+        raise LayoutError(f"{local_name} ({name}): partition_stride={stride} is not supported by "
+                          f"{type(op).__name__} (supported: {op.strides})")
+    return group, op.tp_dim
+
+
+def build_sources(records: list[RankRecord], converter: Converter, dims: ModelDims,
+                  tp_size: int, etp_size: int) -> dict[str, Source]:
+    """The global source table, identical on every rank; raises with every unknown name at once."""
+    seen: dict[str, list[tuple[RankRecord, tuple]]] = defaultdict(list)
+    for rec in records:
+        for t in rec.tensors:
+            seen[t[0]].append((rec, t))
+    names = sorted(seen, key=natural_key)
+    unknown = [n for n in names if converter.resolve(n, dims) is None]
+    if unknown:
+        raise UnknownParametersError(converter.model_type, [f"{n}  (local name: {seen[n][0][1][1]})" for n in unknown])
+
+    sources: dict[str, Source] = {}
+    for name in names:
+        holders_raw = seen[name]
+        rec0, t0 = holders_raw[0]
+        _, local_name, shape, dtype, is_expert, sharded, dim, stride = t0
+        for rec, t in holders_raw[1:]:
+            if (tuple(t[2]), t[3], t[5], t[6], t[7]) != (tuple(shape), dtype, sharded, dim, stride):
+                raise ShapeMismatchError(
+                    f"{name} differs between ranks: rank {rec0.rank} has shape {tuple(shape)} {dtype} "
+                    f"(sharded={sharded}, dim={dim}), rank {rec.rank} has {tuple(t[2])} {t[3]} "
+                    f"(sharded={t[5]}, dim={t[6]})")
+        resolved = converter.resolve(name, dims)
+        op = resolved.op
+        group = etp_size if is_expert else tp_size
+        count, split_dim = _shard_split(name, local_name, op, sharded, dim, stride, group, is_expert)
+        full = list(shape)
+        if split_dim is not None:
+            full[split_dim] *= count
+        try:
+            hf_shapes = op.hf_shapes(tuple(full))
+        except ShapeMismatchError as e:
+            raise ShapeMismatchError(f"{local_name} ({name}) -> {list(resolved.hf_names)}: {e}") from None
+        holders: dict[int, list[int]] = defaultdict(list)
+        for rec, _ in holders_raw:
+            index = (rec.etp if is_expert else rec.tp) if count > 1 else 0
+            holders[index].append(rec.rank)
+        eps = sorted({rec.ep for rec, _ in holders_raw})
+        if is_expert and len(eps) != 1:
+            raise LayoutError(f"expert tensor {name} is held by several EP ranks {eps}: expert naming is inconsistent")
+        sources[name] = Source(
+            name=name, resolved=resolved, dtype=_DTYPES[dtype], shard_shape=tuple(shape), count=count,
+            full_shape=tuple(full), is_expert=is_expert,
+            stages=tuple(sorted({rec.pp for rec, _ in holders_raw})),
+            ep=eps[0] if is_expert else -1,
+            holders={k: tuple(sorted(v)) for k, v in holders.items()},
+            hf_shapes=[tuple(s) for s in hf_shapes], local_name=local_name,
+        )
+    return sources
+
+
+def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[BucketPlan]:
+    """Byte-bounded buckets; a tensor larger than the budget is a bucket alone.
+
+    Sources are taken round-robin over holder classes (PP stage, EP rank), each time from the class with the
+    fewest bytes in the current bucket, so every stage and EP rank contributes evenly to each collective."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    queues: dict[tuple[int, int], list[Source]] = defaultdict(list)
+    for s in sources.values():  # already in natural order
+        queues[(s.stage, s.ep)].append(s)
+    classes = sorted(queues)
+    heads = dict.fromkeys(classes, 0)
+    buckets: list[BucketPlan] = []
+    current = BucketPlan(0)
+    per_class: dict[tuple[int, int], int] = defaultdict(int)
+    remaining = len(sources)
+    while remaining:
+        cls = min((c for c in classes if heads[c] < len(queues[c])), key=lambda c: (per_class[c], c))
+        src = queues[cls][heads[cls]]
+        size = src.hf_nbytes
+        if current.sources and current.nbytes + size > bucket_bytes:
+            buckets.append(current)
+            current = BucketPlan(len(buckets))
+            per_class.clear()
+        heads[cls] += 1
+        remaining -= 1
+        current.sources.append(src)
+        current.nbytes += size
+        per_class[cls] += size
+    if current.sources:
+        buckets.append(current)
+    for b in buckets:
+        offset = 0
+        for src in b.sources:
+            for name, shape in zip(src.hf_names, src.out_shapes()):
+                n = src.dtype.itemsize
+                for d in shape:
+                    n *= d
+                b.entries.append(HFEntry(name, shape, src.dtype, offset, n, src.name))
+                offset += align(n)
+        b.nbytes = offset
+    return buckets

@@ -1,0 +1,188 @@
+"""Streaming writer of an HF checkpoint directory: sharded *.safetensors, the index and config.json.
+
+All names, shapes and dtypes are known from the plan before the first byte arrives, so every file's header is
+written up front and each tensor is written at its final offset as its bucket arrives: memory stays at one
+bucket (no shard is assembled in RAM), and tensors may arrive in any order. Files go to a temporary
+directory beside the target, which replaces the target only when everything was written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..buckets import Bucket
+from ..errors import Mcore2HFError
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' / '500MB' / '2GiB' / 123 -> bytes."""
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper()
+    units = [("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)]
+    for unit, mult in units:
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def check_target(out_dir: str | os.PathLike, overwrite: bool) -> None:
+    out = os.fspath(out_dir)
+    if os.path.isfile(out):
+        raise Mcore2HFError(f"output path {out} is a file")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise Mcore2HFError(f"output directory {out} exists and is not empty (pass overwrite=True / --overwrite)")
+
+
+class SafetensorsWriter:
+    """Sender that writes an HF directory. `finish()` moves it into place; `abort()` removes every trace."""
+
+    def __init__(self, out_dir: str | os.PathLike, tensors: Sequence[TensorInfo], hf_config=None, *,
+                 max_shard_size: int | str = "5GB", overwrite: bool = False, extra_files: Sequence[str] = ()):
+        self.out_dir = os.path.abspath(os.fspath(out_dir))
+        check_target(self.out_dir, overwrite)
+        parent = os.path.dirname(self.out_dir)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out_dir)}.tmp-", dir=parent)
+        self.hf_config = hf_config
+        self.extra_files = list(extra_files)
+        self._plan_files(list(tensors), parse_size(max_shard_size))
+        self._handles: dict[str, object] = {}
+        self._written: set[str] = set()
+        try:
+            for fname, infos in self.files.items():
+                self._write_header(fname, infos)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _plan_files(self, tensors: list[TensorInfo], limit: int) -> None:
+        groups: list[list[TensorInfo]] = [[]]
+        size = 0
+        for t in tensors:
+            if groups[-1] and size + t.nbytes > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(t)
+            size += t.nbytes
+        n = len(groups)
+        self.files: dict[str, list[TensorInfo]] = {}
+        self.location: dict[str, tuple[str, int, int]] = {}  # name -> (file, absolute offset, nbytes)
+        self.total_size = 0
+        for i, infos in enumerate(groups):
+            self.files[f"model-{i + 1:05d}-of-{n:05d}.safetensors"] = infos
+        self.dtype = max(((sum(t.nbytes for t in tensors if t.dtype == d), d) for d in {t.dtype for t in tensors}),
+                         default=(0, torch.float32), key=lambda x: x[0])[1]
+
+    def _write_header(self, fname: str, infos: list[TensorInfo]) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for t in infos:
+            header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [off, off + t.nbytes]}
+            off += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        data_start = 8 + len(raw)
+        path = os.path.join(self.tmp, fname)
+        f = open(path, "wb")  # noqa: SIM115 - kept open for the streamed writes
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        f.truncate(data_start + off)
+        self._handles[fname] = f
+        for t in infos:
+            start = header[t.name]["data_offsets"][0]
+            self.location[t.name] = (fname, data_start + start, t.nbytes)
+        self.total_size += off
+
+    def send(self, bucket: Bucket) -> None:
+        if not len(bucket):
+            return
+        flat = bucket.flat
+        host = flat if flat.device.type == "cpu" else flat.to("cpu")  # one device-to-host copy per bucket
+        data = host.numpy()
+        for e in bucket.entries:
+            if e.name not in self.location:
+                raise Mcore2HFError(f"bucket tensor {e.name} is not in the planned checkpoint")
+            fname, offset, nbytes = self.location[e.name]
+            if nbytes != e.nbytes:
+                raise Mcore2HFError(f"{e.name}: planned {nbytes} bytes, bucket has {e.nbytes}")
+            f = self._handles[fname]
+            f.seek(offset)
+            f.write(memoryview(data[e.start:e.start + e.nbytes]))
+            self._written.add(e.name)
+
+    def finish(self) -> str:
+        missing = [n for n in self.location if n not in self._written]
+        if missing:
+            self.abort()
+            raise Mcore2HFError(f"{len(missing)} planned tensor(s) were never written, e.g. {missing[:5]}")
+        try:
+            for f in self._handles.values():
+                f.close()
+            weight_map = {name: loc[0] for name, loc in sorted(self.location.items())}
+            with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2)
+            if self.hf_config is not None:
+                self._write_config()
+            for path in self.extra_files:
+                shutil.copy2(path, os.path.join(self.tmp, os.path.basename(path)))
+            self._move_into_place()
+        except BaseException:
+            self.abort()
+            raise
+        return self.out_dir
+
+    def _write_config(self) -> None:
+        cfg = copy.deepcopy(self.hf_config)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        if hasattr(cfg, "dtype"):
+            cfg.dtype = dtype_name
+        else:
+            cfg.torch_dtype = dtype_name
+        cfg.to_json_file(os.path.join(self.tmp, "config.json"), use_diff=False)
+
+    def _move_into_place(self) -> None:
+        old = None
+        if os.path.exists(self.out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out_dir)}.old-", dir=os.path.dirname(self.out_dir))
+            os.rmdir(old)
+            os.rename(self.out_dir, old)
+        os.rename(self.tmp, self.out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        for f in self._handles.values():
+            with contextlib.suppress(OSError):
+                f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)

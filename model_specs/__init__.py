@@ -1,0 +1,1 @@
+"""Per-architecture model specs: HF config <-> Megatron TransformerConfig and layer spec."""

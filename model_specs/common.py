@@ -1,0 +1,144 @@
+"""Shared pieces of the model specs: build a GPTModel (one chunk per virtual-PP stage) from an HF config.
+
+A model spec module provides:
+    dims(hf_config) -> ModelDims                      numbers the layout ops need
+    transformer_config(hf_config, **overrides)        the Megatron TransformerConfig mirroring the HF model
+    structural_fields(hf_config) -> dict              TransformerConfig fields an exported model must match
+    is_moe_layer(hf_config, layer) -> bool            dense/MoE pattern
+    gpt_kwargs(hf_config) -> dict                     GPTModel arguments (rope, tying)
+    layer_spec(config, vp_stage, use_te) (optional)   otherwise the generic decoder block spec is used
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from mcore2hf.hf_config import get, partial_rotary_factor, rope_theta
+
+
+def supported_kwargs(fn: Callable, **kwargs) -> dict:
+    """The subset of kwargs `fn` accepts: megatron-core signatures change between releases."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Megatron's vocab padding: a multiple of divisible_by * tp."""
+    m = divisible_by * tp
+    return (vocab_size + m - 1) // m * m
+
+
+def parallel_fields() -> dict:
+    """TransformerConfig's parallel sizes, from the initialized parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def llama_like_fields(cfg) -> dict:
+    """TransformerConfig fields shared by Llama-style decoders (RMSNorm, SwiGLU, rope, GQA)."""
+    return dict(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=get(cfg, "num_key_value_heads", default=cfg.num_attention_heads),
+        kv_channels=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads),
+        ffn_hidden_size=get(cfg, "intermediate_size"),
+        normalization="RMSNorm",
+        layernorm_epsilon=get(cfg, "rms_norm_eps", default=1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # fusions that need apex / TE / CUDA kernels: off, so the same config builds anywhere
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+
+
+def moe_fields(cfg, num_experts: int, topk: int, moe_ffn: int, pattern: list[int]) -> dict:
+    return dict(
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=moe_ffn,
+        moe_layer_freq=pattern,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+    )
+
+
+def make_config(fields: dict, overrides: dict):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    merged = {**parallel_fields(), **fields, **overrides}
+    merged.setdefault("pipeline_dtype", merged.get("params_dtype", torch.float32))
+    return TransformerConfig(**supported_kwargs(TransformerConfig.__init__, **merged))
+
+
+def default_gpt_kwargs(cfg) -> dict:
+    return dict(
+        position_embedding_type="rope",
+        rotary_percent=partial_rotary_factor(cfg),
+        rotary_base=int(rope_theta(cfg)),
+        share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
+        max_sequence_length=int(get(cfg, "max_position_embeddings", default=4096)),
+    )
+
+
+def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
+                **overrides) -> list[torch.nn.Module]:
+    """GPTModel chunks (one per virtual-PP stage of this rank) for `hf_config`.
+
+    Needs an initialized Megatron parallel state. `vocab_size` is the padded vocab (default: HF vocab_size)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+
+    config = spec.transformer_config(hf_config, **overrides)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for vp in range(vpp):
+        vp_stage = vp if vpp > 1 else None
+        pre = ps.is_pipeline_first_stage(**supported_kwargs(ps.is_pipeline_first_stage, ignore_virtual=False,
+                                                            vp_stage=vp_stage))
+        post = ps.is_pipeline_last_stage(**supported_kwargs(ps.is_pipeline_last_stage, ignore_virtual=False,
+                                                            vp_stage=vp_stage))
+        if hasattr(spec, "layer_spec"):
+            block = spec.layer_spec(config, hf_config, vp_stage=vp_stage, use_te=use_te)
+        else:
+            block = get_gpt_decoder_block_spec(**supported_kwargs(
+                get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te,
+                normalization="RMSNorm", vp_stage=vp_stage))
+        mtp = None
+        if getattr(config, "mtp_num_layers", None):
+            mtp = get_gpt_mtp_block_spec(**supported_kwargs(
+                get_gpt_mtp_block_spec, config=config, spec=block, use_transformer_engine=use_te, vp_stage=vp_stage))
+        kwargs = dict(spec.gpt_kwargs(hf_config))
+        model = GPTModel(**supported_kwargs(
+            GPTModel.__init__, config=config, transformer_layer_spec=block,
+            vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
+            mtp_block_spec=mtp, vp_stage=vp_stage, **kwargs))
+        chunks.append(model)
+    return chunks
