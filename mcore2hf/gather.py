@@ -62,7 +62,10 @@ class Program:
 
     bucket: BucketPlan
     receive: bool
-    waves: list[list[Stage]] = field(default_factory=list)
+    # waves[0] is the TP / expert-TP wave (possibly empty), then EP, then PP. Only waves[0] is issued ahead of
+    # the previous bucket's later waves: its groups never span PP stages, so the issue order of every group is
+    # the same on all its members (a stage without TP work must not move its PP collective ahead).
+    waves: list[list[Stage]] = field(default_factory=lambda: [[]])
     p2p: P2PRound | None = None
     # source name -> location: LOCAL, ("striped", stage#, off), ("packed", stage#, member, off),
     # or for P2P a list with one entry per shard: LOCAL or ("seg", sender, off)
@@ -94,8 +97,7 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
             off += align(s.shard_nbytes)
         wave.append(Stage(axis, off, packs, striped=True))
         n_stage += 1
-    if wave:
-        prog.waves.append(wave)
+    prog.waves[0] = wave
 
     def grouped(axis: Axis, members: list[list[Source]], mine: int) -> None:
         nonlocal n_stage
@@ -285,8 +287,8 @@ class Executor:
         run = _Run(self.programs[index])
         if run.prog.p2p is not None:
             self._launch_p2p(run)
-        elif run.prog.waves:
-            self._launch_wave(run)
+        else:
+            self._launch_wave(run)  # the TP / expert-TP wave (no-op when empty)
         return run
 
     def finish(self, run: _Run) -> Bucket:

@@ -1,0 +1,95 @@
+"""Give a local-spec Megatron model Transformer Engine's parameter names and parallel attributes.
+
+Transformer Engine is not installable here, but TE-built models are what most users train. This rewrites a
+local-spec model in place so that `named_parameters()` shows exactly what a TE spec shows, with the same
+Parameter objects (so values are unchanged):
+
+* fused norms: `input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`; for dense MLPs
+  `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight` (MoE layers keep a separate
+  `pre_mlp_layernorm`, as with TE); MLA: `q_layernorm`/`kv_layernorm` -> `linear_q_up_proj`/`linear_kv_up_proj`
+  `.layer_norm_weight`;
+* grouped experts: `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` -> `mlp.experts.linear_fc{1,2}.weight{i}`;
+* TE's attributes on expert weights: under explicit expert communication (expert-TP > 1 or EP > 1) TE gets
+  no parallel_mode, so every expert weight is marked `partition_dim=0`, `partition_stride=1` - also the
+  row-parallel `linear_fc2`, which Megatron really splits along dim 1 (the quirk exporters must correct).
+
+The rewritten model is for naming, gathering and loading; its forward is not meant to run.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _move(src: nn.Module, src_attr: str, dst: nn.Module, dst_attr: str) -> None:
+    p = src._parameters.pop(src_attr)
+    dst.register_parameter(dst_attr, p)
+
+
+class _GroupedLinear(nn.Module):
+    """Holds weight0..weight{n-1} like TE's GroupedLinear."""
+
+
+class _GroupedExperts(nn.Module):
+    def __init__(self, num_local_experts: int):
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.linear_fc1 = _GroupedLinear()
+        self.linear_fc2 = _GroupedLinear()
+
+
+def _te_layer(layer: nn.Module, explicit_expert_comm: bool) -> None:
+    attn = layer.self_attention
+    if hasattr(attn, "linear_qkv"):
+        if "weight" in layer.input_layernorm._parameters:
+            _move(layer.input_layernorm, "weight", attn.linear_qkv, "layer_norm_weight")
+        if "bias" in layer.input_layernorm._parameters:
+            _move(layer.input_layernorm, "bias", attn.linear_qkv, "layer_norm_bias")
+    else:  # MLA: separate input norm, q/kv norms fused into the up projections
+        for norm, proj in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
+            if hasattr(attn, norm) and hasattr(attn, proj) and "weight" in getattr(attn, norm)._parameters:
+                _move(getattr(attn, norm), "weight", getattr(attn, proj), "layer_norm_weight")
+    mlp = layer.mlp
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        if hasattr(mlp, "linear_fc1") and "weight" in layer.pre_mlp_layernorm._parameters:
+            _move(layer.pre_mlp_layernorm, "weight", mlp.linear_fc1, "layer_norm_weight")
+        return
+    local = experts.local_experts
+    grouped = _GroupedExperts(len(local))
+    for i, expert in enumerate(local):
+        for fc in ("linear_fc1", "linear_fc2"):
+            p = getattr(expert, fc)._parameters.pop("weight")
+            if explicit_expert_comm:
+                p.partition_dim = 0
+                p.partition_stride = 1
+            elif fc == "linear_fc1":
+                p.partition_stride = 1  # TE's GroupedLinear does not carry Megatron's GLU stride
+            getattr(grouped, fc).register_parameter(f"weight{i}", p)
+    mlp.experts = grouped
+
+
+def to_te_names(model) -> None:
+    """Rewrite a local-spec model (or its list of virtual-PP chunks) to TE's names and attributes, in place."""
+    from megatron.core import parallel_state as ps
+
+    from ..naming import unwrap_model
+
+    explicit = ps.get_expert_tensor_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1
+    for chunk in unwrap_model(model):
+        layers = list(chunk.decoder.layers) if getattr(chunk, "decoder", None) is not None else []
+        mtp = getattr(chunk, "mtp", None)
+        if mtp is not None:
+            for m in mtp.layers:
+                layers.append(getattr(m, "transformer_layer", None) or m.mtp_model_layer)
+        for layer in layers:
+            _te_layer(layer, explicit)
+
+
+def te_names_of(model) -> list[str]:
+    from ..naming import unwrap_model
+
+    return [n for chunk in unwrap_model(model) for n, _ in chunk.named_parameters()]
+
+
+__all__ = ["to_te_names", "te_names_of"]
