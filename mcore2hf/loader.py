@@ -97,13 +97,34 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     local = local_tensors(chunks, ctx)
 
     unknown = [t.name for t in local if converter.resolve(t.name, dims) is None]
+    missing = sorted({n for t in local if t.name not in unknown
+                      for n in converter.resolve(t.name, dims).hf_names if n not in reader})
+    used: set[str] = set()
+    problems: list[str] = []
+    if not unknown and not missing:
+        problems = _load_local(local, converter, dims, ctx, reader, used)
+    reader_names = reader.names()
+    reader.close()
+
+    # errors are collective: a rank whose shards are fine must raise too, or it would hang in the next collective
+    unknown, missing, problems, all_used = _exchange(unknown, missing, problems, used)
     if unknown:
         raise UnknownParametersError(converter.model_type, unknown)
-    missing = sorted({n for t in local for n in converter.resolve(t.name, dims).hf_names if n not in reader})
     if missing:
         raise MissingWeightsError(missing, reader.where)
+    if problems:
+        raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
+    if strict:
+        ignored = {n for n in reader_names if converter.ignored_on_load(n, dims)}
+        unused = sorted(reader_names - all_used - ignored)
+        if unused:
+            raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.where} match no Megatron parameter "
+                                f"(pass strict=False to ignore):\n  " + "\n  ".join(unused[:50]))
+    return LoadReport(loaded=len(local), hf_tensors_read=len(used))
 
-    used: set[str] = set()
+
+def _load_local(local, converter, dims, ctx, reader, used: set[str]) -> list[str]:
+    """Copy each local tensor's shard in; returns the problems found (nothing is raised mid-way)."""
     problems: list[str] = []
     with torch.no_grad():
         for t in local:
@@ -132,19 +153,19 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
                 continue
             t.get().copy_(shard)
             used.update(r.hf_names)
-    reader_names = reader.names()
-    reader.close()
-    if problems:
-        raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
-    if strict:
-        all_used = set(used)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, sorted(used))
-            all_used = set().union(*map(set, gathered))
-        ignored = {n for n in reader_names if converter.ignored_on_load(n, dims)}
-        unused = sorted(reader_names - all_used - ignored)
-        if unused:
-            raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.where} match no Megatron parameter "
-                                f"(pass strict=False to ignore):\n  " + "\n  ".join(unused[:50]))
-    return LoadReport(loaded=len(local), hf_tensors_read=len(used))
+    return problems
+
+
+def _exchange(unknown, missing, problems, used):
+    """Union of every rank's findings (one all_gather_object)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return unknown, missing, problems, used
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (unknown, missing, problems, sorted(used)))
+    u, m, p, us = set(), set(), [], set()
+    for gu, gm, gp, gus in gathered:
+        u.update(gu)
+        m.update(gm)
+        p.extend(x for x in gp if x not in p)
+        us.update(gus)
+    return sorted(u), sorted(m), p, us

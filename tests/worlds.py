@@ -91,3 +91,160 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} TE names")
     return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank}
+
+
+def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Forward of a PP=1 model on every rank; vocab-parallel logits gathered over TP, trimmed to the HF vocab."""
+    from megatron.core import parallel_state as ps
+
+    model = chunks[0].eval()
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True = masked
+    with torch.no_grad():
+        logits = model(tokens, pos, attention_mask=mask)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., :vocab_size].float()
+
+
+def parity(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, te_names: bool = False):
+    """Load HF weights at `layout`, save them back with HFExporter, and return the Megatron logits."""
+    cfg, chunks = build(ckpt, layout)
+    load_hf_weights(chunks, ckpt)
+    logits = megatron_logits(chunks, tokens, cfg.vocab_size)
+    if te_names:
+        to_te_names(chunks)
+    HFExporter(chunks, cfg).save_pretrained(out_dir)
+    return logits
+
+
+def error_suite(ckpt: str, layout: Layout, tmp: str) -> list[str]:
+    """Every user error gets a clear exception naming what was expected and found; nothing partial is written."""
+    import pytest
+
+    from mcore2hf.errors import (
+        ConfigMismatchError,
+        LayoutError,
+        Mcore2HFError,
+        MissingWeightsError,
+        ShapeMismatchError,
+        UnknownParametersError,
+    )
+    from mcore2hf.senders import safetensors as st
+    from mcore2hf.testing.tiny import tiny_config
+
+    rank = dist.get_rank()
+    seen = []
+
+    def fresh():
+        cfg, chunks = build(ckpt, layout)
+        load_hf_weights(chunks, ckpt)
+        return cfg, chunks
+
+    # unknown Megatron parameters: all listed in one error
+    cfg, chunks = fresh()
+    layers = chunks[0].decoder.layers
+    layers[0].mlp.register_parameter("mystery", torch.nn.Parameter(torch.zeros(3)))
+    layers[1].self_attention.register_parameter("extra_scale", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(UnknownParametersError) as e:
+        HFExporter(chunks, cfg).plan()
+    msg = str(e.value)
+    assert "decoder.layers.0.mlp.mystery" in msg and "decoder.layers.1.self_attention.extra_scale" in msg, msg
+    seen.append(msg)
+
+    # HF config disagreeing with the model: every difference listed
+    cfg, chunks = fresh()
+    bad = tiny_config("qwen3_moe", num_experts=16, num_attention_heads=8)
+    with pytest.raises(ConfigMismatchError) as e:
+        HFExporter(chunks, bad).plan()
+    msg = str(e.value)
+    assert "num_moe_experts: HF config implies 16, the Megatron model has 8" in msg, msg
+    assert "num_attention_heads: HF config implies 8, the Megatron model has 4" in msg, msg
+    seen.append(msg)
+    with pytest.raises(ConfigMismatchError, match="num_layers: HF config implies 6"):
+        HFExporter(chunks, tiny_config("qwen3_moe", num_hidden_layers=6)).plan()
+    with pytest.raises(ShapeMismatchError, match=r"embedding.word_embeddings.weight.*expected >= 300, got 256"):
+        HFExporter(chunks, tiny_config("qwen3_moe", vocab_size=300)).plan()
+    with pytest.raises(ConfigMismatchError, match="ties word embeddings"):
+        HFExporter(chunks, tiny_config("qwen3_moe", tie_word_embeddings=True)).plan()
+    with pytest.raises(ConfigMismatchError, match="layer 0: HF config says dense"):
+        HFExporter(chunks, tiny_config("qwen3_moe", mlp_only_layers=[0])).plan()
+
+    # bucket budget
+    ex = HFExporter(chunks, cfg)
+    for budget in (0, -5):
+        with pytest.raises(ValueError, match=f"bucket_bytes must be a positive int, got {budget}"):
+            next(iter(ex.buckets(bucket_bytes=budget)))
+    with pytest.raises(ValueError, match="receivers"):
+        next(iter(ex.buckets(receivers=[99])))
+
+    # sharding attributes the converter does not expect
+    cfg, chunks = fresh()
+    chunks[0].decoder.layers[0].self_attention.linear_proj.weight.partition_stride = 3
+    with pytest.raises(LayoutError, match=r"linear_proj.weight.*partition_stride=3 is not supported by Row"):
+        HFExporter(chunks, cfg).plan()
+    cfg, chunks = fresh()
+    chunks[0].decoder.layers[1].self_attention.linear_qkv.weight.partition_dim = 1
+    with pytest.raises(LayoutError, match=r"linear_qkv.weight.*partition_dim=1, but its mapping \(QKV\) shards along dim 0"):
+        HFExporter(chunks, cfg).plan()
+    cfg, chunks = fresh()
+    chunks[0].decoder.layers[0].mlp.router.weight.tensor_model_parallel = True
+    chunks[0].decoder.layers[0].mlp.router.weight.partition_dim = 0
+    with pytest.raises(LayoutError, match=r"router.weight.*expects a tensor replicated"):
+        HFExporter(chunks, cfg).plan()
+
+    # save_pretrained: refuses a non-empty directory, and leaves nothing behind when it fails midway
+    cfg, chunks = fresh()
+    ex = HFExporter(chunks, cfg)
+    busy = os.path.join(tmp, "busy")
+    if rank == 0:
+        os.makedirs(busy, exist_ok=True)
+        open(os.path.join(busy, "keep.txt"), "w").close()
+    dist.barrier()
+    with pytest.raises(Mcore2HFError, match="exists and is not empty"):
+        ex.save_pretrained(busy)
+    assert os.listdir(busy) == ["keep.txt"]
+
+    calls = {"n": 0}
+    real_send = st.SafetensorsWriter.send
+
+    def failing_send(self, bucket):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("No space left on device (simulated)")
+        real_send(self, bucket)
+
+    st.SafetensorsWriter.send = failing_send
+    target = os.path.join(tmp, "partial")
+    try:
+        with pytest.raises(Mcore2HFError, match="No space left on device"):
+            ex.save_pretrained(target, bucket_bytes=4096)  # every rank raises, not only the writer
+    finally:
+        st.SafetensorsWriter.send = real_send
+    dist.barrier()
+    assert not os.path.exists(target)
+    assert not [f for f in os.listdir(tmp) if f.startswith(".partial")], os.listdir(tmp)
+
+    # loading: missing tensors listed at once, wrong shapes named, unused HF tensors refused (strict)
+    from mcore2hf.testing.tiny import read_hf_checkpoint
+
+    sd = read_hf_checkpoint(ckpt)
+    cfg, chunks = fresh()
+    partial = {k: v for k, v in sd.items() if k not in ("model.layers.1.self_attn.q_proj.weight", "model.norm.weight")}
+    with pytest.raises(MissingWeightsError) as e:
+        load_hf_weights(chunks, partial, cfg)
+    assert "model.layers.1.self_attn.q_proj.weight" in str(e.value) and "model.norm.weight" in str(e.value)
+    wrong = dict(sd)
+    wrong["model.layers.2.mlp.experts.3.up_proj.weight"] = torch.zeros(7, 64)
+    with pytest.raises(ShapeMismatchError, match=r"experts.3.linear_fc1.weight.*expected HF shapes \[\[32, 64\], \[32, 64\]\], found \[\[32, 64\], \[7, 64\]\]"):
+        load_hf_weights(chunks, wrong, cfg)
+    extra = dict(sd)
+    extra["model.layers.9.mlp.gate.weight"] = torch.zeros(8, 64)
+    with pytest.raises(Mcore2HFError, match="model.layers.9.mlp.gate.weight"):
+        load_hf_weights(chunks, extra, cfg)
+    load_hf_weights(chunks, extra, cfg, strict=False)
+    return seen

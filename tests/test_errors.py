@@ -1,0 +1,39 @@
+"""Bad input gets a clear error naming the parameter and the expected and actual shape/name."""
+
+import pytest
+import torch
+import worlds
+
+from mcore2hf import HFExporter, ParallelStateError, list_architectures
+from mcore2hf.errors import UnsupportedArchitectureError
+from mcore2hf.hf_config import load_hf_config
+from mcore2hf.registry import get_converter
+from mcore2hf.testing.tiny import tiny_config
+from mcore2hf.testing.world import Layout, run_world
+
+
+def test_errors_in_a_tp2_ep2_world(qwen3_moe_ckpt, tmp_path):
+    messages = run_world(worlds.error_suite, Layout(tp=2, ep=2, etp=1), str(qwen3_moe_ckpt), Layout(tp=2, ep=2, etp=1),
+                         str(tmp_path))[0]
+    assert len(messages) == 2
+
+
+def test_no_parallel_state():
+    with pytest.raises(ParallelStateError, match="torch.distributed is not initialized"):
+        HFExporter(torch.nn.Linear(2, 2), tiny_config("qwen3_moe"))
+
+
+def test_unknown_architecture():
+    with pytest.raises(UnsupportedArchitectureError, match="no converter for HF model_type 'gpt2'"):
+        get_converter("gpt2")
+    assert "qwen3_moe" in list_architectures()
+
+
+def test_config_forms(tmp_path, qwen3_moe_ckpt):
+    cfg = tiny_config("qwen3_moe")
+    assert load_hf_config(cfg) is cfg
+    assert load_hf_config(qwen3_moe_ckpt).num_experts == 8
+    assert load_hf_config(f"{qwen3_moe_ckpt}/config.json").model_type == "qwen3_moe"
+    assert load_hf_config({"model_type": "qwen3_moe", "num_experts": 4}).num_experts == 4
+    with pytest.raises(FileNotFoundError):
+        load_hf_config(tmp_path / "nope")
