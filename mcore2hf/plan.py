@@ -182,13 +182,19 @@ def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankR
 
 def _shard_split(name: str, local_name: str, op, sharded: bool, dim, stride: int, group: int,
                  is_expert: bool) -> tuple[int, int | None]:
-    """(shard count, dim) from the parameter's attributes, checked against what its layout op expects."""
-    if not sharded or group == 1:
+    """(shard count, dim): the layout op says how Megatron splits the tensor, the attributes are checked against it.
+
+    The op is the authority because Megatron sets `tensor_model_parallel` / `partition_dim` only when it
+    initializes weights (`perform_initialization=False` leaves them unset), while a module's class (column-,
+    row-parallel, replicated) is fixed. Attributes that positively contradict the op are an error."""
+    if group == 1:
         return 1, None
     if op.tp_dim is None:
-        raise LayoutError(f"{local_name} ({name}) is split over {group} TP ranks along dim {dim}, "
-                          f"but its mapping ({type(op).__name__}) expects a tensor replicated on every rank")
-    if dim != op.tp_dim and not (is_expert and op.tp_dim == 1 and dim == 0):
+        if sharded:
+            raise LayoutError(f"{local_name} ({name}) is split over {group} TP ranks along dim {dim}, "
+                              f"but its mapping ({type(op).__name__}) expects a tensor replicated on every rank")
+        return 1, None
+    if sharded and dim is not None and dim != op.tp_dim and not (is_expert and op.tp_dim == 1 and dim == 0):
         # the exception: TE's expert linears (grouped or not) drop parallel_mode, so row-parallel expert
         # weights carry partition_dim=0 although Megatron splits them along dim 1
         raise LayoutError(f"{local_name} ({name}): partition_dim={dim}, but its mapping "
@@ -261,24 +267,28 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
     queues: dict[tuple[int, int], list[Source]] = defaultdict(list)
     for s in sources.values():  # already in natural order
         queues[(s.stage, s.ep)].append(s)
-    classes = sorted(queues)
-    heads = dict.fromkeys(classes, 0)
+    heads = dict.fromkeys(queues, 0)
     buckets: list[BucketPlan] = []
     current = BucketPlan(0)
-    per_class: dict[tuple[int, int], int] = defaultdict(int)
+    per_stage: dict[int, int] = defaultdict(int)  # what the PP all-gather pads to
+    per_class: dict[tuple[int, int], int] = defaultdict(int)  # what the EP all-gather pads to
     remaining = len(sources)
     while remaining:
-        cls = min((c for c in classes if heads[c] < len(queues[c])), key=lambda c: (per_class[c], c))
+        live = [c for c in queues if heads[c] < len(queues[c])]
+        stage = min({c[0] for c in live}, key=lambda st: (per_stage[st], st))
+        cls = min((c for c in live if c[0] == stage), key=lambda c: (per_class[c], c))
         src = queues[cls][heads[cls]]
         size = src.hf_nbytes
         if current.sources and current.nbytes + size > bucket_bytes:
             buckets.append(current)
             current = BucketPlan(len(buckets))
+            per_stage.clear()
             per_class.clear()
         heads[cls] += 1
         remaining -= 1
         current.sources.append(src)
         current.nbytes += size
+        per_stage[stage] += size
         per_class[cls] += size
     if current.sources:
         buckets.append(current)

@@ -248,3 +248,45 @@ def error_suite(ckpt: str, layout: Layout, tmp: str) -> list[str]:
         load_hf_weights(chunks, extra, cfg)
     load_hf_weights(chunks, extra, cfg, strict=False)
     return seen
+
+
+def plan_suite(ckpt: str, layout: Layout) -> dict:
+    """Plan once, run many; the dry run lists everything; perform_initialization=False; bucket balance."""
+    cfg = load_hf_config(ckpt)
+    ref = read_hf_checkpoint(ckpt)
+    spec = get_model_spec(cfg.model_type)
+    # Megatron sets TP attributes only when it initializes weights: the layout ops must not depend on them
+    chunks = spec.build_model(cfg, vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp),
+                              perform_initialization=False)
+    assert not hasattr(chunks[0].decoder.layers[0].self_attention.linear_qkv.weight, "partition_dim")
+    load_hf_weights(chunks, ckpt)
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), ref, f"{layout} perform_initialization=False")
+
+    plan = ex.plan(8192)
+    text = plan.describe()
+    assert all(name in text for name in ref), "dry run must list every HF tensor"
+    assert ex.plan(8192) is plan and ex.executor(8192) is ex.executor(8192)
+
+    calls = {"n": 0}
+    real = dist.all_gather_object
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    dist.all_gather_object = counting
+    try:
+        for _ in range(2):
+            assert sum(len(b) for b in ex.buckets(bucket_bytes=8192)) == len(ref)
+    finally:
+        dist.all_gather_object = real
+    assert calls["n"] == 0, "later exports must not rebuild the plan"
+
+    # interleaving stages and EP ranks keeps the padded PP collective close to the real bytes
+    plan = ex.plan(256 * 1024)  # ~20 tensors per bucket (an expert's fc1 is 16 KiB here)
+    pp = layout.pp
+    padded = sum(pp * max(sum(s.stacked_nbytes for s in b.sources if s.stage == st) for st in range(pp))
+                 for b in plan.buckets)
+    real_bytes = sum(s.stacked_nbytes for b in plan.buckets for s in b.sources)
+    return {"pp_padding": padded / real_bytes, "buckets": len(plan.buckets)}

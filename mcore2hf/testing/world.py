@@ -13,6 +13,7 @@ import os
 import queue as queue_mod
 import socket
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -93,6 +94,7 @@ def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: t
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")  # megatron-core warns about apex, TE and fusions on every rank
     try:
         dist.init_process_group("gloo", rank=rank, world_size=size)
         init_megatron(Layout(**layout))
