@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 
@@ -50,8 +51,8 @@ class HFExporter:
         from importlib import import_module
 
         self.spec = import_module(self.converter.spec)
-        self.dims = self.spec.dims(self.hf_config)
         self.ctx = ParallelContext.from_megatron()
+        self.dims = model_dims(self.spec, self.hf_config, self.chunks[0].config)
         self._local: dict[str, LocalTensor] | None = None
         self._sources: dict[str, Source] | None = None
         self._records = None
@@ -165,11 +166,15 @@ class HFExporter:
         return box[0]
 
 
-STRUCTURAL_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-    "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "mtp_num_layers",
-    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-)
+def model_dims(spec, hf_config, model_config):
+    """The spec's dims for the HF config, with the MTP layers the Megatron model actually has: a model trained
+    without MTP exports (and loads) the main model only; more MTP layers than the config has is an error."""
+    dims = spec.dims(hf_config)
+    model_mtp = int(getattr(model_config, "mtp_num_layers", None) or 0)
+    if model_mtp > dims.num_mtp_layers:
+        raise ConfigMismatchError(f"the Megatron model has {model_mtp} MTP layer(s), the HF config "
+                                  f"({hf_config.model_type}) has num_nextn_predict_layers={dims.num_mtp_layers}")
+    return dataclasses.replace(dims, num_mtp_layers=model_mtp) if model_mtp < dims.num_mtp_layers else dims
 
 
 def check_model_config(model_config, spec, hf_config) -> None:
@@ -198,12 +203,14 @@ def check_structure(sources: dict[str, Source], spec, hf_config, dims) -> None:
         problems.append(f"decoder layers: HF config implies {dims.num_layers} (+{dims.num_mtp_layers} MTP), "
                         f"the model has layers {sorted(layers)}")
     for layer, names in sorted(layers.items()):
-        if layer >= dims.num_layers:
-            continue
         has_router = "mlp.router.weight" in names
-        if has_router != spec.is_moe_layer(hf_config, layer):
+        if layer < dims.num_layers and has_router != spec.is_moe_layer(hf_config, layer):
             problems.append(f"layer {layer}: HF config says {'MoE' if not has_router else 'dense'}, "
                             f"the model's layer is {'MoE' if has_router else 'dense'}")
+        experts = {int(n.split(".")[2]) for n in names if n.startswith("mlp.experts.")}
+        if has_router and experts != set(range(dims.num_experts)):
+            problems.append(f"layer {layer}: HF config has {dims.num_experts} experts, the model has experts "
+                            f"{sorted(experts)[:8]}{'...' if len(experts) > 8 else ''} ({len(experts)})")
     has_output = "output_layer.weight" in sources
     if dims.tie_word_embeddings and has_output:
         problems.append("HF config ties word embeddings, the model has a separate output_layer")

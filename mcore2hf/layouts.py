@@ -56,6 +56,15 @@ class LayoutOp:
     strides: tuple[int, ...] = (1,)
     n_out: int = 1
 
+    #: whether the parameter's TP attributes may be cross-checked against this op (see LatentDown)
+    check_attributes: bool = True
+
+    def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
+        """(shard count, dim) of a tensor whose local shard has `shard_shape`, over a TP group of `group` ranks."""
+        if group == 1 or self.tp_dim is None:
+            return 1, None
+        return group, self.tp_dim
+
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         raise NotImplementedError
 
@@ -263,3 +272,37 @@ class QKV(LayoutOp):
         rest = tuple(q.shape[1:])
         parts = [q.reshape(gl, hpg * d, *rest), k.reshape(gl, d, *rest), v.reshape(gl, d, *rest)]
         return torch.cat(parts, dim=1).reshape(gl * (hpg + 2) * d, *rest)
+
+
+
+class LatentDown(Concat):
+    """MLA down projections (`linear_q_down_proj`, `linear_kv_down_proj`) -> q_a_proj / kv_a_proj_with_mqa.
+
+    The local spec builds them column-parallel (split over TP), TE's spec duplicated on every rank, and TE marks
+    even its duplicated weights `tensor_model_parallel=True`. Like Megatron itself (which compares the output
+    width with the latent rank), this op decides from the shard's rows: all `rows` -> replicated, else split."""
+
+    tp_dim = 0
+    check_attributes = False
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    @classmethod
+    def q_down(cls, dims) -> LatentDown:
+        return cls(dims.q_lora_rank)
+
+    @classmethod
+    def kv_down(cls, dims) -> LatentDown:
+        return cls(dims.kv_lora_rank + dims.qk_rope_head_dim)
+
+    def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
+        if group == 1 or shard_shape[0] == self.rows:
+            return 1, None
+        _check(shard_shape[0] * group == self.rows, f"MLA down projection rows (latent rank {self.rows}) "
+               f"split over {group} TP ranks", self.rows // group, shard_shape[0])
+        return group, 0
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[0] == self.rows, "MLA down projection rows", self.rows, full_shape[0])
+        return [tuple(full_shape)]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
-from .exporter import check_model_config
+from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
 from .layouts import shape_of
 from .mapping import Converter
@@ -90,8 +90,9 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
 
     converter = converter or get_converter(cfg.model_type)
     spec = import_module(converter.spec)
-    dims = spec.dims(cfg)
     ctx = ParallelContext.from_megatron()
+    dims = model_dims(spec, cfg, chunks[0].config)
+    hf_mtp = spec.dims(cfg).num_mtp_layers
     check_model_config(chunks[0].config, spec, cfg)
     reader = HFReader(source)
     local = local_tensors(chunks, ctx)
@@ -115,7 +116,8 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     if problems:
         raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
     if strict:
-        ignored = {n for n in reader_names if converter.ignored_on_load(n, dims)}
+        ignored = {n for n in reader_names
+                   if converter.ignored_on_load(n, dims) or _skipped_mtp_layer(n, dims, hf_mtp)}
         unused = sorted(reader_names - all_used - ignored)
         if unused:
             raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.where} match no Megatron parameter "
@@ -131,7 +133,12 @@ def _load_local(local, converter, dims, ctx, reader, used: set[str]) -> list[str
             r = converter.resolve(t.name, dims)
             op = r.op
             group = ctx.etp if t.is_expert else ctx.tp
-            count, dim = _shard_split(t.name, t.local_name, op, t.sharded, t.dim, t.stride, group.size, t.is_expert)
+            try:
+                count, dim = _shard_split(t.name, t.local_name, op, t.sharded, t.dim, t.stride, group.size,
+                                          t.is_expert, t.shape)
+            except ShapeMismatchError as e:
+                problems.append(f"{t.local_name} ({t.name}): {e}")
+                continue
             index = group.rank if count > 1 else 0
             full = list(t.shape)
             if dim is not None:
@@ -169,3 +176,11 @@ def _exchange(unknown, missing, problems, used):
         p.extend(x for x in gp if x not in p)
         us.update(gus)
     return sorted(u), sorted(m), p, us
+
+
+def _skipped_mtp_layer(hf_name: str, dims, hf_mtp: int) -> bool:
+    """A tensor of an HF MTP layer the Megatron model does not have (trained without MTP)."""
+    parts = hf_name.split(".")
+    if len(parts) < 3 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return False
+    return dims.num_layers + dims.num_mtp_layers <= int(parts[2]) < dims.num_layers + hf_mtp

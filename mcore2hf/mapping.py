@@ -4,7 +4,8 @@ A converter is one table of `Rule`s. Patterns name *canonical* Megatron paramete
 names with global indices, so one rule covers every PP/VPP/EP layout and both the local and the TE spec.
 
 Placeholders in patterns: {L} decoder layer, {E} routed expert, {M} MTP layer. In HF templates the same fields
-are available; in MTP rules {L} is `num_hidden_layers + M`, the index HF checkpoints give MTP layers.
+are available; in MTP rules {L} is `num_hidden_layers + M`, the index HF checkpoints give MTP layers. In `copies`,
+{MTP} expands to every MTP layer's HF index (e.g. the embedding copy DeepSeek-V3 / GLM-4.5 keep in layer N).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import regex
 from .errors import UnknownParametersError
 from .layouts import LayoutOp, Replicated
 
-_PLACEHOLDER = regex.compile(r"\{([A-Z])\}")
+_PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,13 @@ class Converter:
             if "M" in fields:
                 fields["L"] = dims.num_layers + fields["M"]
             hf = tuple(t.format(**fields) for t in rule.hf)
-            copies = tuple(t.format(**fields) for t in rule.copies)
-            return Resolved(name, hf, copies, _op_cache(rule, dims), rule)
+            copies = []
+            for t in rule.copies:
+                if "{MTP}" in t:
+                    copies += [t.format(MTP=dims.num_layers + m, **fields) for m in range(dims.num_mtp_layers)]
+                else:
+                    copies.append(t.format(**fields))
+            return Resolved(name, hf, tuple(copies), _op_cache(rule, dims), rule)
         return None
 
     def resolve_all(self, names: Sequence[str], dims: ModelDims) -> dict[str, Resolved]:

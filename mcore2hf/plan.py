@@ -181,28 +181,29 @@ def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankR
 
 
 def _shard_split(name: str, local_name: str, op, sharded: bool, dim, stride: int, group: int,
-                 is_expert: bool) -> tuple[int, int | None]:
+                 is_expert: bool, shard_shape: tuple[int, ...] = ()) -> tuple[int, int | None]:
     """(shard count, dim): the layout op says how Megatron splits the tensor, the attributes are checked against it.
 
     The op is the authority because Megatron sets `tensor_model_parallel` / `partition_dim` only when it
     initializes weights (`perform_initialization=False` leaves them unset), while a module's class (column-,
     row-parallel, replicated) is fixed. Attributes that positively contradict the op are an error."""
-    if group == 1:
-        return 1, None
-    if op.tp_dim is None:
+    count, split_dim = op.split(tuple(shard_shape), group)
+    if not op.check_attributes or group == 1:
+        return count, split_dim
+    if split_dim is None:
         if sharded:
             raise LayoutError(f"{local_name} ({name}) is split over {group} TP ranks along dim {dim}, "
                               f"but its mapping ({type(op).__name__}) expects a tensor replicated on every rank")
-        return 1, None
-    if sharded and dim is not None and dim != op.tp_dim and not (is_expert and op.tp_dim == 1 and dim == 0):
+        return count, split_dim
+    if sharded and dim is not None and dim != split_dim and not (is_expert and split_dim == 1 and dim == 0):
         # the exception: TE's expert linears (grouped or not) drop parallel_mode, so row-parallel expert
         # weights carry partition_dim=0 although Megatron splits them along dim 1
         raise LayoutError(f"{local_name} ({name}): partition_dim={dim}, but its mapping "
-                          f"({type(op).__name__}) shards along dim {op.tp_dim}")
+                          f"({type(op).__name__}) shards along dim {split_dim}")
     if stride not in op.strides:
         raise LayoutError(f"{local_name} ({name}): partition_stride={stride} is not supported by "
                           f"{type(op).__name__} (supported: {op.strides})")
-    return group, op.tp_dim
+    return count, split_dim
 
 
 def build_sources(records: list[RankRecord], converter: Converter, dims: ModelDims,
@@ -231,7 +232,10 @@ def build_sources(records: list[RankRecord], converter: Converter, dims: ModelDi
         resolved = converter.resolve(name, dims)
         op = resolved.op
         group = etp_size if is_expert else tp_size
-        count, split_dim = _shard_split(name, local_name, op, sharded, dim, stride, group, is_expert)
+        try:
+            count, split_dim = _shard_split(name, local_name, op, sharded, dim, stride, group, is_expert, shape)
+        except ShapeMismatchError as e:
+            raise ShapeMismatchError(f"{local_name} ({name}): {e}") from None
         full = list(shape)
         if split_dim is not None:
             full[split_dim] *= count

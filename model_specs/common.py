@@ -89,12 +89,15 @@ def moe_fields(cfg, num_experts: int, topk: int, moe_ffn: int, pattern: list[int
     )
 
 
-def make_config(fields: dict, overrides: dict):
+def make_config(fields: dict, overrides: dict, cls=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    cls = cls or TransformerConfig
     merged = {**parallel_fields(), **fields, **overrides}
     merged.setdefault("pipeline_dtype", merged.get("params_dtype", torch.float32))
-    return TransformerConfig(**supported_kwargs(TransformerConfig.__init__, **merged))
+    if not merged.get("num_moe_experts"):  # a dense model has no expert grid (Megatron rejects EP > 1 for it)
+        merged.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    return cls(**supported_kwargs(cls.__init__, **merged))
 
 
 def default_gpt_kwargs(cfg) -> dict:
@@ -142,3 +145,62 @@ def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, u
             mtp_block_spec=mtp, vp_stage=vp_stage, **kwargs))
         chunks.append(model)
     return chunks
+
+
+def base_dims(cfg, **extra):
+    from mcore2hf.mapping import ModelDims
+
+    return ModelDims(
+        hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=get(cfg, "num_key_value_heads", default=cfg.num_attention_heads),
+        head_dim=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        num_mtp_layers=int(getattr(cfg, "num_nextn_predict_layers", None) or 0),
+        **extra,
+    )
+
+
+def base_structural(cfg) -> dict:
+    """TransformerConfig fields every GQA decoder must match."""
+    return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                num_query_groups=get(cfg, "num_key_value_heads", default=cfg.num_attention_heads),
+                kv_channels=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads))
+
+
+def sigmoid_router_fields(cfg, *, num_experts: int, topk: int) -> dict:
+    """DeepSeek-style routing: sigmoid scores + expert bias for selection, group-limited top-k, normalized
+    weights scaled by routed_scaling_factor. Raises where Megatron cannot compute what transformers computes."""
+    from mcore2hf.errors import ConfigMismatchError
+
+    if not getattr(cfg, "norm_topk_prob", True):
+        raise ConfigMismatchError("sigmoid routing with norm_topk_prob=False has no Megatron equivalent "
+                                  "(Megatron always renormalizes sigmoid top-k weights)")
+    fields = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_topk_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))
+    n_group = int(getattr(cfg, "n_group", 1) or 1)
+    if n_group > 1:
+        topk_group = int(cfg.topk_group)
+        # HF scores a group by its top-2 experts; Megatron by its top (topk // group_topk)
+        if topk // topk_group != 2:
+            raise ConfigMismatchError(f"group-limited routing with num_experts_per_tok={topk}, topk_group={topk_group}: "
+                                      "Megatron scores groups by their top topk//topk_group experts, HF by their top 2")
+        fields.update(moe_router_num_groups=n_group, moe_router_group_topk=topk_group)
+    return fields
+
+
+def mtp_fields(cfg) -> dict:
+    n = int(getattr(cfg, "num_nextn_predict_layers", None) or 0)
+    return {"mtp_num_layers": n} if n else {}
+
+
+def spec_builder(module_name: str):
+    """`build_model(cfg, **kwargs)` for the spec module `module_name`."""
+    import sys
+
+    def build(cfg, **kwargs):
+        """Megatron GPTModel chunks for this rank (see model_specs.common.build_model)."""
+        return build_model(sys.modules[module_name], cfg, **kwargs)
+
+    return build

@@ -1,12 +1,16 @@
 """Qwen3-MoE: HF Qwen3MoeConfig <-> Megatron TransformerConfig (q/k norm, GQA, top-k softmax routing)."""
 
-from __future__ import annotations
-
 from mcore2hf.hf_config import get
-from mcore2hf.mapping import ModelDims
 
-from .common import build_model as _build
-from .common import default_gpt_kwargs, llama_like_fields, make_config, moe_fields
+from .common import (
+    base_dims,
+    base_structural,
+    default_gpt_kwargs,
+    llama_like_fields,
+    make_config,
+    moe_fields,
+    spec_builder,
+)
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -21,13 +25,8 @@ def is_moe_layer(cfg, layer: int) -> bool:
             and (layer + 1) % step == 0)
 
 
-def dims(cfg) -> ModelDims:
-    return ModelDims(
-        hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
-        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
-        head_dim=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads),
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), num_experts=num_experts(cfg),
-    )
+def dims(cfg):
+    return base_dims(cfg, num_experts=num_experts(cfg))
 
 
 def transformer_config(cfg, **overrides):
@@ -41,10 +40,9 @@ def transformer_config(cfg, **overrides):
 
 
 def structural_fields(cfg) -> dict:
-    out = dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-               num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
-               kv_channels=dims(cfg).head_dim, num_moe_experts=num_experts(cfg),
-               moe_ffn_hidden_size=cfg.moe_intermediate_size)
+    out = base_structural(cfg)
+    out.update(num_moe_experts=num_experts(cfg), moe_ffn_hidden_size=cfg.moe_intermediate_size, qk_layernorm=True,
+               add_qkv_bias=False)
     if not all(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)):
         out["ffn_hidden_size"] = cfg.intermediate_size
     return out
@@ -54,8 +52,4 @@ def gpt_kwargs(cfg) -> dict:
     return default_gpt_kwargs(cfg)
 
 
-def build_model(cfg, **kwargs):
-    """Megatron GPTModel chunks for this rank (see model_specs.common.build_model)."""
-    import sys
-
-    return _build(sys.modules[__name__], cfg, **kwargs)
+build_model = spec_builder(__name__)

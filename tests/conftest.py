@@ -1,19 +1,28 @@
 import os
 
 import pytest
+import torch
 
 from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-@pytest.fixture(scope="session")
-def qwen3_moe_ckpt(tmp_path_factory):
-    """A tiny random Qwen3-MoE HF checkpoint (fp32), written by transformers."""
-    return make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe") / "hf")
+ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama"]
 
 
 @pytest.fixture(scope="session")
-def qwen3_moe_ckpt_bf16(tmp_path_factory):
-    return make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe_bf16") / "hf",
-                              seed=1, dtype=__import__("torch").bfloat16)
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    """A tiny random HF checkpoint (fp32) per architecture, written by transformers (+ MTP tensors)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    return {mt: make_hf_checkpoint(tiny_config(mt), root / mt) for mt in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def ckpts_bf16(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ckpts_bf16")
+    return {mt: make_hf_checkpoint(tiny_config(mt), root / mt, seed=1, dtype=torch.bfloat16) for mt in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_ckpt(ckpts) -> str:
+    return ckpts["qwen3_moe"]

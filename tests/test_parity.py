@@ -19,11 +19,13 @@ def hf_logits(path, tokens):
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(tp=2, ep=2, etp=1)], ids=str)
-def test_qwen3_moe_logits_match_transformers(layout, qwen3_moe_ckpt, tmp_path):
+def test_logits_match_transformers(layout, ckpts, tmp_path):
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    out = tmp_path / "exported"
-    logits = run_world(worlds.parity, layout, str(qwen3_moe_ckpt), layout, str(out), tokens)[0]
-    ref = hf_logits(out, tokens)
-    diff = (logits - ref).abs().max().item()
-    print(f"qwen3_moe {layout}: max |megatron - transformers| logit difference = {diff:.3e}")
-    assert diff <= TOL
+    results = run_world(worlds.for_each_arch, layout, worlds.parity, dict(ckpts), layout, str(tmp_path), tokens)[0]
+    failed = {mt: r for mt, r in results.items() if isinstance(r, Exception)}
+    assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
+    diffs = {}
+    for mt, logits in results.items():
+        diffs[mt] = (logits - hf_logits(tmp_path / mt, tokens)).abs().max().item()
+        print(f"{mt} {layout}: max |megatron - transformers| logit difference = {diffs[mt]:.3e}")
+    assert all(d <= TOL for d in diffs.values()), diffs

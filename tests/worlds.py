@@ -16,10 +16,12 @@ from mcore2hf.testing.tiny import read_hf_checkpoint
 from mcore2hf.testing.world import Layout
 
 
-def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32):
+def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True):
     cfg = load_hf_config(ckpt)
     spec = get_model_spec(cfg.model_type)
     overrides = dict(layout.config_overrides())
+    if not mtp:
+        overrides["mtp_num_layers"] = None
     if dtype != torch.float32:
         overrides.update(params_dtype=dtype, bf16=dtype == torch.bfloat16)
     chunks = spec.build_model(cfg, vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp), **overrides)
@@ -34,6 +36,24 @@ def assert_same(got: dict, ref: dict, what: str) -> None:
     assert not missing and not extra, f"{what}: missing {missing[:5]}, extra {extra[:5]}"
     diff = [k for k in ref if got[k].dtype != ref[k].dtype or not torch.equal(got[k].cpu(), ref[k])]
     assert not diff, f"{what}: {len(diff)} tensors differ, e.g. {diff[:5]}"
+
+
+def agree(error: str | None) -> None:
+    """Raise on every rank if any rank failed a rank-local check (keeps the ranks' collectives in step)."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = {r: e for r, e in enumerate(errors) if e}
+    if failed:
+        raise AssertionError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+
+
+def checked(fn) -> str | None:
+    """Run a rank-local check; its failure as a string (for `agree`)."""
+    try:
+        fn()
+    except AssertionError as e:
+        return str(e) or "assertion failed"
+    return None
 
 
 def zero_(chunks) -> None:
@@ -63,34 +83,50 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
         assert b.nbytes <= 4096 or len(b.sources) == 1, (b.index, b.nbytes)
 
     got0 = ex.state_dict(receivers=0)
-    if rank == 0:
-        assert_same(got0, ref, f"{layout} receivers=[0]")
-    else:
-        assert not got0
+    agree(checked(lambda: assert_same(got0, ref, f"{layout} receivers=[0]") if rank == 0 else None)
+          or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
     last = dist.get_world_size() - 1
     got = ex.state_dict(receivers=[0, last])
-    if rank in (0, last):
-        assert_same(got, ref, f"{layout} receivers=[0, {last}]")
-    else:
-        assert not got
+    agree(checked(lambda: assert_same(got, ref, f"{layout} receivers=[0, {last}]") if rank in (0, last) else None)
+          or (None if rank in (0, last) or not got else "a non-receiver got tensors"))
 
-    out = os.path.join(out_root, str(layout))
+    out = os.path.join(out_root, cfg.model_type, str(layout))
     ex.save_pretrained(out, max_shard_size=20_000)
-    if rank == 0:
+
+    def saved_ok():
         assert_same(read_hf_checkpoint(out), ref, f"{layout} save_pretrained")
         assert os.path.isfile(os.path.join(out, "config.json"))
         assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1  # sharded
 
+    agree(checked(saved_ok) if rank == 0 else None)
+
     # the same model under Transformer Engine's names and attributes, reloaded from scratch
     to_te_names(chunks)
-    names = te_names_of(chunks)
-    assert any("linear_qkv.layer_norm_weight" in n for n in names), names[:10]
-    if cfg.model_type == "qwen3_moe":
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, te_names_of(chunks))
+    names = [n for rank_names in names for n in rank_names]
+    fused = "linear_q_up_proj.layer_norm_weight" if cfg.model_type == "deepseek_v3" else "linear_qkv.layer_norm_weight"
+    assert any(fused in n for n in names), names[:10]
+    if get_model_spec(cfg.model_type).dims(cfg).num_experts:
         assert any(".mlp.experts.linear_fc1.weight" in n for n in names), names[:10]
     zero_(chunks)
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} TE names")
     return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank}
+
+
+def for_each_arch(fn, ckpts: dict[str, str], *args) -> dict[str, object]:
+    """fn(ckpt, *args) per architecture in one world; failures are collected, not raised, so every
+    architecture is checked (the collectives stay in step: a failing check raises on every rank alike)."""
+    import traceback
+
+    out = {}
+    for mt, ckpt in ckpts.items():
+        try:
+            out[mt] = fn(ckpt, *args)
+        except Exception:  # noqa: BLE001
+            out[mt] = AssertionError(traceback.format_exc())
+    return out
 
 
 def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -111,9 +147,13 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tens
     return logits[..., :vocab_size].float()
 
 
-def parity(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, te_names: bool = False):
-    """Load HF weights at `layout`, save them back with HFExporter, and return the Megatron logits."""
-    cfg, chunks = build(ckpt, layout)
+def parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, te_names: bool = False):
+    """Load HF weights at `layout`, save them back with HFExporter, and return the Megatron logits.
+
+    Without MTP layers: Megatron's MTP forward needs labels, transformers ignores MTP, and loading a checkpoint
+    that has MTP tensors into a model without MTP must work (RL runs often train without it)."""
+    cfg, chunks = build(ckpt, layout, mtp=False)
+    out_dir = os.path.join(out_root, cfg.model_type)
     load_hf_weights(chunks, ckpt)
     logits = megatron_logits(chunks, tokens, cfg.vocab_size)
     if te_names:

@@ -7,8 +7,15 @@ The one place for them (measured with megatron-core 0.16.1, torch 2.13 CPU); eac
 2. the tensor-parallel RNG tracker's `fork()` -> a null context: it saves and restores CUDA RNG state.
 3. `moe_utils.te_general_gemm = None`: without Transformer Engine the router hits a NameError on it.
 4. `torch.cuda.synchronize` -> no-op: dist_checkpointing's filesystem writer calls it.
+6. `torch.Tensor.cuda` -> the tensor itself: with PP > 1, a tied embedding's (or MTP's) copy on the last stage
+   is synchronized with `weight.data.cuda()` before an all-reduce.
 5. MLA (DeepSeek): `megatron.core.extensions.transformer_engine` imports with MagicMocks for TE classes, and
-   MLA does `isinstance(linear_proj, TELinear)`; give that module a plain `TELinear` class and HAVE_TE=False.
+   MLA does `isinstance(linear_proj, TELinear)`; give that module (and multi_latent_attention, which imported
+   the name) a plain `TELinear` class and HAVE_TE=False.
+
+Not a shim but a module: `SDPACoreAttention`, the core attention the local-spec MLA layer needs (Megatron's
+`DotProductAttention` rejects MLA's `k_channels` / `v_channels` / `softmax_scale`); model_specs.deepseek_v3
+puts it into the layer spec when Transformer Engine is not used.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ def apply_cpu_shims() -> None:
     _applied = True
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
 
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -46,3 +54,28 @@ def apply_cpu_shims() -> None:
 
         te_ext.TELinear = TELinear
         te_ext.HAVE_TE = False
+        from megatron.core.transformer import multi_latent_attention as mla
+
+        mla.TELinear = TELinear
+        mla.HAVE_TE = False
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal scaled-dot-product attention with separate q/k and v head dims ([s, b, h, d] in, [s, b, h*dv] out)."""
+
+    def __init__(self, config=None, layer_number=None, attn_mask_type=None, attention_type=None,
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
+                 pg_collection=None, **_):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, packed_seq_params=None, **_):
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:  # grouped keys/values
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -15,6 +15,30 @@ TINY_CONFIGS: dict[str, dict] = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
         rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
+    # dense first layer, shared expert, sigmoid routing over 2 groups (top-2 per group), q/k/v bias, q/k norm,
+    # partial rotary, one MTP layer
+    "glm4_moe": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+        num_nextn_predict_layers=1, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "deepseek_v3": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, num_nextn_predict_layers=1, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_scaling=None, tie_word_embeddings=False,
+    ),
+    "qwen3": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False),
+    "qwen2": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False),
+    # tied embeddings, as in Llama 3.2 1B/3B
+    "llama": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True),
 }
 
 
@@ -45,13 +69,57 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 def make_hf_checkpoint(cfg: PretrainedConfig, out_dir: str | os.PathLike, *, seed: int = 0,
                        dtype: torch.dtype = torch.float32) -> str:
-    """An HF checkpoint directory of `cfg` with random weights, saved by transformers."""
+    """An HF checkpoint directory of `cfg` with random weights, saved by transformers.
+
+    transformers builds no MTP layers, so for configs with `num_nextn_predict_layers` the MTP tensors are added
+    in the published layout (decoder layer, enorm, hnorm, eh_proj, shared_head, embedding/head copies)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     randomize_(model, seed)
     model = model.to(dtype)
-    model.save_pretrained(os.fspath(out_dir))
-    return os.fspath(out_dir)
+    out = os.fspath(out_dir)
+    model.save_pretrained(out)
+    if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0):
+        _add_mtp_tensors(cfg, out, seed)
+    return out
+
+
+def _add_mtp_tensors(cfg: PretrainedConfig, path: str, seed: int) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    sd = read_hf_checkpoint(path)
+    n = cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(seed + 1000)
+    last = f"model.layers.{n - 1}."
+    extra: dict[str, torch.Tensor] = {}
+    for m in range(cfg.num_nextn_predict_layers):
+        layer = f"model.layers.{n + m}."
+        for name, t in sd.items():
+            if name.startswith(last):  # the MTP block's decoder layer has the last layer's structure
+                r = torch.randn(t.shape, generator=g)
+                scale = 0.1 if t.dim() < 2 else 1.0 / max(t.shape[-1], 1) ** 0.5
+                value = 1.0 + 0.1 * r if "norm" in name else scale * r
+                extra[layer + name[len(last):]] = value.to(t.dtype)
+        h = cfg.hidden_size
+        dtype = sd["model.norm.weight"].dtype
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            extra[f"{layer}{norm}.weight"] = (1.0 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+        extra[f"{layer}eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5).to(dtype)
+        extra[f"{layer}embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+        extra[f"{layer}shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    fname = "model-mtp.safetensors"
+    save_file(extra, os.path.join(path, fname), metadata={"format": "pt"})
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+    else:
+        index = {"metadata": {}, "weight_map": dict.fromkeys(sd, "model.safetensors")}
+    index["weight_map"].update(dict.fromkeys(extra, fname))
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
 
 
 def read_hf_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:

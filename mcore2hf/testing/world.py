@@ -119,7 +119,8 @@ def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600) -> list
     out = ctx.Queue()
     size = layout.size
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, size, port, asdict(layout), fn, args, out), daemon=True)
+    # not daemonic: dist_checkpointing.save writes files from child processes of its own
+    procs = [ctx.Process(target=_worker, args=(r, size, port, asdict(layout), fn, args, out), daemon=False)
              for r in range(size)]
     for p in procs:
         p.start()

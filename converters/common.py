@@ -1,0 +1,92 @@
+"""Rule fragments shared by the converter tables (plain lists of `Rule`s, concatenated per architecture).
+
+A rule for a parameter that a given config does not have (q/k norm, attention bias) is harmless: rules match
+by name. Whether the model *should* have it is checked against the HF config by the model spec."""
+
+from mcore2hf.layouts import QKV, Column, GatedColumn, LatentDown, Replicated, Row, VocabRows
+from mcore2hf.mapping import Rule
+
+L = "decoder.layers.{L}"
+HL = "model.layers.{L}"
+
+
+def embeddings(mtp_copies: bool = False) -> list[Rule]:
+    """Embedding, final norm, output layer; with MTP, the copies HF checkpoints keep in each MTP layer."""
+    return [
+        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VocabRows,
+             copies=["model.layers.{MTP}.embed_tokens.weight"] if mtp_copies else []),
+        Rule("output_layer.weight", "lm_head.weight", VocabRows,
+             copies=["model.layers.{MTP}.shared_head.head.weight"] if mtp_copies else []),
+        Rule("decoder.final_layernorm.weight", "model.norm.weight"),
+    ]
+
+
+def gqa_attention() -> list[Rule]:
+    """Fused QKV (weights and biases), output projection, optional q/k norms, the layer's two norms."""
+    a, h = f"{L}.self_attention", f"{HL}.self_attn"
+    return [
+        Rule(f"{L}.input_layernorm.weight", f"{HL}.input_layernorm.weight"),
+        Rule(f"{a}.linear_qkv.weight", [f"{h}.q_proj.weight", f"{h}.k_proj.weight", f"{h}.v_proj.weight"], QKV),
+        Rule(f"{a}.linear_qkv.bias", [f"{h}.q_proj.bias", f"{h}.k_proj.bias", f"{h}.v_proj.bias"], QKV),
+        Rule(f"{a}.linear_proj.weight", f"{h}.o_proj.weight", Row),
+        Rule(f"{a}.q_layernorm.weight", f"{h}.q_norm.weight"),
+        Rule(f"{a}.k_layernorm.weight", f"{h}.k_norm.weight"),
+        Rule(f"{L}.pre_mlp_layernorm.weight", f"{HL}.post_attention_layernorm.weight"),
+    ]
+
+
+def mla_attention() -> list[Rule]:
+    """DeepSeek multi-latent attention (with or without q_lora_rank)."""
+    a, h = f"{L}.self_attention", f"{HL}.self_attn"
+    return [
+        Rule(f"{L}.input_layernorm.weight", f"{HL}.input_layernorm.weight"),
+        Rule(f"{a}.linear_q_down_proj.weight", f"{h}.q_a_proj.weight", LatentDown.q_down),
+        Rule(f"{a}.q_layernorm.weight", f"{h}.q_a_layernorm.weight"),
+        Rule(f"{a}.linear_q_up_proj.weight", f"{h}.q_b_proj.weight", Column),
+        Rule(f"{a}.linear_q_proj.weight", f"{h}.q_proj.weight", Column),
+        Rule(f"{a}.linear_kv_down_proj.weight", f"{h}.kv_a_proj_with_mqa.weight", LatentDown.kv_down),
+        Rule(f"{a}.kv_layernorm.weight", f"{h}.kv_a_layernorm.weight"),
+        Rule(f"{a}.linear_kv_up_proj.weight", f"{h}.kv_b_proj.weight", Column),
+        Rule(f"{a}.linear_proj.weight", f"{h}.o_proj.weight", Row),
+        Rule(f"{L}.pre_mlp_layernorm.weight", f"{HL}.post_attention_layernorm.weight"),
+    ]
+
+
+def glu_mlp(megatron: str, hf: str) -> list[Rule]:
+    """A SwiGLU MLP: fc1 = [gate; up] (TP shards [gate_i; up_i]) and fc2 = down."""
+    return [
+        Rule(f"{megatron}.linear_fc1.weight", [f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"], GatedColumn),
+        Rule(f"{megatron}.linear_fc2.weight", f"{hf}.down_proj.weight", Row),
+    ]
+
+
+def dense_mlp() -> list[Rule]:
+    return glu_mlp(f"{L}.mlp", f"{HL}.mlp")
+
+
+def moe(shared_experts: bool = False, expert_bias: bool = False) -> list[Rule]:
+    """Router, routed experts (local spec and TE grouped names are both canonicalized to experts.{E}),
+    optional shared experts and the router's expert_bias buffer (HF e_score_correction_bias)."""
+    rules = [Rule(f"{L}.mlp.router.weight", f"{HL}.mlp.gate.weight", Replicated)]
+    rules += glu_mlp(f"{L}.mlp.experts.{{E}}", f"{HL}.mlp.experts.{{E}}")
+    if shared_experts:
+        rules += glu_mlp(f"{L}.mlp.shared_experts", f"{HL}.mlp.shared_experts")
+    if expert_bias:
+        rules.append(Rule(f"{L}.mlp.router.expert_bias", f"{HL}.mlp.gate.e_score_correction_bias", Replicated))
+    return rules
+
+
+def mtp() -> list[Rule]:
+    """MTP layer M at HF layer num_hidden_layers + M (its inner decoder layer is named decoder.layers.{L})."""
+    m, h = "mtp.layers.{M}", "model.layers.{L}"
+    return [
+        Rule(f"{m}.enorm.weight", f"{h}.enorm.weight"),
+        Rule(f"{m}.hnorm.weight", f"{h}.hnorm.weight"),
+        Rule(f"{m}.eh_proj.weight", f"{h}.eh_proj.weight", Column),
+        Rule(f"{m}.final_layernorm.weight", f"{h}.shared_head.norm.weight"),
+    ]
+
+
+def llama_like() -> list[Rule]:
+    """Dense decoders: Llama, Qwen2, Qwen3 (and the dense layers of MoE models)."""
+    return embeddings() + gqa_attention() + dense_mlp()

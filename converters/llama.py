@@ -1,0 +1,8 @@
+"""Llama (HF `llama`): Llama 2/3 family, optional tied embeddings."""
+
+from mcore2hf.mapping import Converter
+from mcore2hf.registry import register
+
+from .common import llama_like
+
+LLAMA = register(Converter(model_type="llama", spec="mcore2hf.model_specs.llama", rules=llama_like()))

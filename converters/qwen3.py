@@ -1,0 +1,8 @@
+"""Qwen3 (HF `qwen3`): q/k norms, no biases."""
+
+from mcore2hf.mapping import Converter
+from mcore2hf.registry import register
+
+from .common import llama_like
+
+QWEN3 = register(Converter(model_type="qwen3", spec="mcore2hf.model_specs.qwen3", rules=llama_like()))
