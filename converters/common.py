@@ -72,7 +72,8 @@ def moe(shared_experts: bool = False, expert_bias: bool = False) -> list[Rule]:
     if shared_experts:
         rules += glu_mlp(f"{L}.mlp.shared_experts", f"{HL}.mlp.shared_experts")
     if expert_bias:
-        rules.append(Rule(f"{L}.mlp.router.expert_bias", f"{HL}.mlp.gate.e_score_correction_bias", Replicated))
+        rules.append(Rule(f"{L}.mlp.router.expert_bias", f"{HL}.mlp.gate.e_score_correction_bias", Replicated,
+                          keep_dtype=True))
     return rules
 
 

@@ -1,4 +1,4 @@
-"""Command line: `mcore2hf demo | list | plan`."""
+"""Command line: `mcore2hf demo | list | plan | export`."""
 
 from __future__ import annotations
 
@@ -71,6 +71,19 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def cmd_export(a) -> int:
+    from .offline import export_checkpoint
+
+    r = export_checkpoint(a.ckpt_dir, a.out_dir, a.hf_config, iteration=a.iteration, dtype=a.dtype,
+                          max_shard_size=a.shard_size, bucket_bytes=a.bucket_size, overwrite=a.overwrite,
+                          progress=not a.quiet)
+    if not a.quiet:
+        print(f"wrote {r.tensors} HF tensors ({r.bytes_written / 2**30:.2f} GiB) to {r.out_dir} in {r.seconds:.1f} s; "
+              f"checkpoint {r.checkpoint_bytes / 2**30:.2f} GiB, {r.ignored_keys} non-model keys skipped; "
+              f"peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mcore2hf", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -91,6 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--dtype", default="bfloat16")
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
+
+    ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> HF directory, offline (CPU, bounded memory)")
+    ex.add_argument("ckpt_dir", help="checkpoint directory (with latest_checkpointed_iteration.txt) or an iter_* dir")
+    ex.add_argument("out_dir")
+    ex.add_argument("--hf-config", required=True, help="config.json or an HF directory (its tokenizer files are copied)")
+    ex.add_argument("--iteration", type=int, default=None)
+    ex.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
+    ex.add_argument("--shard-size", default="5GB")
+    ex.add_argument("--bucket-size", default="1GiB", help="bytes converted at a time (bounds memory)")
+    ex.add_argument("--overwrite", action="store_true")
+    ex.add_argument("--quiet", action="store_true")
+    ex.set_defaults(fn=cmd_export)
 
     a = p.parse_args(argv)
     import warnings

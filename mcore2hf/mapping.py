@@ -64,6 +64,8 @@ class Rule:
     hf: str | Sequence[str]
     op: OpSpec = Replicated
     copies: Sequence[str] = ()
+    #: HF keeps this tensor's dtype when an export casts (e.g. fp32 e_score_correction_bias in bf16 checkpoints)
+    keep_dtype: bool = False
 
     def __post_init__(self):
         self.hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)

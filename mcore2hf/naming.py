@@ -83,6 +83,32 @@ def _submodule(root: torch.nn.Module, dotted: str) -> torch.nn.Module:
     return m
 
 
+def mtp_inner(kind: str, number: int, rest: str, num_layers: int) -> tuple[str, int, str]:
+    """MTP layer m's inner transformer layer is decoder layer num_layers + m (where HF checkpoints put it)."""
+    if kind == "mtp":
+        for inner in _MTP_INNER:
+            if rest.startswith(inner):
+                return "decoder", num_layers + number, rest[len(inner):]
+    return kind, number, rest
+
+
+def canonical_layer_name(kind: str, number: int, rest: str, num_layers: int, expert_offset: int = 0) -> str:
+    """Canonical name of a parameter inside decoder (or MTP) layer `number` (global, 0-based).
+
+    `expert_offset` turns local expert indices into global ones (0 when they are global already, as in
+    distributed checkpoints)."""
+    kind, number, rest = mtp_inner(kind, number, rest, num_layers)
+    rest = TE_RENAMES.get(rest, rest)
+    e = _LOCAL_EXPERT.fullmatch(rest)
+    if e is not None:
+        rest = f"mlp.experts.{expert_offset + int(e.group(1))}.{e.group(2)}"
+    else:
+        g = _GROUPED_EXPERT.fullmatch(rest)
+        if g is not None:
+            rest = f"mlp.experts.{expert_offset + int(g.group(3))}.{g.group(1)}.{g.group(2)}"
+    return f"{kind}.layers.{number}.{rest}"
+
+
 def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_local_experts: int,
                    num_layers: int) -> str:
     """Canonical global name of `name` (a name in `chunk.named_parameters()`)."""
@@ -90,22 +116,8 @@ def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_loca
     if m is None:
         return name
     kind, idx, rest = m.group(1), int(m.group(2)), m.group(3)
-    layer_module = getattr(chunk, kind).layers[idx]
-    number = layer_module.layer_number - 1
-    if kind == "mtp":
-        for inner in _MTP_INNER:
-            if rest.startswith(inner):
-                kind, number, rest = "decoder", num_layers + number, rest[len(inner):]
-                break
-    rest = TE_RENAMES.get(rest, rest)
-    e = _LOCAL_EXPERT.fullmatch(rest)
-    if e is not None:
-        rest = f"mlp.experts.{ctx_ep_rank * num_local_experts + int(e.group(1))}.{e.group(2)}"
-    else:
-        g = _GROUPED_EXPERT.fullmatch(rest)
-        if g is not None:
-            rest = f"mlp.experts.{ctx_ep_rank * num_local_experts + int(g.group(3))}.{g.group(1)}.{g.group(2)}"
-    return f"{kind}.layers.{number}.{rest}"
+    number = getattr(chunk, kind).layers[idx].layer_number - 1
+    return canonical_layer_name(kind, number, rest, num_layers, ctx_ep_rank * num_local_experts)
 
 
 def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[LocalTensor]:

@@ -330,3 +330,45 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
                  for b in plan.buckets)
     real_bytes = sum(s.stacked_nbytes for b in plan.buckets for s in b.sources)
     return {"pp_padding": padded / real_bytes, "buckets": len(plan.buckets)}
+
+
+def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False) -> str:
+    """Megatron training output at `layout`: a torch_dist checkpoint with model and Adam state under
+    root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+
+    class CPUFP32Optimizer(FP32Optimizer):
+        """Megatron's FP32Optimizer (and its sharded_state_dict) with its loss scale on the CPU."""
+
+        def __init__(self, optimizer, config, init_state_fn):
+            MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
+            self._scale = torch.tensor([1.0])
+            self.is_stub_optimizer = optimizer is None
+
+    cfg, chunks = build(ckpt, layout)
+    load_hf_weights(chunks, ckpt)
+    base = os.path.join(root, cfg.model_type)
+    HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
+
+    params = [p for c in chunks for p in c.parameters()]
+    opt = CPUFP32Optimizer(torch.optim.Adam(params, lr=1e-3), OptimizerConfig(optimizer="adam", lr=1e-3), None)
+    for p in params:  # Adam state from a zero-gradient step: the weights do not move
+        p.grad = torch.zeros_like(p)
+    opt.optimizer.step()
+    md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
+    if len(chunks) == 1:
+        sd = {"model": chunks[0].sharded_state_dict(metadata=md)}
+    else:
+        sd = {f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(chunks)}
+    sd["optimizer"] = opt.sharded_state_dict(dict(sd))  # nested: VPP chunks share local key names
+    it_dir = os.path.join(base, "ckpt", f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(it_dir, exist_ok=True)
+        with open(os.path.join(base, "ckpt", "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+    dist_checkpointing.save(sd, it_dir)
+    return base

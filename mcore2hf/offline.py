@@ -1,0 +1,385 @@
+"""Offline export: a Megatron distributed checkpoint (torch_dist) -> an HF directory, on a CPU, in bounded memory.
+
+No torch.distributed, no model, no GPU: the checkpoint's `.metadata` says where every chunk of every tensor is
+(a byte range of a `.distcp` file holding one `torch.save`d chunk), so each tensor is assembled from exactly the
+chunks it needs and written out bucket by bucket through the streaming safetensors writer. Peak memory is about
+one bucket plus a small cache of decoded chunks, whatever the model size.
+
+Checkpoint keys are global already (layer and expert indices), in Megatron's sharded-state-dict names: TE-style
+fused norms, experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...] (SequentialMLP and TE grouped
+experts save the same format), or per expert with `singleton_local_shards`, whose GLU fc1 is split into
+`..._w` (gate) and `..._v` (up). They are mapped to the canonical names the converter tables use.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import resource
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from importlib import import_module
+
+import regex
+import torch
+
+from .buckets import Bucket
+from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
+from .exporter import check_structure
+from .hf_config import HFConfigLike, load_hf_config
+from .naming import canonical_layer_name, mtp_inner
+from .plan import ALIGN, HFEntry, align, natural_key
+from .registry import get_converter
+from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target, parse_size
+
+
+class CheckpointError(Mcore2HFError):
+    """Not a Megatron checkpoint, a missing iteration, or a truncated / corrupt file."""
+
+
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+                   "added_tokens.json")
+
+_LAYER_KEY = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
+_STACKED_EXPERTS = regex.compile(r"mlp\.experts\.experts\.(linear_fc[12])\.(weight|bias)")
+_SEQ_EXPERT = regex.compile(r"mlp\.experts\.(?:experts\.)?(\d+)\.(linear_fc[12])\.(weight|bias)")
+_STACKED_LAYERS = "decoder.layers."
+
+
+def resolve_iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | None = None) -> str:
+    """The iter_NNNNNNN directory to read: `iteration`, else latest_checkpointed_iteration.txt, else ckpt_dir."""
+    root = os.fspath(ckpt_dir)
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root} is not a directory")
+    if iteration is not None:
+        path = os.path.join(root, f"iter_{iteration:07d}")
+        if not os.path.isdir(path):
+            have = sorted(d for d in os.listdir(root) if d.startswith("iter_"))
+            raise CheckpointError(f"iteration {iteration} not found in {root} (expected {path}); present: {have}")
+        return path
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}"
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{tracker} names iteration {text!r}, but {path} does not exist")
+        return path
+    if os.path.isfile(os.path.join(root, ".metadata")):
+        return root
+    raise CheckpointError(f"{root} is not a Megatron checkpoint: no latest_checkpointed_iteration.txt, "
+                          "no iter_* directory given, no .metadata")
+
+
+class DistCheckpointReader:
+    """Reads tensors (or slices of them) of a torch_dist checkpoint directory chunk by chunk."""
+
+    def __init__(self, path: str, cache_bytes: int = 512 * 2**20):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+        self.path = path
+        meta_json = os.path.join(path, "metadata.json")
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointError(f"{path} is not a torch_dist checkpoint: no .metadata file")
+        if os.path.isfile(meta_json):
+            import json
+
+            with open(meta_json) as f:
+                backend = json.load(f).get("sharded_backend")
+            if backend not in (None, "torch_dist"):
+                raise CheckpointError(f"{path}: sharded backend {backend!r} is not supported (only torch_dist)")
+        try:
+            self.meta = FileSystemReader(path).read_metadata()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+        self._index = MetadataIndex
+        self.tensors = {k: v for k, v in self.meta.state_dict_metadata.items()
+                        if isinstance(v, TensorStorageMetadata)}
+        self._cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+        self._cache_bytes, self._cache_limit = 0, cache_bytes
+        self._sizes: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def _chunk(self, key: str, chunk) -> torch.Tensor:
+        info = self.meta.storage_data.get(self._index(key, chunk.offsets))
+        if info is None:
+            raise CheckpointError(f"{self.path}: no storage entry for a chunk of {key} at offset {list(chunk.offsets)}")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{key}: transformed (e.g. compressed) chunks are not supported")
+        cache_key = (info.relative_path, info.offset)
+        t = self._cache.get(cache_key)
+        if t is not None:
+            self._cache.move_to_end(cache_key)
+            return t
+        file = os.path.join(self.path, info.relative_path)
+        size = self._sizes.get(file)
+        if size is None:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file} is missing (it holds a chunk of {key})")
+            size = self._sizes[file] = os.path.getsize(file)
+        if info.offset + info.length > size:
+            raise CheckpointError(f"{file} is truncated: a chunk of {key} needs bytes [{info.offset}, "
+                                  f"{info.offset + info.length}), the file has {size}")
+        with open(file, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        try:
+            t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{file} is corrupt: the chunk of {key} at bytes [{info.offset}, "
+                                  f"{info.offset + info.length}) cannot be read ({type(e).__name__}: {e})") from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes):
+            raise CheckpointError(f"{file} is corrupt: the chunk of {key} has shape "
+                                  f"{getattr(t, 'shape', None)}, metadata says {list(chunk.sizes)}")
+        self.bytes_read += info.length
+        nbytes = t.numel() * t.element_size()
+        self._cache[cache_key] = t
+        self._cache_bytes += nbytes
+        while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= old.numel() * old.element_size()
+        return t
+
+    def read(self, key: str, lead: tuple[int, ...] = ()) -> torch.Tensor:
+        """The tensor `key`, or its sub-tensor key[lead] (indices into its leading dims: stacked layers,
+        stacked experts), assembled from the chunks that hold it."""
+        md = self.tensors[key]
+        shape = list(md.size)
+        k = len(lead)
+        out = torch.empty(shape[k:], dtype=md.properties.dtype)
+        covered = 0
+        for chunk in md.chunks:
+            off, size = chunk.offsets, chunk.sizes
+            if any(not off[d] <= lead[d] < off[d] + size[d] for d in range(k)):
+                continue
+            t = self._chunk(key, chunk)
+            src = t[tuple(lead[d] - off[d] for d in range(k))]
+            out[tuple(slice(o, o + n) for o, n in zip(off[k:], size[k:]))].copy_(src)
+            covered += src.numel()
+        if covered != out.numel():
+            raise CheckpointError(f"{self.path}: the chunks of {key}{list(lead)} cover {covered} of {out.numel()} elements")
+        return out
+
+
+@dataclass
+class CkptSource:
+    """One canonical Megatron tensor and how to read it from the checkpoint."""
+
+    name: str
+    key: str
+    reads: list[tuple[str, tuple[int, ...]]]  # (key, leading indices), concatenated along dim 0 (GLU _w/_v)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    hf: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    op: object = None
+    n_out: int = 1
+    keep_dtype: bool = False
+
+
+def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[list[CkptSource], list[str]]:
+    """Canonical sources of every model tensor of the checkpoint; also the keys that are not model weights.
+
+    Homogeneous models stack all decoder layers in one key (`decoder.layers.<name>` with a leading layer dim);
+    others, and MTP layers, have one key per layer. Experts may be stacked inside either."""
+    found: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}  # canonical name -> part -> (key, lead)
+    ignored = []
+
+    def add(kind: str, number: int, rest: str, key: str, lead: tuple[int, ...], part: str) -> None:
+        kind, number, rest = mtp_inner(kind, number, rest, num_layers)
+        stacked = _STACKED_EXPERTS.fullmatch(rest)
+        if stacked is not None:
+            for e in range(reader.shape(key)[len(lead)]):
+                rest_e = f"mlp.experts.{e}.{stacked.group(1)}.{stacked.group(2)}"
+                found.setdefault(canonical_layer_name(kind, number, rest_e, num_layers), {})[part] = (key, (*lead, e))
+            return
+        seq = _SEQ_EXPERT.fullmatch(rest)
+        if seq is not None:
+            rest = f"mlp.experts.local_experts.{seq.group(1)}.{seq.group(2)}.{seq.group(3)}"
+        found.setdefault(canonical_layer_name(kind, number, rest, num_layers), {})[part] = (key, lead)
+
+    for key in sorted(reader.tensors, key=natural_key):
+        if not key.startswith(MODEL_PREFIXES):
+            ignored.append(key)  # optimizer state, rng state, ...
+            continue
+        base, part = key, ""
+        if key[-2:] in ("_w", "_v"):  # GLU fc1 halves saved with singleton_local_shards
+            base, part = key[:-2], key[-1]
+        m = _LAYER_KEY.fullmatch(base)
+        if m is not None:
+            add(m.group(1), int(m.group(2)), m.group(3), key, (), part)
+        elif base.startswith(_STACKED_LAYERS):
+            for layer in range(reader.shape(key)[0]):
+                add("decoder", layer, base[len(_STACKED_LAYERS):], key, (layer,), part)
+        else:
+            found.setdefault(base, {})[part] = (key, ())
+
+    sources = []
+    for name, parts in found.items():
+        order = [parts[p] for p in ("", "w", "v") if p in parts]  # gate (_w) before up (_v)
+        key, lead = order[0]
+        shape = list(reader.shape(key))[len(lead):]
+        for k, ld in order[1:]:
+            shape[0] += reader.shape(k)[len(ld)]
+        sources.append(CkptSource(name, key, list(order), tuple(shape), reader.dtype(key)))
+    return sources, ignored
+
+
+@dataclass
+class ExportReport:
+    out_dir: str
+    tensors: int
+    bytes_written: int
+    checkpoint_bytes: int
+    ignored_keys: int
+    seconds: float
+    peak_rss_bytes: int
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: HFConfigLike, *,
+                      iteration: int | None = None, dtype: torch.dtype | str | None = None,
+                      max_shard_size: int | str = "5GB", bucket_bytes: int | str = "1GiB",
+                      overwrite: bool = False, progress: bool = True) -> ExportReport:
+    """Write an HF directory from a Megatron torch_dist checkpoint (no GPU, no torch.distributed).
+
+    `dtype` casts floating tensors (tensors HF keeps in fp32, like e_score_correction_bias, stay fp32)."""
+    t0 = time.perf_counter()
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    check_target(out_dir, overwrite)
+    cfg = load_hf_config(hf_config)
+    converter = get_converter(cfg.model_type)
+    spec = import_module(converter.spec)
+    dims = spec.dims(cfg)
+    cast = _parse_dtype(dtype)
+    it_dir = resolve_iteration_dir(ckpt_dir, iteration)
+    reader = DistCheckpointReader(it_dir)
+    sources, ignored = checkpoint_sources(reader, dims.num_layers)
+    if not sources:
+        raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
+
+    ckpt_mtp = len({s.name.split(".")[2] for s in sources if s.name.startswith("mtp.layers.")})
+    if ckpt_mtp > dims.num_mtp_layers:
+        raise ConfigMismatchError(f"the checkpoint has {ckpt_mtp} MTP layer(s), the HF config has "
+                                  f"num_nextn_predict_layers={dims.num_mtp_layers}")
+    dims = replace(dims, num_mtp_layers=ckpt_mtp)
+
+    unknown = [s.name for s in sources if converter.resolve(s.name, dims) is None]
+    if unknown:
+        raise UnknownParametersError(converter.model_type, [f"{n}  (checkpoint key {next(s.key for s in sources if s.name == n)})"
+                                                            for n in unknown])
+    problems = []
+    for s in sources:
+        r = converter.resolve(s.name, dims)
+        s.op, s.n_out, s.keep_dtype = r.op, r.op.n_out, r.rule.keep_dtype
+        try:
+            shapes = r.op.hf_shapes(s.shape)
+        except ShapeMismatchError as e:
+            problems.append(f"{s.key} -> {list(r.hf_names)}: {e}")
+            continue
+        s.hf = list(zip(r.hf_names + r.copies, shapes + [shapes[0]] * len(r.copies)))
+    if problems:
+        raise ShapeMismatchError(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "
+                                 + "\n  ".join(problems))
+    check_structure({s.name: s for s in sources}, spec, cfg, dims)
+
+    def out_dtype(s: CkptSource) -> torch.dtype:
+        return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
+
+    infos = [TensorInfo(name, shape, out_dtype(s)) for s in sources for name, shape in s.hf]
+    extra = []
+    if isinstance(hf_config, str | os.PathLike) and os.path.isdir(hf_config):
+        extra = [os.path.join(hf_config, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_config, f))]
+    writer = SafetensorsWriter(out_dir, infos, cfg, max_shard_size=max_shard_size, overwrite=overwrite,
+                               extra_files=extra)
+    budget = parse_size(bucket_bytes)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(t.nbytes for t in infos), unit="B", unit_scale=True, desc="export")
+    written = 0
+    try:
+        for index, group in enumerate(_groups(sources, budget, out_dtype)):
+            bucket = _convert(reader, group, out_dtype, index)
+            writer.send(bucket)
+            written += sum(e.nbytes for e in bucket.entries)
+            if bar is not None:
+                bar.update(sum(e.nbytes for e in bucket.entries))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return ExportReport(out_dir, len(infos), written, sum(os.path.getsize(os.path.join(it_dir, f))
+                                                          for f in os.listdir(it_dir) if f.endswith(".distcp")),
+                        len(ignored), time.perf_counter() - t0, _peak_rss())
+
+
+def _parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def _groups(sources: Sequence[CkptSource], budget: int, out_dtype):
+    """Byte-bounded groups of sources, in checkpoint order (a source over the budget is a group alone)."""
+    group, size = [], 0
+    for s in sources:
+        n = sum(align(_nbytes(shape, out_dtype(s))) for _, shape in s.hf)
+        if group and size + n > budget:
+            yield group
+            group, size = [], 0
+        group.append(s)
+        size += n
+    if group:
+        yield group
+
+
+def _nbytes(shape, dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, index: int) -> Bucket:
+    entries, offset = [], 0
+    for s in group:
+        for name, shape in s.hf:
+            n = _nbytes(shape, out_dtype(s))
+            entries.append(HFEntry(name, shape, out_dtype(s), offset, n, s.name))
+            offset += align(n)
+    flat = torch.empty(max(offset, ALIGN), dtype=torch.uint8)
+    it = iter(entries)
+    for s in group:
+        parts = [reader.read(key, lead) for key, lead in s.reads]
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        outs = []
+        for _ in s.hf:
+            e = next(it)
+            outs.append(flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape))
+        s.op.to_hf([full], outs[:s.n_out])  # copy_ casts when a dtype was asked for
+        for out in outs[s.n_out:]:
+            out.copy_(outs[0])
+    return Bucket(index, flat, entries)

@@ -1,0 +1,111 @@
+"""Offline export of Megatron torch_dist checkpoints (written by real models in gloo worlds, with Adam state)
+equals, tensor for tensor and bit for bit, what HFExporter produces from the live model."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import worlds
+
+from mcore2hf.errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError
+from mcore2hf.offline import CheckpointError, export_checkpoint
+from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
+from mcore2hf.testing.world import Layout, run_world
+
+ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama"]
+CASES = [
+    (Layout(tp=2, pp=2, ep=2, etp=1), False),
+    (Layout(pp=2, vpp=2, ep=2, etp=1), False),
+    (Layout(tp=2, ep=2, etp=2), True),  # singleton_local_shards: per-expert keys, GLU fc1 saved as _w / _v
+]
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert set(a) == set(b), f"{what}: {sorted(set(a) ^ set(b))[:5]}"
+    bad = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not bad, f"{what}: {bad[:5]}"
+
+
+@pytest.fixture(scope="module")
+def saved(ckpts, tmp_path_factory):
+    """Per case: root with <arch>/ckpt (torch_dist + optimizer) and <arch>/live (HFExporter.save_pretrained)."""
+    out = {}
+    for layout, singleton in CASES:
+        root = tmp_path_factory.mktemp(f"dist-{layout}")
+        res = run_world(worlds.for_each_arch, layout, worlds.save_dist_checkpoint,
+                        {mt: ckpts[mt] for mt in ARCHS}, layout, str(root), 7, singleton)[0]
+        failed = {mt: r for mt, r in res.items() if isinstance(r, Exception)}
+        assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
+        out[(str(layout), singleton)] = res
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{lay}{'-singleton' if s else ''}" for lay, s in CASES])
+def test_offline_export_equals_live_export(case, saved, ckpts, tmp_path):
+    layout, singleton = case
+    for mt, base in saved[(str(layout), singleton)].items():
+        out = tmp_path / mt
+        report = export_checkpoint(os.path.join(base, "ckpt"), out, ckpts[mt], progress=False)
+        assert report.ignored_keys > 0  # the optimizer state is there and skipped
+        assert_same(read_hf_checkpoint(out), read_hf_checkpoint(os.path.join(base, "live")), f"{mt} {layout}")
+        assert_same(read_hf_checkpoint(out), read_hf_checkpoint(ckpts[mt]), f"{mt} {layout} vs source")
+
+
+def test_cli_export_dtype_iteration_and_tokenizer_files(saved, ckpts, tmp_path):
+    base = saved[(str(CASES[0][0]), False)]["glm4_moe"]
+    hf_dir = tmp_path / "hfcfg"
+    shutil.copytree(ckpts["glm4_moe"], hf_dir)
+    (hf_dir / "tokenizer_config.json").write_text('{"model_max_length": 256}')
+    out = tmp_path / "bf16"
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(base, "ckpt"), str(out),
+                        "--hf-config", str(hf_dir), "--iteration", "7", "--dtype", "bf16", "--shard-size", "100KB",
+                        "--bucket-size", "64KiB"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "peak RSS" in r.stdout
+    got, ref = read_hf_checkpoint(out), read_hf_checkpoint(ckpts["glm4_moe"])
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        want = torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16
+        assert got[k].dtype == want, k
+        assert torch.equal(got[k], v.to(want)), k
+    assert (out / "tokenizer_config.json").is_file()
+    assert len(list(out.glob("*.safetensors"))) > 3
+
+
+def test_errors(saved, ckpts, tmp_path):
+    base = saved[(str(CASES[0][0]), False)]["qwen3_moe"]
+    ckpt = os.path.join(base, "ckpt")
+    cfg = ckpts["qwen3_moe"]
+    with pytest.raises(CheckpointError, match="is not a Megatron checkpoint"):
+        export_checkpoint(tmp_path, tmp_path / "o1", cfg, progress=False)
+    with pytest.raises(CheckpointError, match=r"iteration 99 not found .*present: \['iter_0000007'\]"):
+        export_checkpoint(ckpt, tmp_path / "o2", cfg, iteration=99, progress=False)
+    with pytest.raises(ShapeMismatchError, match=r"linear_qkv.weight .*expected"):
+        export_checkpoint(ckpt, tmp_path / "o3", tiny_config("qwen3_moe", num_key_value_heads=4), progress=False)
+    with pytest.raises(ConfigMismatchError, match="HF config has 16 experts"):
+        export_checkpoint(ckpt, tmp_path / "o4", tiny_config("qwen3_moe", num_experts=16), progress=False)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep")
+    with pytest.raises(Mcore2HFError, match="exists and is not empty"):
+        export_checkpoint(ckpt, busy, cfg, progress=False)
+    export_checkpoint(ckpt, busy, cfg, overwrite=True, progress=False)
+    assert not (busy / "x").exists()
+
+    # truncated and corrupt shards: a clear error, and nothing left behind
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    it = broken / "iter_0000007"
+    victim = max(it.glob("*.distcp"), key=os.path.getsize)
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="is truncated"):
+        export_checkpoint(broken, tmp_path / "o5", cfg, progress=False)
+    victim.write_bytes(data[:100] + b"\\x00" * 4096 + data[4196:])
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        export_checkpoint(broken, tmp_path / "o6", cfg, progress=False)
+    assert not (tmp_path / "o5").exists() and not (tmp_path / "o6").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".o")], os.listdir(tmp_path)
