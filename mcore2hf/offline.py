@@ -1,9 +1,10 @@
 """Offline export: a Megatron distributed checkpoint (torch_dist) -> an HF directory, on a CPU, in bounded memory.
 
 No torch.distributed, no model, no GPU: the checkpoint's `.metadata` says where every chunk of every tensor is
-(a byte range of a `.distcp` file holding one `torch.save`d chunk), so each tensor is assembled from exactly the
-chunks it needs and written out bucket by bucket through the streaming safetensors writer. Peak memory is about
-one bucket plus a small cache of decoded chunks, whatever the model size.
+(a byte range of a `.distcp` file holding one uncompressed `torch.save`d chunk), so each tensor is assembled from
+exactly the bytes it needs (a layer of a stacked-layers chunk is one contiguous read) and written out bucket by
+bucket through the streaming safetensors writer. Peak memory is about one bucket plus the tensor being
+converted, whatever the model size; every byte read is covered by the chunk's CRC32.
 
 Checkpoint keys are global already (layer and expert indices), in Megatron's sharded-state-dict names: TE-style
 fused norms, experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...] (SequentialMLP and TE grouped
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import resource
 import time
-from collections import OrderedDict
+import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from importlib import import_module
@@ -79,7 +82,7 @@ def resolve_iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | None = N
 class DistCheckpointReader:
     """Reads tensors (or slices of them) of a torch_dist checkpoint directory chunk by chunk."""
 
-    def __init__(self, path: str, cache_bytes: int = 512 * 2**20):
+    def __init__(self, path: str):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
@@ -101,9 +104,8 @@ class DistCheckpointReader:
         self._index = MetadataIndex
         self.tensors = {k: v for k, v in self.meta.state_dict_metadata.items()
                         if isinstance(v, TensorStorageMetadata)}
-        self._cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
-        self._cache_bytes, self._cache_limit = 0, cache_bytes
         self._sizes: dict[str, int] = {}
+        self._verified: set[tuple[str, int]] = set()
         self.bytes_read = 0
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -112,17 +114,12 @@ class DistCheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
-    def _chunk(self, key: str, chunk) -> torch.Tensor:
+    def _locate(self, key: str, chunk) -> tuple[str, int, int]:
         info = self.meta.storage_data.get(self._index(key, chunk.offsets))
         if info is None:
             raise CheckpointError(f"{self.path}: no storage entry for a chunk of {key} at offset {list(chunk.offsets)}")
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{key}: transformed (e.g. compressed) chunks are not supported")
-        cache_key = (info.relative_path, info.offset)
-        t = self._cache.get(cache_key)
-        if t is not None:
-            self._cache.move_to_end(cache_key)
-            return t
         file = os.path.join(self.path, info.relative_path)
         size = self._sizes.get(file)
         if size is None:
@@ -132,29 +129,53 @@ class DistCheckpointReader:
         if info.offset + info.length > size:
             raise CheckpointError(f"{file} is truncated: a chunk of {key} needs bytes [{info.offset}, "
                                   f"{info.offset + info.length}), the file has {size}")
+        return file, info.offset, info.length
+
+    def _chunk_part(self, key: str, chunk, sub: tuple[int, ...]) -> torch.Tensor:
+        """chunk[sub], reading only its bytes: each chunk is an uncompressed torch.save zip at a byte range of a
+        .distcp file, so its tensor layout comes from data.pkl and the sub-tensor from one contiguous read."""
+        file, start, length = self._locate(key, chunk)
+        where = f"{file} (chunk of {key} at bytes [{start}, {start + length}))"
         with open(file, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.length)
-        try:
-            t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{file} is corrupt: the chunk of {key} at bytes [{info.offset}, "
-                                  f"{info.offset + info.length}) cannot be read ({type(e).__name__}: {e})") from None
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes):
-            raise CheckpointError(f"{file} is corrupt: the chunk of {key} has shape "
-                                  f"{getattr(t, 'shape', None)}, metadata says {list(chunk.sizes)}")
-        self.bytes_read += info.length
-        nbytes = t.numel() * t.element_size()
-        self._cache[cache_key] = t
-        self._cache_bytes += nbytes
-        while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cache_bytes -= old.numel() * old.element_size()
-        return t
+            window = _Window(f, start, length)
+            try:
+                layout = _chunk_layout(window)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{where} is corrupt: {type(e).__name__}: {e}") from None
+            if layout is None:  # unusual serialization: load the chunk whole (torch verifies it)
+                window.seek(0)
+                try:
+                    return torch.load(io.BytesIO(window.read(length)), map_location="cpu", weights_only=True)[sub]
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(f"{where} is corrupt: {type(e).__name__}: {e}") from None
+            dtype, storage_offset, size, stride, data_off, data_len, crc = layout
+            if tuple(size) != tuple(chunk.sizes):
+                raise CheckpointError(f"{where} is corrupt: tensor shape {list(size)}, metadata says {list(chunk.sizes)}")
+            rest, rest_stride = size[len(sub):], stride[len(sub):]
+            if tuple(rest_stride) != _contiguous_strides(rest):
+                window.seek(0)
+                return torch.load(io.BytesIO(window.read(length)), map_location="cpu", weights_only=True)[sub]
+            first = storage_offset + sum(i * st for i, st in zip(sub, stride))
+            count = 1
+            for d in rest:
+                count *= d
+            item = dtype.itemsize
+            window.seek(data_off + first * item)
+            raw = window.read(count * item)
+            if len(raw) != count * item:
+                raise CheckpointError(f"{where} is truncated: its data ends early")
+            whole = first == 0 and count * item == data_len
+            if whole and zlib.crc32(raw) != crc:
+                raise CheckpointError(f"{where} is corrupt: CRC32 mismatch")
+            if not whole and (file, start) not in self._verified:
+                _verify_crc(window, data_off, data_len, crc, where)
+                self._verified.add((file, start))
+        self.bytes_read += len(raw)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).view(rest) if count else torch.empty(rest, dtype=dtype)
 
     def read(self, key: str, lead: tuple[int, ...] = ()) -> torch.Tensor:
         """The tensor `key`, or its sub-tensor key[lead] (indices into its leading dims: stacked layers,
-        stacked experts), assembled from the chunks that hold it."""
+        stacked experts), assembled from the parts of the chunks that hold it."""
         md = self.tensors[key]
         shape = list(md.size)
         k = len(lead)
@@ -164,13 +185,104 @@ class DistCheckpointReader:
             off, size = chunk.offsets, chunk.sizes
             if any(not off[d] <= lead[d] < off[d] + size[d] for d in range(k)):
                 continue
-            t = self._chunk(key, chunk)
-            src = t[tuple(lead[d] - off[d] for d in range(k))]
+            src = self._chunk_part(key, chunk, tuple(lead[d] - off[d] for d in range(k)))
             out[tuple(slice(o, o + n) for o, n in zip(off[k:], size[k:]))].copy_(src)
             covered += src.numel()
         if covered != out.numel():
             raise CheckpointError(f"{self.path}: the chunks of {key}{list(lead)} cover {covered} of {out.numel()} elements")
         return out
+
+
+class _Window(io.RawIOBase):
+    """A read-only view of bytes [start, start + length) of an open file (zipfile reads the chunk through it)."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(max(n, 0))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(list(shape)):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads a torch.save data.pkl for one tensor's layout without touching its storage."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *_: ("tensor", storage, offset, tuple(size), tuple(stride))
+        if module == "torch" and name.endswith("Storage"):
+            return getattr(torch, name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"unexpected {module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+def _chunk_layout(window: _Window):
+    """(dtype, storage_offset, size, stride, data offset, data length, crc) of the chunk, or None if unusual."""
+    zf = zipfile.ZipFile(window)
+    pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+    obj = _LayoutUnpickler(io.BytesIO(zf.read(pkl))).load()
+    if not (isinstance(obj, tuple) and obj and obj[0] == "tensor"):
+        return None
+    _, storage, offset, size, stride = obj
+    if not (isinstance(storage, tuple) and storage[0] == "storage"):
+        return None
+    dtype = getattr(storage[1], "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    info = zf.getinfo(pkl[: -len("data.pkl")] + f"data/{storage[2]}")
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    window.seek(info.header_offset)
+    header = window.read(30)
+    data_off = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    return dtype, offset, size, stride, data_off, info.file_size, info.CRC
+
+
+def _verify_crc(window: _Window, start: int, length: int, crc: int, where: str) -> None:
+    """CRC32 of a chunk's whole data, streamed (a partial read cannot check it otherwise)."""
+    window.seek(start)
+    value, left = 0, length
+    while left:
+        block = window.read(min(left, 64 * 2**20))
+        if not block:
+            raise CheckpointError(f"{where} is truncated: its data ends early")
+        value = zlib.crc32(block, value)
+        left -= len(block)
+    if value != crc:
+        raise CheckpointError(f"{where} is corrupt: CRC32 mismatch")
 
 
 @dataclass
@@ -317,9 +429,11 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
         for index, group in enumerate(_groups(sources, budget, out_dtype)):
             bucket = _convert(reader, group, out_dtype, index)
             writer.send(bucket)
-            written += sum(e.nbytes for e in bucket.entries)
+            n = sum(e.nbytes for e in bucket.entries)
+            del bucket  # one output buffer at a time
+            written += n
             if bar is not None:
-                bar.update(sum(e.nbytes for e in bucket.entries))
+                bar.update(n)
         writer.finish()
     except BaseException:
         writer.abort()

@@ -21,8 +21,8 @@ def register(converter: Converter) -> Converter:
 def _load_builtin() -> None:
     global _loaded
     if not _loaded:
+        importlib.import_module("mcore2hf.converters")  # a failure here surfaces, and is retried next time
         _loaded = True
-        importlib.import_module("mcore2hf.converters")
 
 
 def list_architectures() -> list[str]:

@@ -104,8 +104,21 @@ def test_errors(saved, ckpts, tmp_path):
     victim.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="is truncated"):
         export_checkpoint(broken, tmp_path / "o5", cfg, progress=False)
-    victim.write_bytes(data[:100] + b"\\x00" * 4096 + data[4196:])
+    victim.write_bytes(data[:100] + b"\\x00" * 4096 + data[4196:])  # zip headers / pickle
     with pytest.raises(CheckpointError, match="is corrupt"):
         export_checkpoint(broken, tmp_path / "o6", cfg, progress=False)
-    assert not (tmp_path / "o5").exists() and not (tmp_path / "o6").exists()
+    # one flipped byte inside the largest chunk's tensor data: only the CRC32 can tell
+    from torch.distributed.checkpoint import FileSystemReader
+
+    infos = FileSystemReader(str(it)).read_metadata().storage_data.values()
+    big = max(infos, key=lambda i: i.length)
+    path = it / big.relative_path
+    raw = bytearray(data if path == victim else path.read_bytes())
+    raw[big.offset + big.length // 2] ^= 0xFF  # the data entry dominates a large chunk
+    path.write_bytes(bytes(raw))
+    if path != victim:
+        victim.write_bytes(data)
+    with pytest.raises(CheckpointError, match="CRC32 mismatch"):
+        export_checkpoint(broken, tmp_path / "o7", cfg, progress=False)
+    assert not (tmp_path / "o5").exists() and not (tmp_path / "o6").exists() and not (tmp_path / "o7").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".o")], os.listdir(tmp_path)
