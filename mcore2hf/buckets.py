@@ -13,6 +13,8 @@ import torch
 
 from .plan import HFEntry
 
+DEFAULT_BUCKET_BYTES = 512 * 2**20  # slime's measured sweet spot between memory and per-bucket overhead
+
 
 @dataclass(frozen=True)
 class TensorMeta:

@@ -10,7 +10,7 @@ import regex
 import torch
 import torch.distributed as dist
 
-from .buckets import Bucket
+from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .errors import ConfigMismatchError, Mcore2HFError
 from .gather import Executor
 from .hf_config import HFConfigLike, load_hf_config
@@ -20,8 +20,6 @@ from .parallel import ParallelContext
 from .plan import ExportPlan, Source, assign_buckets, build_sources, gather_records
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
-
-DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 Receivers = str | int | Sequence[int] | None
 

@@ -18,6 +18,7 @@ The final step, `LayoutOp.to_hf`, writes straight into the bucket's flat output 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -209,6 +210,8 @@ class Executor:
                  receivers: tuple[int, ...] | None, device: torch.device):
         self.plan, self.ctx, self.local, self.device = plan, ctx, local, device
         self.receivers = receivers
+        self.stats = {"gather_s": 0.0, "convert_s": 0.0}
+        self._timing = False
         if receivers is None:
             self.programs = [all_ranks_program(b, ctx) for b in plan.buckets]
         else:
@@ -291,28 +294,40 @@ class Executor:
             self._launch_wave(run)  # the TP / expert-TP wave (no-op when empty)
         return run
 
+    def _now(self) -> float:
+        if self._timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def finish(self, run: _Run) -> Bucket:
+        t0 = self._now()
         self._wait(run)
         while run.next_wave < len(run.prog.waves):
             self._launch_wave(run)
             self._wait(run)
+        t1 = self._now()
+        self.stats["gather_s"] += t1 - t0
+        bucket = self._convert(run)
+        self.stats["convert_s"] += self._now() - t1
+        return bucket
+
+    def _convert(self, run: _Run) -> Bucket:
         b = run.prog.bucket
         if not run.prog.receive:
             return Bucket(b.index, None, b.entries)
         flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
-        entries = iter(b.entries)
+        views = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in b.entries}
         for s in b.sources:
-            outs = []
-            for _ in range(len(s.hf_names)):
-                e = next(entries)
-                outs.append(flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape))
+            outs = [views[name] for name in s.hf_names]
             n = s.resolved.op.n_out
             s.resolved.op.to_hf(self._shards(run, s), outs[:n])
             for out in outs[n:]:
                 out.copy_(outs[0])
         return Bucket(b.index, flat, b.entries)
 
-    def run(self, on_bucket: Callable[[int], None] | None = None) -> Iterator[Bucket]:
+    def run(self, on_bucket: Callable[[int], None] | None = None, timing: bool = False) -> Iterator[Bucket]:
+        """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly."""
+        self._timing = timing
         n = len(self.programs)
         if n == 0:
             return

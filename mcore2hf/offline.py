@@ -33,7 +33,7 @@ from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, Unkn
 from .exporter import check_structure
 from .hf_config import HFConfigLike, load_hf_config
 from .naming import canonical_layer_name, mtp_inner
-from .plan import ALIGN, HFEntry, align, natural_key
+from .plan import align, natural_key, pack_tight
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target, parse_size
 
@@ -478,21 +478,13 @@ def _nbytes(shape, dtype) -> int:
 
 
 def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, index: int) -> Bucket:
-    entries, offset = [], 0
-    for s in group:
-        for name, shape in s.hf:
-            n = _nbytes(shape, out_dtype(s))
-            entries.append(HFEntry(name, shape, out_dtype(s), offset, n, s.name))
-            offset += align(n)
-    flat = torch.empty(max(offset, ALIGN), dtype=torch.uint8)
-    it = iter(entries)
+    entries = pack_tight([(name, shape, out_dtype(s), s.name) for s in group for name, shape in s.hf])
+    flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
+    views = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
     for s in group:
         parts = [reader.read(key, lead) for key, lead in s.reads]
         full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        outs = []
-        for _ in s.hf:
-            e = next(it)
-            outs.append(flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape))
+        outs = [views[name] for name, _ in s.hf]
         s.op.to_hf([full], outs[:s.n_out])  # copy_ casts when a dtype was asked for
         for out in outs[s.n_out:]:
             out.copy_(outs[0])

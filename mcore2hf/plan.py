@@ -297,13 +297,23 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
     if current.sources:
         buckets.append(current)
     for b in buckets:
-        offset = 0
-        for src in b.sources:
-            for name, shape in zip(src.hf_names, src.out_shapes()):
-                n = src.dtype.itemsize
-                for d in shape:
-                    n *= d
-                b.entries.append(HFEntry(name, shape, src.dtype, offset, n, src.name))
-                offset += align(n)
-        b.nbytes = offset
+        b.entries = pack_tight([(name, shape, src.dtype, src.name)
+                                for src in b.sources for name, shape in zip(src.hf_names, src.out_shapes())])
+        b.nbytes = sum(e.nbytes for e in b.entries)
     return buckets
+
+
+def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> list[HFEntry]:
+    """Offsets of tensors packed back to back, larger element sizes first (stable otherwise).
+
+    No padding: the flat buffer is byte for byte what SGLang's receivers allocate from names, dtypes and
+    shapes (its flattened bucket concatenates tensors in request order). Sorting by element size keeps every
+    tensor aligned for its dtype view, since each size is a multiple of its element size."""
+    entries, offset = [], 0
+    for name, shape, dtype, source in sorted(tensors, key=lambda t: -t[2].itemsize):
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        entries.append(HFEntry(name, tuple(shape), dtype, offset, n, source))
+        offset += n
+    return entries

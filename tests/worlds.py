@@ -372,3 +372,45 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
     dist.barrier()
     dist_checkpointing.save(sd, it_dir)
     return base
+
+
+def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_tp: int, port: int,
+                 expect_failure: str | None = None, bucket_bytes: int = 64 * 1024, timeout: float = 30.0,
+                 rounds: int = 2):
+    """Sync a real model through a sender to fake engines; with `expect_failure`, the first sync must fail on
+    every rank with that message and leave the version at 0, then `rounds` syncs must succeed (the retry)."""
+    import pytest
+
+    from mcore2hf.senders import (
+        EngineError,
+        SGLangColocatedSender,
+        SGLangDistributedSender,
+        SGLangHTTPEngine,
+        sync,
+    )
+    from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMDistributedSender
+    from mcore2hf.testing.fake_engine import HTTPCollectiveRPC
+
+    cfg, chunks = build(ckpt, layout)
+    load_hf_weights(chunks, ckpt)
+    ex = HFExporter(chunks, cfg)
+    rank = dist.get_rank()
+    if kind == "sglang-colocated":
+        engine = SGLangHTTPEngine(urls[rank // engine_tp], timeout=timeout) if rank % engine_tp == 0 else None
+        sender = SGLangColocatedSender(engine, engine_tp, timeout=timeout)
+    elif kind == "vllm-colocated":
+        engine = HTTPCollectiveRPC(urls[rank // engine_tp], timeout) if rank % engine_tp == 0 else None
+        sender = VLLMColocatedSender(engine, engine_tp, timeout=timeout)
+    elif kind == "sglang-distributed":
+        engines = [SGLangHTTPEngine(u, timeout=timeout) for u in urls] if rank == 0 else None
+        sender = SGLangDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend="gloo", timeout=timeout)
+    else:
+        engines = [HTTPCollectiveRPC(u, timeout) for u in urls] if rank == 0 else None
+        sender = VLLMDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend="gloo", timeout=timeout)
+    if expect_failure:
+        with pytest.raises(EngineError, match=expect_failure):
+            sync(ex, sender, bucket_bytes=bucket_bytes, progress=False)
+        assert sender.version == 0
+    reports = [sync(ex, sender, bucket_bytes=bucket_bytes, progress=False) for _ in range(rounds)]
+    assert sender.version == rounds, sender.version
+    return [r.buckets for r in reports]

@@ -1,4 +1,6 @@
-"""Senders: where buckets go. One protocol: `send(bucket)` for each bucket, then `finish()` (or `abort()`)."""
+"""Senders: where buckets go. One protocol: `begin(version)`, `send(bucket)` per bucket, `finish()`; engine
+senders also have `pause()` / `resume()` and `receivers` (which ranks need full tensors). `sync(exporter,
+sender)` drives them with a weight version."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 from ..buckets import Bucket
 from .safetensors import SafetensorsWriter
+from .sglang import EngineError, SGLangColocatedSender, SGLangDistributedSender, SGLangHTTPEngine
+from .sync import SyncReport, sync
 
 
 @runtime_checkable
@@ -15,4 +19,5 @@ class Sender(Protocol):
     def finish(self) -> None: ...
 
 
-__all__ = ["Sender", "SafetensorsWriter"]
+__all__ = ["Sender", "SafetensorsWriter", "EngineError", "SGLangHTTPEngine", "SGLangColocatedSender",
+           "SGLangDistributedSender", "SyncReport", "sync"]

@@ -1,0 +1,64 @@
+"""sync(exporter, sender): one weight update, pause -> buckets -> finish -> continue, with a weight version."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..buckets import DEFAULT_BUCKET_BYTES
+
+
+@dataclass
+class SyncReport:
+    version: int
+    buckets: int
+    bytes: int  # bytes handed to the sender on this rank
+    seconds: float
+    gather_s: float  # collectives of the export (issue + wait)
+    convert_s: float  # layout ops into the output buckets
+    send_s: float  # sender.send (serialize, engine calls / broadcasts)
+
+    def summary(self) -> str:
+        return (f"weights v{self.version}: {self.buckets} buckets, {self.bytes / 2**30:.2f} GiB in {self.seconds:.2f} s "
+                f"(gather {self.gather_s:.2f} s, convert {self.convert_s:.2f} s, send {self.send_s:.2f} s)")
+
+
+def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: bool = True,
+         progress: bool = True, timing: bool = False) -> SyncReport:
+    """Push the model's current weights through `sender`; collective over the model's world.
+
+    The version (`sender.version + 1`) goes with every engine call and is committed only when every rank and
+    engine succeeded; on any failure every rank raises `EngineError`, the version stays, the engines stay paused
+    (their weights are partly updated), and calling sync again retries from the start. `timing=True`
+    synchronizes the device between phases so the gather / convert split is exact (slower)."""
+    version = sender.version + 1
+    t0 = time.perf_counter()
+    sender.begin(version)
+    if pause and hasattr(sender, "pause"):
+        sender.pause()
+    executor = exporter.executor(bucket_bytes, sender.receivers)
+    executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
+    bar = None
+    if progress and dist.get_rank() == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(executor.programs), unit="bucket", desc=f"sync v{version}", leave=False)
+    n, nbytes, send_s = 0, 0, 0.0
+    for bucket in executor.run(timing=timing):
+        t = time.perf_counter()
+        sender.send(bucket)
+        send_s += time.perf_counter() - t
+        n += 1
+        nbytes += bucket.nbytes
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    sender.finish()  # raises on every rank if anything failed anywhere
+    sender.commit()
+    if pause and hasattr(sender, "resume"):
+        sender.resume()
+    return SyncReport(version, n, nbytes, time.perf_counter() - t0, executor.stats["gather_s"],
+                      executor.stats["convert_s"], send_s)

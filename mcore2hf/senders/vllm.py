@@ -1,0 +1,228 @@
+"""vLLM: the two patterns RL stacks use with vLLM workers, with the same bucket protocol.
+
+Engine side: `MCore2HFWorkerExtension`, a worker extension class
+(`LLM(..., worker_extension_cls="mcore2hf.senders.vllm.MCore2HFWorkerExtension")`), adds to every worker:
+
+* `mcore2hf_update_from_ipc(payloads, version)`: colocated workers. `payloads` maps a GPU's UUID to the CUDA IPC
+  handle of that GPU's flat bucket and its metadata; each worker takes the entry of its own GPU (UUIDs, not
+  indices, because trainer and engine may see different CUDA_VISIBLE_DEVICES), opens it on its own device and
+  loads the tensors with `model_runner.model.load_weights`.
+* `mcore2hf_init_group(...)` / `mcore2hf_update_from_broadcast(names, dtypes, shapes, version)`: remote workers join
+  a weight-update group with the trainer's rank 0 and receive each bucket's flat buffer by broadcast.
+
+Trainer side: `VLLMColocatedSender` and `VLLMDistributedSender`, driven by `sync()` like the SGLang senders; the
+engine object is anything with vLLM's `collective_rpc(method, args=...)` (an `LLM`, an `AsyncLLM`, a Ray actor
+wrapper).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
+
+from ..buckets import Bucket
+from .process_group import broadcast, destroy_group, join_weight_update_group
+from .receiver import tight_views
+from .sglang import EngineError, _call, _SenderBase
+
+
+def device_uuid(device: torch.device | int | None = None) -> str:
+    """A GPU's UUID ('cpu' for CPU tensors), the key colocated payloads are matched by."""
+    if device is None or (isinstance(device, torch.device) and device.type == "cpu"):
+        return "cpu"
+    index = device.index if isinstance(device, torch.device) else device
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def ipc_payload(bucket: Bucket) -> dict:
+    """{device uuid: (IPC handle of the flat buffer, metadata)} for this rank's bucket."""
+    meta = [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.start_idx, m.end_idx)
+            for m in bucket.metadata()]
+    return {device_uuid(bucket.flat.device): (reduce_tensor(bucket.flat), meta)}
+
+
+def open_ipc(handle, device_index: int | None):
+    """Rebuild a tensor from `reduce_tensor` output, on this process's device index for CUDA handles."""
+    rebuild, args = handle
+    if device_index is not None and getattr(rebuild, "__name__", "") == "rebuild_cuda_tensor":
+        args = list(args)
+        args[6] = device_index  # the trainer's index of the GPU may differ from the worker's
+    return rebuild(*args)
+
+
+def rebuild_bucket(flat: torch.Tensor, meta) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, dtype, shape, start, end in meta:
+        out.append((name, flat[start:end].view(getattr(torch, dtype)).view(tuple(shape))))
+    return out
+
+
+class MCore2HFWorkerExtension:
+    """Methods added to each vLLM worker (self.model_runner, self.device are the worker's)."""
+
+    def mcore2hf_device_uuid(self) -> str:
+        return device_uuid(self.device)
+
+    def mcore2hf_update_from_ipc(self, payloads: dict, version: int) -> int:
+        uuid = self.mcore2hf_device_uuid()
+        if uuid not in payloads:
+            raise KeyError(f"no weights for this worker's device {uuid}; payloads cover {sorted(payloads)}")
+        handle, meta = payloads[uuid]
+        flat = open_ipc(handle, self.device.index if self.device.type == "cuda" else None)
+        weights = rebuild_bucket(flat, meta)
+        self.model_runner.model.load_weights(weights=weights)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.mcore2hf_version = version
+        return len(weights)
+
+    def mcore2hf_init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                            group_name: str, backend: str = "nccl", timeout: float = 120.0) -> bool:
+        from datetime import timedelta
+
+        rank = rank_offset + (dist.get_rank() if dist.is_initialized() else 0)
+        self._mcore2hf_timeout = timedelta(seconds=timeout)
+        self._mcore2hf_group = join_weight_update_group(master_address, master_port, rank, world_size, group_name,
+                                                        backend, self._mcore2hf_timeout)
+        return True
+
+    def mcore2hf_update_from_broadcast(self, names, dtypes, shapes, version: int) -> int:
+        from .receiver import packed_nbytes
+
+        flat = torch.empty(packed_nbytes(dtypes, shapes), dtype=torch.uint8, device=self.device)
+        broadcast(flat, self._mcore2hf_group, self._mcore2hf_timeout)
+        weights = tight_views(flat, names, dtypes, shapes)
+        self.model_runner.model.load_weights(weights=weights)
+        self.mcore2hf_version = version
+        return len(weights)
+
+
+class VLLMColocatedSender(_SenderBase):
+    """Colocated vLLM workers: each trainer rank sends its bucket's IPC handle keyed by its GPU's UUID; the first
+    rank of each engine group (`engine_tp_size` consecutive trainer ranks) calls `collective_rpc` once."""
+
+    receivers = "all"
+
+    def __init__(self, llm, engine_tp_size: int, *, timeout: float = 300.0):
+        super().__init__(timeout)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % engine_tp_size:
+            raise ValueError(f"world size {world} is not a multiple of engine_tp_size {engine_tp_size}")
+        self.tp, self.first = engine_tp_size, rank - rank % engine_tp_size
+        self.is_first = rank == self.first
+        self.llm = llm if self.is_first else None
+        self.group = None
+        for start in range(0, world, engine_tp_size):
+            g = dist.new_group(list(range(start, start + engine_tp_size)), backend="gloo", timeout=self.timeout)
+            if start == self.first:
+                self.group = g
+
+    def send(self, bucket: Bucket) -> None:
+        try:
+            payload = ipc_payload(bucket)
+        except Exception as e:  # noqa: BLE001
+            payload = None
+            self._fail(f"bucket {bucket.index}: {e}")
+        gathered = [None] * self.tp if self.is_first else None
+        dist.gather_object(payload, gathered, dst=self.first, group=self.group)
+        status = None
+        if self.is_first and self._error is None:
+            merged = {}
+            for p in gathered:
+                merged.update(p or {})
+            try:
+                _call(self.llm.collective_rpc, method="mcore2hf_update_from_ipc", args=(merged, self._pending))
+            except EngineError as e:
+                status = f"bucket {bucket.index}: {e}"
+        box = [status]
+        dist.broadcast_object_list(box, src=self.first, group=self.group)  # buckets stay alive until here
+        if box[0]:
+            self._fail(box[0])
+            # an engine that timed out may still read this memory through its IPC mapping: keep it until a
+            # later update succeeds, so the allocator cannot hand it to the next bucket meanwhile
+            self._quarantine.append(bucket.flat)
+
+    def finish(self) -> None:
+        self._agree()
+
+
+class VLLMDistributedSender(_SenderBase):
+    """Remote vLLM workers: trainer rank 0 broadcasts each bucket; `engines` (rank 0) call collective_rpc."""
+
+    receivers = (0,)
+
+    def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int, *,
+                 group_name: str = "mcore2hf_weights", backend: str = "nccl", timeout: float = 300.0):
+        super().__init__(timeout)
+        self.is_source = dist.get_rank() == 0
+        self.engines = list(engines or []) if self.is_source else []
+        self.sizes = list(engine_world_sizes)
+        self.world_size = 1 + sum(self.sizes)
+        self.master_address, self.master_port = master_address, master_port
+        self.base_name, self.backend = group_name, backend
+        self.token = uuid.uuid4().hex[:8]  # engines refuse a group name they already have (e.g. after a restart)
+        self.pg, self.attempt = None, 0
+
+    def _threads(self, calls, local) -> list[str]:
+        errors: list[str] = []
+
+        def run(fn, kwargs):
+            try:
+                _call(fn, **kwargs)
+            except EngineError as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=run, args=c, daemon=True) for c in calls]
+        for t in threads:
+            t.start()
+        try:
+            local()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"trainer rank 0: {type(e).__name__}: {e}")
+        for t in threads:
+            t.join(self.timeout.total_seconds())
+            if t.is_alive():
+                errors.append(f"an engine did not answer within {self.timeout}")
+        return errors
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        if not self.is_source or self.pg is not None:
+            return
+        self.attempt += 1
+        name = f"{self.base_name}_{self.token}_{self.attempt}"
+        offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
+
+        def join():
+            self.pg = join_weight_update_group(self.master_address, self.master_port, 0, self.world_size, name,
+                                               self.backend, self.timeout)
+
+        errors = self._threads([(e.collective_rpc, dict(method="mcore2hf_init_group", args=(
+            self.master_address, self.master_port, off, self.world_size, name, self.backend,
+            self.timeout.total_seconds()))) for e, off in zip(self.engines, offsets)], join)
+        if errors:
+            self._teardown()
+            self._fail("joining the weight-update group: " + "; ".join(errors))
+
+    def send(self, bucket: Bucket) -> None:
+        if not self.is_source or self._error is not None:
+            return
+        args = ([e.name for e in bucket.entries], [str(e.dtype).removeprefix("torch.") for e in bucket.entries],
+                [list(e.shape) for e in bucket.entries], self._pending)
+        errors = self._threads([(e.collective_rpc, dict(method="mcore2hf_update_from_broadcast", args=args))
+                                for e in self.engines], lambda: broadcast(bucket.flat, self.pg, self.timeout))
+        if errors:
+            self._fail(f"bucket {bucket.index}: " + "; ".join(errors))
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self.pg is not None:
+            destroy_group(self.pg)
+            self.pg = None
+
+    def finish(self) -> None:
+        self._agree()
