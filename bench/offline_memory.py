@@ -26,12 +26,12 @@ BASE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_inte
 def write_checkpoint(hf_cfg: dict, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from mcore2hf.model_specs import qwen3_moe
-    from mcore2hf.model_specs.common import padded_vocab_size
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.model_specs import qwen3_moe
+    from mcore2hf.model_specs.common import padded_vocab_size
 
     cfg = load_hf_config(hf_cfg)
     chunks = qwen3_moe.build_model(cfg, vocab_size=padded_vocab_size(cfg.vocab_size, 1), params_dtype=torch.bfloat16,

@@ -108,6 +108,12 @@ class DistCheckpointReader:
         self._verified: set[tuple[str, int]] = set()
         self.bytes_read = 0
 
+    def check_files(self, keys) -> None:
+        """Every chunk of `keys` lies inside its file: a truncated checkpoint fails before anything is written."""
+        for key in keys:
+            for chunk in self.tensors[key].chunks:
+                self._locate(key, chunk)
+
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
 
@@ -381,6 +387,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)
     reader = DistCheckpointReader(it_dir)
     sources, ignored = checkpoint_sources(reader, dims.num_layers)
+    reader.check_files({key for s in sources for key, _ in s.reads})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
 

@@ -96,22 +96,26 @@ def test_errors(saved, ckpts, tmp_path):
     assert not (busy / "x").exists()
 
     # truncated and corrupt shards: a clear error, and nothing left behind
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     broken = tmp_path / "broken"
     shutil.copytree(ckpt, broken)
     it = broken / "iter_0000007"
-    victim = max(it.glob("*.distcp"), key=os.path.getsize)
+    md = FileSystemReader(str(it)).read_metadata()
+    model_chunks = [md.storage_data[MetadataIndex(k, c.offsets)] for k, v in md.state_dict_metadata.items()
+                    if k.startswith("decoder.") and hasattr(v, "chunks") for c in v.chunks]
+    cut = max(model_chunks, key=lambda i: i.length)  # cut through a model weight, not optimizer state
+    victim = it / cut.relative_path
     data = victim.read_bytes()
-    victim.write_bytes(data[: len(data) // 2])
+    victim.write_bytes(data[: cut.offset + cut.length // 2])
     with pytest.raises(CheckpointError, match="is truncated"):
         export_checkpoint(broken, tmp_path / "o5", cfg, progress=False)
     victim.write_bytes(data[:100] + b"\\x00" * 4096 + data[4196:])  # zip headers / pickle
     with pytest.raises(CheckpointError, match="is corrupt"):
         export_checkpoint(broken, tmp_path / "o6", cfg, progress=False)
-    # one flipped byte inside the largest chunk's tensor data: only the CRC32 can tell
-    from torch.distributed.checkpoint import FileSystemReader
-
-    infos = FileSystemReader(str(it)).read_metadata().storage_data.values()
-    big = max(infos, key=lambda i: i.length)
+    # one flipped byte inside the largest model chunk's tensor data: only the CRC32 can tell
+    big = cut
     path = it / big.relative_path
     raw = bytearray(data if path == victim else path.read_bytes())
     raw[big.offset + big.length // 2] ^= 0xFF  # the data entry dominates a large chunk

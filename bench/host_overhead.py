@@ -1,0 +1,76 @@
+"""Host (Python) cost of an export as the tensor count grows, on CPU with tiny tensors (gloo).
+
+A Qwen3-30B-A3B-shaped *count* of tensors (48 layers x 128 experts) with tiny dimensions, so the time is the
+per-tensor work of the exporter rather than data movement.
+
+    python bench/host_overhead.py [--layers 48] [--experts 128] [--ep 4] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from mcore2hf.testing.world import Layout, run_world
+
+
+def job(cfg: dict, rounds: int, profile: bool):
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    import torch.distributed as dist
+
+    from mcore2hf import HFExporter
+    from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.model_specs import qwen3_moe
+
+    hf = load_hf_config(cfg)
+    chunks = qwen3_moe.build_model(hf, vocab_size=128, perform_initialization=False)
+    ex = HFExporter(chunks, hf)
+    t = time.perf_counter()
+    plan = ex.plan(16 * 2**20)
+    plan_s = time.perf_counter() - t
+    n = sum(len(b) for b in ex.buckets(16 * 2**20))  # first call builds the programs
+    times = []
+    prof = cProfile.Profile() if profile and dist.get_rank() == 0 else None
+    for _ in range(rounds):
+        dist.barrier()
+        t = time.perf_counter()
+        if prof:
+            prof.enable()
+        for _ in ex.buckets(16 * 2**20):
+            pass
+        if prof:
+            prof.disable()
+        times.append(time.perf_counter() - t)
+    out = {"tensors": n, "buckets": len(plan.buckets), "plan_s": plan_s, "export_s": min(times)}
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
+        out["profile"] = s.getvalue()
+    del torch
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--ep", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    cfg = dict(model_type="qwen3_moe", vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               num_experts=a.experts, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256)
+    r = run_world(job, Layout(ep=a.ep), cfg, a.rounds, a.profile)[0]
+    print(f"{r['tensors']} HF tensors in {r['buckets']} buckets: plan {r['plan_s']:.2f} s, "
+          f"later export {r['export_s'] * 1e3:.0f} ms ({r['export_s'] / r['tensors'] * 1e6:.1f} us per tensor)")
+    if "profile" in r:
+        print(r["profile"])
+
+
+if __name__ == "__main__":
+    main()
