@@ -55,7 +55,7 @@ class HFExporter:
         self._sources: dict[str, Source] | None = None
         self._records = None
         self._plans: dict[int, ExportPlan] = {}
-        self._executors: dict[tuple[int, tuple[int, ...] | None], Executor] = {}
+        self._executors: dict[tuple, Executor] = {}
         p = next(self.chunks[0].parameters())
         self.device = p.device
 
@@ -94,18 +94,25 @@ class HFExporter:
             raise ValueError(f"receivers must be 'all' or ranks in [0, {self.ctx.world_size}), got {receivers!r}")
         return out
 
-    def executor(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all") -> Executor:
+    def executor(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
+                 overlap: bool = False) -> Executor:
+        """The compiled executor for these settings (built and cached on first use)."""
         recv = self._receivers(receivers)
-        key = (bucket_bytes, recv)
+        key = (bucket_bytes, recv, overlap)
         if key not in self._executors:
-            self._executors[key] = Executor(self.plan(bucket_bytes), self.ctx, self._local, recv, self.device)
+            self._executors[key] = Executor(self.plan(bucket_bytes), self.ctx, self._local, recv, self.device,
+                                            arenas=2 if overlap else 1)
         return self._executors[key]
 
     # -- export ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all") -> Iterator[Bucket]:
-        """Yield buckets of (HF name, full tensor). Every rank must iterate to the end."""
-        yield from self.executor(bucket_bytes, receivers).run()
+    def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
+                overlap: bool = False) -> Iterator[Bucket]:
+        """Yield buckets of (HF name, full tensor). Every rank must iterate to the end.
+
+        Drop each bucket before asking for the next to keep peak memory at about two buckets. `overlap=True`
+        runs the next bucket's first collectives while this one is converted, with one more bucket of staging."""
+        yield from self.executor(bucket_bytes, receivers, overlap).run()
 
     def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       receivers: Receivers = "all") -> Iterator[tuple[str, torch.Tensor]]:

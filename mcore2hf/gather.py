@@ -1,4 +1,4 @@
-"""Gathers: turn the plan into per-bucket collectives and run them, asynchronously and coalesced.
+"""Gathers: turn the plan into per-bucket collectives and copies, compile them once, run them every export.
 
 Every tensor travels as its *stacked shards*: the TP shards one after the other in a flat byte buffer. Per
 bucket and rank there is at most one collective per group, each on one flat buffer:
@@ -12,8 +12,15 @@ all ranks receive (colocated RL sync, the default):
 chosen receivers (saving, a distributed sender): every shard is sent once, from one holder chosen to balance
   the senders, straight to each receiver (one batched point-to-point round per bucket); nobody else receives.
 
-Bucket k+1's first collectives are issued before bucket k is converted and handed out (double buffering).
-The final step, `LayoutOp.to_hf`, writes straight into the bucket's flat output buffer: one copy per byte.
+Compiled once (first export), reused by every later export:
+* staging lives in a preallocated arena; each all-gather is in place (a rank packs its part straight into its
+  slot of the receive buffer), and packing is one `_foreach_copy_` per collective into precomputed views;
+* the final step is each layout op's strided copies (`LayoutOp.copies`) from the arena into the bucket's flat
+  output buffer, with runs of same-shaped tensors (a layer's experts) merged into one batched copy, so the
+  host issues a few hundred copies per export instead of work per tensor.
+
+Memory: one arena (about a bucket of staging) and the output buffer of the bucket being built; with
+`arenas=2` the next bucket's first collectives also overlap this bucket's conversion.
 """
 
 from __future__ import annotations
@@ -32,25 +39,31 @@ from .plan import BucketPlan, ExportPlan, Source, align
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Where a source's stacked shards are on this rank, once the collectives before the final step are done.
-LOCAL = ("local",)
+LOCAL = "local"
+
+
+@dataclass
+class Loc:
+    """Where a source's shards are on this rank: a local parameter, or byte offsets in a staging region."""
+
+    region: str | int  # LOCAL, or the index of a stage's receive region
+    offsets: tuple[int, ...] = (0,)  # byte offset of each shard in the region
 
 
 @dataclass
 class Stage:
-    """One coalesced all-gather on one group."""
+    """One coalesced collective: an all-gather on a group (in place), or a point-to-point round."""
 
-    axis: Axis
+    axis: Axis | None
     slot: int  # bytes each member contributes (padded to the largest)
-    packs: list[tuple[Source, int]]  # this rank's sources and their offset in its slot
+    packs: list[tuple[Source, int]]  # this rank's sources and their byte offset in its slot
     striped: bool  # TP stage: member i holds shard i of every source
+    depends: bool = False  # packs read an earlier stage of this bucket
 
 
 @dataclass
 class P2PRound:
-    """One batched point-to-point round: what this rank sends to each receiver and receives from each sender."""
-
-    sends: dict[int, list[tuple[Source, int, int]]]  # receiver -> [(source, shard, offset)]
+    sends: dict[int, list[tuple[Source, int, int]]]  # receiver -> [(source, shard, byte offset)]
     send_bytes: dict[int, int]
     recv_from: dict[int, int]  # sender -> offset of its segment in the receive buffer
     recv_bytes: dict[int, int]
@@ -63,14 +76,15 @@ class Program:
 
     bucket: BucketPlan
     receive: bool
-    # waves[0] is the TP / expert-TP wave (possibly empty), then EP, then PP. Only waves[0] is issued ahead of
-    # the previous bucket's later waves: its groups never span PP stages, so the issue order of every group is
-    # the same on all its members (a stage without TP work must not move its PP collective ahead).
-    waves: list[list[Stage]] = field(default_factory=lambda: [[]])
+    stages: list[Stage] = field(default_factory=list)
     p2p: P2PRound | None = None
-    # source name -> location: LOCAL, ("striped", stage#, off), ("packed", stage#, member, off),
-    # or for P2P a list with one entry per shard: LOCAL or ("seg", sender, off)
-    where: dict[str, object] = field(default_factory=dict)
+    where: dict[str, Loc] = field(default_factory=dict)
+    before: list[dict[str, Loc]] = field(default_factory=list)  # `where` as it was when each stage packed
+
+    def add(self, stage: Stage) -> int:
+        self.before.append(dict(self.where))
+        self.stages.append(stage)
+        return len(self.stages) - 1
 
 
 def _my_sources(b: BucketPlan, ctx: ParallelContext) -> list[Source]:
@@ -84,55 +98,46 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
     held = _my_sources(b, ctx)
     for s in held:
         if s.count == 1:
-            where[s.name] = LOCAL
-    n_stage = 0
-    wave: list[Stage] = []
+            where[s.name] = Loc(LOCAL)
     for axis, expert in ((ctx.tp, False), (ctx.etp, True)):
         items = [s for s in held if s.is_expert == expert and s.count > 1]
         if not items:
             continue
-        packs, off = [], 0
+        packs, slot = [], 0
         for s in items:
-            packs.append((s, off))
-            where[s.name] = ("striped", n_stage, off)
-            off += align(s.shard_nbytes)
-        wave.append(Stage(axis, off, packs, striped=True))
-        n_stage += 1
-    prog.waves[0] = wave
+            packs.append((s, slot))
+            slot += align(s.shard_nbytes)
+        k = prog.add(Stage(axis, slot, packs, striped=True))
+        for s, o in packs:  # shard i is in member i's slot
+            where[s.name] = Loc(k, tuple(i * slot + o for i in range(s.count)))
 
     def grouped(axis: Axis, members: list[list[Source]], mine: int) -> None:
-        nonlocal n_stage
         layouts = []
         for srcs in members:
             offs, off = [], 0
             for s in srcs:
                 offs.append(off)
                 off += s.stacked_nbytes
-            layouts.append((srcs, offs, off))
-        slot = max(lay[2] for lay in layouts)
+            layouts.append((srcs, offs))
+        slot = max((offs[-1] + srcs[-1].stacked_nbytes) if srcs else 0 for srcs, offs in layouts)
         if slot == 0:
             return
-        for m, (srcs, offs, _) in enumerate(layouts):
-            if m == mine:
-                continue
-            for s, off in zip(srcs, offs):
-                where[s.name] = ("packed", n_stage, m, off)
-        srcs, offs, _ = layouts[mine]
-        prog.waves.append([Stage(axis, slot, list(zip(srcs, offs)), striped=False)])
-        n_stage += 1
+        srcs, offs = layouts[mine]
+        depends = any(where[s.name].region != LOCAL for s in srcs)
+        k = prog.add(Stage(axis, slot, list(zip(srcs, offs)), striped=False, depends=depends))
+        # everything delivered here is read from here afterwards, own part included: one region, constant
+        # strides, so same-shaped tensors of every member merge into batched copies
+        for m, (srcs_m, offs_m) in enumerate(layouts):
+            for s, off in zip(srcs_m, offs_m):
+                step = align(s.shard_nbytes)
+                where[s.name] = Loc(k, tuple(m * slot + off + i * step for i in range(s.count)))
 
     if ctx.ep.size > 1:
         members = [[s for s in b.sources if s.is_expert and ctx.pp.rank in s.stages and s.ep == m]
                    for m in range(ctx.ep.size)]
         grouped(ctx.ep, members, ctx.ep.rank)
     if ctx.pp.size > 1:
-        # a stage contributes what it owns; tensors it holds a copy of (tied embedding) stay where they are
-        members = [[s for s in b.sources if s.stage == st] for st in range(ctx.pp.size)]
-        before = dict(where)
-        grouped(ctx.pp, members, ctx.pp.rank)
-        for s in b.sources:
-            if ctx.pp.rank in s.stages and s.name in before:
-                where[s.name] = before[s.name]
+        grouped(ctx.pp, [[s for s in b.sources if s.stage == st] for st in range(ctx.pp.size)], ctx.pp.rank)
     missing = [s.name for s in b.sources if s.name not in where]
     assert not missing, f"internal error: no route to {missing[:5]}"
     return prog
@@ -142,23 +147,23 @@ def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int,
     me = ctx.rank
     prog = Program(b, receive=me in receivers)
     load: dict[int, int] = {}
-    # (sender, receiver) -> [(source, shard)] ; the sender of each shard balances bytes sent per rank
+    # (sender, receiver) -> [(source, shard)]; the sender of each shard balances the bytes sent per rank
     routes: dict[tuple[int, int], list[tuple[Source, int]]] = {}
-    mine: dict[str, list] = {}
+    offsets: dict[str, list] = {}
     for s in b.sources:
-        locs: list = [None] * s.count
+        offs: list = [None] * s.count
         for i in range(s.count):
             holders = s.holders[i]
             need = [r for r in receivers if r not in holders]
             if me in receivers and me in holders:
-                locs[i] = LOCAL
+                offs[i] = LOCAL
             if not need:
                 continue
             sender = min(holders, key=lambda r: (load.get(r, 0), r))
             load[sender] = load.get(sender, 0) + s.shard_nbytes * len(need)
             for r in need:
                 routes.setdefault((sender, r), []).append((s, i))
-        mine[s.name] = locs
+        offsets[s.name] = offs
     sends: dict[int, list] = {}
     send_bytes: dict[int, int] = {}
     for (p, r), items in routes.items():
@@ -179,163 +184,362 @@ def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int,
             recv_from[p] = total
             off = total
             for s, i in items:
-                mine[s.name][i] = ("seg", p, off)
+                offsets[s.name][i] = off
                 off += align(s.shard_nbytes)
             recv_bytes[p] = off - total
             total = off
-        prog.where = mine
+        for s in b.sources:
+            offs = offsets[s.name]
+            if all(o == LOCAL for o in offs):
+                if s.count > 1:  # this receiver holds every shard: only possible for count 1
+                    raise AssertionError(f"internal error: {s.name}")
+                prog.where[s.name] = Loc(LOCAL)
+            elif any(o == LOCAL for o in offs):
+                prog.where[s.name] = Loc("mixed", tuple(offs))  # some shards here, some received
+            else:
+                prog.where[s.name] = Loc(0, tuple(offs))
     prog.p2p = P2PRound(sends, send_bytes, recv_from, recv_bytes, total)
     return prog
 
 
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
+# --------------------------------------------------------------------------------------------------------------
+# compilation: arena layout, precomputed views, merged copies
 
 
-class _Run:
-    """The in-flight state of one bucket."""
+@dataclass
+class CStage:
+    group: object
+    recv: torch.Tensor  # uint8 view of the arena: members * slot
+    mine: torch.Tensor  # this rank's slot (the in-place all-gather input)
+    dsts: list[torch.Tensor]  # pack destinations (typed views of `mine`)
+    srcs: list  # pack sources: parameters / arena views, or callables for buffers
+    dynamic: list[int]  # indices of srcs that are callables
 
-    def __init__(self, prog: Program):
-        self.prog = prog
-        self.recv: list[torch.Tensor] = []  # per stage, [members * slot] bytes
-        self.works: list = []
-        self.next_wave = 0
-        self.p2p_recv: torch.Tensor | None = None
+
+@dataclass
+class CP2P:
+    sends: list[tuple[int, torch.Tensor, list, list, list[int]]]  # (dst rank, buffer, dsts, srcs, dynamic)
+    recvs: list[tuple[int, torch.Tensor]]  # (src rank, buffer)
+
+
+@dataclass
+class Copy:
+    """A (batched) strided copy into the output buffer."""
+
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    dst_offset: int
+    src: torch.Tensor | None  # precomputed view of the arena (None: from a parameter, see `local`)
+    local: object = None  # the parameter (or buffer getter) for local sources
+    src_strides: tuple[int, ...] = ()
+    src_offset: int = 0
+    tag: tuple = ()  # (op, index in its copies()): gate and up halves never merge with each other
+
+
+@dataclass
+class CBucket:
+    plan: BucketPlan
+    receive: bool
+    arena: int
+    stages: list[CStage] = field(default_factory=list)
+    p2p: CP2P | None = None
+    copies: list[Copy] = field(default_factory=list)
+    dtypes: tuple[torch.dtype, ...] = ()
+
+
+def _source_of(lt: LocalTensor):
+    """A parameter is used as is (stays valid when training swaps its .data); buffers are looked up each time."""
+    return lt.get if lt.is_buffer else lt.param
 
 
 class Executor:
     """Runs the plan's buckets on this rank; every rank of the world must run the same plan in step."""
 
     def __init__(self, plan: ExportPlan, ctx: ParallelContext, local: dict[str, LocalTensor],
-                 receivers: tuple[int, ...] | None, device: torch.device):
+                 receivers: tuple[int, ...] | None, device: torch.device, arenas: int = 1):
         self.plan, self.ctx, self.local, self.device = plan, ctx, local, device
         self.receivers = receivers
+        self.arenas_n = max(1, arenas)
         self.stats = {"gather_s": 0.0, "convert_s": 0.0}
         self._timing = False
         if receivers is None:
             self.programs = [all_ranks_program(b, ctx) for b in plan.buckets]
         else:
             self.programs = [receivers_program(b, ctx, receivers) for b in plan.buckets]
+        self._compiled: list[CBucket] | None = None
 
-    # -- shard views -----------------------------------------------------------------------------------------
-    def _local(self, s: Source) -> torch.Tensor:
-        return self.local[s.name].get()
+    # -- compilation ---------------------------------------------------------------------------------------------
+    def _stage_bytes(self, prog: Program) -> tuple[list[int], int]:
+        offs, total = [], 0
+        if prog.p2p is not None:
+            total = prog.p2p.recv_total + sum(prog.p2p.send_bytes.values())
+            return [0], align(total)
+        for st in prog.stages:
+            offs.append(total)
+            total += align(st.axis.size * st.slot)
+        return offs, total
 
-    def _view(self, buf: torch.Tensor, start: int, s: Source) -> torch.Tensor:
-        return buf[start:start + s.shard_nbytes].view(s.dtype).view(s.shard_shape)
+    def compile(self) -> None:
+        if self._compiled is not None:
+            return
+        sizes = [self._stage_bytes(p)[1] for p in self.programs]
+        per_arena = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
+                     for a in range(self.arenas_n)]
+        self.arenas = [torch.empty(max(n, 64), dtype=torch.uint8, device=self.device) for n in per_arena]
+        self._typed = [{} for _ in self.arenas]
+        self._compiled = [self._compile_bucket(k, p) for k, p in enumerate(self.programs)]
 
-    def _shards(self, run: _Run, s: Source) -> list[torch.Tensor]:
-        loc = run.prog.where[s.name]
-        if loc == LOCAL:
-            return [self._local(s)]
-        if isinstance(loc, list):  # point-to-point: one location per shard
-            return [self._local(s) if lo == LOCAL else self._view(run.p2p_recv, lo[2], s) for lo in loc]
-        kind, k = loc[0], loc[1]
-        stage = self._stage(run.prog, k)
-        rows = run.recv[k].view(stage.axis.size, stage.slot)
-        if kind == "striped":
-            return [self._view(rows[i], loc[2], s) for i in range(s.count)]
-        member, off = loc[2], loc[3]
-        step = align(s.shard_nbytes)
-        return [self._view(rows[member], off + i * step, s) for i in range(s.count)]
+    def _typed_arena(self, a: int, dtype: torch.dtype) -> torch.Tensor:
+        t = self._typed[a].get(dtype)
+        if t is None:
+            buf = self.arenas[a]
+            t = self._typed[a][dtype] = buf[:buf.numel() - buf.numel() % dtype.itemsize].view(dtype)
+        return t
 
-    @staticmethod
-    def _stage(prog: Program, k: int) -> Stage:
-        for wave in prog.waves:
-            if k < len(wave):
-                return wave[k]
-            k -= len(wave)
-        raise IndexError(k)
+    def _view(self, a: int, byte_offset: int, s: Source) -> torch.Tensor:
+        t = self._typed_arena(a, s.dtype)
+        return t[byte_offset // s.dtype.itemsize:][:s.shard_nbytes // s.dtype.itemsize].view(s.shard_shape)
 
-    # -- collectives -----------------------------------------------------------------------------------------
-    def _launch_wave(self, run: _Run) -> None:
-        prog = run.prog
-        wave = prog.waves[run.next_wave]
-        run.next_wave += 1
-        for stage in wave:
-            send = torch.empty(stage.slot, dtype=torch.uint8, device=self.device)
-            for s, off in stage.packs:
-                if stage.striped:  # my own TP shard
-                    send[off:off + s.shard_nbytes].copy_(_bytes_view(self._local(s)))
-                else:
+    def _compile_bucket(self, k: int, prog: Program) -> CBucket:
+        a = k % self.arenas_n
+        arena = self.arenas[a]
+        stage_offs, _ = self._stage_bytes(prog)
+        cb = CBucket(prog.bucket, prog.receive, a)
+        region_base: dict = {}
+        if prog.p2p is not None:
+            r = prog.p2p
+            base = 0
+            cb.p2p = CP2P([], [])
+            for dst_rank, items in r.sends.items():
+                n = r.send_bytes[dst_rank]
+                dsts, srcs, dyn = [], [], []
+                for s, _i, off in items:
+                    dsts.append(self._view(a, base + off, s))
+                    srcs.append(_source_of(self.local[s.name]))
+                    if callable(srcs[-1]) and not isinstance(srcs[-1], torch.Tensor):
+                        dyn.append(len(srcs) - 1)
+                cb.p2p.sends.append((dst_rank, arena[base:base + n], dsts, srcs, dyn))
+                base += align(n)
+            recv_base = base
+            for src_rank, off in r.recv_from.items():
+                cb.p2p.recvs.append((src_rank, arena[recv_base + off:recv_base + off + r.recv_bytes[src_rank]]))
+            region_base[0] = recv_base
+        for j, st in enumerate(prog.stages):
+            base = stage_offs[j]
+            region_base[j] = base
+            recv = arena[base:base + st.axis.size * st.slot]
+            mine = recv[st.axis.rank * st.slot:(st.axis.rank + 1) * st.slot]
+            dsts, srcs, dyn = [], [], []
+            for s, off in st.packs:
+                if st.striped:  # this rank's own TP shard
+                    dsts.append(self._view(a, base + st.axis.rank * st.slot + off, s))
+                    srcs.append(_source_of(self.local[s.name]))
+                else:  # every shard of the source, from where it is now
+                    loc = prog.before[j].get(s.name, Loc(LOCAL))
                     step = align(s.shard_nbytes)
-                    for i, shard in enumerate(self._shards(run, s)):
-                        send[off + i * step:off + i * step + s.shard_nbytes].copy_(_bytes_view(shard))
-            recv = torch.empty(stage.axis.size * stage.slot, dtype=torch.uint8, device=self.device)
-            run.recv.append(recv)
-            run.works.append(_all_gather(recv, send, group=stage.axis.group, async_op=True))
+                    for i in range(s.count):
+                        dsts.append(self._view(a, base + st.axis.rank * st.slot + off + i * step, s))
+                        if loc.region == LOCAL:
+                            srcs.append(_source_of(self.local[s.name]))
+                        else:
+                            srcs.append(self._view(a, region_base[loc.region] + loc.offsets[i], s))
+                if callable(srcs[-1]) and not isinstance(srcs[-1], torch.Tensor):
+                    dyn.append(len(srcs) - 1)
+            cb.stages.append(CStage(st.axis.group, recv, mine, dsts, srcs, dyn))
+        if prog.receive:
+            cb.copies = self._compile_copies(prog, a, region_base)
+            cb.dtypes = tuple(sorted({e.dtype for e in prog.bucket.entries}, key=str))
+        return cb
 
-    def _launch_p2p(self, run: _Run) -> None:
-        r = run.prog.p2p
-        ops = []
-        for dst, items in r.sends.items():
-            send = torch.empty(r.send_bytes[dst], dtype=torch.uint8, device=self.device)
-            for s, _i, off in items:
-                shard = self._local(s)
-                send[off:off + s.shard_nbytes].copy_(_bytes_view(shard))
-            ops.append(dist.P2POp(dist.isend, send, dst))
-        if r.recv_from:
-            run.p2p_recv = torch.empty(r.recv_total, dtype=torch.uint8, device=self.device)
-            for src, off in r.recv_from.items():
-                ops.append(dist.P2POp(dist.irecv, run.p2p_recv[off:off + r.recv_bytes[src]], src))
-        if ops:
-            run.works.extend(dist.batch_isend_irecv(ops))
+    def _compile_copies(self, prog: Program, a: int, region_base: dict) -> list[Copy]:
+        entries = {e.name: e for e in prog.bucket.entries}
+        raw: list[Copy] = []
+        for s in prog.bucket.sources:
+            loc = prog.where[s.name]
+            outs = [entries[n] for n in s.resolved.hf_names]
+            isz = s.dtype.itemsize
+            specs = s.resolved.op.copies(s.shard_shape, s.count)
+            if loc.region == LOCAL:
+                lt = self.local[s.name]
+                for c in specs:
+                    strides, off = c.resolve(0)
+                    raw.append(Copy(s.dtype, c.sizes, c.dst_strides, outs[c.out].start // isz + c.dst_offset,
+                                    None, _source_of(lt), strides, off))
+            else:
+                base = region_base[0 if loc.region == "mixed" else loc.region]
+                for j, c in enumerate(specs):
+                    for copy in self._placed(s, c, outs, loc.offsets, base, a):
+                        copy.tag = (type(s.resolved.op).__name__, j)
+                        raw.append(copy)
+            for name in s.resolved.copies:  # duplicates of the first output (MTP's embedding / head copies)
+                e, first = entries[name], outs[0]
+                raw.append(Copy(s.dtype, (first.nbytes // isz,), (1,), e.start // isz, None, ("out", first.start // isz),
+                                (1,), 0))
+        return _merge(raw, self._typed_arena, a)
 
-    def _wait(self, run: _Run) -> None:
-        for w in run.works:
-            w.wait()
-        run.works.clear()
+    def _placed(self, s: Source, c, outs, offs, base, a: int) -> list[Copy]:
+        """Copies of spec `c` for a source whose shard i sits at byte offset offs[i] (or is local)."""
+        isz = s.dtype.itemsize
+        dst0 = outs[c.out].start // isz + c.dst_offset
+        placed = all(o != LOCAL for o in offs)
+        steps = {offs[i + 1] - offs[i] for i in range(len(offs) - 1)} if placed and len(offs) > 1 else {s.shard_nbytes}
+        if placed and len(steps) == 1 and min(steps) > 0:  # evenly spaced, ascending: one strided copy
+            step = steps.pop() // isz
+            strides, off = c.resolve(step)
+            return [Copy(s.dtype, c.sizes, c.dst_strides, dst0, None, ("arena", a), strides,
+                         (base + offs[0]) // isz + off)]
+        # shards not evenly spaced (point-to-point segments in any order, or partly local): one copy per shard
+        out = []
+        per_shard = c.src_strides and c.src_strides[0] == "S" and c.sizes[0] == s.count
+        for i in (range(s.count) if per_shard else [c.src_shards]):
+            sizes, dstr, sstr = (c.sizes[1:], c.dst_strides[1:], c.src_strides[1:]) if per_shard else \
+                (c.sizes, c.dst_strides, c.src_strides)
+            doff = dst0 + (i * c.dst_strides[0] if per_shard else 0)
+            if offs[i] == LOCAL:
+                out.append(Copy(s.dtype, sizes, dstr, doff, None, _source_of(self.local[s.name]), sstr,
+                                c.src_offset))
+            else:
+                out.append(Copy(s.dtype, sizes, dstr, doff, None, ("arena", a), sstr,
+                                (base + offs[i]) // isz + c.src_offset))
+        return out
 
-    def start(self, index: int) -> _Run:
-        run = _Run(self.programs[index])
-        if run.prog.p2p is not None:
-            self._launch_p2p(run)
-        else:
-            self._launch_wave(run)  # the TP / expert-TP wave (no-op when empty)
-        return run
+    # -- collectives ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _pack(dsts: list, srcs: list, dynamic: list[int]) -> None:
+        if not dsts:
+            return
+        if dynamic:
+            srcs = list(srcs)
+            for i in dynamic:
+                srcs[i] = srcs[i]()
+        torch._foreach_copy_(dsts, srcs)
+
+    def _launch(self, cb: CBucket, j: int, works: list) -> None:
+        st = cb.stages[j]
+        self._pack(st.dsts, st.srcs, st.dynamic)
+        works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
+
+    def start(self, index: int, first_only: bool = False) -> tuple[CBucket, list, int]:
+        """Issue the collectives of bucket `index` that depend on nothing of this bucket not yet done."""
+        cb = self._compiled[index]
+        works: list = []
+        if cb.p2p is not None:
+            ops = []
+            for dst_rank, buf, dsts, srcs, dyn in cb.p2p.sends:
+                self._pack(dsts, srcs, dyn)
+                ops.append(dist.P2POp(dist.isend, buf, dst_rank))
+            for src_rank, buf in cb.p2p.recvs:
+                ops.append(dist.P2POp(dist.irecv, buf, src_rank))
+            if ops:
+                works.extend(dist.batch_isend_irecv(ops))
+            return cb, works, 0
+        stages = self.programs[index].stages
+        j = 0
+        while j < len(stages) and not stages[j].depends and (not first_only or stages[j].striped):
+            self._launch(cb, j, works)
+            j += 1
+        return cb, works, j
 
     def _now(self) -> float:
         if self._timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def finish(self, run: _Run) -> Bucket:
+    def finish(self, run: tuple[CBucket, list, int]) -> Bucket:
+        cb, works, j = run
         t0 = self._now()
-        self._wait(run)
-        while run.next_wave < len(run.prog.waves):
-            self._launch_wave(run)
-            self._wait(run)
+        for w in works:
+            w.wait()
+        while j < len(cb.stages):
+            works = []
+            self._launch(cb, j, works)
+            for w in works:
+                w.wait()
+            j += 1
         t1 = self._now()
         self.stats["gather_s"] += t1 - t0
-        bucket = self._convert(run)
+        bucket = self._convert(cb)
         self.stats["convert_s"] += self._now() - t1
         return bucket
 
-    def _convert(self, run: _Run) -> Bucket:
-        b = run.prog.bucket
-        if not run.prog.receive:
+    def _convert(self, cb: CBucket) -> Bucket:
+        b = cb.plan
+        if not cb.receive:
             return Bucket(b.index, None, b.entries)
         flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
-        views = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in b.entries}
-        for s in b.sources:
-            outs = [views[name] for name in s.hf_names]
-            n = s.resolved.op.n_out
-            s.resolved.op.to_hf(self._shards(run, s), outs[:n])
-            for out in outs[n:]:
-                out.copy_(outs[0])
+        typed = {dt: flat[:b.nbytes - b.nbytes % dt.itemsize].view(dt) for dt in cb.dtypes}
+        for c in cb.copies:
+            dst = typed[c.dtype].as_strided(c.sizes, c.dst_strides, c.dst_offset)
+            if c.src is not None:
+                dst.copy_(c.src)
+            elif isinstance(c.local, tuple):  # a duplicate of another output
+                dst.copy_(typed[c.dtype].as_strided(c.sizes, c.src_strides, c.local[1] + c.src_offset))
+            else:
+                p = c.local() if callable(c.local) and not isinstance(c.local, torch.Tensor) else c.local
+                if not p.is_contiguous():
+                    p = p.contiguous()
+                dst.copy_(p.as_strided(c.sizes, c.src_strides, p.storage_offset() + c.src_offset))
         return Bucket(b.index, flat, b.entries)
 
+    @torch.no_grad()  # parameters require grad; packing them must not record autograd history
     def run(self, on_bucket: Callable[[int], None] | None = None, timing: bool = False) -> Iterator[Bucket]:
         """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly."""
         self._timing = timing
+        self.compile()
         n = len(self.programs)
         if n == 0:
             return
         pending = self.start(0)
         for k in range(n):
-            nxt = self.start(k + 1) if k + 1 < n else None
+            nxt = None
+            if k + 1 < n and self.arenas_n > 1:  # the next bucket's first collectives overlap this conversion
+                nxt = self.start(k + 1, first_only=True)
             bucket = self.finish(pending)
+            if k + 1 < n and nxt is None:  # one arena: start the next as soon as this one is converted
+                nxt = self.start(k + 1)
             if on_bucket is not None:
                 on_bucket(k)
             yield bucket
             pending = nxt
+
+
+def _merge(raw: list[Copy], typed_arena, a: int) -> list[Copy]:
+    """Merge copies with equal shapes and strides whose source and destination offsets advance in equal
+    positive steps (a layer's experts from one EP rank, say) into batched copies; resolve arena sources to
+    precomputed views. Order does not matter: destinations are disjoint and sources are only read."""
+    out: list[Copy] = []
+    duplicates: list[Copy] = []  # copies of outputs: run after everything else
+    groups: dict[tuple, list[Copy]] = {}
+    for c in raw:
+        if isinstance(c.local, tuple) and c.local[0] == "arena":
+            groups.setdefault((c.dtype, c.sizes, c.dst_strides, c.src_strides, c.local, c.tag), []).append(c)
+        elif isinstance(c.local, tuple):
+            duplicates.append(c)
+        else:
+            out.append(c)  # parameters: one copy each
+    for group in groups.values():
+        group.sort(key=lambda c: (c.src_offset, c.dst_offset))
+        i = 0
+        while i < len(group):
+            first, n = group[i], 1
+            if i + 1 < len(group):
+                dstep = group[i + 1].dst_offset - first.dst_offset
+                sstep = group[i + 1].src_offset - first.src_offset
+                if dstep > 0 and sstep > 0:  # as_strided takes no negative strides
+                    while (i + n < len(group) and group[i + n].dst_offset - group[i + n - 1].dst_offset == dstep
+                           and group[i + n].src_offset - group[i + n - 1].src_offset == sstep):
+                        n += 1
+            out.append(_finalize(first, n, dstep if n > 1 else None, sstep if n > 1 else None, typed_arena))
+            i += n
+    return out + duplicates
+
+
+def _finalize(c: Copy, count: int, dstep, sstep, typed_arena) -> Copy:
+    sizes, dstr, sstr = c.sizes, c.dst_strides, c.src_strides
+    if count > 1:
+        sizes, dstr, sstr = (count, *sizes), (dstep, *dstr), (sstep, *sstr)
+    if isinstance(c.local, tuple) and c.local[0] == "arena":
+        src = typed_arena(c.local[1], c.dtype).as_strided(sizes, sstr, c.src_offset)
+        return Copy(c.dtype, sizes, dstr, c.dst_offset, src)
+    return Copy(c.dtype, sizes, dstr, c.dst_offset, None, c.local, sstr, c.src_offset)

@@ -1,12 +1,16 @@
 """Layout ops: small pure functions between one Megatron tensor, held as its tensor-parallel shards, and
 the HF tensor(s) it becomes.
 
-Every op works on the list of TP shards in rank order (a single-element list when the tensor is not
-sharded), so gathers never have to build an intermediate "full Megatron tensor":
+Every op works on the TP shards in rank order (one shard when the tensor is not sharded), so gathers never
+build an intermediate "full Megatron tensor". Each op is declared once, as data:
 
-    to_hf(shards, outs)                 writes the HF tensors into preallocated `outs` (one copy per byte)
+    copies(shard_shape, count)          the permutation as a few strided copies from the stacked shards (shard i
+                                        at i * S elements, S the shard step) into the HF tensors; the engine
+                                        compiles them once per plan and merges same-shaped runs into batched copies
     shard_from_hf(hf, index, count, full_shape) -> the shard `index` of `count`, reading only the slices it needs
     hf_shapes(full_shape)               the HF shapes, validating the Megatron shape against the config
+
+and `to_hf(shards, outs)` (the pure function) executes `copies` directly.
 
 `hf` items may be torch tensors or safetensors slices (anything with `[a:b]` / `[:, a:b]` indexing), which is
 how loading reads only the bytes a rank's shard needs. Each op is the exact inverse of the other direction:
@@ -16,6 +20,7 @@ the round trip is a permutation, tested bit for bit for every shard count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +45,34 @@ def _take(x, dim: int, start: int, stop: int) -> torch.Tensor:
 
 def _full(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else x[:]
+
+
+S = "S"  # in a source stride: the step between consecutive shards (known when the shards are placed)
+
+
+@dataclass(frozen=True)
+class StridedCopy:
+    """dst = out[c.out] viewed (sizes, dst_strides, dst_offset); src = stacked shards viewed (sizes, src_strides,
+    src_offset + src_shards * S), all in elements; S in src_strides is the shard step."""
+
+    out: int
+    sizes: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    src_strides: tuple
+    dst_offset: int = 0
+    src_offset: int = 0
+    src_shards: int = 0
+
+    def resolve(self, step: int) -> tuple[tuple[int, ...], int]:
+        """(source strides, source offset) once the shard step is known."""
+        return tuple(step if st == S else st for st in self.src_strides), self.src_offset + self.src_shards * step
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _check(cond: bool, what: str, expected, actual) -> None:
@@ -68,8 +101,19 @@ class LayoutOp:
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         raise NotImplementedError
 
-    def to_hf(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+    def copies(self, shard_shape: Shape, count: int) -> list[StridedCopy]:
         raise NotImplementedError
+
+    def to_hf(self, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        """Write the HF tensors into `outs` (contiguous) from the shards: `copies` executed directly."""
+        shard = shards[0]
+        src = shard.contiguous() if len(shards) == 1 else torch.stack([s.contiguous() for s in shards])
+        step = shard.numel()
+        for c in self.copies(tuple(shard.shape), len(shards)):
+            strides, offset = c.resolve(step)
+            dst = outs[c.out]
+            dst.as_strided(c.sizes, c.dst_strides, dst.storage_offset() + c.dst_offset).copy_(
+                src.as_strided(c.sizes, strides, src.storage_offset() + offset))
 
     def shard_from_hf(self, hf: Sequence, index: int, count: int, full_shape: Shape) -> torch.Tensor:
         raise NotImplementedError
@@ -108,8 +152,8 @@ class Replicated(LayoutOp):
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         return [tuple(full_shape)]
 
-    def to_hf(self, shards, outs) -> None:
-        outs[0].copy_(shards[0])
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        return [StridedCopy(0, (_numel(shard_shape),), (1,), (1,))]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         return _full(hf[0])
@@ -125,11 +169,14 @@ class Concat(LayoutOp):
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         return [tuple(full_shape)]
 
-    def to_hf(self, shards, outs) -> None:
-        if len(shards) == 1:
-            outs[0].copy_(shards[0])
-        else:
-            torch.cat(list(shards), dim=self.tp_dim, out=outs[0])
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        n = _numel(shard_shape)
+        if count == 1:
+            return [StridedCopy(0, (n,), (1,), (1,))]
+        if self.tp_dim == 0:  # shard i is rows [i*r, (i+1)*r)
+            return [StridedCopy(0, (count, n), (n, 1), (S, 1))]
+        r, c = shard_shape  # dim 1: out[row, i*c + j] = shard_i[row, j]
+        return [StridedCopy(0, (count, r, c), (c, count * c, 1), (S, c, 1))]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         n = full_shape[self.tp_dim] // count
@@ -167,18 +214,15 @@ class VocabRows(LayoutOp):
                f">= {self.vocab_size}", full_shape[0])
         return [(self.vocab_size, *full_shape[1:])]
 
-    def to_hf(self, shards, outs) -> None:
-        rows = shards[0].shape[0]
-        parts = []
-        for i, s in enumerate(shards):
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        rows, rest = shard_shape[0], _numel(shard_shape[1:])
+        out = []
+        for i in range(count):  # each shard's rows that are real vocabulary
             keep = min(rows, self.vocab_size - i * rows)
             if keep <= 0:
                 break
-            parts.append(s[:keep])
-        if len(parts) == 1:
-            outs[0].copy_(parts[0])
-        else:
-            torch.cat(parts, dim=0, out=outs[0])
+            out.append(StridedCopy(0, (keep * rest,), (1,), (1,), dst_offset=i * rows * rest, src_shards=i))
+        return out
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         rows = full_shape[0] // count
@@ -205,14 +249,9 @@ class GatedColumn(LayoutOp):
         half = (full_shape[0] // 2, *full_shape[1:])
         return [half, half]
 
-    def to_hf(self, shards, outs) -> None:
-        half = shards[0].shape[0] // 2
-        for j, out in enumerate(outs):
-            parts = [s[j * half:(j + 1) * half] for s in shards]
-            if len(parts) == 1:
-                out.copy_(parts[0])
-            else:
-                torch.cat(parts, dim=0, out=out)
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        block = shard_shape[0] // 2 * _numel(shard_shape[1:])  # gate_i, then up_i, in each shard
+        return [StridedCopy(j, (count, block), (block, 1), (S, 1), src_offset=j * block) for j in (0, 1)]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         n = full_shape[0] // 2 // count
@@ -249,18 +288,14 @@ class QKV(LayoutOp):
         rest = tuple(full_shape[1:])
         return [(self.num_heads * d, *rest), (g * d, *rest), (g * d, *rest)]
 
-    def to_hf(self, shards, outs) -> None:
-        d, hpg = self.head_dim, self._hpg
-        rest = tuple(shards[0].shape[1:])
-        groups_local = shards[0].shape[0] // ((hpg + 2) * d)
-        spans = [(0, hpg * d), (hpg * d, (hpg + 1) * d), ((hpg + 1) * d, (hpg + 2) * d)]
-        for out, (a, b) in zip(outs, spans):
-            parts = [s.view(groups_local, (hpg + 2) * d, *rest)[:, a:b] for s in shards]
-            dst = out.view(self.num_groups, b - a, *rest)
-            if len(parts) == 1:
-                dst.copy_(parts[0])
-            else:
-                torch.cat(parts, dim=0, out=dst)
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        hpg = self._hpg
+        d = self.head_dim * _numel(shard_shape[1:])  # one head's elements
+        gl = shard_shape[0] // ((hpg + 2) * self.head_dim)  # query groups per shard
+        block = (hpg + 2) * d  # one group: [q heads; k; v]
+        spans = [(0, hpg * d), (hpg * d, d), ((hpg + 1) * d, d)]
+        return [StridedCopy(j, (count, gl, n), (gl * n, n, 1), (S, block, 1), src_offset=start)
+                for j, (start, n) in enumerate(spans)]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         d, hpg = self.head_dim, self._hpg

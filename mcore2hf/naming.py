@@ -55,6 +55,7 @@ class LocalTensor:
     dim: int | None  # partition_dim attribute
     stride: int  # partition_stride attribute
     is_buffer: bool = False
+    param: torch.Tensor | None = None  # the Parameter itself (stays valid when training swaps its .data)
 
 
 def unwrap_model(model) -> list[torch.nn.Module]:
@@ -156,5 +157,6 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
                 dim=getattr(t, "partition_dim", None) if sharded else None,
                 stride=int(getattr(t, "partition_stride", 1) or 1),
                 is_buffer=is_buffer,
+                param=None if is_buffer else t,
             ))
     return out

@@ -297,6 +297,9 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
     if current.sources:
         buckets.append(current)
     for b in buckets:
+        # the round-robin picked what goes in; the layout is natural order, so each EP rank's experts are
+        # contiguous in staging and in the output alike, and their copies merge into batched ones
+        b.sources.sort(key=lambda s: natural_key(s.name))
         b.entries = pack_tight([(name, shape, src.dtype, src.name)
                                 for src in b.sources for name, shape in zip(src.hf_names, src.out_shapes())])
         b.nbytes = sum(e.nbytes for e in b.entries)
