@@ -381,7 +381,7 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
 
 def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_tp: int, port: int,
                  expect_failure: str | None = None, bucket_bytes: int = 64 * 1024, timeout: float = 30.0,
-                 rounds: int = 2):
+                 rounds: int = 2, group_backend: str = "gloo"):
     """Sync a real model through a sender to fake engines; with `expect_failure`, the first sync must fail on
     every rank with that message and leave the version at 0, then `rounds` syncs must succeed (the retry)."""
     import pytest
@@ -408,10 +408,12 @@ def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_t
         sender = VLLMColocatedSender(engine, engine_tp, timeout=timeout)
     elif kind == "sglang-distributed":
         engines = [SGLangHTTPEngine(u, timeout=timeout) for u in urls] if rank == 0 else None
-        sender = SGLangDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend="gloo", timeout=timeout)
+        sender = SGLangDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend=group_backend,
+                                         timeout=timeout)
     else:
         engines = [HTTPCollectiveRPC(u, timeout) for u in urls] if rank == 0 else None
-        sender = VLLMDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend="gloo", timeout=timeout)
+        sender = VLLMDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend=group_backend,
+                                       timeout=timeout)
     if expect_failure:
         with pytest.raises(EngineError, match=expect_failure):
             sync(ex, sender, bucket_bytes=bucket_bytes, progress=False)

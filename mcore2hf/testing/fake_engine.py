@@ -101,6 +101,8 @@ def _handler(state: _State):
                 self._reply(False, "not found")
 
         def do_POST(self):
+            if state.device.startswith("cuda"):  # the current device is per thread: each request has its own
+                torch.cuda.set_device(torch.device(state.device))
             path = self.path
             n = int(self.headers.get("Content-Length", 0))
             req = json.loads(self.rfile.read(n) or b"{}")

@@ -87,7 +87,8 @@ def init_megatron(layout: Layout) -> None:
         tp_random.model_parallel_cuda_manual_seed(1234)
 
 
-def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: tuple, out) -> None:
+def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: tuple, out,
+            backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -96,7 +97,9 @@ def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: t
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # megatron-core warns about apex, TE and fusions on every rank
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=size)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=size)
         init_megatron(Layout(**layout))
         result = fn(*args)
         out.put((rank, True, result))
@@ -113,14 +116,16 @@ def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: t
             pass
 
 
-def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600) -> list:
-    """fn(*args) on every rank of a new gloo world with `layout`; returns the per-rank results."""
+def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo") -> list:
+    """fn(*args) on every rank of a new world with `layout`; returns the per-rank results.
+
+    backend "gloo" (CPU) or "nccl" (one GPU per rank)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     size = layout.size
     port = free_port()
     # not daemonic: dist_checkpointing.save writes files from child processes of its own
-    procs = [ctx.Process(target=_worker, args=(r, size, port, asdict(layout), fn, args, out), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, size, port, asdict(layout), fn, args, out, backend), daemon=False)
              for r in range(size)]
     for p in procs:
         p.start()
