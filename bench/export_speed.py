@@ -1,0 +1,383 @@
+"""Export speed of a Qwen3-30B-A3B-sized model on GPUs, side by side with mbridge and a per-tensor baseline.
+
+    python bench/export_speed.py --layout ep4 --mbridge  # 4 GPUs (one process per GPU, NCCL)
+    python bench/export_speed.py --layout ep2 --bucket-mb 256           # 2 GPUs
+    python bench/export_speed.py --arch deepseek_v3 --layout ep2        # DeepSeek-V3 shapes, 4 layers + MTP
+    python bench/export_speed.py --cpu --layout ep2 --layers 2 --experts 8 --hidden 256 --heads 4 --moe-ffn 64 \
+        --vocab 1024 --mbridge                                          # the same code path on CPU (gloo)
+
+Builds a Megatron GPTModel with Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 heads, 4 KV groups, head_dim 128,
+128 experts, top-8, moe_ffn 768, vocab 151936, bf16, ~61 GB) with random weights made on the GPU, then measures on
+the same model in one run:
+
+* mcore2hf, every rank receiving every HF tensor (colocated RL sync): first call (plan + compile) and later calls;
+  and the one-destination mode (rank 0 receives, the save / distributed-sender case);
+* the per-tensor baseline in the style of slime's all_gather_params_async: per bucket, one async collective per
+  tensor (TP all-gather, EP all-gather), fire all, wait all, then concatenate and convert with the same layout ops;
+* mbridge 0.15.1 `export_weights` (per-tensor, blocking), on the model renamed to Transformer Engine's parameter
+  names (mcore2hf.testing.te_naming), as mbridge requires;
+* the NCCL floor: the bytes each rank must receive (everything it does not hold in full) over the receive rate of
+  an all-gather of a large buffer, measured in the same run.
+
+Prints one table: method, seconds, GB/s (HF bytes materialized per rank / s), ratio to mcore2hf, ratio to the
+floor, peak extra GPU memory (max_memory_allocated over what was allocated before the call); then the host issue
+time of a later mcore2hf export (the time the CPU takes to issue all its work; the GPU finishes after) and the
+memory after each of 20 consecutive exports (a leak check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+LAYOUTS = {
+    "ep4": dict(tp=1, pp=1, ep=4, etp=1),
+    "tp2ep2": dict(tp=2, pp=1, ep=2, etp=1, world_size=4),
+    "pp2ep2": dict(tp=1, pp=2, ep=2, etp=1),
+    "etp2": dict(tp=1, pp=1, ep=2, etp=2),
+    # 2 GPUs
+    "ep2": dict(tp=1, pp=1, ep=2, etp=1),
+    "tp2ep2-w2": dict(tp=2, pp=1, ep=2, etp=1),  # experts over the TP ranks
+    "pp2": dict(tp=1, pp=2, ep=1, etp=1),
+    "etp2-w2": dict(tp=1, pp=1, ep=1, etp=2),  # dense TP1 (DP2), experts ETP2
+    "tp1": dict(tp=1, pp=1, ep=1, etp=1),
+}
+
+
+# published configs' shapes (layers reduced by --layers where a model would not fit the GPUs)
+PRESETS = {
+    "qwen3_moe": dict(  # Qwen3-30B-A3B
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False),
+    "glm4_moe": dict(  # GLM-4.5-Air (46 layers, 106B): 16 layers by default
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=16, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=128,
+        num_experts_per_tok=8, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False, attention_bias=True,
+        partial_rotary_factor=0.5, num_nextn_predict_layers=1, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False),
+    "deepseek_v3": dict(  # DeepSeek-V3 (61 layers, 671B): 4 layers by default, 1 dense, plus the MTP layer
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128,
+        n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=1, n_shared_experts=1, n_group=8,
+        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_nextn_predict_layers=1,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_scaling=None, tie_word_embeddings=False),
+}
+EXPERTS_KEY = {"qwen3_moe": "num_experts", "glm4_moe": "n_routed_experts", "deepseek_v3": "n_routed_experts"}
+
+
+def hf_config(a) -> dict:
+    cfg = dict(PRESETS[a.arch])
+    for flag, key in (("layers", "num_hidden_layers"), ("experts", EXPERTS_KEY[a.arch]), ("hidden", "hidden_size"),
+                      ("moe_ffn", "moe_intermediate_size"), ("vocab", "vocab_size")):
+        if getattr(a, flag) is not None:
+            cfg[key] = getattr(a, flag)
+    if a.heads is not None:  # small CPU runs
+        cfg["num_attention_heads"] = a.heads
+        cfg["num_key_value_heads"] = min(cfg["num_key_value_heads"], a.heads)
+    return cfg
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mem(device) -> int:
+    import torch
+
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def timed(fn, device) -> tuple[float, int]:
+    """Seconds and peak extra memory of fn()."""
+    import torch
+
+    sync(device)
+    base = mem(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    dt = time.perf_counter() - t
+    peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
+    return dt, peak
+
+
+def consume(buckets) -> int:
+    """Materialize every bucket (the output buffer exists), dropping each before the next is built."""
+    n = 0
+    for bucket in buckets:
+        n += bucket.nbytes
+        del bucket
+    return n
+
+
+def per_tensor_baseline(ex, bucket_bytes: int) -> int:
+    """slime-style: per bucket of local tensors, one async all-gather per tensor and group, wait all, concat,
+    convert. Every rank gets every HF tensor. PP > 1 is not covered (slime broadcasts per tensor there)."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = ex.ctx
+    sources = ex.plan().sources
+    local = ex._local
+    names = [n for n in sources if n in local]
+    groups, size = [[]], 0
+    for n in names:
+        b = sources[n].shard_nbytes * max(1, ctx.ep.size if sources[n].is_expert else 1) * sources[n].count
+        if groups[-1] and size + b > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += b
+    total = 0
+    for group in groups:
+        pending = []
+        for n in group:
+            s, t = sources[n], local[n].get()
+            tp = ctx.etp if s.is_expert else ctx.tp
+            shards, works = [t], []
+            if s.count > 1:
+                shards = [torch.empty_like(t) for _ in range(tp.size)]
+                works.append(dist.all_gather(shards, t, group=tp.group, async_op=True))
+            experts = None
+            if s.is_expert and ctx.ep.size > 1:  # every EP rank's tensor of the same local index
+                experts = [[torch.empty_like(x) for _ in range(ctx.ep.size)] for x in shards]
+                for x, outs in zip(shards, experts):
+                    works.append(dist.all_gather(outs, x, group=ctx.ep.group, async_op=True))
+            pending.append((s, shards, experts, works))
+        for _, _, _, works in pending:
+            for w in works:
+                w.wait()
+        for s, shards, experts, _ in pending:
+            sets = [shards] if experts is None else [[e[m] for e in experts] for m in range(ctx.ep.size)]
+            for shard_list in sets:
+                for out in s.resolved.op.hf_tensors(shard_list):
+                    total += out.numel() * out.element_size()
+    return total
+
+
+def checksums(named) -> dict:
+    """name -> (shape, float64 sum) of every tensor, the sums left on the device until the end (no per-tensor sync)."""
+    import torch
+
+    out = {n: (tuple(t.shape), torch.sum(t, dtype=torch.float64)) for n, t in named}
+    return {n: (shape, s.item()) for n, (shape, s) in out.items()}
+
+
+def ours(ex, bb) -> dict:
+    return checksums((n, t) for bucket in ex.buckets(bb) for n, t in bucket)
+
+
+def mbridge_export(chunks, cfg, sums: dict) -> int:
+    from mbridge import AutoBridge
+
+    bridge = AutoBridge.from_config(cfg)
+    sums.update(checksums(bridge.export_weights(chunks)))
+    return len(sums)
+
+
+def compare(ref: dict, got: dict) -> str:
+    """Whether another method's tensors are ours: same names, shapes and float64 sums."""
+    missing, extra = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))
+    bad = [n for n in ref if n in got and got[n] != ref[n]]
+    if not (missing or extra or bad):
+        return f"same {len(ref)} names, shapes and sums as mcore2hf"
+    return f"DIFFERS: {len(missing)} missing {missing[:3]}, {len(extra)} extra {extra[:3]}, {len(bad)} differ " + \
+        ", ".join(f"{n}: {got[n]} vs ours {ref[n]}" for n in bad[:3])
+
+
+def nccl_floor(ex, device, dtype) -> tuple[float, float]:
+    """(bytes this rank must receive, receive rate in bytes/s of an all-gather of a large buffer)."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = ex.ctx
+    plan = ex.plan()
+    need = 0
+    for s in plan.sources.values():
+        held_fully = s.count == 1 and ctx.pp.rank in s.stages and (not s.is_expert or s.ep == ctx.ep.rank)
+        if not held_fully:
+            need += s.hf_nbytes
+    world = dist.get_world_size()
+    per_rank = 1 << 30
+    buf = torch.empty(world * per_rank, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dist.all_gather_into_tensor(buf, buf[ctx.rank * per_rank:(ctx.rank + 1) * per_rank])
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(5):
+        dist.all_gather_into_tensor(buf, buf[ctx.rank * per_rank:(ctx.rank + 1) * per_rank])
+    sync(device)
+    dt = (time.perf_counter() - t) / 5
+    del buf
+    return need, (world - 1) * per_rank / dt
+
+
+def job(a):
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    from mcore2hf import HFExporter
+    from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.model_specs.common import build_model, padded_vocab_size
+
+    spec = importlib.import_module(f"mcore2hf.model_specs.{a.arch}")
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if not a.cpu else torch.device("cpu")
+    cfg = load_hf_config(hf_config(a))
+    lay = LAYOUTS[a.layout]
+    t = time.perf_counter()
+    dtype = torch.bfloat16
+    if not a.cpu:  # Megatron's initialization draws from the tensor-parallel RNG tracker on the GPU
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    # initialized as in training, so every param carries Megatron's parallel attributes (mbridge reads them)
+    with torch.device(device):
+        chunks = build_model(spec, cfg, vocab_size=padded_vocab_size(cfg.vocab_size, lay["tp"]), params_dtype=dtype,
+                                       bf16=True, perform_initialization=True, use_cpu_initialization=a.cpu)
+    chunks = [c.to(dtype) for c in chunks]
+    g = torch.Generator(device=device).manual_seed(1234 + rank)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.normal_(0, 0.02, generator=g)
+    sync(device)
+    build_s = time.perf_counter() - t
+    params_gb = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()) / 1e9
+    bb = int(a.bucket_mb * 2**20)
+    ex = HFExporter(chunks, cfg)
+    rows = {}
+
+    first, peak_first = timed(lambda: consume(ex.buckets(bb)), device)  # plan + compile + export
+    plan = ex.plan(bb)
+    hf_bytes = plan.total_bytes
+    later = []
+    for _ in range(a.repeat):
+        later.append(timed(lambda: consume(ex.buckets(bb)), device))
+    rows["mcore2hf (all ranks)"] = (min(t for t, _ in later), max(p for _, p in later))
+    consume(ex.buckets(bb, receivers=0))
+    one = [timed(lambda: consume(ex.buckets(bb, receivers=0)), device) for _ in range(a.repeat)]
+    rows["mcore2hf (rank 0 only)"] = (min(t for t, _ in one), max(p for _, p in one))
+    consume(ex.buckets(bb, overlap=True))
+    two = [timed(lambda: consume(ex.buckets(bb, overlap=True)), device) for _ in range(a.repeat)]
+    rows["mcore2hf (all ranks, overlap)"] = (min(t for t, _ in two), max(p for _, p in two))
+    ex._executors.pop((bb, None, True))  # free its two arenas before the other methods run
+
+    # host issue time of a later export: the CPU is done issuing before the GPU is done
+    sync(device)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    consume(ex.buckets(bb))
+    issue = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    sync(device)
+    total = time.perf_counter() - t0
+
+    leak = []
+    for _ in range(a.leak_rounds):
+        consume(ex.buckets(bb))
+        sync(device)
+        leak.append(mem(device))
+
+    if lay["pp"] == 1 and not a.skip_baseline:
+        per_tensor_baseline(ex, bb)
+        base = [timed(lambda: per_tensor_baseline(ex, bb), device) for _ in range(max(1, a.repeat // 2))]
+        rows["per-tensor async (slime-style)"] = (min(t for t, _ in base), max(p for _, p in base))
+    floor_need, rate = nccl_floor(ex, device, dtype) if not a.cpu else (0, 0)
+
+    mb = None
+    if a.mbridge:
+        try:
+            from mcore2hf.testing.te_naming import to_te_names
+
+            ref = ours(ex, bb)
+            to_te_names(chunks)
+            got = {}
+            rows["mbridge 0.15.1 export_weights"] = timed(lambda: mbridge_export(chunks, cfg, got), device)
+            mb = compare(ref, got)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            rows["mbridge 0.15.1 export_weights"] = (float("nan"), 0)
+            mb = f"{type(e).__name__}: {str(e)[:300]}"
+    return dict(rank=rank, rows=rows, first=first, peak_first=peak_first, hf_bytes=hf_bytes, params_gb=params_gb,
+                build_s=build_s, issue=issue, cpu=cpu, total=total, leak=leak, floor_need=floor_need, rate=rate,
+                buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layout", default="ep4", choices=sorted(LAYOUTS))
+    ap.add_argument("--arch", default="qwen3_moe", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=None, help="overrides of the preset's shapes")
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--moe-ffn", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--bucket-mb", type=float, default=512)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--leak-rounds", type=int, default=20)
+    ap.add_argument("--mbridge", action="store_true", help="also time mbridge (slow: per-tensor blocking)")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU (small models): exercises the code path")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args()
+    from mcore2hf.testing.world import Layout, run_world
+
+    lay = LAYOUTS[a.layout]
+    layout = Layout(**lay)
+    res = run_world(job, layout, a, backend="gloo" if a.cpu else "nccl", timeout=3000)
+    r0 = res[0]
+    ref = max(x["rows"]["mcore2hf (all ranks)"][0] for x in res)  # the slowest rank finishes the export
+    floor = max(x["floor_need"] / x["rate"] if x["rate"] else 0 for x in res)
+    gb = r0["hf_bytes"] / 1e9
+    c = hf_config(a)
+    print(f"\n{a.arch} {c['num_hidden_layers']} layers x {c[EXPERTS_KEY[a.arch]]} experts, hidden {c['hidden_size']}: "
+          f"{r0['tensors']} HF tensors, "
+          f"{gb:.1f} GB bf16, {r0['buckets']} buckets of {a.bucket_mb:g} MiB; layout {a.layout} ({layout.size} ranks, "
+          f"{'CPU/gloo' if a.cpu else 'GPU/NCCL'}); params per rank {r0['params_gb']:.1f} GB")
+    if floor:
+        print(f"NCCL floor: rank needs up to {max(x['floor_need'] for x in res) / 1e9:.1f} GB at "
+              f"{min(x['rate'] for x in res) / 1e9:.0f} GB/s (all-gather receive rate, 1 GiB/rank) = {floor:.3f} s")
+    print(f"{'method':<34} {'seconds':>9} {'GB/s':>8} {'vs mcore2hf':>12} {'vs floor':>9} {'peak extra GiB':>15}")
+    for name in r0["rows"]:
+        sec_max = max(x["rows"][name][0] for x in res)  # the slowest rank finishes the export
+        peak_max = max(x["rows"][name][1] for x in res)
+        rate = gb / sec_max if sec_max == sec_max and sec_max > 0 else float("nan")
+        print(f"{name:<34} {sec_max:>9.3f} {rate:>8.1f} {sec_max / ref:>11.1f}x "
+              f"{(sec_max / floor if floor else float('nan')):>8.2f}x {peak_max / 2**30:>15.2f}")
+    print(f"first mcore2hf call (plan + compile + export): {max(x['first'] for x in res):.2f} s, "
+          f"peak extra {max(x['peak_first'] for x in res) / 2**30:.2f} GiB")
+    print(f"host: issuing a later export took {r0['issue'] * 1e3:.1f} ms of its {r0['total'] * 1e3:.1f} ms "
+          f"({r0['issue'] / r0['total']:.0%}; process CPU time {r0['cpu'] * 1e3:.1f} ms)")
+    leak = r0["leak"]
+    if leak:
+        print(f"memory allocated after each of {len(leak)} exports: first {leak[0] / 2**30:.3f} GiB, last "
+              f"{leak[-1] / 2**30:.3f} GiB, growth {(leak[-1] - leak[0]) / 2**20:.1f} MiB")
+    for x in res:
+        if x.get("mbridge_note"):
+            print(f"mbridge on rank {x['rank']}: {x['mbridge_note']}")
+    print(f"command: {' '.join(sys.argv)}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, default=str)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    main()
