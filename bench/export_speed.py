@@ -113,6 +113,28 @@ def timed(fn, device) -> tuple[float, int]:
     return dt, peak
 
 
+def gpu_busy(fn, device) -> tuple[float, float]:
+    """(GPU busy seconds, span seconds) of fn(): the union of all kernel and memcpy intervals on all streams, from
+    the CUDA profiler. span - busy is the time the GPU waited (on the host, or on a dependency)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy / 1e6, (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0
+
+
 def consume(buckets) -> int:
     """Materialize every bucket (the output buffer exists), dropping each before the next is built."""
     n = 0
@@ -288,6 +310,12 @@ def job(a):
     sync(device)
     total = time.perf_counter() - t0
 
+    try:
+        busy = gpu_busy(lambda: consume(ex.buckets(bb)), device) if not a.cpu else (0.0, 0.0)
+    except Exception as e:  # noqa: BLE001 - the profiler is optional here
+        print(f"rank {rank}: no GPU profile: {e}")
+        busy = (0.0, 0.0)
+
     leak = []
     for _ in range(a.leak_rounds):
         consume(ex.buckets(bb))
@@ -314,7 +342,7 @@ def job(a):
             rows["mbridge 0.15.1 export_weights"] = (float("nan"), 0)
             mb = f"{type(e).__name__}: {str(e)[:300]}"
     return dict(rank=rank, rows=rows, first=first, peak_first=peak_first, hf_bytes=hf_bytes, params_gb=params_gb,
-                build_s=build_s, issue=issue, cpu=cpu, total=total, leak=leak, floor_need=floor_need, rate=rate,
+                build_s=build_s, issue=issue, busy=busy, cpu=cpu, total=total, leak=leak, floor_need=floor_need, rate=rate,
                 buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb)
 
 
@@ -364,6 +392,10 @@ def main():
           f"peak extra {max(x['peak_first'] for x in res) / 2**30:.2f} GiB")
     print(f"host: issuing a later export took {r0['issue'] * 1e3:.1f} ms of its {r0['total'] * 1e3:.1f} ms "
           f"({r0['issue'] / r0['total']:.0%}; process CPU time {r0['cpu'] * 1e3:.1f} ms)")
+    if r0["busy"][1]:
+        b, span = r0["busy"]
+        print(f"GPU (CUDA profiler, one later export): kernels and copies busy {b * 1e3:.1f} ms of a {span * 1e3:.1f} ms "
+              f"span: idle {1 - b / span:.0%} (waiting on the host or on a dependency)")
     leak = r0["leak"]
     if leak:
         print(f"memory allocated after each of {len(leak)} exports: first {leak[0] / 2**30:.3f} GiB, last "

@@ -5,6 +5,7 @@
 #   bash bench/on_device.sh "python3 bench/gpu_senders.py" "python3 bench/export_speed.py --layout ep2 --mbridge"
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TORCH_NCCL_ENABLE_MONITORING=0  # no heartbeat noise when an engine outlives the trainer's store
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
