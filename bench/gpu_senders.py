@@ -43,7 +43,8 @@ def main() -> None:
     for arch in ("qwen3_moe", "glm4_moe"):
         ckpt = make_hf_checkpoint(tiny_config(arch, hidden_size=512, moe_intermediate_size=256,
                                               intermediate_size=768), os.path.join(work, arch), dtype=torch.bfloat16)
-        ref = {n: digest(t) for n, t in read_hf_checkpoint(ckpt).items()}
+        ref = {n: (digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
+               for n, t in read_hf_checkpoint(ckpt).items()}
         nbytes = sum(t.numel() * t.element_size() for t in read_hf_checkpoint(ckpt).values())
         for kind, gpus in (("sglang-colocated", (0, 1)), ("vllm-colocated", (0, 1)),
                            ("sglang-distributed", remote), ("vllm-distributed", remote)):
@@ -51,12 +52,18 @@ def main() -> None:
             try:
                 t = time.perf_counter()
                 run_world(worlds.sender_suite, layout, ckpt, layout, kind, [e.url for e in engines], 1, free_port(),
-                          None, 4 * 2**20, 120.0, 2, "nccl", backend="nccl", timeout=900)
+                          None, 4 * 2**20, 120.0, 2, "nccl", torch.bfloat16, backend="nccl", timeout=900)
                 dt = time.perf_counter() - t
                 ok = []
                 for e in engines:
-                    got = {n: v[0] for n, v in e.state()["weights"]["0"].items()}
-                    ok.append(got == ref)
+                    got = {n: tuple(v) for n, v in e.state()["weights"]["0"].items()}
+                    ref_t = {n: tuple(v) for n, v in ref.items()}
+                    ok.append(got == ref_t)
+                    if got != ref_t:
+                        bad = sorted(n for n in ref_t if got.get(n) != ref_t[n])
+                        print(f"{arch} {kind} engine {e.url}: {len(bad)} of {len(ref_t)} differ, e.g. "
+                              f"{[(n, got.get(n, 'missing')[1:], ref_t[n][1:]) for n in bad[:3]]}; "
+                              f"extra {sorted(set(got) - set(ref_t))[:3]}")
                 rows.append((arch, kind, f"GPUs {gpus}", len(ref), nbytes, all(ok), dt))
             finally:
                 for e in engines:

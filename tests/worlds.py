@@ -381,7 +381,7 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
 
 def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_tp: int, port: int,
                  expect_failure: str | None = None, bucket_bytes: int = 64 * 1024, timeout: float = 30.0,
-                 rounds: int = 2, group_backend: str = "gloo"):
+                 rounds: int = 2, group_backend: str = "gloo", dtype: torch.dtype = torch.float32):
     """Sync a real model through a sender to fake engines; with `expect_failure`, the first sync must fail on
     every rank with that message and leave the version at 0, then `rounds` syncs must succeed (the retry)."""
     import pytest
@@ -396,7 +396,7 @@ def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_t
     from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMDistributedSender
     from mcore2hf.testing.fake_engine import HTTPCollectiveRPC
 
-    cfg, chunks = build(ckpt, layout)
+    cfg, chunks = build(ckpt, layout, dtype)
     load_hf_weights(chunks, ckpt)
     ex = HFExporter(chunks, cfg)
     rank = dist.get_rank()
