@@ -38,8 +38,10 @@ class HFExporter:
       * a rank or list of ranks: only those get tensors (saving, a distributed sender), and each shard is
         sent once to each of them; the others yield empty buckets so every rank's loop runs in step.
 
-    Peak extra memory per rank is about two buckets (the receive buffers of the bucket being converted and its
-    output buffer) plus the first-stage receive buffer of the next bucket, which is in flight meanwhile.
+    Extra memory per rank: a staging arena for the collectives (the largest bucket's gathered shards; two with
+    `overlap=True`), kept between calls so later exports allocate nothing for it (`release()` frees it), plus the
+    output buffer of the bucket being built, plus any bucket the caller still holds. A tensor larger than
+    `bucket_bytes` is a bucket alone, so a bucket here is at most max(bucket_bytes, largest tensor).
     """
 
     def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None):
@@ -94,6 +96,10 @@ class HFExporter:
             raise ValueError(f"receivers must be 'all' or ranks in [0, {self.ctx.world_size}), got {receivers!r}")
         return out
 
+    def release(self) -> None:
+        """Free the compiled executors and their staging arenas (the plan is kept; the next export recompiles)."""
+        self._executors.clear()
+
     def executor(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
                  overlap: bool = False) -> Executor:
         """The compiled executor for these settings (built and cached on first use)."""
@@ -110,7 +116,7 @@ class HFExporter:
                 overlap: bool = False) -> Iterator[Bucket]:
         """Yield buckets of (HF name, full tensor). Every rank must iterate to the end.
 
-        Drop each bucket before asking for the next to keep peak memory at about two buckets. `overlap=True`
+        Drop each bucket before asking for the next to keep one output bucket alive at a time. `overlap=True`
         runs the next bucket's first collectives while this one is converted, with one more bucket of staging."""
         yield from self.executor(bucket_bytes, receivers, overlap).run()
 

@@ -501,6 +501,7 @@ class Executor:
             if on_bucket is not None:
                 on_bucket(k)
             yield bucket
+            del bucket  # a consumer that dropped it frees it before the next is built: one output bucket alive
             pending = nxt
 
 
