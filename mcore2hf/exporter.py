@@ -111,7 +111,6 @@ class HFExporter:
         return self._executors[key]
 
     # -- export ----------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
                 overlap: bool = False) -> Iterator[Bucket]:
         """Yield buckets of (HF name, full tensor). Every rank must iterate to the end.

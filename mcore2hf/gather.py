@@ -482,9 +482,21 @@ class Executor:
                 dst.copy_(p.as_strided(c.sizes, c.src_strides, p.storage_offset() + c.src_offset))
         return Bucket(b.index, flat, b.entries)
 
-    @torch.no_grad()  # parameters require grad; packing them must not record autograd history
     def run(self, on_bucket: Callable[[int], None] | None = None, timing: bool = False) -> Iterator[Bucket]:
-        """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly."""
+        """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly.
+
+        Holds no reference to a yielded bucket while building the next (torch.no_grad as a generator decorator
+        would): a consumer that drops each bucket keeps one output buffer alive."""
+        steps = self._run(on_bucket, timing)
+        while True:
+            with torch.no_grad():  # parameters require grad; packing them must not record autograd history
+                bucket = next(steps, None)
+            if bucket is None:
+                return
+            yield bucket
+            del bucket
+
+    def _run(self, on_bucket: Callable[[int], None] | None, timing: bool) -> Iterator[Bucket]:
         self._timing = timing
         self.compile()
         n = len(self.programs)

@@ -328,6 +328,20 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
         dist.all_gather_object = real
     assert calls["n"] == 0, "later exports must not rebuild the plan"
 
+    # a consumer that drops each bucket keeps one output buffer alive; grad mode is the caller's between buckets
+    import weakref
+
+    prev, n = [None], 0
+
+    def built(k: int) -> None:  # called once bucket k is converted, before it is yielded
+        assert prev[0] is None or prev[0]() is None, f"bucket {k - 1}'s buffer is alive while bucket {k} is built"
+
+    for bucket in ex.executor(8192).run(on_bucket=built):
+        assert torch.is_grad_enabled()
+        prev[0], n = weakref.ref(bucket.flat), n + 1
+        del bucket
+    assert n > 3
+
     # interleaving stages and EP ranks keeps the padded PP collective close to the real bytes
     plan = ex.plan(256 * 1024)  # ~20 tensors per bucket (an expert's fc1 is 16 KiB here)
     pp = layout.pp
