@@ -52,7 +52,7 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         send_s += time.perf_counter() - t
         n += 1
         nbytes += bucket.nbytes
-        del bucket  # dropped before the next is built: peak memory stays at about two buckets
+        del bucket  # dropped before the next is built: one output bucket alive (plus what the sender holds)
         if bar is not None:
             bar.update(1)
     if bar is not None:
