@@ -12,7 +12,7 @@ It holds, identically on every rank:
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import regex
 import torch
@@ -261,6 +261,17 @@ def build_sources(records: list[RankRecord], converter: Converter, dims: ModelDi
     return sources
 
 
+def split_copies(src: Source, bucket_bytes: int) -> list[Source]:
+    """A tensor whose published copies (MTP's embedding / head) take it over the budget: each copy becomes a unit
+    of its own, made again from the same shards, so no bucket holds a large tensor twice."""
+    r = src.resolved
+    if not r.copies or len(r.hf_names) != 1 or src.hf_nbytes <= bucket_bytes:
+        return [src]
+    units = [replace(src, resolved=replace(r, copies=()))]
+    units += [replace(src, resolved=replace(r, hf_names=(name,), copies=())) for name in r.copies]
+    return units
+
+
 def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[BucketPlan]:
     """Byte-bounded buckets; a tensor larger than the budget is a bucket alone.
 
@@ -270,13 +281,13 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     queues: dict[tuple[int, int], list[Source]] = defaultdict(list)
     for s in sources.values():  # already in natural order
-        queues[(s.stage, s.ep)].append(s)
+        queues[(s.stage, s.ep)].extend(split_copies(s, bucket_bytes))
     heads = dict.fromkeys(queues, 0)
     buckets: list[BucketPlan] = []
     current = BucketPlan(0)
     per_stage: dict[int, int] = defaultdict(int)  # what the PP all-gather pads to
     per_class: dict[tuple[int, int], int] = defaultdict(int)  # what the EP all-gather pads to
-    remaining = len(sources)
+    remaining = sum(len(q) for q in queues.values())
     while remaining:
         live = [c for c in queues if heads[c] < len(queues[c])]
         stage = min({c[0] for c in live}, key=lambda st: (per_stage[st], st))
