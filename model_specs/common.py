@@ -195,6 +195,27 @@ def mtp_fields(cfg) -> dict:
     return {"mtp_num_layers": n} if n else {}
 
 
+def dense_decoder(attention):
+    """The spec functions of a dense Llama-style decoder (is_moe_layer, dims, transformer_config,
+    structural_fields, gpt_kwargs); `attention(cfg)` gives its attention options (qk_layernorm, add_qkv_bias),
+    used both to build the TransformerConfig and to check a model against the HF config."""
+
+    def is_moe_layer(cfg, layer: int) -> bool:
+        return False
+
+    def dims(cfg):
+        return base_dims(cfg)
+
+    def transformer_config(cfg, **overrides):
+        return make_config({**llama_like_fields(cfg), **attention(cfg)}, overrides)
+
+    def structural_fields(cfg) -> dict:
+        return dict(base_structural(cfg), ffn_hidden_size=cfg.intermediate_size, num_moe_experts=None,
+                    **attention(cfg))
+
+    return is_moe_layer, dims, transformer_config, structural_fields, default_gpt_kwargs
+
+
 def spec_builder(module_name: str):
     """`build_model(cfg, **kwargs)` for the spec module `module_name`."""
     import sys
