@@ -30,6 +30,7 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> 
     from .hf_config import load_hf_config
     from .model_specs.common import padded_vocab_size
     from .registry import get_model_spec
+    from .testing.forward import megatron_logits
     from .testing.tiny import read_hf_checkpoint
 
     cfg = load_hf_config(ckpt)
@@ -55,18 +56,7 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> 
 
     logits = None
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        model = chunks[0].eval()
-        b, s = tokens.shape
-        pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
-        with torch.no_grad():
-            out = model(tokens, pos, attention_mask=mask)
-        tp = ps.get_tensor_model_parallel_world_size()
-        if tp > 1:
-            parts = [torch.empty_like(out) for _ in range(tp)]
-            dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-            out = torch.cat(parts, dim=-1)
-        logits = out[..., :cfg.vocab_size]
+        logits = megatron_logits(chunks, tokens, cfg.vocab_size)
     return dict(rank=dist.get_rank(), identical=identical, tensors=len(got), bytes=nbytes,
                 buckets=len(plan.buckets), first_s=first, second_s=second, logits=logits)
 

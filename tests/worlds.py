@@ -11,6 +11,7 @@ from mcore2hf import HFExporter, load_hf_weights
 from mcore2hf.hf_config import load_hf_config
 from mcore2hf.model_specs.common import padded_vocab_size
 from mcore2hf.registry import get_model_spec
+from mcore2hf.testing.forward import megatron_logits
 from mcore2hf.testing.te_naming import te_names_of, to_te_names
 from mcore2hf.testing.tiny import read_hf_checkpoint
 from mcore2hf.testing.world import Layout
@@ -128,24 +129,6 @@ def for_each_arch(fn, ckpts: dict[str, str], *args) -> dict[str, object]:
         except Exception:  # noqa: BLE001
             out[mt] = AssertionError(traceback.format_exc())
     return out
-
-
-def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Forward of a PP=1 model on every rank; vocab-parallel logits gathered over TP, trimmed to the HF vocab."""
-    from megatron.core import parallel_state as ps
-
-    model = chunks[0].eval()
-    b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True = masked
-    with torch.no_grad():
-        logits = model(tokens, pos, attention_mask=mask)
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(logits) for _ in range(tp)]
-        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
-        logits = torch.cat(parts, dim=-1)
-    return logits[..., :vocab_size].float()
 
 
 def parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, te_names: bool = False):
