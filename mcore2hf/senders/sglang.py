@@ -196,18 +196,16 @@ class SGLangColocatedSender(_SenderBase):
         self._agree()
 
 
-class SGLangDistributedSender(_SenderBase):
-    """Engines on other GPUs or nodes: trainer rank 0 broadcasts each bucket over a weight-update group.
-
-    `engines` (on trainer rank 0) are the engine clients and `engine_world_sizes` their TP sizes; engine i's
-    ranks join the group at rank_offset 1 + sum of the earlier sizes. Only rank 0 receives full tensors
-    (`receivers = [0]`); the other trainer ranks only take part in the gathers."""
+class _BroadcastSender(_SenderBase):
+    """Trainer rank 0 forms a weight-update group with every engine rank (engine i's ranks at rank_offset 1 + the
+    earlier engines' sizes) and broadcasts each bucket's flat buffer, while the engines are told what to expect.
+    Subclasses give the engine calls (`_init_calls`, `_update_calls`)."""
 
     receivers = (0,)
+    _join_failed = "joining the weight-update group: "
 
-    def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int, *,
-                 group_name: str = "mcore2hf_weights", backend: str = "nccl", timeout: float = 300.0,
-                 flush_cache: bool = True):
+    def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int,
+                 group_name: str, backend: str, timeout: float):
         super().__init__(timeout)
         self.is_source = dist.get_rank() == 0
         self.engines = list(engines or []) if self.is_source else []
@@ -216,7 +214,7 @@ class SGLangDistributedSender(_SenderBase):
         self.sizes = list(engine_world_sizes)
         self.world_size = 1 + sum(self.sizes)
         self.master_address, self.master_port = master_address, master_port
-        self.base_name, self.backend, self.flush = group_name, backend, flush_cache
+        self.base_name, self.backend = group_name, backend
         self.token = uuid.uuid4().hex[:8]  # engines refuse a group name they already have (e.g. after a restart)
         self.pg = None
         self.attempt = 0
@@ -225,26 +223,28 @@ class SGLangDistributedSender(_SenderBase):
     def group_name(self) -> str:
         return f"{self.base_name}_{self.token}_{self.attempt}"
 
+    def _init_calls(self, offsets: list[int]) -> list[tuple]:
+        raise NotImplementedError
+
+    def _update_calls(self, bucket: Bucket) -> list[tuple]:
+        raise NotImplementedError
+
     def connect(self) -> None:
         """Form the weight-update group (rank 0 and every engine rank). Called by begin() when needed."""
         if not self.is_source or self.pg is not None:
             return
         self.attempt += 1
         offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        results = self._parallel([
-            (e.init_weights_update_group, dict(master_address=self.master_address, master_port=self.master_port,
-                                                rank_offset=off, world_size=self.world_size,
-                                                group_name=self.group_name, backend=self.backend))
-            for e, off in zip(self.engines, offsets)], lambda: self._join())
-        if results:
+        errors = self._parallel(self._init_calls(offsets), self._join)
+        if errors:
             self._teardown()
-            raise EngineError("init_weights_update_group failed: " + "; ".join(results))
+            raise EngineError(self._join_failed + "; ".join(errors))
 
     def _join(self) -> None:
         self.pg = join_weight_update_group(self.master_address, self.master_port, 0, self.world_size,
                                            self.group_name, self.backend, self.timeout)
 
-    def _parallel(self, calls, local=None) -> list[str]:
+    def _parallel(self, calls, local) -> list[str]:
         """Engine calls in threads (each blocks until the group op completes), `local` meanwhile; errors."""
         errors: list[str] = []
 
@@ -258,8 +258,7 @@ class SGLangDistributedSender(_SenderBase):
         for t in threads:
             t.start()
         try:
-            if local is not None:
-                local()
+            local()
         except Exception as e:  # noqa: BLE001
             errors.append(f"trainer rank 0: {type(e).__name__}: {e}")
         for t in threads:
@@ -275,23 +274,10 @@ class SGLangDistributedSender(_SenderBase):
         except EngineError as e:
             self._fail(str(e))
 
-    def pause(self) -> None:
-        for e in self.engines:
-            _call(e.pause_generation)
-
-    def resume(self) -> None:
-        for e in self.engines:
-            _call(e.continue_generation)
-
     def send(self, bucket: Bucket) -> None:
         if not self.is_source or self._error is not None:
             return
-        meta = dict(names=[e.name for e in bucket.entries],
-                    dtypes=[str(e.dtype).removeprefix("torch.") for e in bucket.entries],
-                    shapes=[list(e.shape) for e in bucket.entries], group_name=self.group_name,
-                    flush_cache=False, weight_version=str(self._pending), load_format="flattened_bucket")
-        errors = self._parallel([(e.update_weights_from_distributed, meta) for e in self.engines],
-                                lambda: broadcast(bucket.flat, self.pg, self.timeout))
+        errors = self._parallel(self._update_calls(bucket), lambda: broadcast(bucket.flat, self.pg, self.timeout))
         if errors:
             self._fail(f"bucket {bucket.index}: " + "; ".join(errors))
             self._teardown()  # a lost peer leaves the group unusable: a retry forms a new one
@@ -300,6 +286,46 @@ class SGLangDistributedSender(_SenderBase):
         if self.pg is not None:
             destroy_group(self.pg)
             self.pg = None
+
+    def finish(self) -> None:
+        self._agree()
+
+
+class SGLangDistributedSender(_BroadcastSender):
+    """Engines on other GPUs or nodes: trainer rank 0 broadcasts each bucket over a weight-update group.
+
+    `engines` (on trainer rank 0) are the engine clients and `engine_world_sizes` their TP sizes; engine i's
+    ranks join the group at rank_offset 1 + sum of the earlier sizes. Only rank 0 receives full tensors
+    (`receivers = [0]`); the other trainer ranks only take part in the gathers."""
+
+    _join_failed = "init_weights_update_group failed: "
+
+    def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int, *,
+                 group_name: str = "mcore2hf_weights", backend: str = "nccl", timeout: float = 300.0,
+                 flush_cache: bool = True):
+        super().__init__(engines, engine_world_sizes, master_address, master_port, group_name, backend, timeout)
+        self.flush = flush_cache
+
+    def _init_calls(self, offsets: list[int]) -> list[tuple]:
+        return [(e.init_weights_update_group, dict(master_address=self.master_address, master_port=self.master_port,
+                                                    rank_offset=off, world_size=self.world_size,
+                                                    group_name=self.group_name, backend=self.backend))
+                for e, off in zip(self.engines, offsets)]
+
+    def _update_calls(self, bucket: Bucket) -> list[tuple]:
+        meta = dict(names=[e.name for e in bucket.entries],
+                    dtypes=[str(e.dtype).removeprefix("torch.") for e in bucket.entries],
+                    shapes=[list(e.shape) for e in bucket.entries], group_name=self.group_name,
+                    flush_cache=False, weight_version=str(self._pending), load_format="flattened_bucket")
+        return [(e.update_weights_from_distributed, meta) for e in self.engines]
+
+    def pause(self) -> None:
+        for e in self.engines:
+            _call(e.pause_generation)
+
+    def resume(self) -> None:
+        for e in self.engines:
+            _call(e.continue_generation)
 
     def finish(self) -> None:
         if self.is_source and self._error is None and self.flush:

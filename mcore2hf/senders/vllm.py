@@ -17,17 +17,14 @@ wrapper).
 
 from __future__ import annotations
 
-import threading
-import uuid
-
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..buckets import Bucket
-from .process_group import broadcast, destroy_group, join_weight_update_group
+from .process_group import broadcast, join_weight_update_group
 from .receiver import tight_views
-from .sglang import EngineError, _call, _SenderBase
+from .sglang import EngineError, _BroadcastSender, _call, _SenderBase
 
 
 def device_uuid(device: torch.device | int | None = None) -> str:
@@ -150,79 +147,19 @@ class VLLMColocatedSender(_SenderBase):
         self._agree()
 
 
-class VLLMDistributedSender(_SenderBase):
+class VLLMDistributedSender(_BroadcastSender):
     """Remote vLLM workers: trainer rank 0 broadcasts each bucket; `engines` (rank 0) call collective_rpc."""
-
-    receivers = (0,)
 
     def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int, *,
                  group_name: str = "mcore2hf_weights", backend: str = "nccl", timeout: float = 300.0):
-        super().__init__(timeout)
-        self.is_source = dist.get_rank() == 0
-        self.engines = list(engines or []) if self.is_source else []
-        self.sizes = list(engine_world_sizes)
-        self.world_size = 1 + sum(self.sizes)
-        self.master_address, self.master_port = master_address, master_port
-        self.base_name, self.backend = group_name, backend
-        self.token = uuid.uuid4().hex[:8]  # engines refuse a group name they already have (e.g. after a restart)
-        self.pg, self.attempt = None, 0
+        super().__init__(engines, engine_world_sizes, master_address, master_port, group_name, backend, timeout)
 
-    def _threads(self, calls, local) -> list[str]:
-        errors: list[str] = []
+    def _init_calls(self, offsets: list[int]) -> list[tuple]:
+        return [(e.collective_rpc, dict(method="mcore2hf_init_group", args=(
+            self.master_address, self.master_port, off, self.world_size, self.group_name, self.backend,
+            self.timeout.total_seconds()))) for e, off in zip(self.engines, offsets)]
 
-        def run(fn, kwargs):
-            try:
-                _call(fn, **kwargs)
-            except EngineError as e:
-                errors.append(str(e))
-
-        threads = [threading.Thread(target=run, args=c, daemon=True) for c in calls]
-        for t in threads:
-            t.start()
-        try:
-            local()
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"trainer rank 0: {type(e).__name__}: {e}")
-        for t in threads:
-            t.join(self.timeout.total_seconds())
-            if t.is_alive():
-                errors.append(f"an engine did not answer within {self.timeout}")
-        return errors
-
-    def begin(self, version: int) -> None:
-        super().begin(version)
-        if not self.is_source or self.pg is not None:
-            return
-        self.attempt += 1
-        name = f"{self.base_name}_{self.token}_{self.attempt}"
-        offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
-
-        def join():
-            self.pg = join_weight_update_group(self.master_address, self.master_port, 0, self.world_size, name,
-                                               self.backend, self.timeout)
-
-        errors = self._threads([(e.collective_rpc, dict(method="mcore2hf_init_group", args=(
-            self.master_address, self.master_port, off, self.world_size, name, self.backend,
-            self.timeout.total_seconds()))) for e, off in zip(self.engines, offsets)], join)
-        if errors:
-            self._teardown()
-            self._fail("joining the weight-update group: " + "; ".join(errors))
-
-    def send(self, bucket: Bucket) -> None:
-        if not self.is_source or self._error is not None:
-            return
+    def _update_calls(self, bucket: Bucket) -> list[tuple]:
         args = ([e.name for e in bucket.entries], [str(e.dtype).removeprefix("torch.") for e in bucket.entries],
                 [list(e.shape) for e in bucket.entries], self._pending)
-        errors = self._threads([(e.collective_rpc, dict(method="mcore2hf_update_from_broadcast", args=args))
-                                for e in self.engines], lambda: broadcast(bucket.flat, self.pg, self.timeout))
-        if errors:
-            self._fail(f"bucket {bucket.index}: " + "; ".join(errors))
-            self._teardown()
-
-    def _teardown(self) -> None:
-        if self.pg is not None:
-            destroy_group(self.pg)
-            self.pg = None
-
-    def finish(self) -> None:
-        self._agree()
+        return [(e.collective_rpc, dict(method="mcore2hf_update_from_broadcast", args=args)) for e in self.engines]
