@@ -253,6 +253,11 @@ def _source_of(lt: LocalTensor):
     return lt.get if lt.is_buffer else lt.param
 
 
+def _getters(srcs: list) -> list[int]:
+    """Indices of the sources that are buffer getters (called at each export) rather than tensors."""
+    return [i for i, x in enumerate(srcs) if not isinstance(x, torch.Tensor)]
+
+
 class Executor:
     """Runs the plan's buckets on this rank; every rank of the world must run the same plan in step."""
 
@@ -313,13 +318,9 @@ class Executor:
             cb.p2p = CP2P([], [])
             for dst_rank, items in r.sends.items():
                 n = r.send_bytes[dst_rank]
-                dsts, srcs, dyn = [], [], []
-                for s, _i, off in items:
-                    dsts.append(self._view(a, base + off, s))
-                    srcs.append(_source_of(self.local[s.name]))
-                    if callable(srcs[-1]) and not isinstance(srcs[-1], torch.Tensor):
-                        dyn.append(len(srcs) - 1)
-                cb.p2p.sends.append((dst_rank, arena[base:base + n], dsts, srcs, dyn))
+                dsts = [self._view(a, base + off, s) for s, _i, off in items]
+                srcs = [_source_of(self.local[s.name]) for s, _i, _off in items]
+                cb.p2p.sends.append((dst_rank, arena[base:base + n], dsts, srcs, _getters(srcs)))
                 base += align(n)
             recv_base = base
             for src_rank, off in r.recv_from.items():
@@ -330,7 +331,7 @@ class Executor:
             region_base[j] = base
             recv = arena[base:base + st.axis.size * st.slot]
             mine = recv[st.axis.rank * st.slot:(st.axis.rank + 1) * st.slot]
-            dsts, srcs, dyn = [], [], []
+            dsts, srcs = [], []
             for s, off in st.packs:
                 if st.striped:  # this rank's own TP shard
                     dsts.append(self._view(a, base + st.axis.rank * st.slot + off, s))
@@ -344,9 +345,7 @@ class Executor:
                             srcs.append(_source_of(self.local[s.name]))
                         else:
                             srcs.append(self._view(a, region_base[loc.region] + loc.offsets[i], s))
-                if callable(srcs[-1]) and not isinstance(srcs[-1], torch.Tensor):
-                    dyn.append(len(srcs) - 1)
-            cb.stages.append(CStage(st.axis.group, recv, mine, dsts, srcs, dyn))
+            cb.stages.append(CStage(st.axis.group, recv, mine, dsts, srcs, _getters(srcs)))
         if prog.receive:
             cb.copies = self._compile_copies(prog, a, region_base)
             cb.dtypes = tuple(sorted({e.dtype for e in prog.bucket.entries}, key=str))
@@ -476,7 +475,7 @@ class Executor:
             elif isinstance(c.local, tuple):  # a duplicate of another output
                 dst.copy_(typed[c.dtype].as_strided(c.sizes, c.src_strides, c.local[1] + c.src_offset))
             else:
-                p = c.local() if callable(c.local) and not isinstance(c.local, torch.Tensor) else c.local
+                p = c.local if isinstance(c.local, torch.Tensor) else c.local()  # a buffer getter
                 if not p.is_contiguous():
                     p = p.contiguous()
                 dst.copy_(p.as_strided(c.sizes, c.src_strides, p.storage_offset() + c.src_offset))
