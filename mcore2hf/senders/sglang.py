@@ -124,18 +124,15 @@ class _SenderBase:
         self._quarantine.clear()
 
 
-class SGLangColocatedSender(_SenderBase):
-    """Trainer and engine share GPUs: each rank's bucket goes to the engine as a CUDA IPC handle, no copy.
-
-    Trainer ranks form consecutive groups of `engine_tp_size` ranks; group i feeds engine i, whose first rank
-    gathers the group's payloads (one per engine TP rank, in order) and calls the engine. Every rank of the
-    group keeps its bucket alive until the engine has answered. `engine` is this rank's engine client on the
-    first rank of its group (None elsewhere)."""
+class _ColocatedSender(_SenderBase):
+    """Trainer and engine share GPUs. Trainer ranks form consecutive groups of `engine_tp_size` ranks; group i
+    feeds engine i, whose first rank gathers the group's payloads (one per engine TP rank, in order) and calls the
+    engine (`engine`: this rank's engine client on the first rank of its group, None elsewhere). Every rank of
+    the group keeps its bucket alive until the engine has answered. Subclasses give `_payload` and `_update`."""
 
     receivers = "all"
 
-    def __init__(self, engine, engine_tp_size: int, *, timeout: float = 300.0, http: bool = True,
-                 flush_cache: bool = True):
+    def __init__(self, engine, engine_tp_size: int, timeout: float):
         super().__init__(timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % engine_tp_size:
@@ -146,24 +143,22 @@ class SGLangColocatedSender(_SenderBase):
         if self.is_first and engine is None:
             raise ValueError(f"rank {rank} is the first rank of its engine group and needs the engine client")
         self.engine = engine if self.is_first else None
-        self.http, self.flush = http, flush_cache
         self.group = None
         for start in range(0, world, engine_tp_size):  # every rank creates every group
             g = dist.new_group(list(range(start, start + engine_tp_size)), backend="gloo", timeout=self.timeout)
             if start == self.first:
                 self.group = g
 
-    def pause(self) -> None:
-        if self.is_first:
-            _call(self.engine.pause_generation)
+    def _payload(self, bucket: Bucket):
+        raise NotImplementedError
 
-    def resume(self) -> None:
-        if self.is_first:
-            _call(self.engine.continue_generation)
+    def _update(self, payloads: list) -> None:
+        """Call the engine with the group's payloads (first rank only); raises EngineError."""
+        raise NotImplementedError
 
     def send(self, bucket: Bucket) -> None:
         try:
-            payload = serialize(flattened_payload(bucket), output_str=self.http)
+            payload = self._payload(bucket)
         except Exception as e:  # noqa: BLE001
             payload = None
             self._fail(f"serializing bucket {bucket.index}: {e}")
@@ -175,8 +170,7 @@ class SGLangColocatedSender(_SenderBase):
                 status = f"bucket {bucket.index}: a rank of the engine group could not serialize its bucket"
             else:
                 try:
-                    _call(self.engine.update_weights_from_tensor, serialized_named_tensors=gathered,
-                          load_format="flattened_bucket", flush_cache=False, weight_version=str(self._pending))
+                    self._update(gathered)
                 except EngineError as e:
                     status = f"bucket {bucket.index}: {e}"
         box = [status]
@@ -186,6 +180,35 @@ class SGLangColocatedSender(_SenderBase):
             # an engine that timed out may still read this memory through its IPC mapping: keep it until a
             # later update succeeds, so the allocator cannot hand it to the next bucket meanwhile
             self._quarantine.append(bucket.flat)
+
+    def finish(self) -> None:
+        self._agree()
+
+
+class SGLangColocatedSender(_ColocatedSender):
+    """Trainer and engine share GPUs: each rank's bucket goes to the engine as a CUDA IPC handle, no copy, through
+    SGLang's /update_weights_from_tensor (`serialized_named_tensors`: one flattened-bucket payload per engine TP
+    rank). Grouping, lifetime and errors: see _ColocatedSender."""
+
+    def __init__(self, engine, engine_tp_size: int, *, timeout: float = 300.0, http: bool = True,
+                 flush_cache: bool = True):
+        super().__init__(engine, engine_tp_size, timeout)
+        self.http, self.flush = http, flush_cache
+
+    def pause(self) -> None:
+        if self.is_first:
+            _call(self.engine.pause_generation)
+
+    def resume(self) -> None:
+        if self.is_first:
+            _call(self.engine.continue_generation)
+
+    def _payload(self, bucket: Bucket):
+        return serialize(flattened_payload(bucket), output_str=self.http)
+
+    def _update(self, payloads: list) -> None:
+        _call(self.engine.update_weights_from_tensor, serialized_named_tensors=payloads,
+              load_format="flattened_bucket", flush_cache=False, weight_version=str(self._pending))
 
     def finish(self) -> None:
         if self.is_first and self._error is None and self.flush:

@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from ..buckets import Bucket
 from .process_group import broadcast, join_weight_update_group
 from .receiver import tight_views
-from .sglang import EngineError, _BroadcastSender, _call, _SenderBase
+from .sglang import _BroadcastSender, _call, _ColocatedSender
 
 
 def device_uuid(device: torch.device | int | None = None) -> str:
@@ -98,53 +98,22 @@ class MCore2HFWorkerExtension:
         return len(weights)
 
 
-class VLLMColocatedSender(_SenderBase):
+class VLLMColocatedSender(_ColocatedSender):
     """Colocated vLLM workers: each trainer rank sends its bucket's IPC handle keyed by its GPU's UUID; the first
-    rank of each engine group (`engine_tp_size` consecutive trainer ranks) calls `collective_rpc` once."""
-
-    receivers = "all"
+    rank of each engine group (`engine_tp_size` consecutive trainer ranks) calls `collective_rpc` once on `llm`.
+    Grouping, lifetime and errors: see _ColocatedSender."""
 
     def __init__(self, llm, engine_tp_size: int, *, timeout: float = 300.0):
-        super().__init__(timeout)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world % engine_tp_size:
-            raise ValueError(f"world size {world} is not a multiple of engine_tp_size {engine_tp_size}")
-        self.tp, self.first = engine_tp_size, rank - rank % engine_tp_size
-        self.is_first = rank == self.first
-        self.llm = llm if self.is_first else None
-        self.group = None
-        for start in range(0, world, engine_tp_size):
-            g = dist.new_group(list(range(start, start + engine_tp_size)), backend="gloo", timeout=self.timeout)
-            if start == self.first:
-                self.group = g
+        super().__init__(llm, engine_tp_size, timeout)
 
-    def send(self, bucket: Bucket) -> None:
-        try:
-            payload = ipc_payload(bucket)
-        except Exception as e:  # noqa: BLE001
-            payload = None
-            self._fail(f"bucket {bucket.index}: {e}")
-        gathered = [None] * self.tp if self.is_first else None
-        dist.gather_object(payload, gathered, dst=self.first, group=self.group)
-        status = None
-        if self.is_first and self._error is None:
-            merged = {}
-            for p in gathered:
-                merged.update(p or {})
-            try:
-                _call(self.llm.collective_rpc, method="mcore2hf_update_from_ipc", args=(merged, self._pending))
-            except EngineError as e:
-                status = f"bucket {bucket.index}: {e}"
-        box = [status]
-        dist.broadcast_object_list(box, src=self.first, group=self.group)  # buckets stay alive until here
-        if box[0]:
-            self._fail(box[0])
-            # an engine that timed out may still read this memory through its IPC mapping: keep it until a
-            # later update succeeds, so the allocator cannot hand it to the next bucket meanwhile
-            self._quarantine.append(bucket.flat)
+    def _payload(self, bucket: Bucket):
+        return ipc_payload(bucket)
 
-    def finish(self) -> None:
-        self._agree()
+    def _update(self, payloads: list) -> None:
+        merged = {}
+        for p in payloads:
+            merged.update(p)
+        _call(self.engine.collective_rpc, method="mcore2hf_update_from_ipc", args=(merged, self._pending))
 
 
 class VLLMDistributedSender(_BroadcastSender):
