@@ -1,24 +1,35 @@
-"""mcore2hf: stream the weights of a live, sharded Megatron-Core model out as Hugging Face named tensors."""
+"""mcore2hf: stream the weights of a live, sharded Megatron-Core model out as Hugging Face named tensors.
 
-from .buckets import Bucket
-from .errors import (
-    ConfigMismatchError,
-    LayoutError,
-    Mcore2HFError,
-    MissingWeightsError,
-    ParallelStateError,
-    ShapeMismatchError,
-    UnknownParametersError,
-    UnsupportedArchitectureError,
-)
-from .exporter import DEFAULT_BUCKET_BYTES, HFExporter
-from .loader import load_hf_weights
-from .registry import get_converter, list_architectures
+Names are imported on first use (PEP 562), so `mcore2hf --help` and light modules (sizes, errors) load without
+torch."""
+
+from __future__ import annotations
+
+import importlib
+import logging
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Bucket", "HFExporter", "load_hf_weights", "list_architectures", "get_converter", "DEFAULT_BUCKET_BYTES",
-    "Mcore2HFError", "ConfigMismatchError", "LayoutError", "MissingWeightsError", "ParallelStateError",
-    "ShapeMismatchError", "UnknownParametersError", "UnsupportedArchitectureError",
-]
+logging.getLogger("mcore2hf").addHandler(logging.NullHandler())  # silent unless the application configures logging
+
+_LAZY = {
+    "Bucket": "buckets", "DEFAULT_BUCKET_BYTES": "exporter", "HFExporter": "exporter",
+    "load_hf_weights": "loader", "get_converter": "registry", "list_architectures": "registry",
+    "Mcore2HFError": "errors", "ConfigMismatchError": "errors", "LayoutError": "errors",
+    "MissingWeightsError": "errors", "ParallelStateError": "errors", "ShapeMismatchError": "errors",
+    "UnknownParametersError": "errors", "UnsupportedArchitectureError": "errors",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mcore2hf' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,28 +1,82 @@
-"""Command line: `mcore2hf demo | list | plan | export`."""
+"""Command line: `mcore2hf demo | list | plan | export | verify`.
+
+Nothing heavy (torch, transformers, megatron-core) is imported until a command runs, so `--help`, `--version`
+and argument errors answer at once. Every error this library raises on purpose, and every bad argument, is one
+line on stderr (exit 2 for usage errors, 1 otherwise); `--debug` prints the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-import torch
+from . import __version__
+from .errors import Mcore2HFError, UsageError
+from .sizes import parse_size
 
-from .testing.world import Layout, run_world
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _size(what: str):
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, what)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{what}: ")) from None
+
+    parse.__name__ = what  # argparse names the type in its message
+    return parse
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
 
 
 def _layout_args(p: argparse.ArgumentParser, tp=1, pp=1, ep=1, etp=None) -> None:
-    p.add_argument("--tp", type=int, default=tp)
-    p.add_argument("--pp", type=int, default=pp)
-    p.add_argument("--vpp", type=int, default=None)
-    p.add_argument("--ep", type=int, default=ep)
-    p.add_argument("--etp", type=int, default=etp)
-    p.add_argument("--first-stage-layers", type=int, default=None, help="uneven pipeline: layers on stage 0")
-    p.add_argument("--last-stage-layers", type=int, default=None)
+    g = p.add_argument_group("parallel layout (as the Megatron model is trained)")
+    g.add_argument("--tp", type=_positive, default=tp, help=f"tensor-parallel size (default {tp})")
+    g.add_argument("--pp", type=_positive, default=pp, help=f"pipeline-parallel size (default {pp})")
+    g.add_argument("--vpp", type=_positive, default=None, help="virtual pipeline stages per rank (default: none)")
+    g.add_argument("--ep", type=_positive, default=ep, help=f"expert-parallel size (default {ep})")
+    g.add_argument("--etp", type=_positive, default=etp,
+                   help="expert tensor-parallel size (default: Megatron's, which is --tp)")
+    g.add_argument("--first-stage-layers", type=_positive, default=None,
+                   help="uneven pipeline: decoder layers on the first stage")
+    g.add_argument("--last-stage-layers", type=_positive, default=None,
+                   help="uneven pipeline: decoder layers on the last stage")
 
 
-def _layout(a) -> Layout:
+def _layout(a):
+    from .testing.world import Layout
+
     return Layout(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, etp=a.etp, first_stage_layers=a.first_stage_layers,
                   last_stage_layers=a.last_stage_layers)
+
+
+def _filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--include", action="append", default=None, metavar="REGEX",
+                   help="only HF tensors whose name matches (re.search; repeatable)")
+    p.add_argument("--exclude", action="append", default=None, metavar="REGEX",
+                   help="skip HF tensors whose name matches (re.search; repeatable), e.g. MTP layers")
+
+
+def _name_filter(a):
+    from .naming import NameFilter
+
+    return NameFilter.of(include=a.include, exclude=a.exclude)
 
 
 def cmd_list(_a) -> int:
@@ -35,97 +89,167 @@ def cmd_list(_a) -> int:
     return 0
 
 
+def _check_model_type(model_type: str) -> None:
+    from .registry import list_architectures
+
+    if model_type not in list_architectures():
+        raise UsageError(f"--model-type must be one of {', '.join(list_architectures())}, got {model_type!r}")
+
+
 def cmd_demo(a) -> int:
     from .demo import format_report, run_demo
 
-    report, ok = format_report(run_demo(a.model_type, _layout(a), a.out))
+    _check_model_type(a.model_type)
+    layout = _layout(a)
+    from .testing.tiny import tiny_config
+
+    layout.check(tiny_config(a.model_type))
+    report, ok = format_report(run_demo(a.model_type, layout, a.out))
     print(report)
     return 0 if ok else 1
 
 
-def _plan_rank(hf_config, layout: Layout, bucket_bytes: int, limit, dtype_name: str) -> str | None:
-    import torch.distributed as dist
-
-    from . import HFExporter
-    from .hf_config import load_hf_config
-    from .model_specs.common import padded_vocab_size
-    from .registry import get_model_spec
-
-    cfg = load_hf_config(hf_config)
-    dtype = getattr(torch, dtype_name)
-    with torch.device("meta"):  # shapes and names only: no memory, no initialization
-        chunks = get_model_spec(cfg.model_type).build_model(
-            cfg, vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp), perform_initialization=False,
-            params_dtype=dtype, **layout.config_overrides())
-        chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
-    plan = HFExporter(chunks, cfg).plan(bucket_bytes)
-    return plan.describe(limit) if dist.get_rank() == 0 else None
-
-
 def cmd_plan(a) -> int:
-    from .testing.tiny import tiny_config
+    import json
 
-    hf_config = tiny_config(a.hf_config[5:]) if a.hf_config.startswith("tiny:") else a.hf_config
-    out = run_world(_plan_rank, _layout(a), hf_config, _layout(a), int(a.bucket_mb * 2**20), a.limit, a.dtype)
-    print(out[0])
+    from .hf_config import load_hf_config
+    from .planning import plan_report, run_plan
+
+    if a.hf_config.startswith("tiny:"):
+        from .testing.tiny import tiny_config
+
+        _check_model_type(a.hf_config[5:])
+        cfg = tiny_config(a.hf_config[5:])
+    else:
+        cfg = load_hf_config(a.hf_config)
+    layout = _layout(a)
+    report = run_plan(cfg, layout, bucket_bytes=a.bucket_size, dtype=DTYPES[a.dtype], te_names=a.te_names,
+                      name_filter=_name_filter(a))
+    print(json.dumps(report, indent=2) if a.json else plan_report(report, a.limit))
     return 0
 
 
 def cmd_export(a) -> int:
     from .offline import export_checkpoint
+    from .sizes import format_size
 
     r = export_checkpoint(a.ckpt_dir, a.out_dir, a.hf_config, iteration=a.iteration, dtype=a.dtype,
                           max_shard_size=a.shard_size, bucket_bytes=a.bucket_size, overwrite=a.overwrite,
-                          progress=not a.quiet)
+                          progress=not a.quiet, name_filter=_name_filter(a),
+                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     if not a.quiet:
-        print(f"wrote {r.tensors} HF tensors ({r.bytes_written / 2**30:.2f} GiB) to {r.out_dir} in {r.seconds:.1f} s; "
-              f"checkpoint {r.checkpoint_bytes / 2**30:.2f} GiB, {r.ignored_keys} non-model keys skipped; "
-              f"peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB")
+        print(f"wrote {r.tensors} HF tensors ({format_size(r.bytes_written)}) to {r.out_dir} in {r.seconds:.1f} s; "
+              f"checkpoint {format_size(r.checkpoint_bytes)}, {r.ignored_keys} non-model keys skipped; "
+              f"peak RSS {format_size(r.peak_rss_bytes)}")
+        for note in r.notes:
+            print(f"note: {note}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mcore2hf", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def cmd_verify(a) -> int:
+    from .verify import compare, format_table
+
+    result = compare(a.a, a.b, hf_config=a.hf_config, iteration=a.iteration, atol=a.atol)
+    print(format_table(result, a.limit))
+    return 0 if result.identical else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, verify, demo.")
+    p.add_argument("--version", action="version", version=f"mcore2hf {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
 
     d = sub.add_parser("demo", help="export a built-in tiny model at a multi-rank layout and verify it end to end")
-    d.add_argument("--model-type", default="qwen3_moe")
-    d.add_argument("--out", default=None, help="where to write the exported HF directory (default: a temp dir)")
+    d.add_argument("--model-type", default="qwen3_moe", help="a registered architecture (see `mcore2hf list`)")
+    d.add_argument("--out", default=None, help="keep the exported HF directory here (default: nothing is kept)")
     _layout_args(d, tp=2, ep=4, etp=1)
     d.set_defaults(fn=cmd_demo)
 
     ls = sub.add_parser("list", help="registered architectures (HF model_type)")
     ls.set_defaults(fn=cmd_list)
 
-    pl = sub.add_parser("plan", help="dry run: every HF tensor with shape, dtype, Megatron source and bucket")
+    pl = sub.add_parser("plan", help="dry run: every HF tensor with shape, dtype, Megatron source and bucket, "
+                                     "and each rank's extra memory")
     pl.add_argument("--hf-config", required=True, help="config.json, an HF directory, or tiny:<model_type>")
-    pl.add_argument("--bucket-mb", type=float, default=512)
-    pl.add_argument("--limit", type=int, default=None, help="print at most this many tensors")
-    pl.add_argument("--dtype", default="bfloat16")
+    pl.add_argument("--bucket-size", type=_size("--bucket-size"), default="512MiB",
+                    help="bytes per bucket, e.g. 512MiB, 1GB (default 512MiB)")
+    pl.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype (default bf16)")
+    pl.add_argument("--limit", type=_positive, default=None, help="list at most this many tensors")
+    pl.add_argument("--json", action="store_true", help="machine-readable output (every tensor, memory per rank)")
+    pl.add_argument("--te-names", action="store_true",
+                    help="show Transformer Engine parameter names as Megatron sources (fused norms, grouped experts)")
+    _filters(pl)
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
 
     ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> HF directory, offline (CPU, bounded memory)")
     ex.add_argument("ckpt_dir", help="checkpoint directory (with latest_checkpointed_iteration.txt) or an iter_* dir")
-    ex.add_argument("out_dir")
+    ex.add_argument("out_dir", help="the HF directory to write (must not overlap the inputs)")
     ex.add_argument("--hf-config", required=True, help="config.json or an HF directory (its tokenizer files are copied)")
-    ex.add_argument("--iteration", type=int, default=None)
-    ex.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
-    ex.add_argument("--shard-size", default="5GB")
-    ex.add_argument("--bucket-size", default="1GiB", help="bytes converted at a time (bounds memory)")
-    ex.add_argument("--overwrite", action="store_true")
-    ex.add_argument("--quiet", action="store_true")
+    ex.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
+    ex.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    ex.add_argument("--shard-size", type=_size("--shard-size"), default="5GB",
+                    help="largest *.safetensors file, e.g. 5GB, 2GiB (default 5GB)")
+    ex.add_argument("--bucket-size", type=_size("--bucket-size"), default="1GiB",
+                    help="bytes converted at a time, bounds memory (default 1GiB)")
+    ex.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128,
+                    help="Megatron's vocab padding divisor used in training (default 128)")
+    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    ex.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    _filters(ex)
     ex.set_defaults(fn=cmd_export)
 
-    a = p.parse_args(argv)
+    ve = sub.add_parser("verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
+                                       "tensor by tensor (exit 1 on any difference)")
+    ve.add_argument("a", help="an HF directory")
+    ve.add_argument("b", help="an HF directory or a Megatron torch_dist checkpoint")
+    ve.add_argument("--hf-config", default=None, help="HF config for a Megatron checkpoint (default: A's)")
+    ve.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    ve.add_argument("--atol", type=float, default=0.0, help="largest absolute difference accepted (default 0: exact)")
+    ve.add_argument("--limit", type=_positive, default=50, help="rows of differences shown (default 50)")
+    ve.set_defaults(fn=cmd_verify)
+    return p
+
+
+def _quiet_libraries() -> None:
     import warnings
 
-    from transformers.utils import logging as hf_logging
+    warnings.filterwarnings("ignore")  # megatron-core warns about apex and TE on import
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-    warnings.filterwarnings("ignore")
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    return a.fn(a)
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+    return text or type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    prog = f"mcore2hf {a.cmd}"
+    try:
+        _quiet_libraries()
+        return a.fn(a)
+    except UsageError as e:
+        if a.debug:
+            raise
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except (Mcore2HFError, OSError, ValueError) as e:
+        if a.debug:
+            raise
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug of ours: still one line, the traceback on request
+        if a.debug:
+            raise
+        print(f"{prog}: internal error: {type(e).__name__}: {one_line(e)} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -67,21 +67,22 @@ def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_di
 
     from .testing.tiny import make_hf_checkpoint, tiny_config
 
-    work = tempfile.mkdtemp(prefix="mcore2hf-demo-")
-    ckpt = make_hf_checkpoint(tiny_config(model_type), os.path.join(work, "source"))
-    out_dir = out_dir or os.path.join(work, "exported")
-    tokens = torch.randint(0, tiny_config(model_type).vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    t0 = time.perf_counter()
-    ranks = run_world(_rank_job, layout, ckpt, layout, out_dir, tokens)
-    world_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="mcore2hf-demo-") as work:  # nothing is left behind but `out_dir`
+        ckpt = make_hf_checkpoint(tiny_config(model_type), os.path.join(work, "source"))
+        exported = out_dir or os.path.join(work, "exported")
+        tokens = torch.randint(0, tiny_config(model_type).vocab_size, (2, 16),
+                               generator=torch.Generator().manual_seed(0))
+        t0 = time.perf_counter()
+        ranks = run_world(_rank_job, layout, ckpt, layout, exported, tokens)
+        world_s = time.perf_counter() - t0
 
-    hf, info = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, output_loading_info=True)
-    clean = not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
-    diff = None
-    if ranks[0]["logits"] is not None:
-        with torch.no_grad():
-            ref = hf.eval()(tokens).logits
-        diff = (ranks[0]["logits"] - ref).abs().max().item()
+        hf, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+        clean = not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+        diff = None
+        if ranks[0]["logits"] is not None:
+            with torch.no_grad():
+                ref = hf.eval()(tokens).logits
+            diff = (ranks[0]["logits"] - ref).abs().max().item()
     return dict(model_type=model_type, layout=str(layout), ranks=ranks, world_s=world_s, out_dir=out_dir,
                 loading_info=info, clean_load=clean, logit_diff=diff)
 
@@ -110,7 +111,8 @@ def format_report(r: dict) -> tuple[str, bool]:
     width = max(len(a) for a, _ in rows)
     lines = [f"mcore2hf demo: {r['model_type']}  ({r['world_s']:.1f} s)", ""]
     lines += [f"  {a:<{width}}  {b}" for a, b in rows]
-    lines += ["", f"  exported directory: {r['out_dir']}"]
+    lines += ["", f"  exported directory: {r['out_dir']}" if r["out_dir"] else
+              "  (nothing was kept: pass --out DIR to keep the exported HF directory)"]
     ok = ok_ident and ok_load and ok_logits
     lines.append("  RESULT: " + ("all checks passed" if ok else "FAILED"))
     return "\n".join(lines), ok

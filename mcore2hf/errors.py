@@ -45,3 +45,7 @@ class ParallelStateError(Mcore2HFError):
 
 class UnsupportedArchitectureError(Mcore2HFError):
     """No converter is registered for the HF model_type."""
+
+
+class UsageError(Mcore2HFError):
+    """An argument or option that cannot work (e.g. a layout the model does not divide into)."""

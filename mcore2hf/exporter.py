@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import regex
 import torch
@@ -13,15 +14,19 @@ import torch.distributed as dist
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .errors import ConfigMismatchError, Mcore2HFError
 from .gather import Executor
-from .hf_config import HFConfigLike, load_hf_config
+from .hf_config import HFConfigLike, config_source
 from .mapping import Converter
 from .naming import LocalTensor, local_tensors, unwrap_model
 from .parallel import ParallelContext
-from .plan import ExportPlan, Source, assign_buckets, build_sources, gather_records
+from .plan import ExportPlan, Source, assign_buckets, build_sources, filter_sources, gather_records
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
+from .sizes import format_size
 
 Receivers = str | int | Sequence[int] | None
+NameFilterLike = Callable[[str], bool] | None  # e.g. naming.NameFilter(exclude=(r"^model\.layers\.48\.",))
+
+log = logging.getLogger("mcore2hf")
 
 _DECODER_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.")
 
@@ -46,7 +51,8 @@ class HFExporter:
 
     def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None):
         self.chunks = unwrap_model(model)
-        self.hf_config = load_hf_config(hf_config)
+        self.config_source = config_source(hf_config)  # written as given by save_pretrained
+        self.hf_config = self.config_source.config
         self.converter = converter or get_converter(self.hf_config.model_type)
         from importlib import import_module
 
@@ -56,7 +62,7 @@ class HFExporter:
         self._local: dict[str, LocalTensor] | None = None
         self._sources: dict[str, Source] | None = None
         self._records = None
-        self._plans: dict[int, ExportPlan] = {}
+        self._plans: dict[tuple, ExportPlan] = {}
         self._executors: dict[tuple, Executor] = {}
         p = next(self.chunks[0].parameters())
         self.device = p.device
@@ -73,17 +79,25 @@ class HFExporter:
             check_structure(self._sources, self.spec, self.hf_config, self.dims)
         return self._sources
 
-    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExportPlan:
-        """The export plan (collective on first call). `print(plan.describe())` is the dry run."""
+    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None) -> ExportPlan:
+        """The export plan (collective on first call). `print(plan.describe())` is the dry run.
+
+        `name_filter(hf_name) -> bool` keeps only the HF tensors it accepts (e.g. no MTP layers for an engine
+        without them): filtered tensors are not gathered, converted or sent."""
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        if bucket_bytes not in self._plans:
-            sources = self._build_sources()
-            self._plans[bucket_bytes] = ExportPlan(
+        key = (bucket_bytes, name_filter)
+        if key not in self._plans:
+            sources = filter_sources(self._build_sources(), name_filter)
+            plan = self._plans[key] = ExportPlan(
                 model_type=self.converter.model_type, sources=sources,
                 buckets=assign_buckets(sources, bucket_bytes), bucket_bytes=bucket_bytes,
                 records=self._records, world_size=self.ctx.world_size)
-        return self._plans[bucket_bytes]
+            if self.ctx.rank == 0:
+                log.info("plan for %s: %d HF tensors, %s in %d bucket(s) of <= %s, world size %d%s",
+                         plan.model_type, plan.num_tensors, format_size(plan.total_bytes), len(plan.buckets),
+                         format_size(bucket_bytes), plan.world_size, ", filtered" if name_filter else "")
+        return self._plans[key]
 
     def _receivers(self, receivers: Receivers) -> tuple[int, ...] | None:
         if receivers is None or (isinstance(receivers, str) and receivers == "all"):
@@ -101,59 +115,76 @@ class HFExporter:
         self._executors.clear()
 
     def executor(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
-                 overlap: bool = False) -> Executor:
+                 overlap: bool = False, name_filter: NameFilterLike = None) -> Executor:
         """The compiled executor for these settings (built and cached on first use)."""
         recv = self._receivers(receivers)
-        key = (bucket_bytes, recv, overlap)
+        key = (bucket_bytes, recv, overlap, name_filter)
         if key not in self._executors:
-            self._executors[key] = Executor(self.plan(bucket_bytes), self.ctx, self._local, recv, self.device,
-                                            arenas=2 if overlap else 1)
+            self._executors[key] = Executor(self.plan(bucket_bytes, name_filter), self.ctx, self._local, recv,
+                                            self.device, arenas=2 if overlap else 1)
         return self._executors[key]
 
     # -- export ----------------------------------------------------------------------------------------------
     def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
-                overlap: bool = False) -> Iterator[Bucket]:
+                overlap: bool = False, name_filter: NameFilterLike = None) -> Iterator[Bucket]:
         """Yield buckets of (HF name, full tensor). Every rank must iterate to the end.
 
         Drop each bucket before asking for the next to keep one output bucket alive at a time. `overlap=True`
-        runs the next bucket's first collectives while this one is converted, with one more bucket of staging."""
-        yield from self.executor(bucket_bytes, receivers, overlap).run()
+        runs the next bucket's first collectives while this one is converted, with one more bucket of staging.
+        `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`)."""
+        yield from self.executor(bucket_bytes, receivers, overlap, name_filter).run()
 
-    def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      receivers: Receivers = "all") -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in self.buckets(bucket_bytes, receivers):
+    def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
+                      name_filter: NameFilterLike = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets(bucket_bytes, receivers, name_filter=name_filter):
             yield from bucket
 
-    def state_dict(self, receivers: Receivers = "all") -> dict[str, torch.Tensor]:
+    def state_dict(self, receivers: Receivers = "all", name_filter: NameFilterLike = None) -> dict[str, torch.Tensor]:
         """All HF tensors as one dict (copies): for tests and small models."""
-        return {name: t.clone() for name, t in self.named_tensors(receivers=receivers)}
+        return {name: t.clone() for name, t in self.named_tensors(receivers=receivers, name_filter=name_filter)}
 
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer_rank: int = 0,
-                        overwrite: bool = False, extra_files: Sequence[str] = ()) -> str:
+                        overwrite: bool = False, extra_files: Sequence[str] | None = None,
+                        name_filter: NameFilterLike = None, progress: bool = True) -> str:
         """Write config.json, sharded *.safetensors and model.safetensors.index.json (from writer_rank only).
 
-        Collective. The directory appears only when complete; on failure every rank raises and nothing is left."""
-        plan = self.plan(bucket_bytes)
+        Collective. The directory appears only when complete; on failure every rank raises and nothing is left.
+        config.json is the user's file as given (only the dtype value changes, a quantization_config of the
+        source is dropped); tokenizer and generation files of an HF directory given as config are copied
+        (`extra_files` replaces that list). `progress` shows a progress bar on the writer rank (on a terminal)."""
+        plan = self.plan(bucket_bytes, name_filter)
         writer = None
         error = None
+        src = self.config_source
         if self.ctx.rank == writer_rank:
             try:
-                check_target(out_dir, overwrite)
+                inputs = [src.directory] if src.directory else []
+                check_target(out_dir, overwrite, inputs)
                 infos = [TensorInfo(e.name, e.shape, e.dtype) for e in plan.hf_entries()]
-                writer = SafetensorsWriter(out_dir, infos, self.hf_config, max_shard_size=max_shard_size,
-                                           overwrite=overwrite, extra_files=extra_files)
+                writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size, overwrite=overwrite,
+                                           extra_files=src.companion_files if extra_files is None else extra_files,
+                                           inputs=inputs)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         error = self._agree(error, writer_rank)
         if error:
             raise Mcore2HFError(f"save_pretrained({out_dir}) failed on rank {writer_rank}: {error}")
-        for bucket in self.buckets(bucket_bytes, receivers=writer_rank):
+        bar = None
+        if writer is not None and progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="save_pretrained", disable=None)
+        for bucket in self.buckets(bucket_bytes, receivers=writer_rank, name_filter=name_filter):
             if writer is not None and error is None:
                 try:
                     writer.send(bucket)
                 except Exception as e:  # noqa: BLE001 - keep draining so the other ranks do not hang
                     error = f"{type(e).__name__}: {e}"
+                if bar is not None:
+                    bar.update(bucket.nbytes)
+        if bar is not None:
+            bar.close()
         if writer is not None:
             if error is None:
                 try:

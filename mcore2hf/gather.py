@@ -285,6 +285,14 @@ class Executor:
             total += align(st.axis.size * st.slot)
         return offs, total
 
+    def memory_estimate(self) -> dict[str, int]:
+        """This rank's extra memory for an export: the staging arena(s) and the largest output bucket it builds."""
+        sizes = [self._stage_bytes(p)[1] for p in self.programs]
+        arenas = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0]) for a in range(self.arenas_n)]
+        me = self.ctx.rank
+        out = max([b.nbytes for b in self.plan.buckets if self.receivers is None or me in self.receivers] or [0])
+        return {"arena_bytes": sum(arenas), "largest_bucket_bytes": out, "total_bytes": sum(arenas) + out}
+
     def compile(self) -> None:
         if self._compiled is not None:
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
@@ -63,3 +64,135 @@ def rope_theta(cfg: PretrainedConfig) -> float:
 
 def partial_rotary_factor(cfg: PretrainedConfig) -> float:
     return float(rope_parameters(cfg).get("partial_rotary_factor", 1.0))
+
+
+# Files an HF directory carries besides weights and config.json; exports copy them from the source directory.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                   "added_tokens.json", "preprocessor_config.json")
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """An HF config as the user holds it: the parsed config, the config.json dict exactly as written (key names
+    and order; None when only an object was given), and the directory it came from (companion files)."""
+
+    config: PretrainedConfig
+    raw: dict | None = None
+    directory: str | None = None
+
+    @property
+    def companion_files(self) -> list[str]:
+        if self.directory is None:
+            return []
+        return [os.path.join(self.directory, f) for f in COMPANION_FILES
+                if os.path.isfile(os.path.join(self.directory, f))]
+
+
+def config_source(hf_config: HFConfigLike) -> ConfigSource:
+    """Load `hf_config` and keep the file it came from, so exports write the user's config.json as given
+    (transformers re-serializes renamed fields: e.g. Qwen3-MoE's num_experts, rope_theta, torch_dtype)."""
+    cfg = load_hf_config(hf_config)
+    if isinstance(hf_config, dict):
+        return ConfigSource(cfg, dict(hf_config))
+    if isinstance(hf_config, PretrainedConfig):
+        # an object loaded from a directory and not changed since: that directory's file is the user's config
+        path = getattr(hf_config, "_name_or_path", "") or ""
+        if os.path.isfile(os.path.join(path, "config.json")):
+            try:
+                same = load_hf_config(path).to_dict() == hf_config.to_dict()
+            except Exception:  # noqa: BLE001 - unreadable: write the object as transformers would
+                same = False
+            if same:
+                return ConfigSource(cfg, _read_json(os.path.join(path, "config.json")), path)
+        return ConfigSource(cfg)
+    path = os.fspath(hf_config)
+    if os.path.isdir(path):
+        return ConfigSource(cfg, _read_json(os.path.join(path, "config.json")), path)
+    return ConfigSource(cfg, _read_json(path))
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def output_config(source: ConfigSource, dtype, quantization: dict | None = None) -> tuple[str, list[str]]:
+    """config.json text for an exported directory, and notes on what changed.
+
+    Only what the export changes is changed: the dtype value (under the key the input uses: `torch_dtype` or
+    `dtype`) and `quantization_config` (set when the export is quantized, dropped otherwise: the weights are
+    not quantized any more)."""
+    notes = []
+    dtype_name = str(dtype).removeprefix("torch.")
+    if source.raw is not None:
+        out = dict(source.raw)
+        for key in ("torch_dtype", "dtype"):
+            if key in out and out[key] != dtype_name:
+                out[key] = dtype_name
+        had_q = out.pop("quantization_config", None) if quantization is None else None
+        if quantization is not None:
+            out["quantization_config"] = quantization
+        text = json.dumps(out, indent=2) + "\n"
+    else:
+        import copy
+
+        cfg = copy.deepcopy(source.config)
+        if hasattr(cfg, "dtype"):
+            cfg.dtype = dtype_name
+        else:
+            cfg.torch_dtype = dtype_name
+        had_q = getattr(cfg, "quantization_config", None) if quantization is None else None
+        if had_q is not None:
+            del cfg.quantization_config
+        if quantization is not None:
+            cfg.quantization_config = quantization
+        text = cfg.to_json_string(use_diff=False)
+    if had_q:
+        method = had_q.get("quant_method", "?") if isinstance(had_q, dict) else type(had_q).__name__
+        notes.append(f"dropped the source config's quantization_config (quant_method={method}): the exported "
+                     "weights are not quantized")
+    return text, notes
+
+
+def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of `cfg` holds, with its shape, as transformers itself defines it: the model
+    built on the meta device (no memory), in checkpoint format (`revert_weight_conversion` undoes transformers
+    5's in-memory fusions, e.g. of experts). MTP layers, which transformers does not build, are the last decoder
+    layer's tensors plus DeepSeek-V3's published MTP extras."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    sd = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x keeps checkpoint format in memory
+        pass
+    else:
+        sd = revert_weight_conversion(model, sd)
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    last = f"model.layers.{n - 1}."
+    embed = shapes.get("model.embed_tokens.weight")
+    for m in range(num_mtp_layers):
+        layer = f"model.layers.{n + m}."
+        shapes.update({layer + k[len(last):]: v for k, v in list(shapes.items()) if k.startswith(last)})
+        shapes.update({f"{layer}enorm.weight": (h,), f"{layer}hnorm.weight": (h,), f"{layer}eh_proj.weight": (h, 2 * h),
+                       f"{layer}shared_head.norm.weight": (h,), f"{layer}embed_tokens.weight": embed,
+                       f"{layer}shared_head.head.weight": shapes.get("lm_head.weight", embed)})
+    return shapes
+
+
+def shape_problems(produced: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Every difference between the tensors an export produces and those transformers expects."""
+    problems = [f"{k}: HF config implies shape {list(expected[k])}, the checkpoint gives {list(v)}"
+                for k, v in produced.items() if k in expected and tuple(expected[k]) != tuple(v)]
+    extra = sorted(set(produced) - set(expected))
+    missing = sorted(set(expected) - set(produced))
+    if extra:
+        problems.append(f"{len(extra)} tensor(s) the HF config has no place for, e.g. {extra[:4]}")
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the HF config needs and the checkpoint lacks, e.g. {missing[:4]}")
+    return problems

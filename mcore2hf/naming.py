@@ -160,3 +160,29 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
                 param=None if is_buffer else t,
             ))
     return out
+
+
+@dataclass(frozen=True)
+class NameFilter:
+    """Which HF tensors an export produces: names matching any `include` regex (all when empty) and no
+    `exclude` regex (`re.search`). Applied to the plan, so filtered tensors cost no bytes."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for pattern in self.include + self.exclude:
+            try:
+                regex.compile(pattern)
+            except regex.error as e:
+                raise ValueError(f"name filter: {pattern!r} is not a regular expression ({e})") from None
+
+    @classmethod
+    def of(cls, include=None, exclude=None) -> NameFilter | None:
+        include, exclude = tuple(include or ()), tuple(exclude or ())
+        return cls(include, exclude) if include or exclude else None
+
+    def __call__(self, hf_name: str) -> bool:
+        if self.include and not any(regex.search(p, hf_name) for p in self.include):
+            return False
+        return not any(regex.search(p, hf_name) for p in self.exclude)

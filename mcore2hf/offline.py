@@ -31,11 +31,12 @@ import torch
 from .buckets import Bucket
 from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
 from .exporter import check_structure
-from .hf_config import HFConfigLike, load_hf_config
+from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .naming import canonical_layer_name, mtp_inner
 from .plan import align, natural_key, pack_tight
 from .registry import get_converter
-from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target, parse_size
+from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
+from .sizes import parse_size
 
 
 class CheckpointError(Mcore2HFError):
@@ -43,9 +44,7 @@ class CheckpointError(Mcore2HFError):
 
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
-                   "added_tokens.json")
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 _LAYER_KEY = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 _STACKED_EXPERTS = regex.compile(r"mlp\.experts\.experts\.(linear_fc[12])\.(weight|bias)")
@@ -363,6 +362,7 @@ class ExportReport:
     ignored_keys: int
     seconds: float
     peak_rss_bytes: int
+    notes: list[str] = field(default_factory=list)
 
 
 def _peak_rss() -> int:
@@ -372,19 +372,29 @@ def _peak_rss() -> int:
 def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: HFConfigLike, *,
                       iteration: int | None = None, dtype: torch.dtype | str | None = None,
                       max_shard_size: int | str = "5GB", bucket_bytes: int | str = "1GiB",
-                      overwrite: bool = False, progress: bool = True) -> ExportReport:
+                      overwrite: bool = False, progress: bool = True, name_filter=None,
+                      make_vocab_size_divisible_by: int = 128) -> ExportReport:
     """Write an HF directory from a Megatron torch_dist checkpoint (no GPU, no torch.distributed).
 
-    `dtype` casts floating tensors (tensors HF keeps in fp32, like e_score_correction_bias, stay fp32)."""
+    `dtype` casts floating tensors (tensors HF keeps in fp32, like e_score_correction_bias, stay fp32).
+    Every tensor's shape is checked against the model transformers builds from `hf_config`, and the vocab rows
+    dropped as padding must be exactly Megatron's padding (`make_vocab_size_divisible_by` x the checkpoint's
+    TP); all problems are reported at once, before anything is written. `name_filter(hf_name) -> bool` selects
+    tensors."""
     t0 = time.perf_counter()
+    budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
+    parse_size(max_shard_size, "max_shard_size")
+    cast = _parse_dtype(dtype)
     out_dir = os.path.abspath(os.fspath(out_dir))
-    check_target(out_dir, overwrite)
-    cfg = load_hf_config(hf_config)
+    source = config_source(hf_config)
+    cfg = source.config
+    inputs = [ckpt_dir] + ([source.directory] if source.directory else [])
+    check_target(out_dir, overwrite, inputs)
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
-    cast = _parse_dtype(dtype)
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)
+    check_target(out_dir, overwrite, [it_dir])  # e.g. a symlinked iter_* directory elsewhere
     reader = DistCheckpointReader(it_dir)
     sources, ignored = checkpoint_sources(reader, dims.num_layers)
     reader.check_files({key for s in sources for key, _ in s.reads})
@@ -401,7 +411,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     if unknown:
         raise UnknownParametersError(converter.model_type, [f"{n}  (checkpoint key {next(s.key for s in sources if s.name == n)})"
                                                             for n in unknown])
-    problems = []
+    problems = vocab_padding_problems(reader, dims.vocab_size, make_vocab_size_divisible_by)
     for s in sources:
         r = converter.resolve(s.name, dims)
         s.op, s.n_out, s.keep_dtype = r.op, r.op.n_out, r.rule.keep_dtype
@@ -411,21 +421,22 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
             problems.append(f"{s.key} -> {list(r.hf_names)}: {e}")
             continue
         s.hf = list(zip(r.hf_names + r.copies, shapes + [shapes[0]] * len(r.copies)))
+    if not problems:
+        problems = shape_problems({name: shape for s in sources for name, shape in s.hf},
+                                  hf_tensor_shapes(cfg, ckpt_mtp))
     if problems:
         raise ShapeMismatchError(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "
                                  + "\n  ".join(problems))
     check_structure({s.name: s for s in sources}, spec, cfg, dims)
+    if name_filter is not None:
+        sources = _filtered(sources, name_filter)
 
     def out_dtype(s: CkptSource) -> torch.dtype:
         return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
 
     infos = [TensorInfo(name, shape, out_dtype(s)) for s in sources for name, shape in s.hf]
-    extra = []
-    if isinstance(hf_config, str | os.PathLike) and os.path.isdir(hf_config):
-        extra = [os.path.join(hf_config, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_config, f))]
-    writer = SafetensorsWriter(out_dir, infos, cfg, max_shard_size=max_shard_size, overwrite=overwrite,
-                               extra_files=extra)
-    budget = parse_size(bucket_bytes)
+    writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
+                               extra_files=source.companion_files, inputs=inputs + [it_dir])
     bar = None
     if progress:
         from tqdm import tqdm
@@ -450,7 +461,45 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
             bar.close()
     return ExportReport(out_dir, len(infos), written, sum(os.path.getsize(os.path.join(it_dir, f))
                                                           for f in os.listdir(it_dir) if f.endswith(".distcp")),
-                        len(ignored), time.perf_counter() - t0, _peak_rss())
+                        len(ignored), time.perf_counter() - t0, _peak_rss(), writer.notes)
+
+
+def vocab_padding_problems(reader: DistCheckpointReader, vocab_size: int, divisible_by: int) -> list[str]:
+    """Rows beyond `vocab_size` may only be Megatron's padding: up to the next multiple of divisible_by x TP, TP
+    read from the checkpoint's own chunking of the vocab-parallel tensor. A larger surplus means the HF config's
+    vocab_size is too small, and dropping those rows would silently lose real vocabulary."""
+    problems = []
+    for key in VOCAB_KEYS:
+        if key not in reader.tensors:
+            continue
+        rows = reader.shape(key)[0]
+        tp = len({c.offsets[0] for c in reader.tensors[key].chunks})
+        m = divisible_by * tp
+        padded = (vocab_size + m - 1) // m * m
+        if rows not in (vocab_size, padded):
+            problems.append(f"{key} has {rows} rows (TP {tp} in the checkpoint); HF vocab_size {vocab_size} padded "
+                            f"to a multiple of make_vocab_size_divisible_by {divisible_by} x TP {tp} gives {padded}: "
+                            "the HF config's vocab_size does not match the checkpoint (or pass the divisor used "
+                            "in training)")
+    return problems
+
+
+def _filtered(sources: list[CkptSource], keep) -> list[CkptSource]:
+    out, split = [], []
+    for s in sources:
+        kept = [keep(name) for name, _ in s.hf]
+        if not any(kept):
+            continue
+        if not all(kept[:s.n_out]):
+            split.append(f"{s.key} -> {[n for n, _ in s.hf[:s.n_out]]}")
+            continue
+        out.append(replace(s, hf=[h for h, k in zip(s.hf, kept) if k]))
+    if split:
+        raise ValueError("the name filter keeps only some of the HF tensors one Megatron tensor becomes; keep all "
+                         "or none of them:\n  " + "\n  ".join(split))
+    if not out:
+        raise ValueError("the name filter keeps no HF tensor")
+    return out
 
 
 def _parse_dtype(dtype) -> torch.dtype | None:

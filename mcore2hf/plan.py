@@ -144,6 +144,21 @@ class ExportPlan:
     def hf_entries(self) -> list[HFEntry]:
         return [e for b in self.buckets for e in b.entries]
 
+    def to_dict(self) -> dict:
+        """The plan as plain data (the JSON of `mcore2hf plan --json`)."""
+        tensors = []
+        for b in self.buckets:
+            for e in b.entries:
+                src = self.sources[e.source]
+                tensors.append(dict(name=e.name, shape=list(e.shape), dtype=str(e.dtype).removeprefix("torch."),
+                                    bytes=e.nbytes, bucket=b.index, source=src.name, megatron=src.local_name,
+                                    op=type(src.resolved.op).__name__, shards=src.count, stages=list(src.stages),
+                                    ep=src.ep))
+        return dict(model_type=self.model_type, world_size=self.world_size, bucket_bytes=self.bucket_bytes,
+                    num_tensors=self.num_tensors, total_bytes=self.total_bytes,
+                    buckets=[dict(index=b.index, bytes=b.nbytes, tensors=len(b.entries)) for b in self.buckets],
+                    tensors=tensors)
+
     def describe(self, limit: int | None = None) -> str:
         """The dry run: every HF tensor with shape, dtype, its Megatron source (and its shards) and bucket."""
         lines = [
@@ -270,6 +285,30 @@ def split_copies(src: Source, bucket_bytes: int) -> list[Source]:
     units = [replace(src, resolved=replace(r, copies=()))]
     units += [replace(src, resolved=replace(r, hf_names=(name,), copies=())) for name in r.copies]
     return units
+
+
+def filter_sources(sources: dict[str, Source], keep) -> dict[str, Source]:
+    """The sources (and published copies) whose HF names `keep(name)` accepts. A layout op writes all its outputs
+    together, so a filter that keeps some outputs of one Megatron tensor but not others is an error."""
+    if keep is None:
+        return sources
+    out, split = {}, []
+    for name, s in sources.items():
+        r = s.resolved
+        primary = [keep(n) for n in r.hf_names]
+        copies = tuple(c for c in r.copies if keep(c))
+        if not any(primary) and not copies:
+            continue
+        if not all(primary):
+            split.append(f"{name} -> {list(r.hf_names)} (kept: {[n for n, k in zip(r.hf_names, primary) if k]})")
+            continue
+        out[name] = s if copies == r.copies else replace(s, resolved=replace(r, copies=copies))
+    if split:
+        raise ValueError("the name filter keeps only some of the HF tensors one Megatron tensor becomes; keep all "
+                         "or none of them:\n  " + "\n  ".join(split))
+    if not out:
+        raise ValueError("the name filter keeps no HF tensor")
+    return out
 
 
 def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[BucketPlan]:

@@ -9,10 +9,11 @@ directory beside the target, which replaces the target only when everything was 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,24 +22,18 @@ import torch
 
 from ..buckets import Bucket
 from ..errors import Mcore2HFError
+from ..hf_config import ConfigSource, output_config
+from ..sizes import parse_size
+
+log = logging.getLogger("mcore2hf")
+_MARKER = ".mcore2hf-writer"  # in our temporary directories: host and pid of the writing process
+HF_DIR_MARKS = ("config.json", "model.safetensors.index.json", "model.safetensors")
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
-
-
-def parse_size(size: int | str) -> int:
-    """'5GB' / '500MB' / '2GiB' / 123 -> bytes."""
-    if isinstance(size, int):
-        return size
-    s = size.strip().upper()
-    units = [("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)]
-    for unit, mult in units:
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
 
 
 @dataclass(frozen=True)
@@ -55,30 +50,98 @@ class TensorInfo:
         return n
 
 
-def check_target(out_dir: str | os.PathLike, overwrite: bool) -> None:
+def _overlap(a: str, b: str) -> bool:
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
+
+
+def check_target(out_dir: str | os.PathLike, overwrite: bool, inputs: Sequence[str | os.PathLike] = ()) -> None:
+    """Refuse an output that would destroy anything of the user's, before anything is touched: one that is,
+    contains or lies inside an input (symlinks resolved), a file, a non-empty directory without `overwrite`,
+    and with `overwrite` a directory that is not an HF directory (no config.json or safetensors index)."""
     out = os.fspath(out_dir)
-    if os.path.isfile(out):
-        raise Mcore2HFError(f"output path {out} is a file")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise Mcore2HFError(f"output directory {out} exists and is not empty (pass overwrite=True / --overwrite)")
+    for inp in inputs:
+        if inp is not None and _overlap(out, os.fspath(inp)):
+            raise Mcore2HFError(f"output directory {out} overlaps the input {os.fspath(inp)} "
+                                f"({os.path.realpath(out)} vs {os.path.realpath(inp)}): choose another output")
+    if os.path.isfile(out) or (os.path.exists(out) and not os.path.isdir(out)):
+        raise Mcore2HFError(f"output path {out} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            raise Mcore2HFError(f"output directory {out} exists and is not empty (pass overwrite=True / --overwrite)")
+        if not any(os.path.isfile(os.path.join(out, f)) for f in HF_DIR_MARKS):
+            raise Mcore2HFError(f"output directory {out} is not empty and not an HF directory (none of "
+                                f"{', '.join(HF_DIR_MARKS)}): refusing to replace it, even with overwrite")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temp_dirs(out_dir: str) -> list[str]:
+    """Remove temporary directories an earlier writer of `out_dir` left when it was killed: only ours (marked),
+    only from this host, only when their process is gone."""
+    parent, base = os.path.dirname(out_dir), os.path.basename(out_dir)
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        if not name.startswith(f".{base}.tmp-") or not os.path.isfile(os.path.join(path, _MARKER)):
+            continue
+        try:
+            with open(os.path.join(path, _MARKER)) as f:
+                host, pid = f.read().split()
+            if host != socket.gethostname():
+                continue
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        log.info("removed %d stale temporary director%s of killed exports: %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", ", ".join(removed))
+    return removed
 
 
 class SafetensorsWriter:
-    """Sender that writes an HF directory. `finish()` moves it into place; `abort()` removes every trace."""
+    """Sender that writes an HF directory. `finish()` moves it into place; `abort()` removes every trace.
+
+    `hf_config` is a `ConfigSource` (config.json written as the user's file has it), a `PretrainedConfig`
+    (written as transformers writes it) or None (no config.json). `inputs` are paths the output must not overlap.
+    The directory gets the permissions the umask allows, as any directory the user creates."""
 
     def __init__(self, out_dir: str | os.PathLike, tensors: Sequence[TensorInfo], hf_config=None, *,
-                 max_shard_size: int | str = "5GB", overwrite: bool = False, extra_files: Sequence[str] = ()):
+                 max_shard_size: int | str = "5GB", overwrite: bool = False, extra_files: Sequence[str] = (),
+                 inputs: Sequence[str | os.PathLike] = (), quantization: dict | None = None):
+        limit = parse_size(max_shard_size, "max_shard_size")  # before anything is created
         self.out_dir = os.path.abspath(os.fspath(out_dir))
-        check_target(self.out_dir, overwrite)
+        check_target(self.out_dir, overwrite, inputs)
         parent = os.path.dirname(self.out_dir)
         os.makedirs(parent, exist_ok=True)
+        remove_stale_temp_dirs(self.out_dir)
         self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out_dir)}.tmp-", dir=parent)
-        self.hf_config = hf_config
+        self.overwrite = overwrite
+        self.config = ConfigSource(hf_config) if hf_config is not None and not isinstance(hf_config, ConfigSource) \
+            else hf_config
+        self.quantization = quantization
         self.extra_files = list(extra_files)
-        self._plan_files(list(tensors), parse_size(max_shard_size))
+        self.notes: list[str] = []
         self._handles: dict[str, object] = {}
         self._written: set[str] = set()
         try:
+            os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700: a server of another user could not read it
+            with open(os.path.join(self.tmp, _MARKER), "w") as f:
+                f.write(f"{socket.gethostname()} {os.getpid()}\n")
+            self._plan_files(list(tensors), limit)
             for fname, infos in self.files.items():
                 self._write_header(fname, infos)
         except BaseException:
@@ -152,7 +215,7 @@ class SafetensorsWriter:
             weight_map = {name: loc[0] for name, loc in sorted(self.location.items())}
             with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2)
-            if self.hf_config is not None:
+            if self.config is not None:
                 self._write_config()
             for path in self.extra_files:
                 shutil.copy2(path, os.path.join(self.tmp, os.path.basename(path)))
@@ -163,15 +226,16 @@ class SafetensorsWriter:
         return self.out_dir
 
     def _write_config(self) -> None:
-        cfg = copy.deepcopy(self.hf_config)
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        if hasattr(cfg, "dtype"):
-            cfg.dtype = dtype_name
-        else:
-            cfg.torch_dtype = dtype_name
-        cfg.to_json_file(os.path.join(self.tmp, "config.json"), use_diff=False)
+        text, notes = output_config(self.config, self.dtype, self.quantization)
+        with open(os.path.join(self.tmp, "config.json"), "w") as f:
+            f.write(text)
+        for note in notes:
+            log.warning("%s: %s", self.out_dir, note)
+        self.notes += notes
 
     def _move_into_place(self) -> None:
+        os.remove(os.path.join(self.tmp, _MARKER))
+        check_target(self.out_dir, self.overwrite)  # nothing appeared there meanwhile that we would replace
         old = None
         if os.path.exists(self.out_dir):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out_dir)}.old-", dir=os.path.dirname(self.out_dir))

@@ -3,15 +3,17 @@
     results = run_world(fn, Layout(tp=2, pp=2, ep=2), *args)   # fn(*args) on each rank; a list of returns
 
 `fn` must be importable by module and name (a module-level function). A failure on any rank raises
-`WorldError` with that rank's traceback; a hang is cut at `timeout` seconds.
+`WorldError` with that rank's traceback (or that rank's own `Mcore2HFError`, chained to it); a hang is cut at
+`timeout` seconds. The world's rendezvous store is created here on a port the OS picks, so no port is ever
+chosen first and bound later (another process could take it in between).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import pickle
 import queue as queue_mod
-import socket
 import traceback
 import warnings
 from collections.abc import Callable
@@ -47,6 +49,46 @@ class Layout:
             out["num_layers_in_last_pipeline_stage"] = self.last_stage_layers
         return out
 
+    def check(self, hf_config) -> None:
+        """Every way this layout cannot hold the model of `hf_config`, at once (UsageError), before any process
+        starts: Megatron would fail inside the workers with an assertion."""
+        from ..errors import UsageError
+        from ..registry import get_model_spec
+
+        dims = get_model_spec(hf_config.model_type).dims(hf_config)
+        problems = []
+        if dims.num_attention_heads % self.tp:
+            problems.append(f"--tp {self.tp} does not divide num_attention_heads {dims.num_attention_heads}")
+        if dims.kv_lora_rank is None and dims.num_query_groups % self.tp:
+            problems.append(f"--tp {self.tp} does not divide the {dims.num_query_groups} KV heads "
+                            "(num_key_value_heads)")
+        if dims.num_experts and dims.num_experts % self.ep:
+            problems.append(f"--ep {self.ep} does not divide the {dims.num_experts} experts")
+        layers = dims.num_layers
+        uneven = self.first_stage_layers is not None or self.last_stage_layers is not None
+        if uneven and self.pp == 1:
+            problems.append("--first-stage-layers / --last-stage-layers need --pp >= 2")
+        elif uneven:
+            first, last = self.first_stage_layers, self.last_stage_layers
+            fixed = [n for n in (first, last) if n is not None]
+            middle = self.pp - len(fixed)
+            rest = layers - sum(fixed)
+            if rest < 0 or (middle and rest % middle) or (not middle and rest):
+                problems.append(f"{layers} layers do not split as first {first}, last {last} and {middle} "
+                                f"other stage(s) of equal size")
+        elif layers % self.pp:
+            problems.append(f"--pp {self.pp} does not divide the {layers} layers: give an uneven split with "
+                            "--first-stage-layers / --last-stage-layers")
+        if self.vpp is not None:
+            if self.pp == 1:
+                problems.append("--vpp needs --pp >= 2")
+            elif not uneven and layers % self.pp == 0 and (layers // self.pp) % self.vpp:
+                problems.append(f"--vpp {self.vpp} does not divide the {layers // self.pp} layers of each stage")
+        if self.size > 64:
+            problems.append(f"the layout needs {self.size} worker processes; at most 64 run on one machine")
+        if problems:
+            raise UsageError(f"layout {self} cannot hold this {hf_config.model_type} model: " + "; ".join(problems))
+
     def __str__(self) -> str:
         s = f"tp{self.tp}-pp{self.pp}"
         if self.vpp:
@@ -59,12 +101,6 @@ class Layout:
 
 class WorldError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_megatron(layout: Layout) -> None:
@@ -99,12 +135,13 @@ def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: t
     try:
         if backend == "nccl":  # one GPU per rank
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=size)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's store
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size)
         init_megatron(Layout(**layout))
         result = fn(*args)
         out.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        out.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put((rank, False, (traceback.format_exc(), _portable_error(e))))
     finally:
         try:
             from megatron.core import parallel_state as ps
@@ -116,14 +153,37 @@ def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: t
             pass
 
 
+def free_port() -> int:  # TODO(merge): senders' tests still use it; they move to ports the OS picks
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _portable_error(e: BaseException):
+    """The rank's own error if it is one of ours and survives pickling (else None: the traceback says it)."""
+    from ..errors import Mcore2HFError
+
+    if not isinstance(e, Mcore2HFError):
+        return None
+    try:
+        return pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - e.g. a custom __init__: keep the message and the base class
+        return Mcore2HFError(str(e))
+
+
 def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo") -> list:
     """fn(*args) on every rank of a new world with `layout`; returns the per-rank results.
 
     backend "gloo" (CPU) or "nccl" (one GPU per rank)."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     size = layout.size
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the OS picks the port
+    port = store.port
     # not daemonic: dist_checkpointing.save writes files from child processes of its own
     procs = [ctx.Process(target=_worker, args=(r, size, port, asdict(layout), fn, args, out, backend), daemon=False)
              for r in range(size)]
@@ -146,7 +206,12 @@ def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
+        del store
     if errors:
         rank = min(errors)
-        raise WorldError(f"rank {rank} of world {layout} failed:\n{errors[rank]}")
+        text, error = errors[rank]
+        failure = WorldError(f"rank {rank} of world {layout} failed:\n{text}")
+        if error is not None:
+            raise error from failure
+        raise failure
     return [results[r] for r in range(size)]
