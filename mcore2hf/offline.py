@@ -387,14 +387,52 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     cast = _parse_dtype(dtype)
     out_dir = os.path.abspath(os.fspath(out_dir))
     source = config_source(hf_config)
-    cfg = source.config
     inputs = [ckpt_dir] + ([source.directory] if source.directory else [])
     check_target(out_dir, overwrite, inputs)
+    it_dir = resolve_iteration_dir(ckpt_dir, iteration)
+    check_target(out_dir, overwrite, [it_dir])  # e.g. a symlinked iter_* directory elsewhere
+    reader, sources, ignored = prepare_sources(it_dir, source.config, make_vocab_size_divisible_by, name_filter)
+
+    def out_dtype(s: CkptSource) -> torch.dtype:
+        return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
+
+    infos = [TensorInfo(name, shape, out_dtype(s)) for s in sources for name, shape in s.hf]
+    writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
+                               extra_files=source.companion_files, inputs=inputs + [it_dir])
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(t.nbytes for t in infos), unit="B", unit_scale=True, desc="export")
+    written = 0
+    try:
+        for index, group in enumerate(_groups(sources, budget, out_dtype)):
+            bucket = _convert(reader, group, out_dtype, index)
+            writer.send(bucket)
+            n = sum(e.nbytes for e in bucket.entries)
+            del bucket  # one output buffer at a time
+            written += n
+            if bar is not None:
+                bar.update(n)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return ExportReport(out_dir, len(infos), written, sum(os.path.getsize(os.path.join(it_dir, f))
+                                                          for f in os.listdir(it_dir) if f.endswith(".distcp")),
+                        len(ignored), time.perf_counter() - t0, _peak_rss(), writer.notes)
+
+
+def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
+                    name_filter=None) -> tuple[DistCheckpointReader, list[CkptSource], list[str]]:
+    """The checkpoint's model tensors, resolved to HF names and shapes and checked against the HF config (every
+    problem at once); also the keys that are not model weights."""
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
-    it_dir = resolve_iteration_dir(ckpt_dir, iteration)
-    check_target(out_dir, overwrite, [it_dir])  # e.g. a symlinked iter_* directory elsewhere
     reader = DistCheckpointReader(it_dir)
     sources, ignored = checkpoint_sources(reader, dims.num_layers)
     reader.check_files({key for s in sources for key, _ in s.reads})
@@ -430,38 +468,22 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     check_structure({s.name: s for s in sources}, spec, cfg, dims)
     if name_filter is not None:
         sources = _filtered(sources, name_filter)
+    return reader, sources, ignored
 
-    def out_dtype(s: CkptSource) -> torch.dtype:
-        return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
 
-    infos = [TensorInfo(name, shape, out_dtype(s)) for s in sources for name, shape in s.hf]
-    writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
-                               extra_files=source.companion_files, inputs=inputs + [it_dir])
-    bar = None
-    if progress:
-        from tqdm import tqdm
+def checkpoint_tensors(ckpt_dir: str | os.PathLike, hf_config: HFConfigLike, *, iteration: int | None = None,
+                       bucket_bytes: int | str = "1GiB", make_vocab_size_divisible_by: int = 128):
+    """(HF name, tensor) pairs of a torch_dist checkpoint, converted bucket by bucket (bounded memory), as
+    `export_checkpoint` would write them; the tensors of a bucket are views valid until the next one."""
+    budget = parse_size(bucket_bytes, "bucket_bytes")
+    it_dir = resolve_iteration_dir(ckpt_dir, iteration)
+    reader, sources, _ = prepare_sources(it_dir, config_source(hf_config).config, make_vocab_size_divisible_by)
 
-        bar = tqdm(total=sum(t.nbytes for t in infos), unit="B", unit_scale=True, desc="export")
-    written = 0
-    try:
-        for index, group in enumerate(_groups(sources, budget, out_dtype)):
-            bucket = _convert(reader, group, out_dtype, index)
-            writer.send(bucket)
-            n = sum(e.nbytes for e in bucket.entries)
-            del bucket  # one output buffer at a time
-            written += n
-            if bar is not None:
-                bar.update(n)
-        writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    return ExportReport(out_dir, len(infos), written, sum(os.path.getsize(os.path.join(it_dir, f))
-                                                          for f in os.listdir(it_dir) if f.endswith(".distcp")),
-                        len(ignored), time.perf_counter() - t0, _peak_rss(), writer.notes)
+    def same(s: CkptSource) -> torch.dtype:
+        return s.dtype
+
+    for index, group in enumerate(_groups(sources, budget, same)):
+        yield from _convert(reader, group, same, index)
 
 
 def vocab_padding_problems(reader: DistCheckpointReader, vocab_size: int, divisible_by: int) -> list[str]:

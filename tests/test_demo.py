@@ -1,13 +1,31 @@
-"""The README's main job: `mcore2hf demo` runs end to end and reports every check passed."""
+"""The README's main job: `mcore2hf demo` runs end to end and reports every check passed, for every registered
+architecture at its default layout and at a pipeline-parallel one, leaving nothing behind but --out."""
 
+import os
 import subprocess
 import sys
 
+import pytest
+
+from mcore2hf import list_architectures
+from mcore2hf.demo import DEMO_LAYOUT, format_report, run_demo
+from mcore2hf.testing.world import Layout
+
 
 def test_demo_end_to_end(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+    os.makedirs(env["TMPDIR"])
     out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "demo", "--out", str(tmp_path / "exported")],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "RESULT: all checks passed" in out.stdout
     assert "bit-identical to the source         PASS on 4/4 ranks" in out.stdout
     assert (tmp_path / "exported" / "model.safetensors.index.json").is_file()
+    assert os.listdir(env["TMPDIR"]) == []  # no mcore2hf-demo-* left
+
+
+@pytest.mark.parametrize("layout", [DEMO_LAYOUT, Layout(pp=2, ep=2, etp=1)], ids=["default", "pp2"])
+@pytest.mark.parametrize("model_type", list_architectures())
+def test_demo_passes_for_every_architecture(model_type, layout):
+    report, ok = format_report(run_demo(model_type, layout))
+    assert ok, report

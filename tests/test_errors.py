@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the parameter and the expected and actual shape/name."""
 
+import os
+
 import pytest
 import torch
 import worlds
@@ -37,3 +39,23 @@ def test_config_forms(tmp_path, qwen3_moe_ckpt):
     assert load_hf_config({"model_type": "qwen3_moe", "num_experts": 4}).num_experts == 4
     with pytest.raises(FileNotFoundError):
         load_hf_config(tmp_path / "nope")
+
+
+def test_save_pretrained_writes_the_users_config_and_files_and_filters_names(qwen3_moe_ckpt, tmp_path):
+    import json
+    import shutil
+
+    from test_outputs import _transformers4_style_config
+
+    src = tmp_path / "src"
+    raw = _transformers4_style_config(src)
+    for f in ("model.safetensors",):
+        shutil.copy(os.path.join(qwen3_moe_ckpt, f), src / f)
+    (src / "tokenizer.json").write_text("{}")
+    (src / "generation_config.json").write_text("{}")
+    layout = Layout(ep=2, etp=1)
+    r = run_world(worlds.outputs_suite, layout, str(qwen3_moe_ckpt), layout, str(src), str(tmp_path))[0]
+    want = {k: v for k, v in raw.items() if k != "quantization_config"}  # fp32 model: the dtype stays
+    assert list(r["config"].items()) == list(want.items()), json.dumps(r["config"])
+    assert "tokenizer.json" in r["files"] and "generation_config.json" in r["files"]
+    assert r["filtered_bytes"] < 0.85 * r["full_bytes"]

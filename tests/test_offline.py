@@ -1,6 +1,7 @@
 """Offline export of Megatron torch_dist checkpoints (written by real models in gloo worlds, with Adam state)
 equals, tensor for tensor and bit for bit, what HFExporter produces from the live model."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -92,6 +93,10 @@ def test_errors(saved, ckpts, tmp_path):
     (busy / "x").write_text("keep")
     with pytest.raises(Mcore2HFError, match="exists and is not empty"):
         export_checkpoint(ckpt, busy, cfg, progress=False)
+    with pytest.raises(Mcore2HFError, match="not an HF directory"):  # overwrite replaces only an HF directory
+        export_checkpoint(ckpt, busy, cfg, overwrite=True, progress=False)
+    assert (busy / "x").read_text() == "keep"
+    (busy / "config.json").write_text("{}")  # an earlier export
     export_checkpoint(ckpt, busy, cfg, overwrite=True, progress=False)
     assert not (busy / "x").exists()
 
@@ -126,3 +131,101 @@ def test_errors(saved, ckpts, tmp_path):
         export_checkpoint(broken, tmp_path / "o7", cfg, progress=False)
     assert not (tmp_path / "o5").exists() and not (tmp_path / "o6").exists() and not (tmp_path / "o7").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".o")], os.listdir(tmp_path)
+
+
+def _listing(root) -> dict:
+    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_output_overlapping_the_checkpoint_is_refused_before_anything_is_touched(saved, ckpts, tmp_path):
+    base = saved[(str(CASES[0][0]), False)]["llama"]
+    work = tmp_path / "work"
+    shutil.copytree(base, work)
+    ckpt = work / "ckpt"
+    before = _listing(work)
+    (tmp_path / "link").symlink_to(ckpt)
+    for out in (ckpt, ckpt / "iter_0000007", ckpt / "new", work, tmp_path / "link", tmp_path / "link" / "x"):
+        with pytest.raises(Mcore2HFError, match="overlaps the input"):
+            export_checkpoint(ckpt, out, ckpts["llama"], overwrite=True, progress=False)
+        with pytest.raises(Mcore2HFError, match="overlaps the input"):
+            export_checkpoint(tmp_path / "link", out, ckpts["llama"], overwrite=True, progress=False)
+        r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", str(ckpt / "iter_0000007"), str(out),
+                            "--hf-config", ckpts["llama"], "--overwrite"], capture_output=True, text=True)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "overlaps" in r.stderr, r.stderr
+    assert _listing(work) == before
+    with pytest.raises(Mcore2HFError, match="overlaps the input"):  # the HF config directory is an input too
+        export_checkpoint(ckpt, os.path.join(ckpts["llama"], "out"), ckpts["llama"], progress=False)
+
+
+def test_every_config_mismatch_is_reported_before_anything_is_written(saved, ckpts, tmp_path):
+    base = saved[(str(CASES[0][0]), False)]
+    ckpt = os.path.join(base["qwen3_moe"], "ckpt")
+    with pytest.raises(ShapeMismatchError) as e:
+        export_checkpoint(ckpt, tmp_path / "o1", tiny_config("qwen3_moe", hidden_size=96, moe_intermediate_size=48),
+                          progress=False)
+    for needle in ("model.embed_tokens.weight", "mlp.experts.0.gate_proj.weight", "[48, 96]"):
+        assert needle in str(e.value), str(e.value)
+    glm = os.path.join(base["glm4_moe"], "ckpt")
+    with pytest.raises(ShapeMismatchError, match=r"model.layers.0.mlp.gate_proj.weight: HF config implies shape \[128, 64\]"):
+        export_checkpoint(glm, tmp_path / "o2", tiny_config("glm4_moe", intermediate_size=128), progress=False)
+    # rows beyond vocab_size are dropped only when they are Megatron's padding (128 x TP 2 here)
+    with pytest.raises(ShapeMismatchError, match="make_vocab_size_divisible_by 16 x TP 2 gives 128"):
+        export_checkpoint(ckpt, tmp_path / "o3", ckpts["qwen3_moe"], make_vocab_size_divisible_by=16, progress=False)
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", ckpt, str(tmp_path / "o4"), "--hf-config",
+                        ckpts["qwen3_moe"], "--make-vocab-size-divisible-by", "16"], capture_output=True, text=True)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "vocab_size" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", ckpt, str(tmp_path / "o5"), "--hf-config",
+                        ckpts["qwen3_moe"], "--shard-size", "garbage"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--shard-size" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_config_tokenizer_and_quantization_config_as_the_user_has_them(saved, tmp_path):
+    from test_outputs import _transformers4_style_config
+
+    ckpt = os.path.join(saved[(str(CASES[0][0]), False)]["qwen3_moe"], "ckpt")
+    src = tmp_path / "src"
+    raw = _transformers4_style_config(src)
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 256}')
+    (src / "generation_config.json").write_text('{"do_sample": true}')
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", ckpt, str(out), "--hf-config", str(src),
+                        "--dtype", "bf16"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "note: dropped the source config's quantization_config (quant_method=fp8)" in r.stdout
+    written = json.loads((out / "config.json").read_text())
+    want = {k: v for k, v in raw.items() if k != "quantization_config"}
+    want["torch_dtype"] = "bfloat16"
+    assert list(written.items()) == list(want.items())
+    assert (out / "tokenizer_config.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_verify_hf_directory_against_megatron_checkpoint(saved, ckpts, tmp_path):
+    base = saved[(str(CASES[1][0]), False)]["deepseek_v3"]
+    run = [sys.executable, "-m", "mcore2hf.cli", "verify"]
+    r = subprocess.run(run + [ckpts["deepseek_v3"], os.path.join(base, "ckpt")], capture_output=True, text=True)
+    assert r.returncode == 0 and "IDENTICAL" in r.stdout, r.stdout + r.stderr
+    changed = tmp_path / "changed"
+    shutil.copytree(ckpts["deepseek_v3"], changed)
+    from safetensors.torch import load_file, save_file
+
+    f = changed / "model-mtp.safetensors"
+    t = load_file(f)
+    name = sorted(t)[0]
+    t[name] = t[name] + 1
+    save_file(t, f, metadata={"format": "pt"})
+    r = subprocess.run(run + [str(changed), os.path.join(base, "ckpt")], capture_output=True, text=True)
+    assert r.returncode == 1 and name in r.stdout and "values" in r.stdout, r.stdout + r.stderr
+
+
+def test_name_filter_skips_tensors_at_plan_level(saved, ckpts, tmp_path):
+    ckpt = os.path.join(saved[(str(CASES[0][0]), False)]["glm4_moe"], "ckpt")
+    out = tmp_path / "no_mtp"
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", ckpt, str(out), "--hf-config",
+                        ckpts["glm4_moe"], "--exclude", r"^model\.layers\.4\."], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ref = {k: v for k, v in read_hf_checkpoint(ckpts["glm4_moe"]).items() if not k.startswith("model.layers.4.")}
+    assert_same(read_hf_checkpoint(out), ref, "glm4_moe without MTP")
+    with pytest.raises(ValueError, match="keeps only some"):
+        export_checkpoint(ckpt, tmp_path / "split", ckpts["glm4_moe"], name_filter=lambda n: "k_proj" not in n,
+                          progress=False)

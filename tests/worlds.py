@@ -419,3 +419,38 @@ def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_t
     reports = [sync(ex, sender, bucket_bytes=bucket_bytes, progress=False) for _ in range(rounds)]
     assert sender.version == rounds, sender.version
     return [r.buckets for r in reports]
+
+
+def outputs_suite(ckpt: str, layout: Layout, src_dir: str, tmp: str) -> dict:
+    """save_pretrained writes the user's config.json and companion files; name filters act on the plan."""
+    import json
+
+    import pytest
+
+    from mcore2hf.naming import NameFilter
+
+    _, chunks = build(ckpt, layout)
+    load_hf_weights(chunks, ckpt)
+    ex = HFExporter(chunks, src_dir)  # a transformers-4.x-style config.json with tokenizer files beside it
+    out = os.path.join(tmp, "out")
+    ex.save_pretrained(out, progress=False)
+    ref = read_hf_checkpoint(ckpt)
+    if dist.get_rank() == 0:
+        assert_same(read_hf_checkpoint(out), ref, "save_pretrained from a 4.x config")
+
+    no_layer3 = NameFilter(exclude=(r"^model\.layers\.3\.",))
+    full, part = ex.plan(), ex.plan(name_filter=no_layer3)
+    got = ex.state_dict(name_filter=no_layer3)
+    assert_same(got, {k: v for k, v in ref.items() if not k.startswith("model.layers.3.")}, "filtered export")
+    only_experts = NameFilter(include=(r"\.experts\.",))
+    assert all(".experts." in n for n in ex.state_dict(name_filter=only_experts))
+    with pytest.raises(ValueError, match="keeps only some"):
+        ex.plan(name_filter=NameFilter(exclude=(r"k_proj",)))
+    filtered_dir = os.path.join(tmp, "filtered")
+    ex.save_pretrained(filtered_dir, name_filter=no_layer3, progress=False)
+    if dist.get_rank() == 0:
+        assert set(read_hf_checkpoint(filtered_dir)) == set(got)
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    return dict(config=written, files=sorted(os.listdir(out)), full_bytes=full.total_bytes,
+                filtered_bytes=part.total_bytes)
