@@ -173,6 +173,8 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0) -> dict[str
     else:
         sd = revert_weight_conversion(model, sd)
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)  # tied: checkpoints hold the embedding only
     n, h = cfg.num_hidden_layers, cfg.hidden_size
     last = f"model.layers.{n - 1}."
     embed = shapes.get("model.embed_tokens.weight")

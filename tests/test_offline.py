@@ -80,8 +80,9 @@ def test_errors(saved, ckpts, tmp_path):
     base = saved[(str(CASES[0][0]), False)]["qwen3_moe"]
     ckpt = os.path.join(base, "ckpt")
     cfg = ckpts["qwen3_moe"]
+    (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="is not a Megatron checkpoint"):
-        export_checkpoint(tmp_path, tmp_path / "o1", cfg, progress=False)
+        export_checkpoint(tmp_path / "empty", tmp_path / "o1", cfg, progress=False)
     with pytest.raises(CheckpointError, match=r"iteration 99 not found .*present: \['iter_0000007'\]"):
         export_checkpoint(ckpt, tmp_path / "o2", cfg, iteration=99, progress=False)
     with pytest.raises(ShapeMismatchError, match=r"linear_qkv.weight .*expected"):
@@ -131,6 +132,7 @@ def test_errors(saved, ckpts, tmp_path):
         export_checkpoint(broken, tmp_path / "o7", cfg, progress=False)
     assert not (tmp_path / "o5").exists() and not (tmp_path / "o6").exists() and not (tmp_path / "o7").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".o")], os.listdir(tmp_path)
+    assert os.listdir(tmp_path / "empty") == []
 
 
 def _listing(root) -> dict:
