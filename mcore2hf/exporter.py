@@ -233,6 +233,13 @@ def check_model_config(model_config, spec, hf_config) -> None:
 
 def check_structure(sources: dict[str, Source], spec, hf_config, dims) -> None:
     """Global checks the per-tensor ops cannot make: layer set, dense/MoE pattern, tied embeddings."""
+    problems = structure_problems(sources, spec, hf_config, dims)
+    if problems:
+        raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
+                                  + "\n  ".join(problems))
+
+
+def structure_problems(sources: dict[str, Source], spec, hf_config, dims) -> list[str]:
     problems = []
     layers: dict[int, set[str]] = {}
     for name in sources:
@@ -257,6 +264,4 @@ def check_structure(sources: dict[str, Source], spec, hf_config, dims) -> None:
         problems.append("HF config ties word embeddings, the model has a separate output_layer")
     if not dims.tie_word_embeddings and not has_output:
         problems.append("HF config has a separate lm_head, the model shares embedding and output weights")
-    if problems:
-        raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
-                                  + "\n  ".join(problems))
+    return problems

@@ -30,7 +30,7 @@ import torch
 
 from .buckets import Bucket
 from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
-from .exporter import check_structure
+from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .naming import canonical_layer_name, mtp_inner
 from .plan import align, natural_key, pack_tight
@@ -459,13 +459,14 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
             problems.append(f"{s.key} -> {list(r.hf_names)}: {e}")
             continue
         s.hf = list(zip(r.hf_names + r.copies, shapes + [shapes[0]] * len(r.copies)))
-    if not problems:
+    structural = structure_problems({s.name: s for s in sources}, spec, cfg, dims)
+    if not problems:  # every tensor against the model transformers builds from this config
         problems = shape_problems({name: shape for s in sources for name, shape in s.hf},
                                   hf_tensor_shapes(cfg, ckpt_mtp))
-    if problems:
-        raise ShapeMismatchError(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "
-                                 + "\n  ".join(problems))
-    check_structure({s.name: s for s in sources}, spec, cfg, dims)
+    if structural or problems:
+        error = ConfigMismatchError if structural else ShapeMismatchError
+        raise error(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "
+                    + "\n  ".join(structural + problems))
     if name_filter is not None:
         sources = _filtered(sources, name_filter)
     return reader, sources, ignored
