@@ -567,9 +567,9 @@ class _BroadcastSender(_SenderBase):
         return errors
 
     def _broadcast_with(self, calls, flat) -> list[str]:
-        """Broadcast `flat` while the engine calls run; stops waiting as soon as every engine call has returned
-        with the broadcast still pending (an engine that refused the update never joins it: no use waiting out
-        the timeout)."""
+        """Broadcast `flat` while the engine calls run; stops waiting as soon as every engine call has returned,
+        one with an error, and the broadcast is still pending (an engine that refused the update never joins it:
+        no use waiting out the timeout)."""
         errors: list[str] = []
         threads = self._start_threads(calls, errors)
         kwargs = {"group_src": 0} if "group_src" in _broadcast_params() else {"src": 0}
@@ -577,8 +577,8 @@ class _BroadcastSender(_SenderBase):
         try:
             work = dist.broadcast(flat, group=self.pg, async_op=True, **kwargs)
             while not work.is_completed():
-                if not any(t.is_alive() for t in threads):
-                    errors.append("trainer rank 0: the engines returned without receiving the broadcast")
+                if errors and not any(t.is_alive() for t in threads):  # every engine returned, one refused
+                    errors.append("trainer rank 0: the broadcast was abandoned, no engine is receiving it")
                     break
                 if time.monotonic() > deadline:
                     errors.append(f"trainer rank 0: broadcast of {flat.numel()} bytes did not complete within "
