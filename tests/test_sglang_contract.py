@@ -113,15 +113,17 @@ def protocol(calls):
 
 @pytest.mark.parametrize("version", [SESSION_RELEASE, PRE_SESSION_RELEASE])
 def test_sync_into_real_sglang(version):
-    """Colocated (engine TP 1) and distributed (engine TP 2, real group + broadcast receive) syncs, twice each:
+    """Colocated (engine TP 2: one payload per rank) and distributed (engine TP 1: the release's group + broadcast
+    receive; TP 2 would register one group name twice in this one-process engine) syncs, twice each:
     every byte equal on every engine rank, the version recorded, sessions exactly where the release has them."""
     sessions = version == SESSION_RELEASE
-    for kind, tp in (("colocated", 1), ("distributed", 2)):
+    for kind, tp, trainers in (("colocated", 2, 2), ("distributed", 1, 1)):
         server = RealServer(version, tp=tp, api_key="k3y")
         try:
             assert server.version == version
-            (v,) = run_world(trainer, Layout(), kind, server.url, tp, free_port(), "k3y", None, timeout=300)
-            assert v == 2
+            port = free_port()
+            vs = run_world(trainer, Layout(world_size=trainers), kind, server.url, tp, port, "k3y", None, timeout=300)
+            assert vs == [2] * trainers
             state = server.state()
             want = digests(tensors(0))
             for r in range(tp):

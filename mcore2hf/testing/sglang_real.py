@@ -248,9 +248,14 @@ class Engine:
             runner = _t.SimpleNamespace(weight_updater=updater, model=model)
             worker = _Worker(rank, runner, common, monkey_patch_torch_reductions)
             scheduler = _t.SimpleNamespace(record_weight_version_change=lambda new_version: None)
-            manager = _with_parallel(sched_wu, ps, lambda w=worker, s=scheduler: sched_wu.SchedulerWeightUpdaterManager(
+            import dataclasses
+
+            cls = sched_wu.SchedulerWeightUpdaterManager
+            extra = {"tp_cpu_group": None} if any(f.name == "tp_cpu_group" and f.init
+                                                  for f in dataclasses.fields(cls)) else {}  # 0.5.20: an argument
+            manager = _with_parallel(sched_wu, ps, lambda w=worker, s=scheduler, cls=cls, extra=extra: cls(
                 tp_worker=w, draft_worker=None, memory_saver_adapter=None, flush_cache=lambda **k: True,
-                is_fully_idle=lambda **k: True, scheduler=s))
+                is_fully_idle=lambda **k: True, scheduler=s, **extra))
             self.ranks.append((ps, manager, runner_wu))
         self._patch_runtime(runner_wu)
 
