@@ -8,7 +8,13 @@ from typing import Protocol, runtime_checkable
 
 from ..buckets import Bucket
 from .safetensors import SafetensorsWriter
-from .sglang import EngineError, SGLangColocatedSender, SGLangDistributedSender, SGLangHTTPEngine
+from .sglang import (
+    EngineError,
+    SGLangColocatedSender,
+    SGLangDistributedSender,
+    SGLangHTTPEngine,
+    UnsupportedEngine,
+)
 from .sync import SyncReport, sync
 
 
@@ -20,4 +26,4 @@ class Sender(Protocol):
 
 
 __all__ = ["Sender", "SafetensorsWriter", "EngineError", "SGLangHTTPEngine", "SGLangColocatedSender",
-           "SGLangDistributedSender", "SyncReport", "sync"]
+           "SGLangDistributedSender", "UnsupportedEngine", "SyncReport", "sync"]
