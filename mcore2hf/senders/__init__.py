@@ -21,3 +21,7 @@ class Sender(Protocol):
 
 __all__ = ["Sender", "SafetensorsWriter", "EngineError", "SGLangHTTPEngine", "SGLangColocatedSender",
            "SGLangDistributedSender", "SyncReport", "sync"]
+
+from .vllm import VLLMColocatedSender, VLLMDistributedSender, VLLMHTTPEngine, VLLMLocalEngine  # noqa: E402
+
+__all__ += ["VLLMColocatedSender", "VLLMDistributedSender", "VLLMHTTPEngine", "VLLMLocalEngine"]
