@@ -42,6 +42,7 @@ import base64
 import contextlib
 import json
 import pickle
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import asdict
@@ -469,8 +470,36 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
                             bucket_fields(bucket))
         return [(e.update_weights, {"update_info": fields}) for e in self.engines]
 
-    def _broadcast(self, bucket: Bucket) -> None:
-        stream = torch.cuda.current_stream() if bucket.flat.is_cuda else None
+    def _unsendable(self, bucket: Bucket) -> str | None:
+        """Unpacked, each tensor goes in its own dtype, and PyNccl takes only NCCL's (vllm 0.33.0
+        pynccl_wrapper.ncclDataTypeEnum); packed chunks are uint8."""
+        wrapper = _vllm_module("vllm.distributed.device_communicators.pynccl_wrapper")
+        if self.packed or wrapper is None:
+            return None
+        bad = sorted({str(e.dtype) for e in bucket.entries if wrapper.ncclDataTypeEnum.try_from_torch(e.dtype) is None})
+        return f"bucket {bucket.index}: unpacked NCCL transfer cannot send {bad}; use packed=True" if bad else None
+
+    def _timed_broadcast(self, bucket: Bucket) -> None:
+        """The broadcasts, given up after the timeout: PyNccl has none, and an engine that failed mid-bucket never
+        joins the next chunk (the group is then aborted by _teardown)."""
+        stream = torch.cuda.current_stream(bucket.flat.device) if bucket.flat.is_cuda else None
+        done, errors = threading.Event(), []
+
+        def run():
+            try:
+                self._broadcast(bucket, stream)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        if not done.wait(self.timeout.total_seconds()):
+            raise TimeoutError(f"broadcast of bucket {bucket.index} did not complete within {self.timeout}")
+        if errors:
+            raise errors[0]
+
+    def _broadcast(self, bucket: Bucket, stream) -> None:
         if self.packed:
             start = 0
             for end in packed_chunk_ends([e.nbytes for e in bucket.entries], self.buffer_size):
@@ -486,9 +515,11 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
         if not self.is_source:
             return
         self._start()
+        if self._error is None and (bad := self._unsendable(bucket)):
+            self._fail(bad)
         if self._error is not None:
             return
-        errors = self._parallel(self._update_calls(bucket), lambda: self._broadcast(bucket))
+        errors = self._parallel(self._update_calls(bucket), lambda: self._timed_broadcast(bucket))
         if errors:
             self._fail(f"bucket {bucket.index}: " + "; ".join(errors))
             self._teardown()

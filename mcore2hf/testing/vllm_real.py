@@ -475,6 +475,56 @@ def scenario_nccl(packed: bool) -> None:
             s.stop()
 
 
+def scenario_nccl_llm() -> None:
+    """The NCCL backend into an in-process LLM (vLLM's RLOfflineMixin methods)."""
+    from mcore2hf.senders import sync
+    from mcore2hf.senders.vllm import VLLMDistributedSender
+
+    init_trainer_world()
+    core = EngineCore([make_worker("nccl")])
+    sender = VLLMDistributedSender([local_llm(core)], timeout=60)
+    tensors = model_tensors(8)
+    sync(ListExporter([buckets_of(tensors, 3)]), sender, progress=False)
+    assert sender.version == 1 and core.version == "1"
+    check_model(core.workers[0].model, tensors)
+    sender.close()
+
+
+def scenario_nccl_failure_then_retry() -> None:
+    """A dtype unpacked NCCL cannot carry is refused before its bucket moves; an engine that fails to load a bucket
+    fails the sync on the trainer (no hang: one chunk per bucket), the session is closed and the group released;
+    the retry forms a new group and succeeds."""
+    from mcore2hf.senders import sync
+    from mcore2hf.senders.vllm import VLLMDistributedSender
+
+    init_trainer_world()
+    core = EngineCore([make_worker("nccl")])
+    server = Server(async_client(core))
+    try:
+        sender = VLLMDistributedSender([server.url], packed=False, timeout=60)
+        bad = {"layers.0.mask": torch.ones(3, dtype=torch.bool), **model_tensors(9)}  # in the first bucket
+        _expect_engine_error(lambda: sync(ListExporter([buckets_of(bad, 3)]), sender, progress=False),
+                             "unpacked NCCL transfer cannot send ['torch.bool']")
+        assert "update_weights" not in core.events and core.version is None, core.events
+        assert sender.version == 0, sender.version
+        sender.close()
+
+        sender = VLLMDistributedSender([server.url], timeout=60)
+        unknown = dict(model_tensors(10), **{"layers.7.weight": torch.ones(2)})
+        _expect_engine_error(lambda: sync(ListExporter([buckets_of(unknown, 3)]), sender, progress=False),
+                             "layers.7.weight")
+        assert sender.version == 0 and core.version is None and not core.workers[0]._weight_update_active
+        assert "shutdown_weight_transfer_engine" in core.events
+        tensors = model_tensors(11)
+        sync(ListExporter([buckets_of(tensors, 3)]), sender, progress=False)
+        assert sender.version == 1 and core.version == "1"
+        assert core.events.count("init_weight_transfer_engine") == 3  # the unpacked sender's, the first, the retry
+        check_model(core.workers[0].model, tensors)
+        sender.close()
+    finally:
+        server.stop()
+
+
 def scenario_packed_chunks() -> None:
     """Our chunk boundaries are where vLLM's own packer (pack_tensors) cuts, for many sizes and budgets."""
     import random
@@ -579,6 +629,8 @@ SCENARIOS = {
     "ipc_llm_packed": lambda: scenario_ipc(False, True),
     "nccl_http_packed": lambda: scenario_nccl(True),
     "nccl_http_unpacked": lambda: scenario_nccl(False),
+    "nccl_llm_packed": scenario_nccl_llm,
+    "nccl_failure_then_retry": scenario_nccl_failure_then_retry,
     "packed_chunks": scenario_packed_chunks,
     "fp8_parsing": scenario_fp8_parsing,
     "refusals": scenario_refusals,
