@@ -391,6 +391,8 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
             self._start()  # a sync without buckets still opens and closes a session
             self._finish()
         self._keep.clear()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free exported buffers the workers released (vllm ipc_engine _post_send_sync)
         super().finish()
 
 

@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch
 
 GPU_UUID = "cpu"  # what mcore2hf.senders.vllm.device_uuid gives CPU tensors
+_worker_gpu = threading.local()  # the "GPU" of the worker running in this thread (EngineCore sets it)
 # the fields of vLLM's ModelConfig the load and reload paths read for this model
 MODEL_CONFIG = types.SimpleNamespace(dtype=torch.float32, word_embeddings_untied_by_checkpoint=False,
                                      quantization=None)
@@ -77,7 +78,8 @@ def install_gpu_stubs() -> None:
     torch.accelerator.current_device_index = lambda: 0
     torch.accelerator.synchronize = lambda *a, **k: None
     torch.accelerator.current_stream = lambda *a, **k: _Stream()
-    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(uuid=GPU_UUID)
+    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        uuid=getattr(_worker_gpu, "uuid", GPU_UUID))
     torch.cuda.Stream = _Stream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.current_stream = lambda *a, **k: _Stream()
@@ -263,6 +265,7 @@ class EngineCore:
         results, errors = [None] * len(self.workers), []
 
         def run(i, w):
+            _worker_gpu.uuid = getattr(w, "gpu_uuid", GPU_UUID)
             try:
                 results[i] = getattr(w, method)(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001
@@ -447,6 +450,35 @@ def scenario_ipc(http: bool, packed: bool) -> None:
             server.stop()
 
 
+def scenario_ipc_tp2_by_uuid() -> None:
+    """An engine with TP 2 on two "GPUs": the update carries both trainer ranks' handles of their own bucket copy
+    (merged as the group's first rank merges them) and each vLLM worker opens the one keyed by its GPU's UUID."""
+    from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMHTTPEngine, ipc_args
+
+    init_trainer_world()
+    workers = [make_worker("ipc", r, 2) for r in range(2)]
+    for r, w in enumerate(workers):
+        w.gpu_uuid = f"GPU-{r}"
+    core = EngineCore(workers)
+    server = Server(async_client(core))
+    try:
+        sender = VLLMColocatedSender(server.url, 1, timeout=30)
+        sender.begin(1)
+        VLLMHTTPEngine(server.url).init_weight_transfer_engine({"packed": True})
+        sender._start()
+        per_rank = [model_tensors(20), model_tensors(21)]  # different, to see which handle each worker took
+        for i, names in enumerate((list(per_rank[0])[:3], list(per_rank[0])[3:])):
+            buckets = [make_bucket(i, {n: t[n] for n in names}) for t in per_rank]
+            sender._bucket = buckets[0]
+            sender._update([{f"GPU-{r}": ipc_args(b.flat)} for r, b in enumerate(buckets)])
+        sender._finish()
+        assert sender._error is None, sender._error
+        for w, tensors in zip(workers, per_rank):
+            check_model(w.model, tensors)
+    finally:
+        server.stop()
+
+
 def scenario_nccl(packed: bool) -> None:
     """Two engines (TP1 and TP2: 4 NCCL ranks with the trainer), vLLM's StatelessProcessGroup rendezvous, gloo
     in place of NCCL; packed chunks smaller than a bucket so each bucket spans several broadcasts."""
@@ -627,6 +659,7 @@ SCENARIOS = {
     "ipc_http_packed": lambda: scenario_ipc(True, True),
     "ipc_http_unpacked": lambda: scenario_ipc(True, False),
     "ipc_llm_packed": lambda: scenario_ipc(False, True),
+    "ipc_http_tp2_by_uuid": scenario_ipc_tp2_by_uuid,
     "nccl_http_packed": lambda: scenario_nccl(True),
     "nccl_http_unpacked": lambda: scenario_nccl(False),
     "nccl_llm_packed": scenario_nccl_llm,
