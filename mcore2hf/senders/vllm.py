@@ -45,7 +45,6 @@ import pickle
 import threading
 import urllib.error
 import urllib.request
-from dataclasses import asdict
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -120,13 +119,16 @@ def packed_chunk_ends(tensor_sizes: list[int], buffer_size_bytes: int) -> list[i
 
 
 def _validated(module: str, cls: str, fields: dict) -> dict:
-    """The payload, after vLLM's own dataclass accepted it when vllm is importable here (raises like the worker
-    would: unknown keys, mismatched lengths)."""
+    """The payload, after vLLM's own dataclass accepted it when vllm is importable here: refused as the worker
+    would refuse it (unknown keys, mismatched lengths), before it is sent."""
     mod = _vllm_module(module)
     if mod is not None:
-        info = getattr(mod, cls)(**fields)
-        if cls == "IPCWeightTransferUpdateInfo":
-            return {k: v for k, v in asdict(info).items() if v is not None}
+        try:
+            getattr(mod, cls)(**fields)
+        except Exception as e:  # noqa: BLE001
+            version = getattr(_vllm_module("vllm"), "__version__", "unknown")
+            raise EngineError(f"vLLM {version} on the trainer refuses {cls}{sorted(fields)}: {e} (these senders "
+                              f"follow vLLM {VERIFIED_VLLM})") from e
     return fields
 
 
@@ -290,8 +292,13 @@ class _Session:
             self._open.append(e)
 
     def pause(self) -> None:
+        """A failure is recorded, not raised, so every rank fails the sync together at finish()."""
         for e in self._engines():
-            _call(e.pause, mode=self.pause_mode)
+            try:
+                _call(e.pause, mode=self.pause_mode)
+            except EngineError as err:
+                self._fail(f"pause: {err}")
+                return
 
     def resume(self) -> None:
         for e in self._engines():
@@ -391,6 +398,8 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
             self._start()  # a sync without buckets still opens and closes a session
             self._finish()
         self._keep.clear()
+        if self._error is not None:
+            self._initialized = False  # a restarted engine has forgotten the init: send it again on the retry
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free exported buffers the workers released (vllm ipc_engine _post_send_sync)
         super().finish()
@@ -414,11 +423,16 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
         import torch.distributed as dist
 
         clients = [as_engine(e, timeout, api_key) for e in (engines or [])] if dist.get_rank() == 0 else []
+        box: list = [engine_world_sizes]
         if dist.get_rank() == 0 and engine_world_sizes is None:
-            engine_world_sizes = [_call(e.world_size) for e in clients]
-        sizes = [None] if dist.get_rank() else [engine_world_sizes]
-        dist.broadcast_object_list(sizes, src=0)  # every rank builds the same sender
-        super().__init__(clients, sizes[0], master_address, master_port, "vllm", "nccl", timeout)
+            try:
+                box = [[_call(e.world_size) for e in clients]]
+            except EngineError as e:
+                box = [f"asking the engines' world sizes: {e}"]
+        dist.broadcast_object_list(box, src=0)  # every rank builds the same sender, or raises the same error
+        if isinstance(box[0], str):
+            raise EngineError(box[0])
+        super().__init__(clients, box[0], master_address, master_port, "vllm", "nccl", timeout)
         self.packed, self.pause_mode = packed, pause_mode
         self.buffer_size, self.num_buffers = packed_buffer_size_bytes, packed_num_buffers
         self._listen = None
