@@ -629,6 +629,19 @@ def scenario_refusals() -> None:
         assert "0.10.0" in msg and "VLLM_SERVER_DEV_MODE=1" in msg, msg
         assert len(core.events) == before and sender.version == 0
         _expect_engine_error(VLLMLocalEngine(object()).check, "no native weight-transfer API")
+        # an engine started without --weight-transfer-config, and one configured for the other backend
+        unconfigured = make_worker("ipc")
+        unconfigured.weight_transfer_engine = None
+        for worker, match in ((unconfigured, "Weight transfer not configured"), (make_worker("nccl"), "init_info")):
+            other_core = EngineCore([worker])
+            other = Server(async_client(other_core))
+            try:
+                sender = VLLMColocatedSender(other.url, 1, timeout=30)
+                _expect_engine_error(lambda s=sender: sync(ListExporter([buckets_of(model_tensors(5))]), s,
+                                                           progress=False), match)
+                assert "update_weights" not in other_core.events and sender.version == 0, other_core.events
+            finally:
+                other.stop()
         # raw IPC handles do not pass collective_rpc's msgpack without VLLM_ALLOW_INSECURE_SERIALIZATION=1 ...
         from mcore2hf.senders.vllm import ipc_args
 
