@@ -1,5 +1,5 @@
 """Senders held to the engines' wire formats: the flattened bucket, SGLang's serializer and HTTP payloads, the
-distributed group + broadcast, vLLM's worker-extension pattern; against faithful fake engines in separate
+distributed group + broadcast; against faithful fake engines in separate
 processes (gloo on CPU), including failures and retries."""
 
 import pytest
@@ -131,19 +131,6 @@ def test_sglang_distributed_two_engines(ckpts, engines):
         assert state["bodies"]["/update_weights_from_distributed"] == ["dtypes", "flush_cache", "group_name",
                                                                        "load_format", "names", "shapes",
                                                                        "weight_version"]
-
-
-def test_vllm_colocated_and_distributed(ckpts, engines):
-    layout = Layout(tp=2, ep=2, etp=1)
-    e = engines(2)
-    run_world(worlds.sender_suite, layout, ckpts["qwen3_moe"], layout, "vllm-colocated", [p.url for p in e], 1, 0)
-    for p in e:
-        check_engine(p, ckpts["qwen3_moe"])
-    e = engines(2)
-    run_world(worlds.sender_suite, layout, ckpts["qwen3_moe"], layout, "vllm-distributed", [p.url for p in e], 1,
-              free_port())
-    for p in e:
-        check_engine(p, ckpts["qwen3_moe"])
 
 
 def test_engine_error_then_retry(ckpts, engines):

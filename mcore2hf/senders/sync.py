@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ..buckets import DEFAULT_BUCKET_BYTES
+
+log = logging.getLogger("mcore2hf")
 
 
 @dataclass
@@ -26,7 +29,7 @@ class SyncReport:
 
 
 def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: bool = True,
-         progress: bool = True, timing: bool = False) -> SyncReport:
+         progress: bool = True, timing: bool = False, name_filter=None) -> SyncReport:
     """Push the model's current weights through `sender`; collective over the model's world.
 
     The version (`sender.version + 1`) goes with every engine call and is committed only when every rank and
@@ -34,14 +37,17 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     retries from the start. Engine senders leave their engines resumed, with no update session open, on success and
     after a failure (the weights are then partly updated: serve them only after a successful retry); an exception
     raised inside sync on one rank makes that rank's sender clean up its own engines (`sender.abort()`). `timing=True`
-    synchronizes the device between phases so the gather / convert split is exact (slower)."""
-    version = sender.version + 1
+    synchronizes the device between phases so the gather / convert split is exact (slower). `name_filter` selects
+    HF tensors at plan level (see `HFExporter.plan`). Only `send` and `finish` are required of a sender (see
+    `mcore2hf.senders.EngineSender` for the optional parts)."""
+    version = getattr(sender, "version", 0) + 1
     t0 = time.perf_counter()
-    sender.begin(version)  # engine senders check the engines here, before anything is paused or sent
+    if hasattr(sender, "begin"):
+        sender.begin(version)  # engine senders check the engines here, before anything is paused or sent
     try:
         if pause and hasattr(sender, "pause"):
             sender.pause()
-        executor = exporter.executor(bucket_bytes, sender.receivers)
+        executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), name_filter=name_filter)
         executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
         bar = None
         if progress and dist.get_rank() == 0:
@@ -61,12 +67,16 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         if bar is not None:
             bar.close()
         sender.finish()  # raises on every rank if anything failed anywhere
-        sender.commit()
+        if hasattr(sender, "commit"):
+            sender.commit()
         if pause and hasattr(sender, "resume"):
             sender.resume()
     except BaseException:
         if hasattr(sender, "abort"):
             sender.abort()
         raise
-    return SyncReport(version, n, nbytes, time.perf_counter() - t0, executor.stats["gather_s"],
-                      executor.stats["convert_s"], send_s)
+    report = SyncReport(version, n, nbytes, time.perf_counter() - t0, executor.stats["gather_s"],
+                        executor.stats["convert_s"], send_s)
+    if dist.get_rank() == 0:
+        log.info("%s", report.summary())
+    return report
