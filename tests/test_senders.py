@@ -12,7 +12,7 @@ from mcore2hf.senders.receiver import tight_views
 from mcore2hf.senders.serialize import deserialize, flattened_payload, reconstruct, serialize
 from mcore2hf.testing.fake_engine import EngineProcess, digest
 from mcore2hf.testing.tiny import read_hf_checkpoint
-from mcore2hf.testing.world import Layout, free_port, run_world
+from mcore2hf.testing.world import Layout, run_world
 
 
 def make_bucket(tensors: dict[str, torch.Tensor]) -> Bucket:
@@ -123,7 +123,7 @@ def test_sglang_distributed_two_engines(ckpts, engines):
     e = engines(2)
     layout = Layout(tp=2, ep=2, etp=1)
     run_world(worlds.sender_suite, layout, ckpts["deepseek_v3"], layout, "sglang-distributed", [p.url for p in e],
-              1, free_port())
+              1, 0)
     for p in e:
         state = check_engine(p, ckpts["deepseek_v3"])
         assert state["bodies"]["/init_weights_update_group"] == ["backend", "group_name", "master_address",
@@ -157,11 +157,11 @@ def test_receiver_disappears_mid_update_then_retry(ckpts, engines):
     dying, alive = engines(1, faults={"/update_weights_from_distributed": ("exit", 2)})[0], engines(1)[0]
     layout = Layout(tp=2, ep=2, etp=1)
     run_world(worlds.sender_suite, layout, ckpts["qwen3_moe"], layout, "sglang-distributed", [dying.url, alive.url],
-              1, free_port(), "bucket 1: ", 64 * 1024, 8.0, 0)
+              1, 0, "bucket 1: ", 64 * 1024, 8.0, 0)
     dying.proc.join(10)
     assert not dying.proc.is_alive()
     (revived,) = engines(1, port=dying.port)
     run_world(worlds.sender_suite, layout, ckpts["qwen3_moe"], layout, "sglang-distributed", [revived.url, alive.url],
-              1, free_port(), None, 64 * 1024, 8.0)
+              1, 0, None, 64 * 1024, 8.0)
     check_engine(revived, ckpts["qwen3_moe"])
     check_engine(alive, ckpts["qwen3_moe"])

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..buckets import Bucket
 from ..errors import Mcore2HFError
-from .process_group import destroy_group, join_weight_update_group
+from .process_group import destroy_group, host_store, join_weight_update_group
 from .serialize import flattened_payload, serialize
 
 
@@ -531,14 +531,16 @@ class _BroadcastSender(_SenderBase):
             return
         self.attempt += 1
         offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self._store = host_store(self.timeout) if self.master_port == 0 else None  # master_port=0: the OS picks
+        self.port = self._store.port if self._store is not None else self.master_port
         errors = self._parallel(self._init_calls(offsets), self._join)
         if errors:
             self._teardown()
             raise EngineError(self._join_failed + "; ".join(errors))
 
     def _join(self) -> None:
-        self.pg = join_weight_update_group(self.master_address, self.master_port, 0, self.world_size,
-                                           self.group_name, self.backend, self.timeout)
+        self.pg = join_weight_update_group(self.master_address, self.port, 0, self.world_size,
+                                           self.group_name, self.backend, self.timeout, store=self._store)
 
     def _start_threads(self, calls, errors: list[str]) -> list[threading.Thread]:
         def run(fn, kwargs):
@@ -622,6 +624,7 @@ class _BroadcastSender(_SenderBase):
         if self.pg is not None:
             destroy_group(self.pg)
             self.pg = None
+        self._store = None
         for fn, kwargs in self._destroy_calls():  # the engines' end of the group, so a retry starts clean
             _quietly(fn, **kwargs)
 
@@ -672,7 +675,7 @@ class SGLangDistributedSender(_SGLangMixin, _BroadcastSender):
 
     def _init_calls(self, offsets: list[int]) -> list[tuple]:
         self._group_on_engines = self.group_name
-        return [(e.init_weights_update_group, dict(master_address=self.master_address, master_port=self.master_port,
+        return [(e.init_weights_update_group, dict(master_address=self.master_address, master_port=self.port,
                                                     rank_offset=off, world_size=self.world_size,
                                                     group_name=self.group_name, backend=self.backend))
                 for e, off in zip(self.engines, offsets)]

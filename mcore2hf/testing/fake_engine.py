@@ -4,8 +4,7 @@ It serves SGLang's weight-sync endpoints with SGLang's semantics: payloads are d
 unpickler like SGLang's, flattened buckets are rebuilt as SGLang's scheduler rebuilds them (views
 `flat[start:end].view(dtype).reshape(shape)`), the distributed path joins the weight-update group as SGLang's
 `init_custom_process_group` does and receives into a buffer laid out from names / dtypes / shapes in request order.
-It also hosts vLLM's worker-extension pattern: `/collective_rpc` calls a method of `MCore2HFWorkerExtension` on a
-fake worker whose `model_runner.model.load_weights` records tensors.
+(vLLM is tested against vLLM's own code only: tests/test_vllm_contract.py.)
 
 It is no more lenient than the real releases in what tests/test_sglang_contract.py checks against their wheels
 (`version` picks the release it behaves as): routes present per release (/server_info from 0.5.6, the session
@@ -27,11 +26,9 @@ import base64
 import hashlib
 import json
 import os
-import pickle
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import torch
 
@@ -63,31 +60,10 @@ class _State:
         self.flushes = 0
         self.group = None
         self.timeout = None
-        self.worker = None
 
     def record(self, rank: int, named):
         for name, t in named:
             self.weights[rank][name] = (digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
-
-
-class _FakeModel:
-    def __init__(self, state: _State):
-        self.state = state
-
-    def load_weights(self, weights):
-        self.state.record(0, weights)
-
-
-def _make_worker(state: _State):
-    from mcore2hf.senders.vllm import MCore2HFWorkerExtension
-
-    class Worker(MCore2HFWorkerExtension):
-        pass
-
-    w = Worker()
-    w.device = torch.device(state.device)
-    w.model_runner = SimpleNamespace(model=_FakeModel(state))
-    return w
 
 
 class _UUIDOnlyUnpickler:
@@ -120,8 +96,7 @@ def _handler(state: _State):
 
     SESSIONS = state.release >= (0, 5, 21)
     routes = {"/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
-              "/destroy_weights_update_group", "/pause_generation", "/continue_generation", "/flush_cache",
-              "/collective_rpc"} | ({"/begin_weight_update", "/end_weight_update"} if SESSIONS else set())
+              "/destroy_weights_update_group", "/pause_generation", "/continue_generation", "/flush_cache"} | ({"/begin_weight_update", "/end_weight_update"} if SESSIONS else set())
     texts = {"/flush_cache"}  # plain-text replies (sglang http_server.py flush_cache)
     statuses = {"/pause_generation", "/continue_generation"}  # {"message", "status": "ok"}
 
@@ -289,15 +264,6 @@ def _handler(state: _State):
                 raise RuntimeError("Cache not flushed because there are pending requests.")
             state.flushes += 1
 
-        def _collective_rpc(self, req):
-            if state.worker is None:
-                state.worker = _make_worker(state)
-            args = pickle.loads(base64.b64decode(req["args"]))
-            result = getattr(state.worker, req["method"])(*args)
-            if req["method"] != "mcore2hf_init_group":
-                state.versions.append(str(args[-1]))
-            return {"result": result}
-
     return Handler
 
 
@@ -308,30 +274,29 @@ def serve(port: int, tp_size: int = 1, device: str = "cpu", faults: dict | None 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     state = _State(tp_size, device, faults or {}, **(options or {}))
-    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(state))
+    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(state))  # port 0: the OS picks one
     if ready is not None:
-        ready.set()
+        ready.put(server.server_address[1])
     server.serve_forever()
 
 
 class EngineProcess:
-    """A fake engine in a spawned process, with an SGLangHTTPEngine-compatible client and a vLLM-like
-    `collective_rpc`."""
+    """A fake engine in a spawned process, with an SGLangHTTPEngine client. It listens on a port the OS picks."""
 
     def __init__(self, tp_size: int = 1, device: str = "cpu", faults: dict | None = None, port: int | None = None,
                  **options):
         import multiprocessing as mp
+        import queue
 
-        from .world import free_port
-
-        self.port = port or free_port()
         self.api_key = options.get("api_key")
         ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        self.proc = ctx.Process(target=serve, args=(self.port, tp_size, device, faults, ready, options), daemon=True)
+        ready = ctx.Queue()
+        self.proc = ctx.Process(target=serve, args=(port or 0, tp_size, device, faults, ready, options), daemon=True)
         self.proc.start()
-        if not ready.wait(60):
-            raise RuntimeError("fake engine did not start")
+        try:
+            self.port = ready.get(timeout=60)
+        except queue.Empty:
+            raise RuntimeError("fake engine did not start") from None
         self.url = f"http://127.0.0.1:{self.port}"
 
     def client(self, timeout: float = 60.0):
@@ -349,14 +314,3 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
-
-
-class HTTPCollectiveRPC:
-    """vLLM's `collective_rpc(method, args=...)` over HTTP to an EngineProcess (for tests)."""
-
-    def __init__(self, url: str, timeout: float = 60.0):
-        self.client = __import__("mcore2hf.senders.sglang", fromlist=["SGLangHTTPEngine"]).SGLangHTTPEngine(url, timeout)
-
-    def collective_rpc(self, method: str, args=()):
-        return self.client._request("/collective_rpc", {"method": method,
-                                                     "args": base64.b64encode(pickle.dumps(args)).decode()})
