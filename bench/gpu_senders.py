@@ -1,23 +1,24 @@
-"""Senders on real GPUs: CUDA IPC into engine processes on the same GPUs, NCCL broadcast to engines on others.
+"""SGLang senders on real GPUs, with trainer and engine processes that see different CUDA_VISIBLE_DEVICES.
 
-    python bench/gpu_senders.py        # 2 GPUs or more: trainer ranks on GPUs 0-1, remote engines on GPUs 2-3
-                                       # (with 2 GPUs: one remote engine on GPU 1, outside the trainer's rank 0)
+    python bench/gpu_senders.py        # 2 GPUs
 
 A 2-rank trainer world (NCCL, TP2 x EP2) holds a real megatron-core model loaded from a random HF checkpoint and
-syncs it twice through each sender to fake engines (mcore2hf.testing.fake_engine: SGLang's endpoints and
-deserialization, vLLM's worker-extension pattern) running as separate processes:
+syncs it twice through each SGLang sender to fake engines (mcore2hf.testing.fake_engine, which behaves as SGLang
+0.5.23: update sessions, reply formats, and it refuses a CUDA IPC handle that names the GPU by index instead of
+UUID) running as separate processes:
 
-* SGLang colocated: every trainer rank's bucket goes as a CUDA IPC handle to the engine on its own GPU;
-* vLLM colocated: the same through MCore2HFWorkerExtension, keyed by the GPU's UUID;
-* SGLang distributed / vLLM distributed: trainer rank 0 (GPU 0) broadcasts each bucket over an NCCL group to
-  engines on GPUs 2 and 3 (on GPU 1 when there are only 2 GPUs: an NCCL group holds one rank per GPU).
+* colocated: every trainer rank's bucket goes as a CUDA IPC handle to the engine on its own physical GPU;
+* distributed: trainer rank 0 broadcasts each bucket over an NCCL group to an engine on the other GPU.
 
-Each engine hashes every tensor it rebuilt; the script checks every byte of every tensor against the source
-checkpoint on every engine and prints a table.
+Each runs in every combination of the trainer's CUDA_VISIBLE_DEVICES ("0,1" or "1,0") and the engines' (all
+GPUs visible, device = physical index; or only their own GPU, device cuda:0), as Ray deployments do: a device
+index means different GPUs in the two processes, only the UUID names the right one. Each engine hashes every
+tensor it rebuilt; the script checks every byte of every tensor against the source checkpoint on every engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -26,51 +27,76 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
+@contextlib.contextmanager
+def visible(devices: str | None):
+    """CUDA_VISIBLE_DEVICES for the processes spawned inside (they copy the environment when they start)."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if devices is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
 def main() -> None:
     import torch
     import worlds
 
     from mcore2hf.testing.fake_engine import EngineProcess, digest
     from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
-    from mcore2hf.testing.world import Layout, free_port, run_world
+    from mcore2hf.testing.world import Layout, run_world
 
-    n_gpus = torch.cuda.device_count()
-    assert n_gpus >= 2, "needs 2 GPUs or more"
-    remote = (2, 3) if n_gpus >= 4 else (1,)
+    assert torch.cuda.device_count() >= 2, "needs 2 GPUs"
     work = tempfile.mkdtemp(prefix="mcore2hf-gpu-senders-")
     rows = []
     layout = Layout(tp=2, ep=2, etp=1)
-    for arch in ("qwen3_moe", "glm4_moe"):
-        ckpt = make_hf_checkpoint(tiny_config(arch, hidden_size=512, moe_intermediate_size=256,
-                                              intermediate_size=768), os.path.join(work, arch), dtype=torch.bfloat16)
-        ref = {n: (digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
-               for n, t in read_hf_checkpoint(ckpt).items()}
-        nbytes = sum(t.numel() * t.element_size() for t in read_hf_checkpoint(ckpt).values())
-        for kind, gpus in (("sglang-colocated", (0, 1)), ("vllm-colocated", (0, 1)),
-                           ("sglang-distributed", remote), ("vllm-distributed", remote)):
-            engines = [EngineProcess(device=f"cuda:{g}") for g in gpus]
-            try:
-                t = time.perf_counter()
-                run_world(worlds.sender_suite, layout, ckpt, layout, kind, [e.url for e in engines], 1, free_port(),
-                          None, 4 * 2**20, 120.0, 2, "nccl", torch.bfloat16, backend="nccl", timeout=900)
-                dt = time.perf_counter() - t
-                ok = []
-                for e in engines:
-                    got = {n: tuple(v) for n, v in e.state()["weights"]["0"].items()}
-                    ref_t = {n: tuple(v) for n, v in ref.items()}
-                    ok.append(got == ref_t)
-                    if got != ref_t:
-                        bad = sorted(n for n in ref_t if got.get(n) != ref_t[n])
-                        print(f"{arch} {kind} engine {e.url}: {len(bad)} of {len(ref_t)} differ, e.g. "
-                              f"{[(n, got.get(n, 'missing')[1:], ref_t[n][1:]) for n in bad[:3]]}; "
-                              f"extra {sorted(set(got) - set(ref_t))[:3]}")
-                rows.append((arch, kind, f"GPUs {gpus}", len(ref), nbytes, all(ok), dt))
-            finally:
-                for e in engines:
-                    e.stop()
-    print(f"\n{'arch':<10} {'sender':<20} {'engines':<12} {'tensors':>8} {'MB':>8} {'every byte':>11} {'s (2 syncs)':>12}")
-    for arch, kind, where, n, nb, ok, dt in rows:
-        print(f"{arch:<10} {kind:<20} {where:<12} {n:>8} {nb / 2**20:>8.1f} {'PASS' if ok else 'FAIL':>11} {dt:>12.1f}")
+    arch = "qwen3_moe"
+    ckpt = make_hf_checkpoint(tiny_config(arch, hidden_size=512, moe_intermediate_size=256, intermediate_size=768),
+                              os.path.join(work, arch), dtype=torch.bfloat16)
+    source = read_hf_checkpoint(ckpt)
+    ref = {n: (digest(t), str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in source.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in source.values())
+    for trainer_cvd in ("0,1", "1,0"):
+        phys = [int(g) for g in trainer_cvd.split(",")]  # trainer rank r runs on physical GPU phys[r]
+        for isolated in (False, True):
+            for kind, gpus in (("sglang-colocated", phys), ("sglang-distributed", phys[1:])):
+                engines = []
+                for g in gpus:
+                    with visible(str(g) if isolated else None):
+                        engines.append(EngineProcess(device="cuda:0" if isolated else f"cuda:{g}", version="0.5.23"))
+                where = f"{'own GPU only' if isolated else 'all GPUs'}: physical {gpus}"
+                try:
+                    t = time.perf_counter()
+                    with visible(trainer_cvd):
+                        run_world(worlds.sender_suite, layout, ckpt, layout, kind, [e.url for e in engines], 1, 0,
+                                  None, 4 * 2**20, 120.0, 2, "nccl", torch.bfloat16, backend="nccl", timeout=900)
+                    dt = time.perf_counter() - t
+                    ok = []
+                    for e in engines:
+                        st = e.state()
+                        got = {n: tuple(v) for n, v in st["weights"]["0"].items()}
+                        ref_t = {n: tuple(v) for n, v in ref.items()}
+                        ok.append(got == ref_t and st["versions"][-1] == "2")
+                        if got != ref_t:
+                            bad = sorted(n for n in ref_t if got.get(n) != ref_t[n])
+                            print(f"{kind} engine {e.url}: {len(bad)} of {len(ref_t)} differ, e.g. {bad[:3]}")
+                    rows.append((kind, trainer_cvd, where, len(ref), nbytes, all(ok), dt))
+                except Exception as err:  # noqa: BLE001 - one failed combination is a FAIL row, the others still run
+                    print(f"{kind} trainer CVD={trainer_cvd} engines {where}: {type(err).__name__}: {err}"[:2000])
+                    rows.append((kind, trainer_cvd, where, len(ref), nbytes, False, float("nan")))
+                finally:
+                    for e in engines:
+                        e.stop()
+    print(f"\n{'sender':<20} {'trainer CVD':<12} {'engines':<32} {'tensors':>8} {'MB':>7} {'every byte':>11} "
+          f"{'s (2 syncs)':>12}")
+    for kind, cvd, where, n, nb, ok, dt in rows:
+        print(f"{kind:<20} {cvd:<12} {where:<32} {n:>8} {nb / 2**20:>7.1f} {'PASS' if ok else 'FAIL':>11} {dt:>12.1f}")
     if not all(r[5] for r in rows):
         sys.exit(1)
 

@@ -391,8 +391,6 @@ def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_t
         SGLangHTTPEngine,
         sync,
     )
-    from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMDistributedSender
-    from mcore2hf.testing.fake_engine import HTTPCollectiveRPC
 
     cfg, chunks = build(ckpt, layout, dtype)
     load_hf_weights(chunks, ckpt)
@@ -401,17 +399,12 @@ def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_t
     if kind == "sglang-colocated":
         engine = SGLangHTTPEngine(urls[rank // engine_tp], timeout=timeout) if rank % engine_tp == 0 else None
         sender = SGLangColocatedSender(engine, engine_tp, timeout=timeout)
-    elif kind == "vllm-colocated":
-        engine = HTTPCollectiveRPC(urls[rank // engine_tp], timeout) if rank % engine_tp == 0 else None
-        sender = VLLMColocatedSender(engine, engine_tp, timeout=timeout)
     elif kind == "sglang-distributed":
         engines = [SGLangHTTPEngine(u, timeout=timeout) for u in urls] if rank == 0 else None
         sender = SGLangDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend=group_backend,
                                          timeout=timeout)
-    else:
-        engines = [HTTPCollectiveRPC(u, timeout) for u in urls] if rank == 0 else None
-        sender = VLLMDistributedSender(engines, [1] * len(urls), "127.0.0.1", port, backend=group_backend,
-                                       timeout=timeout)
+    else:  # vLLM senders speak vLLM's native API: tested against vLLM's code in tests/test_vllm_contract.py
+        raise ValueError(f"unknown sender kind {kind!r}")
     if expect_failure:
         with pytest.raises(EngineError, match=expect_failure):
             sync(ex, sender, bucket_bytes=bucket_bytes, progress=False)

@@ -1,6 +1,11 @@
-"""Senders: where buckets go. One protocol: `begin(version)`, `send(bucket)` per bucket, `finish()`; engine
-senders also have `pause()` / `resume()` and `receivers` (which ranks need full tensors). `sync(exporter,
-sender)` drives them with a weight version."""
+"""Senders: where buckets go, driven by `sync(exporter, sender)` with a weight version.
+
+Every sender implements the `Sender` protocol: `send(bucket)` per bucket and `finish()` after the last one
+(raising on every rank if anything failed). `sync()` also uses, when a sender has them, the parts of
+`EngineSender`: `version` (last committed weight version), `receivers` (which ranks need full tensors:
+"all" or ranks), `begin(version)`, `pause()` / `resume()`, `commit()` and `abort()` (local cleanup after an
+exception). A sender with only `send` and `finish` (e.g. `SafetensorsWriter`) works with `sync()` too.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,44 @@ from typing import Protocol, runtime_checkable
 
 from ..buckets import Bucket
 from .safetensors import SafetensorsWriter
-from .sglang import EngineError, SGLangColocatedSender, SGLangDistributedSender, SGLangHTTPEngine
+from .sglang import (
+    EngineError,
+    SGLangColocatedSender,
+    SGLangDistributedSender,
+    SGLangHTTPEngine,
+    UnsupportedEngine,
+)
 from .sync import SyncReport, sync
+from .vllm import VLLMColocatedSender, VLLMDistributedSender, VLLMHTTPEngine, VLLMLocalEngine
 
 
 @runtime_checkable
 class Sender(Protocol):
+    """What every sender implements."""
+
     def send(self, bucket: Bucket) -> None: ...
 
     def finish(self) -> None: ...
 
 
-__all__ = ["Sender", "SafetensorsWriter", "EngineError", "SGLangHTTPEngine", "SGLangColocatedSender",
-           "SGLangDistributedSender", "SyncReport", "sync"]
+@runtime_checkable
+class EngineSender(Sender, Protocol):
+    """What the engine senders (SGLang, vLLM) implement on top; each part is optional for `sync()`."""
+
+    version: int
+    receivers: object
+
+    def begin(self, version: int) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+__all__ = ["Sender", "EngineSender", "SafetensorsWriter", "EngineError", "UnsupportedEngine", "SGLangHTTPEngine",
+           "SGLangColocatedSender", "SGLangDistributedSender", "VLLMHTTPEngine", "VLLMLocalEngine",
+           "VLLMColocatedSender", "VLLMDistributedSender", "SyncReport", "sync"]

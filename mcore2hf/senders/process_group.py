@@ -13,10 +13,17 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
+def host_store(timeout: timedelta = timedelta(seconds=120)):
+    """Rank 0's rendezvous store on a port the OS picks (`store.port` is what the engines are told): no port is
+    chosen first and bound later, when another process may have taken it."""
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
 def join_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str = "weight_update_group", backend: str = "nccl",
-                             timeout: timedelta = timedelta(seconds=120)):
-    """Create (rank 0) or join the group; returns the process group. Every member must call it."""
+                             timeout: timedelta = timedelta(seconds=120), store=None):
+    """Create (rank 0) or join the group; returns the process group. Every member must call it. Rank 0 may pass
+    the store it hosts already (`host_store`)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -25,8 +32,9 @@ def join_weight_update_group(master_address: str, master_port: int, rank: int, w
         rendezvous,
     )
 
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                  timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     params = inspect.signature(_new_process_group_helper).parameters

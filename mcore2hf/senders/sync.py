@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ..buckets import DEFAULT_BUCKET_BYTES
+
+log = logging.getLogger("mcore2hf")
 
 
 @dataclass
@@ -26,40 +29,54 @@ class SyncReport:
 
 
 def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: bool = True,
-         progress: bool = True, timing: bool = False) -> SyncReport:
+         progress: bool = True, timing: bool = False, name_filter=None) -> SyncReport:
     """Push the model's current weights through `sender`; collective over the model's world.
 
     The version (`sender.version + 1`) goes with every engine call and is committed only when every rank and
-    engine succeeded; on any failure every rank raises `EngineError`, the version stays, the engines stay paused
-    (their weights are partly updated), and calling sync again retries from the start. `timing=True`
-    synchronizes the device between phases so the gather / convert split is exact (slower)."""
-    version = sender.version + 1
+    engine succeeded; on any failure every rank raises `EngineError`, the version stays, and calling sync again
+    retries from the start. Engine senders leave their engines resumed, with no update session open, on success and
+    after a failure (the weights are then partly updated: serve them only after a successful retry); an exception
+    raised inside sync on one rank makes that rank's sender clean up its own engines (`sender.abort()`). `timing=True`
+    synchronizes the device between phases so the gather / convert split is exact (slower). `name_filter` selects
+    HF tensors at plan level (see `HFExporter.plan`). Only `send` and `finish` are required of a sender (see
+    `mcore2hf.senders.EngineSender` for the optional parts)."""
+    version = getattr(sender, "version", 0) + 1
     t0 = time.perf_counter()
-    sender.begin(version)
-    if pause and hasattr(sender, "pause"):
-        sender.pause()
-    executor = exporter.executor(bucket_bytes, sender.receivers)
-    executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
-    bar = None
-    if progress and dist.get_rank() == 0:
-        from tqdm import tqdm
+    if hasattr(sender, "begin"):
+        sender.begin(version)  # engine senders check the engines here, before anything is paused or sent
+    try:
+        if pause and hasattr(sender, "pause"):
+            sender.pause()
+        executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), name_filter=name_filter)
+        executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
+        bar = None
+        if progress and dist.get_rank() == 0:
+            from tqdm import tqdm
 
-        bar = tqdm(total=len(executor.programs), unit="bucket", desc=f"sync v{version}", leave=False)
-    n, nbytes, send_s = 0, 0, 0.0
-    for bucket in executor.run(timing=timing):
-        t = time.perf_counter()
-        sender.send(bucket)
-        send_s += time.perf_counter() - t
-        n += 1
-        nbytes += bucket.nbytes
-        del bucket  # dropped before the next is built: one output bucket alive (plus what the sender holds)
+            bar = tqdm(total=len(executor.programs), unit="bucket", desc=f"sync v{version}", leave=False)
+        n, nbytes, send_s = 0, 0, 0.0
+        for bucket in executor.run(timing=timing):
+            t = time.perf_counter()
+            sender.send(bucket)
+            send_s += time.perf_counter() - t
+            n += 1
+            nbytes += bucket.nbytes
+            del bucket  # dropped before the next is built: one output bucket alive (plus what the sender holds)
+            if bar is not None:
+                bar.update(1)
         if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    sender.finish()  # raises on every rank if anything failed anywhere
-    sender.commit()
-    if pause and hasattr(sender, "resume"):
-        sender.resume()
-    return SyncReport(version, n, nbytes, time.perf_counter() - t0, executor.stats["gather_s"],
-                      executor.stats["convert_s"], send_s)
+            bar.close()
+        sender.finish()  # raises on every rank if anything failed anywhere
+        if hasattr(sender, "commit"):
+            sender.commit()
+        if pause and hasattr(sender, "resume"):
+            sender.resume()
+    except BaseException:
+        if hasattr(sender, "abort"):
+            sender.abort()
+        raise
+    report = SyncReport(version, n, nbytes, time.perf_counter() - t0, executor.stats["gather_s"],
+                        executor.stats["convert_s"], send_s)
+    if dist.get_rank() == 0:
+        log.info("%s", report.summary())
+    return report

@@ -1,134 +1,569 @@
-"""vLLM: the two patterns RL stacks use with vLLM workers, with the same bucket protocol.
+"""vLLM senders: vLLM's native weight-transfer API (vllm 0.33.0), fed with our buckets.
 
-Engine side: `MCore2HFWorkerExtension`, a worker extension class
-(`LLM(..., worker_extension_cls="mcore2hf.senders.vllm.MCore2HFWorkerExtension")`), adds to every worker:
+Read in vllm 0.33.0 (published wheel), and pinned by tests/test_vllm_contract.py:
+- vllm/entrypoints/rl/online/api_router.py: the HTTP routes, registered only with VLLM_SERVER_DEV_MODE=1
+  (vllm/entrypoints/launchers/api_server/routers.py):
+    POST /init_weight_transfer_engine  {"init_info": {...}}       POST /start_weight_update   (no body)
+    POST /update_weights               {"update_info": {...}}     POST /finish_weight_update  {"weight_version": str}
+    POST /shutdown_weight_transfer_engine                          POST /pause?mode=abort|wait|keep, POST /resume
+    GET  /get_world_size               {"world_size": TP*PP*DP}   GET  /version               {"version": ...}
+  Success answers are JSON ({"message"} / {"status"}); failures are HTTP 4xx/5xx.
+- vllm/entrypoints/rl/offline.py: the same methods on `LLM` (init_weight_transfer_engine({"init_info": ...}),
+  start_weight_update(), update_weights({"update_info": ...}), finish_weight_update(weight_version)).
+- vllm/v1/worker/gpu_worker.py: a session is start -> update* -> finish; update without start, or start twice,
+  raises; a failed update closes the session on the worker.
+- vllm/distributed/weight_transfer/{ipc_engine,nccl_engine,nccl_common}.py: init/update infos are dataclasses built
+  with `cls(**dict)`, so unknown keys raise. The worker loads inside its layerwise-reload lifecycle
+  (initialize_layerwise_reload at start, finalize_layerwise_reload at finish), which re-runs
+  process_weights_after_loading: quantized engines (FP8, ...) get correct kernels.
+- vllm/distributed/weight_transfer/packed_tensor.py: packed chunks (see `packed_chunk_ends`).
 
-* `mcore2hf_update_from_ipc(payloads, version)`: colocated workers. `payloads` maps a GPU's UUID to the CUDA IPC
-  handle of that GPU's flat bucket and its metadata; each worker takes the entry of its own GPU (UUIDs, not
-  indices, because trainer and engine may see different CUDA_VISIBLE_DEVICES), opens it on its own device and
-  loads the tensors with `model_runner.model.load_weights`.
-* `mcore2hf_init_group(...)` / `mcore2hf_update_from_broadcast(names, dtypes, shapes, version)`: remote workers join
-  a weight-update group with the trainer's rank 0 and receive each bucket's flat buffer by broadcast.
+Two backends, each matching the engine's `--weight-transfer-config '{"backend": ...}'`:
+- `VLLMColocatedSender` (backend "ipc"): each trainer rank shares its bucket (on the GPU of its colocated vLLM
+  worker) as a CUDA IPC handle keyed by the GPU's UUID; the first rank of each engine group sends one
+  /update_weights per bucket holding every rank's handle. Packed (default): one handle for the bucket's flat
+  buffer plus `tensor_sizes`, no copy on the trainer (the worker clones). Unpacked: one handle per tensor; the
+  worker keeps views of trainer memory until finish, so every bucket stays alive until then.
+  Engine side needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (handles are pickled; ipc_engine refuses otherwise).
+- `VLLMDistributedSender` (backend "nccl"): trainer rank 0 is rank 0 of vLLM's NCCL group (vLLM's
+  StatelessProcessGroup rendezvous + PyNcclCommunicator), so vllm must be importable on trainer rank 0. Each
+  bucket is one /update_weights (names, dtype_names, shapes) while rank 0 broadcasts the bucket's flat buffer:
+  packed (default), in vLLM's chunks, each a slice of the bucket (no copy); unpacked, tensor by tensor.
 
-Trainer side: `VLLMColocatedSender` and `VLLMDistributedSender`, driven by `sync()` like the SGLang senders; the
-engine object is anything with vLLM's `collective_rpc(method, args=...)` (an `LLM`, an `AsyncLLM`, a Ray actor
-wrapper).
+vLLM's trainer-side engines (TrainerWeightTransferEngine.send_weights) run a whole session over a WeightSource
+per call; sync() streams buckets, so these senders open one session per sync and use vLLM's own pieces where
+vllm is importable: its NCCL endpoint and rendezvous, and its update-info dataclasses to validate every payload
+before it is sent.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
+import pickle
+import threading
+import urllib.error
+import urllib.request
+
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..buckets import Bucket
-from .process_group import broadcast, join_weight_update_group
-from .receiver import tight_views
-from .sglang import _BroadcastSender, _call, _ColocatedSender
+from .sglang import EngineError, _BroadcastSender, _call, _ColocatedSender
+
+VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
+PAUSE_MODES = ("abort", "wait", "keep")  # /pause?mode=, vllm/entrypoints/rl/online/api_router.py
 
 
-def device_uuid(device: torch.device | int | None = None) -> str:
-    """A GPU's UUID ('cpu' for CPU tensors), the key colocated payloads are matched by."""
-    if device is None or (isinstance(device, torch.device) and device.type == "cpu"):
+def _vllm_module(name: str):
+    """A vllm module when vllm is importable here, else None."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - vllm absent (or unusable) on the trainer
+        return None
+
+
+def device_uuid(device: torch.device) -> str:
+    """The key vLLM's IPC backend looks a worker's handle up by: str(get_device_properties(i).uuid)
+    (vllm 0.33.0 ipc_engine.py / packed_tensor.py). CPU tensors (CI) use "cpu"."""
+    if device.type == "cpu":
         return "cpu"
-    index = device.index if isinstance(device, torch.device) else device
-    return str(torch.cuda.get_device_properties(index).uuid)
+    return str(torch.cuda.get_device_properties(device.index).uuid)
 
 
-def ipc_payload(bucket: Bucket) -> dict:
-    """{device uuid: (IPC handle of the flat buffer, metadata)} for this rank's bucket."""
-    meta = [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.start_idx, m.end_idx)
-            for m in bucket.metadata()]
-    return {device_uuid(bucket.flat.device): (reduce_tensor(bucket.flat), meta)}
+def cpu_ipc_args(t: torch.Tensor) -> tuple:
+    """A CPU tensor's shared-memory handle laid out like `reduce_tensor`'s CUDA args (the 15 arguments of
+    torch's rebuild_cuda_tensor; slot 6 the device, which vLLM overwrites with the worker's index; slot 7 the
+    storage handle, here (manager, filename, size) of torch's file_system sharing). Only for CI, where the
+    engine side opens it with a CPU stand-in for rebuild_cuda_tensor (mcore2hf.testing.vllm_real)."""
+    storage = t.untyped_storage()
+    handle = storage._share_filename_cpu_()
+    return (type(t), t.size(), t.stride(), t.storage_offset(), type(storage), t.dtype, -1, handle,
+            storage.nbytes(), 0, False, b"", 0, b"", False)
 
 
-def open_ipc(handle, device_index: int | None):
-    """Rebuild a tensor from `reduce_tensor` output, on this process's device index for CUDA handles."""
-    rebuild, args = handle
-    if device_index is not None and getattr(rebuild, "__name__", "") == "rebuild_cuda_tensor":
-        args = list(args)
-        args[6] = device_index  # the trainer's index of the GPU may differ from the worker's
-    return rebuild(*args)
+def ipc_args(t: torch.Tensor) -> tuple:
+    """rebuild_cuda_tensor arguments of a tensor (what vLLM's IPC backend expects under each GPU UUID)."""
+    if t.device.type == "cpu":
+        return cpu_ipc_args(t)
+    return reduce_tensor(t)[1]
 
 
-def rebuild_bucket(flat: torch.Tensor, meta) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, dtype, shape, start, end in meta:
-        out.append((name, flat[start:end].view(getattr(torch, dtype)).view(tuple(shape))))
-    return out
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # vLLM reads getattr(torch, name)
 
 
-class MCore2HFWorkerExtension:
-    """Methods added to each vLLM worker (self.model_runner, self.device are the worker's)."""
-
-    def mcore2hf_device_uuid(self) -> str:
-        return device_uuid(self.device)
-
-    def mcore2hf_update_from_ipc(self, payloads: dict, version: int) -> int:
-        uuid = self.mcore2hf_device_uuid()
-        if uuid not in payloads:
-            raise KeyError(f"no weights for this worker's device {uuid}; payloads cover {sorted(payloads)}")
-        handle, meta = payloads[uuid]
-        flat = open_ipc(handle, self.device.index if self.device.type == "cuda" else None)
-        weights = rebuild_bucket(flat, meta)
-        self.model_runner.model.load_weights(weights=weights)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.mcore2hf_version = version
-        return len(weights)
-
-    def mcore2hf_init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                            group_name: str, backend: str = "nccl", timeout: float = 120.0) -> bool:
-        from datetime import timedelta
-
-        rank = rank_offset + (dist.get_rank() if dist.is_initialized() else 0)
-        self._mcore2hf_timeout = timedelta(seconds=timeout)
-        self._mcore2hf_group = join_weight_update_group(master_address, master_port, rank, world_size, group_name,
-                                                        backend, self._mcore2hf_timeout)
-        return True
-
-    def mcore2hf_update_from_broadcast(self, names, dtypes, shapes, version: int) -> int:
-        from .receiver import packed_nbytes
-
-        flat = torch.empty(packed_nbytes(dtypes, shapes), dtype=torch.uint8, device=self.device)
-        broadcast(flat, self._mcore2hf_group, self._mcore2hf_timeout)
-        weights = tight_views(flat, names, dtypes, shapes)
-        self.model_runner.model.load_weights(weights=weights)
-        self.mcore2hf_version = version
-        return len(weights)
+def bucket_fields(bucket: Bucket) -> dict:
+    """names / dtype_names / shapes of a bucket in flat-buffer order."""
+    return {"names": [e.name for e in bucket.entries], "dtype_names": [_dtype_name(e.dtype) for e in bucket.entries],
+            "shapes": [list(e.shape) for e in bucket.entries]}
 
 
-class VLLMColocatedSender(_ColocatedSender):
-    """Colocated vLLM workers: each trainer rank sends its bucket's IPC handle keyed by its GPU's UUID; the first
-    rank of each engine group (`engine_tp_size` consecutive trainer ranks) calls `collective_rpc` once on `llm`.
-    Grouping, lifetime and errors: see _ColocatedSender."""
+def packed_chunk_ends(tensor_sizes: list[int], buffer_size_bytes: int) -> list[int]:
+    """Byte offsets where vLLM's packed NCCL stream cuts a run of tensors into broadcasts: a chunk takes tensors
+    until its size exceeds buffer_size_bytes (the tensor that crosses stays in), the rest is a last chunk
+    (packed_nccl_broadcast_consumer / pack_tensors, vllm 0.33.0 packed_tensor.py)."""
+    ends, total, n = [], 0, 0
+    for size in tensor_sizes:
+        total += size
+        n += 1
+        if total - (ends[-1] if ends else 0) > buffer_size_bytes:
+            ends.append(total)
+            n = 0
+    if n:
+        ends.append(total)
+    return ends
 
-    def __init__(self, llm, engine_tp_size: int, *, timeout: float = 300.0):
-        super().__init__(llm, engine_tp_size, timeout)
+
+def _validated(module: str, cls: str, fields: dict) -> dict:
+    """The payload, after vLLM's own dataclass accepted it when vllm is importable here: refused as the worker
+    would refuse it (unknown keys, mismatched lengths), before it is sent."""
+    mod = _vllm_module(module)
+    if mod is not None:
+        try:
+            getattr(mod, cls)(**fields)
+        except Exception as e:  # noqa: BLE001
+            version = getattr(_vllm_module("vllm"), "__version__", "unknown")
+            raise EngineError(f"vLLM {version} on the trainer refuses {cls}{sorted(fields)}: {e} (these senders "
+                              f"follow vLLM {VERIFIED_VLLM})") from e
+    return fields
+
+
+class VLLMHTTPEngine:
+    """HTTP client of one vLLM server started with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config."""
+
+    def __init__(self, url: str, timeout: float = 300.0, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.api_key = api_key
+        self.pickle_handles = True  # JSON carries IPC handles as `ipc_handles_pickled` (vllm clients.py)
+
+    def _request(self, path: str, payload: dict | None = None, method: str = "POST",
+                 ok_codes: tuple = ()) -> tuple[int, dict | str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(payload).encode() if payload is not None else None
+        req = urllib.request.Request(self.url + path, data=data if method == "POST" else None, headers=headers,
+                                     method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                code, text = resp.status, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            code, text = e.code, e.read().decode(errors="replace")
+            if code not in ok_codes:
+                raise EngineError(f"{self.url}{path}: HTTP {code}: {text[:500]}") from None
+        except OSError as e:  # refused, reset, timed out
+            raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+        try:
+            return code, json.loads(text) if text.strip() else {}
+        except ValueError:
+            return code, text
+
+    def check(self) -> None:
+        """Raise EngineError unless the server has the native weight-transfer routes (sends no weights)."""
+        _, ver = self._request("/version", method="GET", ok_codes=(404,))
+        version = ver.get("version", "unknown") if isinstance(ver, dict) else "unknown"
+        # an empty body fails validation (400/422) on a server that has the route, 404 where it has none
+        code, _ = self._request("/init_weight_transfer_engine", {}, ok_codes=(400, 404, 405, 422))
+        if code in (404, 405):
+            raise EngineError(
+                f"{self.url}: vLLM {version} has no native weight-transfer API (POST /init_weight_transfer_engine "
+                f"answered {code}); it needs vLLM >= {VERIFIED_VLLM} (verified) started with VLLM_SERVER_DEV_MODE=1 "
+                "and --weight-transfer-config '{\"backend\": \"ipc\" or \"nccl\"}'")
+
+    def world_size(self) -> int:
+        _, out = self._request("/get_world_size", method="GET")
+        return int(out["world_size"])
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._request("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._request("/start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._request("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._request("/finish_weight_update", {"weight_version": weight_version} if weight_version else None)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("/shutdown_weight_transfer_engine")
+
+    def pause(self, mode: str = "abort") -> None:
+        self._request(f"/pause?mode={mode}")
+
+    def resume(self) -> None:
+        self._request("/resume")
+
+
+class VLLMLocalEngine:
+    """An in-process `vllm.LLM` (its RL methods, vllm/entrypoints/rl/offline.py). Calls reach the workers through
+    collective_rpc (msgpack): IPC handles go pickled as for HTTP, which the worker opens only with
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1. An LLM generates only when called, so pause/resume do nothing."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.pickle_handles = True
+
+    def check(self) -> None:
+        missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                               "finish_weight_update") if not callable(getattr(self.llm, m, None))]
+        if missing:
+            version = getattr(_vllm_module("vllm"), "__version__", "unknown")
+            raise EngineError(f"this vLLM ({version}) LLM has no native weight-transfer API (missing {missing}); "
+                              f"it needs vLLM >= {VERIFIED_VLLM} (verified) and LLM(..., weight_transfer_config=...)")
+
+    def world_size(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def pause(self, mode: str = "abort") -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+def as_engine(engine, timeout: float = 300.0, api_key: str | None = None):
+    """A URL becomes a VLLMHTTPEngine, a vllm.LLM a VLLMLocalEngine; clients pass through."""
+    if engine is None or isinstance(engine, VLLMHTTPEngine | VLLMLocalEngine):
+        return engine
+    if isinstance(engine, str):
+        return VLLMHTTPEngine(engine, timeout, api_key)
+    if hasattr(engine, "llm_engine"):
+        return VLLMLocalEngine(engine)
+    return engine  # anything with the client methods above
+
+
+class _Session:
+    """One weight-update session per sync on each engine: start at begin, finish with the version after the last
+    bucket. After a failure the session is closed without a version (the worker may have closed it already)."""
+
+    def _engines(self) -> list:
+        raise NotImplementedError
+
+    def _check_engines(self) -> None:
+        errors = []
+        for e in self._engines():
+            try:
+                _call(e.check)
+            except EngineError as err:
+                errors.append(str(err))
+        if errors:
+            raise EngineError("; ".join(errors))
+
+    _open: list | None = None  # engines with an open session this sync (None: not started yet)
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        self._open = None
+
+    def _start(self) -> None:
+        """Open the session on every engine once per sync, at the first bucket: after pause(), since vLLM's
+        layerwise reload moves the layers' weights off the device until they are reloaded."""
+        if self._open is not None or self._error is not None:
+            return
+        self._open = []
+        for e in self._engines():
+            try:
+                _call(e.start_weight_update)
+            except EngineError as err:
+                self._fail(f"start_weight_update: {err}")
+                return
+            self._open.append(e)
+
+    def pause(self) -> None:
+        """A failure is recorded, not raised, so every rank fails the sync together at finish()."""
+        for e in self._engines():
+            try:
+                _call(e.pause, mode=self.pause_mode)
+            except EngineError as err:
+                self._fail(f"pause: {err}")
+                return
+
+    def resume(self) -> None:
+        for e in self._engines():
+            _call(e.resume)
+
+    def _finish(self) -> None:
+        for e in self._open or []:
+            try:
+                if self._error is None:
+                    _call(e.finish_weight_update, weight_version=str(self._pending))
+                else:  # close the session; the worker may have closed it on the failed update
+                    _call(e.finish_weight_update, weight_version=None)
+            except EngineError as err:
+                if self._error is None:
+                    self._fail(f"finish_weight_update: {err}")
+        self._open = None
+
+
+class VLLMColocatedSender(_Session, _ColocatedSender):
+    """Trainer and vLLM share GPUs; vLLM started with --weight-transfer-config '{"backend": "ipc"}'.
+
+    Trainer ranks form consecutive groups of `engine_tp_size` (the engine's TP*PP) ranks; group i feeds engine i.
+    `engine` on the first rank of a group: a URL, a VLLMHTTPEngine, or an in-process `vllm.LLM`; None elsewhere.
+    `packed` must not change between syncs of one engine (it is sent once, at init). Grouping, bucket lifetime
+    and errors: see _ColocatedSender."""
+
+    def __init__(self, engine, engine_tp_size: int, *, packed: bool = True, timeout: float = 300.0,
+                 pause_mode: str = "abort", api_key: str | None = None):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        super().__init__(as_engine(engine, timeout, api_key), engine_tp_size, timeout)
+        self.packed, self.pause_mode = packed, pause_mode
+        self._initialized = False
+        self._keep: list = []  # unpacked: the worker holds views of our buckets until finish
+
+    def _engines(self) -> list:
+        return [self.engine] if self.is_first else []
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        if self.is_first and not self._initialized:
+            try:
+                self._check_engines()
+                info = _validated("vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferInitInfo",
+                                  {"packed": self.packed})
+                _call(self.engine.init_weight_transfer_engine, init_info=info)
+                self._initialized = True
+            except EngineError as e:
+                self._fail(str(e))
+
+    def pause(self) -> None:
+        if self.is_first and self._error is None:
+            _Session.pause(self)
+
+    def resume(self) -> None:
+        if self.is_first:
+            _Session.resume(self)
 
     def _payload(self, bucket: Bucket):
-        return ipc_payload(bucket)
+        uuid = device_uuid(bucket.flat.device)
+        if self.packed:
+            return {uuid: ipc_args(bucket.flat)}
+        return [{uuid: ipc_args(t)} for _, t in bucket]
 
     def _update(self, payloads: list) -> None:
-        merged = {}
-        for p in payloads:
-            merged.update(p)
-        _call(self.engine.collective_rpc, method="mcore2hf_update_from_ipc", args=(merged, self._pending))
+        if self.packed:
+            handles: dict | list = {}
+            for p in payloads:
+                handles.update(p)
+        else:
+            handles = [{} for _ in payloads[0]]
+            for p in payloads:
+                for merged, h in zip(handles, p):
+                    merged.update(h)
+        self._send_update(handles)
+
+    def send(self, bucket: Bucket) -> None:
+        if self.is_first:
+            self._start()
+        self._bucket = bucket
+        if not self.packed:
+            self._keep.append(bucket.flat)
+        super().send(bucket)
+
+    def _send_update(self, handles) -> None:
+        fields = bucket_fields(self._bucket)
+        if self.packed:
+            fields["tensor_sizes"] = [e.nbytes for e in self._bucket.entries]
+        if self.engine.pickle_handles:  # as vllm clients.py _json_safe_update_info does
+            fields["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+        else:
+            fields["ipc_handles"] = handles
+        _call(self.engine.update_weights, update_info=fields)
+
+    def finish(self) -> None:
+        if self.is_first:
+            self._start()  # a sync without buckets still opens and closes a session
+            self._finish()
+        self._keep.clear()
+        if self._error is not None:
+            self._initialized = False  # a restarted engine has forgotten the init: send it again on the retry
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free exported buffers the workers released (vllm ipc_engine _post_send_sync)
+        super().finish()
 
 
-class VLLMDistributedSender(_BroadcastSender):
-    """Remote vLLM workers: trainer rank 0 broadcasts each bucket; `engines` (rank 0) call collective_rpc."""
+class VLLMDistributedSender(_Session, _BroadcastSender):
+    """vLLM on other GPUs or nodes; started with --weight-transfer-config '{"backend": "nccl"}'. Trainer rank 0
+    (which needs vllm importable) is rank 0 of vLLM's NCCL group; engine i's workers join at rank_offset 1 + the
+    earlier engines' sizes. `engines` on rank 0: URLs, VLLMHTTPEngine or vllm.LLM objects; `engine_world_sizes`
+    defaults to each engine's /get_world_size (TP*PP*DP). `master_port=0` binds a free port and tells the
+    engines the port it got. Only rank 0 receives full tensors (`receivers = (0,)`)."""
 
-    def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int, *,
-                 group_name: str = "mcore2hf_weights", backend: str = "nccl", timeout: float = 300.0):
-        super().__init__(engines, engine_world_sizes, master_address, master_port, group_name, backend, timeout)
+    _join_failed = "init_weight_transfer_engine failed: "
+
+    def __init__(self, engines, engine_world_sizes: list[int] | None = None, master_address: str = "127.0.0.1",
+                 master_port: int = 0, *, packed: bool = True, packed_buffer_size_bytes: int = 1 << 30,
+                 packed_num_buffers: int = 2, timeout: float = 300.0, pause_mode: str = "abort",
+                 api_key: str | None = None):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        import torch.distributed as dist
+
+        clients = [as_engine(e, timeout, api_key) for e in (engines or [])] if dist.get_rank() == 0 else []
+        box: list = [engine_world_sizes]
+        if dist.get_rank() == 0 and engine_world_sizes is None:
+            try:
+                box = [[_call(e.world_size) for e in clients]]
+            except EngineError as e:
+                box = [f"asking the engines' world sizes: {e}"]
+        dist.broadcast_object_list(box, src=0)  # every rank builds the same sender, or raises the same error
+        if isinstance(box[0], str):
+            raise EngineError(box[0])
+        super().__init__(clients, box[0], master_address, master_port, "vllm", "nccl", timeout)
+        self.packed, self.pause_mode = packed, pause_mode
+        self.buffer_size, self.num_buffers = packed_buffer_size_bytes, packed_num_buffers
+        self._listen = None
+
+    def _engines(self) -> list:
+        return self.engines
+
+    def connect(self) -> None:
+        if not self.is_source or self.pg is not None:
+            return
+        self._check_engines()
+        if _vllm_module("vllm.distributed.utils") is None:
+            raise EngineError("vLLM's NCCL weight transfer needs vllm importable on trainer rank 0 (its "
+                              "StatelessProcessGroup + PyNcclCommunicator form the group); use the IPC backend "
+                              "(VLLMColocatedSender) otherwise")
+        import socket
+
+        self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # bound now: its port goes to the engines
+        self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listen.bind((self.master_address, self.master_port))
+        self._listen.listen()
+        self.port = self._listen.getsockname()[1]
+        super().connect()
 
     def _init_calls(self, offsets: list[int]) -> list[tuple]:
-        return [(e.collective_rpc, dict(method="mcore2hf_init_group", args=(
-            self.master_address, self.master_port, off, self.world_size, self.group_name, self.backend,
-            self.timeout.total_seconds()))) for e, off in zip(self.engines, offsets)]
+        calls = []
+        for e, off in zip(self.engines, offsets):
+            info = {"master_address": self.master_address, "master_port": self.port, "rank_offset": off,
+                    "world_size": self.world_size, "packed": self.packed,
+                    "packed_buffer_size_bytes": self.buffer_size, "packed_num_buffers": self.num_buffers}
+            info = _validated("vllm.distributed.weight_transfer.nccl_common", "NCCLWeightTransferInitInfo", info)
+            calls.append((e.init_weight_transfer_engine, {"init_info": info}))
+        return calls
+
+    def _join(self) -> None:
+        # what vllm 0.33.0 nccl_common.trainer_init does, with our bound listen socket
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        listen, self._listen = self._listen, None
+        pg = StatelessProcessGroup.create(host=self.master_address, port=self.port, rank=0,
+                                          world_size=self.world_size, store_timeout=int(self.timeout.total_seconds()),
+                                          listen_socket=listen)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        with unpinned_nccl_env():
+            self.pg = PyNcclCommunicator(pg, device=device)
 
     def _update_calls(self, bucket: Bucket) -> list[tuple]:
-        args = ([e.name for e in bucket.entries], [str(e.dtype).removeprefix("torch.") for e in bucket.entries],
-                [list(e.shape) for e in bucket.entries], self._pending)
-        return [(e.collective_rpc, dict(method="mcore2hf_update_from_broadcast", args=args)) for e in self.engines]
+        fields = _validated("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferUpdateInfo",
+                            bucket_fields(bucket))
+        return [(e.update_weights, {"update_info": fields}) for e in self.engines]
+
+    def _unsendable(self, bucket: Bucket) -> str | None:
+        """Unpacked, each tensor goes in its own dtype, and PyNccl takes only NCCL's (vllm 0.33.0
+        pynccl_wrapper.ncclDataTypeEnum); packed chunks are uint8."""
+        wrapper = _vllm_module("vllm.distributed.device_communicators.pynccl_wrapper")
+        if self.packed or wrapper is None:
+            return None
+        bad = sorted({str(e.dtype) for e in bucket.entries if wrapper.ncclDataTypeEnum.try_from_torch(e.dtype) is None})
+        return f"bucket {bucket.index}: unpacked NCCL transfer cannot send {bad}; use packed=True" if bad else None
+
+    def _timed_broadcast(self, bucket: Bucket) -> None:
+        """The broadcasts, given up after the timeout: PyNccl has none, and an engine that failed mid-bucket never
+        joins the next chunk (the group is then aborted by _teardown)."""
+        stream = torch.cuda.current_stream(bucket.flat.device) if bucket.flat.is_cuda else None
+        done, errors = threading.Event(), []
+
+        def run():
+            try:
+                self._broadcast(bucket, stream)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        if not done.wait(self.timeout.total_seconds()):
+            raise TimeoutError(f"broadcast of bucket {bucket.index} did not complete within {self.timeout}")
+        if errors:
+            raise errors[0]
+
+    def _broadcast(self, bucket: Bucket, stream) -> None:
+        if self.packed:
+            start = 0
+            for end in packed_chunk_ends([e.nbytes for e in bucket.entries], self.buffer_size):
+                self.pg.broadcast(bucket.flat[start:end], src=0, stream=stream)
+                start = end
+        else:
+            for _, t in bucket:
+                self.pg.broadcast(t, src=0, stream=stream)
+        if stream is not None:
+            stream.synchronize()
+
+    def send(self, bucket: Bucket) -> None:
+        if not self.is_source:
+            return
+        self._start()
+        if self._error is None and (bad := self._unsendable(bucket)):
+            self._fail(bad)
+        if self._error is not None:
+            return
+        errors = self._parallel(self._update_calls(bucket), lambda: self._timed_broadcast(bucket))
+        if errors:
+            self._fail(f"bucket {bucket.index}: " + "; ".join(errors))
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self.pg is not None:
+            with contextlib.suppress(Exception):  # best effort: the peer may be gone already
+                self.pg.destroy()
+            self.pg = None
+            self._release = True
+
+    def _release_engines(self) -> None:
+        """After a failure (sessions closed): release the workers' end of the group, so a retry forms a new one."""
+        if getattr(self, "_release", False):
+            self._release = False
+            for e in self.engines:
+                with contextlib.suppress(EngineError):
+                    _call(e.shutdown_weight_transfer_engine)
+
+    def finish(self) -> None:
+        if self.is_source:
+            self._start()  # a sync without buckets still opens and closes a session
+            self._finish()
+            self._release_engines()
+        self._agree()
+
+    def close(self) -> None:
+        """Tear the NCCL group down on both sides (between syncs)."""
+        if self.is_source:
+            self._teardown()
+            self._release_engines()

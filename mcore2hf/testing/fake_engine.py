@@ -4,8 +4,16 @@ It serves SGLang's weight-sync endpoints with SGLang's semantics: payloads are d
 unpickler like SGLang's, flattened buckets are rebuilt as SGLang's scheduler rebuilds them (views
 `flat[start:end].view(dtype).reshape(shape)`), the distributed path joins the weight-update group as SGLang's
 `init_custom_process_group` does and receives into a buffer laid out from names / dtypes / shapes in request order.
-It also hosts vLLM's worker-extension pattern: `/collective_rpc` calls a method of `MCore2HFWorkerExtension` on a
-fake worker whose `model_runner.model.load_weights` records tensors.
+(vLLM is tested against vLLM's own code only: tests/test_vllm_contract.py.)
+
+It is no more lenient than the real releases in what tests/test_sglang_contract.py checks against their wheels
+(`version` picks the release it behaves as): routes present per release (/server_info from 0.5.6, the session
+routes from 0.5.21), update sessions required from 0.5.21 (400 with SGLang's message otherwise, without joining a
+broadcast), each route's reply format (plain-text /flush_cache, {message, status} for pause / continue, {success,
+message} with HTTP 400 for the update routes), /flush_cache refused while requests are queued (retract mode)
+unless the release ignores the queue of a paused engine (0.5.23), CUDA IPC handles that must name the GPU by UUID
+(stricter than SGLang, which also takes an index), an exact-allowlist unpickler, `Authorization: Bearer` when
+started with an API key (401 otherwise), and dp_size / tp_size reported by the server info.
 
 Every received tensor is recorded as a SHA-256 of its bytes, per engine TP rank, with the weight version; GET
 /mcore2hf_state returns them. Failures can be injected: `fail` (answer an error), `sleep` (answer late) or `exit`
@@ -18,11 +26,9 @@ import base64
 import hashlib
 import json
 import os
-import pickle
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import torch
 
@@ -31,9 +37,20 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
+def _release(version: str) -> tuple[int, int, int]:
+    from mcore2hf.senders.sglang import parse_version
+
+    return parse_version(version)
+
+
 class _State:
-    def __init__(self, tp_size: int, device: str, faults: dict):
+    def __init__(self, tp_size: int, device: str, faults: dict, version: str = "0.5.23", dp_size: int = 1,
+                 api_key: str | None = None, running: int = 0):
         self.tp_size, self.device, self.faults = tp_size, device, faults
+        self.version, self.release, self.dp_size, self.api_key = version, _release(version), dp_size, api_key
+        self.running, self.queued = running, 0  # requests in flight / waiting (retract moves them to the queue)
+        self.session = False
+        self.groups: dict = {}
         self.lock = threading.Lock()
         self.weights: dict[int, dict[str, tuple[str, str, list]]] = {r: {} for r in range(tp_size)}
         self.versions: list[str] = []
@@ -43,55 +60,91 @@ class _State:
         self.flushes = 0
         self.group = None
         self.timeout = None
-        self.worker = None
 
     def record(self, rank: int, named):
         for name, t in named:
             self.weights[rank][name] = (digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
 
 
-class _FakeModel:
-    def __init__(self, state: _State):
-        self.state = state
+class _UUIDOnlyUnpickler:
+    """Our restricted unpickler, refusing CUDA IPC handles that name the GPU by index instead of UUID."""
 
-    def load_weights(self, weights):
-        self.state.record(0, weights)
+    @staticmethod
+    def loads(data):
+        import io
 
+        from mcore2hf.senders import serialize as ser
 
-def _make_worker(state: _State):
-    from mcore2hf.senders.vllm import MCore2HFWorkerExtension
+        class Strict(ser.RestrictedUnpickler):
+            def find_class(self, module, name):
+                fn = super().find_class(module, name)
+                if fn is ser.rebuild_cuda_tensor_by_uuid:
+                    def checked(*args):
+                        if not isinstance(args[ser.DEVICE_ARG], str):
+                            raise ValueError(f"CUDA IPC handle names device {args[ser.DEVICE_ARG]!r}, not a GPU UUID")
+                        return fn(*args)
+                    return checked
+                return fn
 
-    class Worker(MCore2HFWorkerExtension):
-        pass
-
-    w = Worker()
-    w.device = torch.device(state.device)
-    w.model_runner = SimpleNamespace(model=_FakeModel(state))
-    return w
+        if isinstance(data, str):
+            data = base64.b64decode(data, validate=True)
+        return Strict(io.BytesIO(data)).load()
 
 
 def _handler(state: _State):
     from mcore2hf.senders.receiver import packed_nbytes, tight_views
-    from mcore2hf.senders.serialize import deserialize
+
+    SESSIONS = state.release >= (0, 5, 21)
+    routes = {"/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
+              "/destroy_weights_update_group", "/pause_generation", "/continue_generation", "/flush_cache"} | ({"/begin_weight_update", "/end_weight_update"} if SESSIONS else set())
+    texts = {"/flush_cache"}  # plain-text replies (sglang http_server.py flush_cache)
+    statuses = {"/pause_generation", "/continue_generation"}  # {"message", "status": "ok"}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):  # quiet
             pass
 
-        def _reply(self, ok: bool, message: str = "", extra: dict | None = None):
-            body = json.dumps({"success": ok, "message": message, **(extra or {})}).encode()
-            self.send_response(200 if ok else 400)
-            self.send_header("Content-Type", "application/json")
+        def _reply(self, ok: bool, message: str = "", extra: dict | None = None, code: int | None = None):
+            if self.path in texts and code is None:
+                body, ctype = (message or "Cache flushed.\n").encode(), "text/plain"
+            elif self.path in statuses and ok and code is None:
+                body, ctype = json.dumps({"message": message, "status": "ok"}).encode(), "application/json"
+            else:
+                body = json.dumps({"success": ok, "message": message, **(extra or {})}).encode()
+                ctype = "application/json"
+            self.send_response(code or (200 if ok else 400))
+            self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
+        def _authorized(self) -> bool:
+            if state.api_key and self.headers.get("Authorization") != f"Bearer {state.api_key}":
+                self._reply(False, "Unauthorized", code=401)
+                return False
+            return True
+
         def do_GET(self):
+            if self.path in ("/server_info", "/get_server_info"):
+                if not self._authorized():
+                    return None
+                if self.path == "/server_info" and state.release < (0, 5, 6):
+                    return self._reply(False, "Not Found", code=404)
+                with state.lock:
+                    state.calls.append((self.path, []))
+                body = json.dumps({"version": state.version, "tp_size": state.tp_size,
+                                   "dp_size": state.dp_size}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return None
             if self.path == "/mcore2hf_state":
                 with state.lock:
                     out = {"weights": {str(r): w for r, w in state.weights.items()}, "versions": state.versions,
                            "calls": [c for c, _ in state.calls], "paused": state.paused, "flushes": state.flushes,
-                           "bodies": {c: keys for c, keys in state.calls}}
+                           "bodies": {c: keys for c, keys in state.calls}, "session": state.session,
+                           "groups": sorted(state.groups), "queued": state.queued}
                 body = json.dumps(out).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -106,6 +159,10 @@ def _handler(state: _State):
             path = self.path
             n = int(self.headers.get("Content-Length", 0))
             req = json.loads(self.rfile.read(n) or b"{}")
+            if not self._authorized():
+                return None
+            if path not in routes:
+                return self._reply(False, "Not Found", code=404)
             with state.lock:
                 state.counts[path] = state.counts.get(path, 0) + 1
                 count = state.counts[path]
@@ -129,14 +186,29 @@ def _handler(state: _State):
                 return self._reply(False, f"{type(e).__name__}: {e}")
             self._reply(True, "Success", extra)
 
+        def _need_session(self, what: str):
+            if SESSIONS and not state.session:  # sglang 0.5.23 scheduler_components/weight_updater.py
+                raise RuntimeError(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+        def _begin_weight_update(self, req):
+            if state.session:
+                raise RuntimeError("a weight-update session is already open; call end_weight_update() first")
+            state.session = True
+
+        def _end_weight_update(self, req):
+            if not state.session:
+                raise RuntimeError("no weight-update session is open; call begin_weight_update() first")
+            state.session = False
+
         def _update_weights_from_tensor(self, req):
+            self._need_session("update_weights_from_tensor")
             items = req["serialized_named_tensors"]
             if len(items) != state.tp_size:
                 raise ValueError(f"{len(items)} payloads for an engine of TP size {state.tp_size}")
             if req.get("load_format") != "flattened_bucket":
                 raise ValueError(f"load_format {req.get('load_format')!r}")
             for rank, item in enumerate(items):  # what SGLang's TP rank `rank` does with its entry
-                obj = deserialize(item)
+                obj = _UUIDOnlyUnpickler.loads(item)
                 flat, meta = obj["flattened_tensor"], obj["metadata"]
                 named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in meta]
                 state.record(rank, named)
@@ -150,10 +222,23 @@ def _handler(state: _State):
             state.timeout = timedelta(seconds=60)
             state.group = join_weight_update_group(req["master_address"], req["master_port"], req["rank_offset"],
                                                    req["world_size"], req["group_name"], req["backend"], state.timeout)
+            state.groups[req["group_name"]] = state.group
+
+        def _destroy_weights_update_group(self, req):
+            from mcore2hf.senders.process_group import destroy_group
+
+            name = req.get("group_name", "weight_update_group")
+            if name not in state.groups:
+                raise RuntimeError("The group to be destroyed does not exist.")
+            destroy_group(state.groups.pop(name))
 
         def _update_weights_from_distributed(self, req):
             from mcore2hf.senders.process_group import broadcast
 
+            self._need_session("update_weights_from_distributed")
+            if req.get("group_name") not in state.groups:
+                raise RuntimeError(f"Group {req.get('group_name')} not in {sorted(state.groups)}")
+            state.group = state.groups[req["group_name"]]
             if req.get("load_format") != "flattened_bucket":
                 raise ValueError(f"load_format {req.get('load_format')!r}")
             flat = torch.empty(packed_nbytes(req["dtypes"], req["shapes"]), dtype=torch.uint8, device=state.device)
@@ -162,59 +247,62 @@ def _handler(state: _State):
             state.versions.append(req.get("weight_version"))
 
         def _pause_generation(self, req):
+            mode = req.get("mode", "abort")
+            if mode == "retract":
+                state.queued, state.running = state.queued + state.running, 0
+            else:
+                state.running = 0
             state.paused = True
 
         def _continue_generation(self, req):
             state.paused = False
 
         def _flush_cache(self, req):
+            # sglang 0.5.20 scheduler.flush_cache: refused while requests wait; 0.5.23 ignores the queue of a paused
+            # engine (is_fully_idle(ignore_waiting=self._engine_paused))
+            if state.running or (state.queued and not (state.paused and state.release >= (0, 5, 23))):
+                raise RuntimeError("Cache not flushed because there are pending requests.")
             state.flushes += 1
-
-        def _collective_rpc(self, req):
-            if state.worker is None:
-                state.worker = _make_worker(state)
-            args = pickle.loads(base64.b64decode(req["args"]))
-            result = getattr(state.worker, req["method"])(*args)
-            if req["method"] != "mcore2hf_init_group":
-                state.versions.append(str(args[-1]))
-            return {"result": result}
 
     return Handler
 
 
-def serve(port: int, tp_size: int = 1, device: str = "cpu", faults: dict | None = None, ready=None) -> None:
-    """Run the fake engine (blocking). `faults`: {endpoint: ("fail" | "sleep" | "exit", nth call[, seconds])}."""
+def serve(port: int, tp_size: int = 1, device: str = "cpu", faults: dict | None = None, ready=None,
+          options: dict | None = None) -> None:
+    """Run the fake engine (blocking). `faults`: {endpoint: ("fail" | "sleep" | "exit", nth call[, seconds])};
+    `options`: version, dp_size, api_key, running (requests in flight when paused)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    state = _State(tp_size, device, faults or {})
-    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(state))
+    state = _State(tp_size, device, faults or {}, **(options or {}))
+    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(state))  # port 0: the OS picks one
     if ready is not None:
-        ready.set()
+        ready.put(server.server_address[1])
     server.serve_forever()
 
 
 class EngineProcess:
-    """A fake engine in a spawned process, with an SGLangHTTPEngine-compatible client and a vLLM-like
-    `collective_rpc`."""
+    """A fake engine in a spawned process, with an SGLangHTTPEngine client. It listens on a port the OS picks."""
 
-    def __init__(self, tp_size: int = 1, device: str = "cpu", faults: dict | None = None, port: int | None = None):
+    def __init__(self, tp_size: int = 1, device: str = "cpu", faults: dict | None = None, port: int | None = None,
+                 **options):
         import multiprocessing as mp
+        import queue
 
-        from .world import free_port
-
-        self.port = port or free_port()
+        self.api_key = options.get("api_key")
         ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        self.proc = ctx.Process(target=serve, args=(self.port, tp_size, device, faults, ready), daemon=True)
+        ready = ctx.Queue()
+        self.proc = ctx.Process(target=serve, args=(port or 0, tp_size, device, faults, ready, options), daemon=True)
         self.proc.start()
-        if not ready.wait(60):
-            raise RuntimeError("fake engine did not start")
+        try:
+            self.port = ready.get(timeout=60)
+        except queue.Empty:
+            raise RuntimeError("fake engine did not start") from None
         self.url = f"http://127.0.0.1:{self.port}"
 
     def client(self, timeout: float = 60.0):
         from mcore2hf.senders.sglang import SGLangHTTPEngine
 
-        return SGLangHTTPEngine(self.url, timeout=timeout)
+        return SGLangHTTPEngine(self.url, timeout=timeout, api_key=self.api_key)
 
     def state(self) -> dict:
         import urllib.request
@@ -226,14 +314,3 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
-
-
-class HTTPCollectiveRPC:
-    """vLLM's `collective_rpc(method, args=...)` over HTTP to an EngineProcess (for tests)."""
-
-    def __init__(self, url: str, timeout: float = 60.0):
-        self.client = __import__("mcore2hf.senders.sglang", fromlist=["SGLangHTTPEngine"]).SGLangHTTPEngine(url, timeout)
-
-    def collective_rpc(self, method: str, args=()):
-        return self.client._post("/collective_rpc", {"method": method,
-                                                     "args": base64.b64encode(pickle.dumps(args)).decode()})

@@ -153,14 +153,6 @@ def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: t
             pass
 
 
-def free_port() -> int:  # TODO(merge): senders' tests still use it; they move to ports the OS picks
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _portable_error(e: BaseException):
     """The rank's own error if it is one of ours and survives pickling (else None: the traceback says it)."""
     from ..errors import Mcore2HFError

@@ -1,0 +1,706 @@
+"""vLLM's own receive code on CPU, for contract tests: run as `python -m mcore2hf.testing.vllm_real OUT.json` in a
+subprocess whose sys.path holds the unpacked vllm wheel (mcore2hf.testing.wheels). Each scenario syncs buckets
+through our senders into vLLM's real code and records "ok" or the traceback in OUT.json.
+
+What is vLLM's (vllm 0.33.0, imported from the wheel, unmodified): the HTTP routes and their validation
+(rl/online/api_router.py, with vLLM's exception handlers), AsyncLLM's and LLM's weight-transfer methods
+(v1/engine/async_llm.py, entrypoints/rl/offline.py), msgpack of collective_rpc arguments (v1/serial_utils.py),
+the worker's session methods (v1/worker/gpu_worker.py Worker.*_weight_update), the transfer engines from
+WeightTransferEngineFactory (ipc_engine.py, nccl_engine.py: update-info parsing, packed IPC rebuild, packed and
+unpacked NCCL receive), vLLM's StatelessProcessGroup rendezvous (nccl_common.py), and the layerwise-reload
+lifecycle (model_loader/reload) that re-runs process_weights_after_loading.
+
+What is stubbed (GPU-only): torch.cuda / torch.accelerator device, stream and event calls; torch's
+rebuild_cuda_tensor (here it opens the CPU shared-memory handles of mcore2hf.senders.vllm.cpu_ipc_args, same
+15-argument layout); vLLM's PyNcclCommunicator (here gloo over the same StatelessProcessGroup store); the engine
+core under AsyncLLM / LLM (collective_rpc runs the real Worker methods after a msgpack round trip; pause/resume
+only record that they happened); the model (a tiny nn.Module with vLLM's default_weight_loader and an FP8-style
+layer whose quant method dequantizes in process_weights_after_loading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import threading
+import traceback
+import types
+from datetime import timedelta
+
+import torch
+
+GPU_UUID = "cpu"  # what mcore2hf.senders.vllm.device_uuid gives CPU tensors
+_worker_gpu = threading.local()  # the "GPU" of the worker running in this thread (EngineCore sets it)
+# the fields of vLLM's ModelConfig the load and reload paths read for this model
+MODEL_CONFIG = types.SimpleNamespace(dtype=torch.float32, word_embeddings_untied_by_checkpoint=False,
+                                     quantization=None)
+
+
+# ---------------------------------------------------------------- stubs of GPU-only calls (before vllm imports)
+
+class _Stream:
+    def __init__(self, *a, **k) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def wait_event(self, event) -> None: ...
+
+    def wait_stream(self, stream) -> None: ...
+
+
+class _Event:
+    def __init__(self, *a, **k) -> None: ...
+
+    def record(self, stream=None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def wait(self, stream=None) -> None: ...
+
+
+def _rebuild_cpu_shared(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, storage_device,
+                        storage_handle, storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle,
+                        ref_counter_offset, event_handle, event_sync_required):
+    """Stand-in for torch's rebuild_cuda_tensor (same parameters): opens a cpu_ipc_args handle."""
+    manager, name, size = storage_handle
+    storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, size)
+    t = torch.empty(0, dtype=dtype)
+    t.set_(storage, tensor_offset, tensor_size, tensor_stride)
+    return t
+
+
+def install_gpu_stubs() -> None:
+    import torch.multiprocessing.reductions as reductions
+
+    torch.accelerator.current_device_index = lambda: 0
+    torch.accelerator.synchronize = lambda *a, **k: None
+    torch.accelerator.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        uuid=getattr(_worker_gpu, "uuid", GPU_UUID))
+    torch.cuda.Stream = _Stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.ipc_collect = lambda: None
+    torch.Event = _Event
+    torch.Tensor.record_stream = lambda self, stream: None
+    reductions.rebuild_cuda_tensor = _rebuild_cpu_shared
+
+
+class GlooCommunicator:
+    """vLLM's PyNcclCommunicator interface (broadcast(tensor, src, stream), destroy) over gloo, built on the
+    StatelessProcessGroup vLLM's rendezvous made."""
+
+    def __init__(self, group, device=None, library_path=None):
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        self.rank, self.world_size = group.rank, group.world_size
+        self.device = torch.device("cpu")
+        self.pg = ProcessGroupGloo(PrefixStore("gloo", group.store), group.rank, group.world_size,
+                                   timedelta(seconds=60))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        from torch.distributed import BroadcastOptions
+        from vllm.distributed.device_communicators.pynccl_wrapper import ncclDataTypeEnum
+
+        ncclDataTypeEnum.from_torch(tensor.dtype)  # PyNccl refuses dtypes NCCL lacks; gloo lacks more (fp8)
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self.pg.broadcast([tensor.view(-1).view(torch.uint8)], opts).wait()  # NCCL copies the bytes
+
+    def destroy(self) -> None:
+        self.pg = None
+
+
+# ---------------------------------------------------------------- a tiny model vLLM's reload lifecycle can drive
+
+def _dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    s = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return weight.float() * s[:weight.shape[0], :weight.shape[1]]
+
+
+def tiny_model():
+    """Linear layers with checkpoint-format parameters (vLLM's default_weight_loader), one FP8-style layer
+    (float8_e4m3fn weight, float32 weight_scale_inv per 2x2 block) whose quant method writes the dequantized
+    weight into a `kernel` buffer in process_weights_after_loading, as quantized engines repack."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    class Dequant(QuantizeMethodBase):
+        runs = 0
+
+        def create_weights(self, layer, *args, **kwargs):
+            pass
+
+        def apply(self, layer, *args, **kwargs):
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer) -> None:
+            Dequant.runs += 1
+            k = _dequant(layer.weight.data, layer.weight_scale_inv.data, 2)
+            if "kernel" in layer._buffers:
+                layer.kernel.copy_(k)
+            else:
+                layer.register_buffer("kernel", k)
+
+    def param(*shape, dtype=torch.float32):
+        p = torch.nn.Parameter(torch.zeros(*shape).to(dtype), requires_grad=False)
+        p.weight_loader = default_weight_loader
+        return p
+
+    class Layer(torch.nn.Module):
+        def __init__(self, fp8: bool):
+            super().__init__()
+            if fp8:
+                self.weight = param(4, 6, dtype=torch.float8_e4m3fn)
+                self.weight_scale_inv = param(2, 3)
+                self.quant_method = Dequant()
+            else:
+                self.weight = param(3, 5, dtype=torch.bfloat16)
+                self.bias = param(3)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(False), Layer(True), Layer(False)])
+
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            loaded = set()
+            for name, t in weights:
+                p = params[name]
+                p.weight_loader(p, t)
+                loaded.add(name)
+            return loaded
+
+    model = Model()
+    record_metadata_for_reloading(model)  # as vLLM's initialize_model does
+    model.Dequant = Dequant
+    return model
+
+
+def model_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """Checkpoint-format tensors for tiny_model, different per seed."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, fp8 in enumerate((False, True, False)):
+        if fp8:
+            out[f"layers.{i}.weight"] = (torch.randn(4, 6, generator=g) * 4).to(torch.float8_e4m3fn)
+            out[f"layers.{i}.weight_scale_inv"] = torch.rand(2, 3, generator=g) + 0.5
+        else:
+            out[f"layers.{i}.weight"] = torch.randn(3, 5, generator=g).bfloat16()
+            out[f"layers.{i}.bias"] = torch.randn(3, generator=g)
+    return out
+
+
+def initial_load(model, tensors) -> None:
+    """The engine's first load: load_weights then vLLM's process_weights_after_loading."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model.load_weights(list(tensors.items()))
+    process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
+
+
+def check_model(model, tensors) -> None:
+    """Every parameter equals what was sent, byte for byte, and the FP8 layer's kernel was reprocessed."""
+    params = dict(model.named_parameters())
+    assert set(params) == set(tensors), (sorted(params), sorted(tensors))
+    for name, t in tensors.items():
+        p = params[name].data
+        assert p.dtype == t.dtype and torch.equal(p.view(torch.uint8), t.contiguous().view(torch.uint8)), name
+    layer = model.layers[1]
+    assert torch.equal(layer.kernel, _dequant(tensors["layers.1.weight"], tensors["layers.1.weight_scale_inv"], 2))
+
+
+# ---------------------------------------------------------------- vLLM workers, engine clients, servers
+
+def make_worker(backend: str, rank: int = 0, tp: int = 1):
+    """vLLM's real Worker class (methods unmodified) around a tiny model, with the weight-transfer engine vLLM's
+    factory creates for `backend`; nothing of the GPU worker's init runs."""
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.v1.worker.gpu_worker import Worker
+
+    pc = ParallelConfig(tensor_parallel_size=tp)
+    pc.rank = rank
+    vc = VllmConfig(parallel_config=pc, device_config=DeviceConfig(device="cpu"))
+    model = tiny_model()
+    initial_load(model, model_tensors(0))
+    w = Worker.__new__(Worker)
+    w.vllm_config, w.rank, w.local_rank = vc, rank, rank
+    w.speculative_config = None
+    w.model_runner = types.SimpleNamespace(reset_lora_state=lambda: None, get_model=lambda: model,
+                                           get_draft_model=lambda: None)
+    w._weight_update_active, w._weight_update_is_draft = False, False
+    vc.model_config = MODEL_CONFIG
+    w.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend=backend), vc, torch.device("cpu"), model)
+    w.model = model
+    return w
+
+
+def msgpack_round_trip(obj):
+    """collective_rpc arguments as the engine core receives them (vllm v1/serial_utils.py)."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    return MsgpackDecoder().decode(MsgpackEncoder().encode(obj))
+
+
+class EngineCore:
+    """The engine core under AsyncLLM / LLM: collective_rpc reaches each worker (concurrently, as vLLM's executor
+    does) after a msgpack round trip; the weight version and pause state are recorded."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+        self.version = None
+        self.events: list[str] = []
+
+    def collective_rpc(self, method: str, timeout=None, args=(), kwargs=None):
+        kwargs = msgpack_round_trip(kwargs or {})
+        self.events.append(method)
+        results, errors = [None] * len(self.workers), []
+
+        def run(i, w):
+            _worker_gpu.uuid = getattr(w, "gpu_uuid", GPU_UUID)
+            try:
+                results[i] = getattr(w, method)(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def async_client(core: EngineCore):
+    """An AsyncLLM whose weight-transfer methods are vLLM's own (v1/engine/async_llm.py), over `core`."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    class Client:
+        pass
+
+    for name in ("init_weight_transfer_engine", "shutdown_weight_transfer_engine", "start_weight_update",
+                 "update_weights", "finish_weight_update", "update_weight_version"):
+        setattr(Client, name, getattr(AsyncLLM, name))
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return await asyncio.to_thread(core.collective_rpc, method, timeout, args, kwargs)
+
+    async def pause_generation(self, mode="abort", clear_cache=True):
+        core.events.append(f"pause:{mode}")
+
+    async def resume_generation(self):
+        core.events.append("resume")
+
+    Client.collective_rpc = collective_rpc
+    Client.pause_generation = pause_generation
+    Client.resume_generation = resume_generation
+    c = Client()
+    c.engine_core = types.SimpleNamespace()
+
+    async def set_version(v):
+        core.version = v
+
+    c.engine_core.set_weight_version_async = set_version
+    c.vllm_config = core.workers[0].vllm_config
+    return c
+
+
+def local_llm(core: EngineCore):
+    """An LLM whose weight-transfer methods are vLLM's own RLOfflineMixin (entrypoints/rl/offline.py)."""
+    from vllm.entrypoints.rl.offline import RLOfflineMixin
+
+    class LLM(RLOfflineMixin):
+        pass
+
+    llm = LLM.__new__(LLM)
+    llm.llm_engine = types.SimpleNamespace(
+        collective_rpc=lambda method, timeout=None, args=(), kwargs=None: core.collective_rpc(method, timeout, args,
+                                                                                             kwargs),
+        set_weight_version=lambda v: setattr(core, "version", v),
+        vllm_config=core.workers[0].vllm_config)
+    return llm
+
+
+class Server:
+    """vLLM's RL routes (and /version) with vLLM's exception handlers, served by uvicorn on a port it picks."""
+
+    def __init__(self, client, rl_routes: bool = True, version: str | None = None):
+        import uvicorn
+        from fastapi import FastAPI
+        from vllm.entrypoints.rl.factories import register_rl_api_routers
+        from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+
+        app = FastAPI()
+        if rl_routes:
+            register_rl_api_routers(app)  # what VLLM_SERVER_DEV_MODE=1 adds (launchers/api_server/routers.py)
+        init_exception_handler(app)
+
+        @app.get("/version")
+        async def show_version():  # vllm's entrypoints/serve/instrumentator/basic.py answer
+            import vllm
+
+            return {"version": version or vllm.__version__}
+
+        @app.get("/get_world_size")
+        async def world_size():  # api_router.get_world_size reads this config
+            return {"world_size": client.vllm_config.parallel_config.world_size_across_dp}
+
+        app.state.engine_client = client
+        app.state.args = types.SimpleNamespace(log_error_stack=False)  # vLLM's server CLI args, read by its handlers
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.05)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+# ---------------------------------------------------------------- trainer side
+
+class ListExporter:
+    """What sync() needs of an exporter, over prebuilt buckets (one list per sync round)."""
+
+    def __init__(self, rounds: list[list]):
+        self.rounds = list(rounds)
+
+    def executor(self, bucket_bytes, receivers):
+        buckets = self.rounds.pop(0)
+        return types.SimpleNamespace(programs=buckets, stats={}, run=lambda timing=False: iter(buckets))
+
+
+def make_bucket(index: int, tensors: dict[str, torch.Tensor]):
+    from mcore2hf.buckets import Bucket
+    from mcore2hf.plan import pack_tight
+
+    entries = pack_tight([(n, tuple(t.shape), t.dtype, n) for n, t in tensors.items()])
+    flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
+    for e in entries:
+        flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape).copy_(tensors[e.name])
+    return Bucket(index, flat, entries)
+
+
+def buckets_of(tensors: dict[str, torch.Tensor], per_bucket: int = 2) -> list:
+    names = list(tensors)
+    return [make_bucket(i, {n: tensors[n] for n in names[s:s + per_bucket]})
+            for i, s in enumerate(range(0, len(names), per_bucket))]
+
+
+def init_trainer_world() -> None:
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+
+# ---------------------------------------------------------------- scenarios
+
+def _expect_engine_error(fn, match: str) -> str:
+    from mcore2hf.senders import EngineError
+
+    try:
+        fn()
+    except EngineError as e:
+        assert match in str(e), f"expected {match!r} in: {e}"
+        return str(e)
+    raise AssertionError(f"no EngineError (expected {match!r})")
+
+
+def scenario_ipc(http: bool, packed: bool) -> None:
+    from mcore2hf.senders import sync
+    from mcore2hf.senders.vllm import VLLMColocatedSender
+
+    init_trainer_world()
+    core = EngineCore([make_worker("ipc")])
+    server = Server(async_client(core)) if http else None
+    try:
+        engine = server.url if http else local_llm(core)
+        sender = VLLMColocatedSender(engine, 1, packed=packed, timeout=60)
+        for version, seed in ((1, 1), (2, 2)):
+            tensors = model_tensors(seed)
+            runs = core.workers[0].model.Dequant.runs
+            sync(ListExporter([buckets_of(tensors)]), sender, progress=False)
+            assert sender.version == version and core.version == str(version), (sender.version, core.version)
+            check_model(core.workers[0].model, tensors)
+            assert core.workers[0].model.Dequant.runs == runs + 1  # reprocessed once, inside vLLM's reload
+            assert not core.workers[0]._weight_update_active
+        calls = [e for e in core.events if e not in ("update_weights",)]
+        expected = ["init_weight_transfer_engine", "pause:abort", "start_weight_update", "finish_weight_update",
+                    "resume"] if http else ["init_weight_transfer_engine", "start_weight_update",
+                                            "finish_weight_update"]
+        assert calls[:len(expected)] == expected, calls
+    finally:
+        if server:
+            server.stop()
+
+
+def scenario_ipc_tp2_by_uuid() -> None:
+    """An engine with TP 2 on two "GPUs": the update carries both trainer ranks' handles of their own bucket copy
+    (merged as the group's first rank merges them) and each vLLM worker opens the one keyed by its GPU's UUID."""
+    from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMHTTPEngine, ipc_args
+
+    init_trainer_world()
+    workers = [make_worker("ipc", r, 2) for r in range(2)]
+    for r, w in enumerate(workers):
+        w.gpu_uuid = f"GPU-{r}"
+    core = EngineCore(workers)
+    server = Server(async_client(core))
+    try:
+        sender = VLLMColocatedSender(server.url, 1, timeout=30)
+        sender.begin(1)
+        VLLMHTTPEngine(server.url).init_weight_transfer_engine({"packed": True})
+        sender._start()
+        per_rank = [model_tensors(20), model_tensors(21)]  # different, to see which handle each worker took
+        for i, names in enumerate((list(per_rank[0])[:3], list(per_rank[0])[3:])):
+            buckets = [make_bucket(i, {n: t[n] for n in names}) for t in per_rank]
+            sender._bucket = buckets[0]
+            sender._update([{f"GPU-{r}": ipc_args(b.flat)} for r, b in enumerate(buckets)])
+        sender._finish()
+        assert sender._error is None, sender._error
+        for w, tensors in zip(workers, per_rank):
+            check_model(w.model, tensors)
+    finally:
+        server.stop()
+
+
+def scenario_nccl(packed: bool) -> None:
+    """Two engines (TP1 and TP2: 4 NCCL ranks with the trainer), vLLM's StatelessProcessGroup rendezvous, gloo
+    in place of NCCL; packed chunks smaller than a bucket so each bucket spans several broadcasts."""
+    from mcore2hf.senders import sync
+    from mcore2hf.senders.vllm import VLLMDistributedSender
+
+    init_trainer_world()
+    cores = [EngineCore([make_worker("nccl")]), EngineCore([make_worker("nccl", r, 2) for r in range(2)])]
+    servers = [Server(async_client(c)) for c in cores]
+    try:
+        sender = VLLMDistributedSender([s.url for s in servers], packed=packed, packed_buffer_size_bytes=40,
+                                       timeout=60)
+        assert sender.world_size == 4, sender.sizes
+        for version, seed in ((1, 3), (2, 4)):
+            tensors = model_tensors(seed)
+            sync(ListExporter([buckets_of(tensors, 3)]), sender, progress=False)
+            assert sender.version == version
+            for c in cores:
+                assert c.version == str(version)
+                for w in c.workers:
+                    check_model(w.model, tensors)
+                    assert not w._weight_update_active
+        sender.close()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def scenario_nccl_llm() -> None:
+    """The NCCL backend into an in-process LLM (vLLM's RLOfflineMixin methods)."""
+    from mcore2hf.senders import sync
+    from mcore2hf.senders.vllm import VLLMDistributedSender
+
+    init_trainer_world()
+    core = EngineCore([make_worker("nccl")])
+    sender = VLLMDistributedSender([local_llm(core)], timeout=60)
+    tensors = model_tensors(8)
+    sync(ListExporter([buckets_of(tensors, 3)]), sender, progress=False)
+    assert sender.version == 1 and core.version == "1"
+    check_model(core.workers[0].model, tensors)
+    sender.close()
+
+
+def scenario_nccl_failure_then_retry() -> None:
+    """A dtype unpacked NCCL cannot carry is refused before its bucket moves; an engine that fails to load a bucket
+    fails the sync on the trainer (no hang: one chunk per bucket), the session is closed and the group released;
+    the retry forms a new group and succeeds."""
+    from mcore2hf.senders import sync
+    from mcore2hf.senders.vllm import VLLMDistributedSender
+
+    init_trainer_world()
+    core = EngineCore([make_worker("nccl")])
+    server = Server(async_client(core))
+    try:
+        sender = VLLMDistributedSender([server.url], packed=False, timeout=60)
+        bad = {"layers.0.mask": torch.ones(3, dtype=torch.bool), **model_tensors(9)}  # in the first bucket
+        _expect_engine_error(lambda: sync(ListExporter([buckets_of(bad, 3)]), sender, progress=False),
+                             "unpacked NCCL transfer cannot send ['torch.bool']")
+        assert "update_weights" not in core.events and core.version is None, core.events
+        assert sender.version == 0, sender.version
+        sender.close()
+
+        sender = VLLMDistributedSender([server.url], timeout=60)
+        unknown = dict(model_tensors(10), **{"layers.7.weight": torch.ones(2)})
+        _expect_engine_error(lambda: sync(ListExporter([buckets_of(unknown, 3)]), sender, progress=False),
+                             "layers.7.weight")
+        assert sender.version == 0 and core.version is None and not core.workers[0]._weight_update_active
+        assert "shutdown_weight_transfer_engine" in core.events
+        tensors = model_tensors(11)
+        sync(ListExporter([buckets_of(tensors, 3)]), sender, progress=False)
+        assert sender.version == 1 and core.version == "1"
+        assert core.events.count("init_weight_transfer_engine") == 3  # the unpacked sender's, the first, the retry
+        check_model(core.workers[0].model, tensors)
+        sender.close()
+    finally:
+        server.stop()
+
+
+def scenario_packed_chunks() -> None:
+    """Our chunk boundaries are where vLLM's own packer (pack_tensors) cuts, for many sizes and budgets."""
+    import random
+
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from mcore2hf.senders.vllm import packed_chunk_ends
+
+    rng = random.Random(0)
+    for _ in range(300):
+        sizes = [rng.choice((1, 2, 7, 64, 100, 513)) for _ in range(rng.randint(1, 12))]
+        budget = rng.choice((1, 8, 64, 100, 600, 10_000))
+        it = iter([(str(i), torch.zeros(s, dtype=torch.uint8)) for i, s in enumerate(sizes)])
+        ends, total = [], 0
+        with contextlib.suppress(Warning):
+            import warnings
+
+            warnings.simplefilter("ignore")
+            while (chunk := pack_tensors(it, lambda item: item[1], budget)) is not None:
+                total += chunk.packed_tensor.numel()
+                ends.append(total)
+        assert packed_chunk_ends(sizes, budget) == ends, (sizes, budget, ends)
+
+
+def scenario_fp8_parsing() -> None:
+    """An FP8 bucket's update infos pass vLLM's parsing for both backends (names and dtypes accepted)."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    from mcore2hf.senders.vllm import bucket_fields, ipc_args
+
+    fp8 = {"model.layers.0.mlp.down_proj.weight": torch.randn(8, 4).to(torch.float8_e4m3fn),
+           "model.layers.0.mlp.down_proj.weight_scale_inv": torch.rand(1, 1)}
+    b = make_bucket(0, fp8)
+    fields = bucket_fields(b)
+    assert sorted(fields["dtype_names"]) == ["float32", "float8_e4m3fn"]
+    for dn in fields["dtype_names"]:
+        assert getattr(torch, dn) in (torch.float8_e4m3fn, torch.float32)
+    NCCLWeightTransferUpdateInfo(**fields)
+    IPCWeightTransferUpdateInfo(**fields, ipc_handles={GPU_UUID: ipc_args(b.flat)},
+                                tensor_sizes=[e.nbytes for e in b.entries])
+
+
+def scenario_refusals() -> None:
+    """Unknown keys, out-of-session updates, insecure serialization off, an engine without the native API."""
+    from mcore2hf.senders import sync
+    from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMHTTPEngine, VLLMLocalEngine
+
+    init_trainer_world()
+    core = EngineCore([make_worker("ipc")])
+    server = Server(async_client(core))
+    old = Server(async_client(core), rl_routes=False, version="0.10.0")
+    try:
+        e = VLLMHTTPEngine(server.url, timeout=30)
+        e.check()
+        _expect_engine_error(lambda: e.init_weight_transfer_engine({"packed": True, "bogus": 1}), "bogus")
+        e.init_weight_transfer_engine({"packed": True})
+        e.start_weight_update()
+        _expect_engine_error(lambda: e.update_weights({"names": [], "dtype_names": [], "shapes": [],
+                                                       "ipc_handles_pickled": "", "extra": 1}), "extra")
+        assert not core.workers[0]._weight_update_active  # the worker closed the session on the failed update
+        _expect_engine_error(lambda: e.update_weights({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]],
+                                                       "ipc_handles": {}, "tensor_sizes": [4]}),
+                             "start_weight_update must be called before update_weights")
+        # an old engine: a clear error before any byte moves
+        before = len(core.events)
+        sender = VLLMColocatedSender(old.url, 1, timeout=30)
+        msg = _expect_engine_error(lambda: sync(ListExporter([buckets_of(model_tensors(5))]), sender,
+                                                progress=False), "no native weight-transfer API")
+        assert "0.10.0" in msg and "VLLM_SERVER_DEV_MODE=1" in msg, msg
+        assert len(core.events) == before and sender.version == 0
+        _expect_engine_error(VLLMLocalEngine(object()).check, "no native weight-transfer API")
+        # an engine started without --weight-transfer-config, and one configured for the other backend
+        unconfigured = make_worker("ipc")
+        unconfigured.weight_transfer_engine = None
+        for worker, match in ((unconfigured, "Weight transfer not configured"), (make_worker("nccl"), "init_info")):
+            other_core = EngineCore([worker])
+            other = Server(async_client(other_core))
+            try:
+                sender = VLLMColocatedSender(other.url, 1, timeout=30)
+                _expect_engine_error(lambda s=sender: sync(ListExporter([buckets_of(model_tensors(5))]), s,
+                                                           progress=False), match)
+                assert "update_weights" not in other_core.events and sender.version == 0, other_core.events
+            finally:
+                other.stop()
+        # raw IPC handles do not pass collective_rpc's msgpack without VLLM_ALLOW_INSECURE_SERIALIZATION=1 ...
+        from mcore2hf.senders.vllm import ipc_args
+
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "0"
+        b = make_bucket(0, {"x": torch.ones(2)})
+        try:
+            msgpack_round_trip({"update_info": {"ipc_handles": {GPU_UUID: ipc_args(b.flat)}}})
+            raise AssertionError("msgpack encoded raw IPC handles without insecure serialization")
+        except TypeError as err:
+            assert "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(err)
+        # ... and the pickled ones we send are refused by the worker without it, with a clear error
+        sender = VLLMColocatedSender(server.url, 1, timeout=30)
+        _expect_engine_error(lambda: sync(ListExporter([buckets_of(model_tensors(6))]), sender, progress=False),
+                             "VLLM_ALLOW_INSECURE_SERIALIZATION")
+        assert sender.version == 0 and not core.workers[0]._weight_update_active
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        tensors = model_tensors(7)  # the retry succeeds
+        sync(ListExporter([buckets_of(tensors)]), sender, progress=False)
+        assert sender.version == 1 and core.version == "1"
+        check_model(core.workers[0].model, tensors)
+    finally:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        server.stop()
+        old.stop()
+
+
+SCENARIOS = {
+    "ipc_http_packed": lambda: scenario_ipc(True, True),
+    "ipc_http_unpacked": lambda: scenario_ipc(True, False),
+    "ipc_llm_packed": lambda: scenario_ipc(False, True),
+    "ipc_http_tp2_by_uuid": scenario_ipc_tp2_by_uuid,
+    "nccl_http_packed": lambda: scenario_nccl(True),
+    "nccl_http_unpacked": lambda: scenario_nccl(False),
+    "nccl_llm_packed": scenario_nccl_llm,
+    "nccl_failure_then_retry": scenario_nccl_failure_then_retry,
+    "packed_chunks": scenario_packed_chunks,
+    "fp8_parsing": scenario_fp8_parsing,
+    "refusals": scenario_refusals,
+}
+
+
+def main(out: str, names: list[str]) -> None:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    install_gpu_stubs()
+    import vllm
+
+    results = {"vllm": vllm.__version__, "vllm_file": vllm.__file__}
+    import vllm.distributed.device_communicators.pynccl as pynccl
+
+    pynccl.PyNcclCommunicator = GlooCommunicator
+    for name in names or list(SCENARIOS):
+        try:
+            SCENARIOS[name]()
+            results[name] = "ok"
+        except BaseException:  # noqa: BLE001
+            results[name] = traceback.format_exc()
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

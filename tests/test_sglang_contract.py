@@ -1,0 +1,188 @@
+"""Our SGLang senders against SGLang's own code from the published wheels (CPU, GPU-only imports stubbed):
+each release runs in its own server process (mcore2hf.testing.sglang_real) whose request types, session checks
+(>= 0.5.21), SafeUnpickler, patch_torch rebuild, FlattenedTensorBucket rebuild and weight-update group + broadcast
+receive (WeightUpdater.init_weights_update_group / receive, gloo) are the release's. Pinned releases: 0.5.23 (the
+newest, with sessions), 0.5.20 (the last without sessions; already the newer internal layout), and 0.5.4.post3
+(refused). A wheel that cannot be fetched or imported fails these tests."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mcore2hf.testing import sglang_real
+from mcore2hf.testing.wheels import unpacked_wheel
+from mcore2hf.testing.world import Layout, run_world
+
+SESSION_RELEASE, PRE_SESSION_RELEASE, REFUSED_RELEASE = "0.5.23", "0.5.20", "0.5.4.post3"
+
+
+def site(version: str) -> str:
+    return str(unpacked_wheel("sglang", version, include=("sglang/*",)))
+
+
+class RealServer:
+    def __init__(self, version: str, tp: int = 1, api_key: str | None = None):
+        cmd = [sys.executable, sglang_real.__file__, site(version), "--tp", str(tp)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        line = self.proc.stdout.readline()  # "PORT <n> VERSION <v>" once the release's code is loaded
+        if not line.startswith("PORT"):
+            self.proc.kill()
+            raise RuntimeError(f"sglang {version} server did not start: {self.proc.stderr.read()[-3000:]}")
+        self.url = f"http://127.0.0.1:{line.split()[1]}"
+        self.version = line.split()[3]
+
+    def state(self) -> dict:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/mcore2hf_state", timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": torch.randn(17, 9, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(6)} | {"embed.ids": torch.arange(11)}
+
+
+def digests(ts: dict) -> dict:
+    return {n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in ts.items()}
+
+
+class _Exporter:
+    """Two buckets of fixed tensors (the exporter is not under test here: the senders and the engine are)."""
+
+    def __init__(self, ts):
+        self.ts = ts
+
+    def executor(self, bucket_bytes, receivers):
+        from types import SimpleNamespace
+
+        from mcore2hf.buckets import Bucket
+        from mcore2hf.plan import pack_tight
+
+        names = list(self.ts)
+        buckets = []
+        for i, part in enumerate((names[:4], names[4:])):
+            entries = pack_tight([(n, tuple(self.ts[n].shape), self.ts[n].dtype, n) for n in part])
+            flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
+            for e in entries:
+                flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape).copy_(self.ts[e.name])
+            buckets.append(Bucket(i, flat, entries))
+        return SimpleNamespace(programs=buckets, stats={}, run=lambda timing=False: iter(buckets))
+
+
+def trainer(kind: str, url: str, engine_tp: int, port: int, api_key, expect_error):
+    """One trainer rank: two syncs through our sender into the real-code server (or the expected refusal)."""
+    from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, UnsupportedEngine, sync
+
+    if kind == "colocated":
+        sender = SGLangColocatedSender(url, engine_tp, timeout=60, api_key=api_key)
+    else:
+        sender = SGLangDistributedSender([url], [engine_tp], "127.0.0.1", port, backend="gloo", timeout=60,
+                                         api_key=api_key)
+    ex = _Exporter(tensors(0))
+    if expect_error:
+        t = time.monotonic()
+        with pytest.raises(UnsupportedEngine, match=expect_error):
+            sync(ex, sender, progress=False)
+        return time.monotonic() - t
+    for _ in range(2):
+        sync(ex, sender, progress=False)
+    if kind == "distributed":
+        sender.close()
+    return sender.version
+
+
+def protocol(calls):
+    return [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
+
+
+@pytest.mark.parametrize("version", [SESSION_RELEASE, PRE_SESSION_RELEASE])
+def test_sync_into_real_sglang(version):
+    """Colocated (engine TP 2: one payload per rank) and distributed (engine TP 1: the release's group + broadcast
+    receive; TP 2 would register one group name twice in this one-process engine) syncs, twice each:
+    every byte equal on every engine rank, the version recorded, sessions exactly where the release has them."""
+    sessions = version == SESSION_RELEASE
+    for kind, tp, trainers in (("colocated", 2, 2), ("distributed", 1, 1)):
+        server = RealServer(version, tp=tp, api_key="k3y")
+        try:
+            assert server.version == version
+            port = 0  # the sender hosts the rendezvous on a port the OS picks
+            vs = run_world(trainer, Layout(world_size=trainers), kind, server.url, tp, port, "k3y", None, timeout=300)
+            assert vs == [2] * trainers
+            state = server.state()
+            want = digests(tensors(0))
+            for r in range(tp):
+                got = {n: d[0] for n, d in state["weights"][str(r)].items()}
+                assert got == want, f"{kind} rank {r}: {[n for n in want if got.get(n) != want[n]]}"
+            assert state["versions"][-1] == "2" and "1" in state["versions"]
+            update = "/update_weights_from_tensor" if kind == "colocated" else "/update_weights_from_distributed"
+            one = ["/pause_generation"] + (["/begin_weight_update"] if sessions else []) + [update, "/flush_cache"] \
+                + (["/end_weight_update"] if sessions else []) + ["/continue_generation"]
+            head = ["/server_info"] + (["/init_weights_update_group"] if kind == "distributed" else [])
+            tail = ["/destroy_weights_update_group"] if kind == "distributed" else []
+            calls = protocol(state["calls"])
+            if kind == "distributed":  # the group is formed in begin(), before the first pause
+                assert calls == head + one + one[0:] + tail or calls == ["/server_info", "/init_weights_update_group"] \
+                    + one + one + tail, calls
+            else:
+                assert calls == head + one + one, calls
+            assert not state["paused"]
+        finally:
+            server.stop()
+
+
+def test_refuses_sglang_0_5_4_before_anything_moves():
+    server = RealServer(REFUSED_RELEASE)
+    try:
+        (elapsed,) = run_world(trainer, Layout(), "colocated", server.url, 1, 0, None, "sglang 0.5.4.post3 is not "
+                               "supported", timeout=120)
+        assert elapsed < 30
+    finally:
+        server.stop()
+
+
+def test_our_allowlist_is_within_sglangs_and_our_payload_passes_its_unpickler():
+    """Every (module, name) our receivers admit, SGLang 0.5.23's SafeUnpickler admits too; our serialized payload
+    (CPU tensors, SimpleNamespace metadata) unpickles with it and rebuilds with its FlattenedTensorBucket."""
+    code = f"""
+import sys, torch
+sys.path.insert(0, {os.path.dirname(sglang_real.__file__)!r})
+import sglang_real
+sglang_real.install({site(SESSION_RELEASE)!r})
+from sglang.srt.utils.common import SafeUnpickler, MultiprocessingSerializer
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+from mcore2hf.senders.serialize import ALLOWED_GLOBALS
+extra = sorted(ALLOWED_GLOBALS - SafeUnpickler.ALLOWED_GLOBALS)
+assert not extra, extra
+monkey_patch_torch_reductions()
+payload = MultiprocessingSerializer.deserialize(sys.stdin.read())
+meta = [FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel) for m in payload["metadata"]]
+for n, t in FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=meta).reconstruct_tensors():
+    print(n, t.float().sum().item())
+"""
+    from mcore2hf.senders.serialize import flattened_payload, serialize
+
+    ts = tensors(1)
+    b = _Exporter(ts).executor(0, None).programs[0]
+    r = subprocess.run([sys.executable, "-c", code], input=serialize(flattened_payload(b), output_str=True),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = dict(line.rsplit(" ", 1) for line in r.stdout.strip().splitlines())
+    assert {n: float(v) for n, v in got.items()} == pytest.approx({n: ts[n].float().sum().item() for n in got})
+    assert len(got) == 4
