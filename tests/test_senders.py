@@ -59,7 +59,15 @@ def test_serializer_round_trip_and_restricted_unpickling():
         def __reduce__(self):
             return (eval, ("1 + 1",))
 
-    for bad in (Evil(), __import__("collections").Counter()):
+    class Loader:  # a callable of torch's that a prefix allowlist of "torch." would admit
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __reduce__(self):
+            return (self.fn, ("/tmp/payload.pt",))
+
+    for bad in (Evil(), __import__("collections").Counter(), Loader(torch.load), Loader(torch.hub.load),
+                Loader(torch.save)):
         with pytest.raises(pickle.UnpicklingError, match="refusing"):
             deserialize(pickle.dumps({"x": bad}))
 
@@ -165,3 +173,25 @@ def test_receiver_disappears_mid_update_then_retry(ckpts, engines):
               1, 0, None, 64 * 1024, 8.0)
     check_engine(revived, ckpts["qwen3_moe"])
     check_engine(alive, ckpts["qwen3_moe"])
+
+
+def test_pause_modes_refusal_api_key_and_cleanup_after_failure(ckpts, engines):
+    """retract: 0.5.20 refuses the flush while requests wait (sync succeeds, warning, cache_flushed False), 0.5.23
+    flushes; 0.5.4 is refused before anything is paused; an API key is needed and sent; after a failed update the
+    engine is resumed, with no session and no group left open."""
+    (e520,) = engines(1, version="0.5.20", running=3)
+    (e523,) = engines(1, version="0.5.23", running=3)
+    (old,) = engines(1, version="0.5.4.post3")
+    (key,) = engines(1, api_key="s3cret")
+    (failing,) = engines(1, faults={"/update_weights_from_tensor": ("fail", 2)})
+    urls = {"0.5.20": e520.url, "0.5.23": e523.url, "0.5.4": old.url, "key": key.url, "failing": failing.url}
+    r = run_world(worlds.sglang_modes_suite, Layout(), ckpts["qwen3_moe"], Layout(), urls)[0]
+    assert r["0.5.20"] == dict(version=1, cache_flushed=False, warned=True), r
+    assert r["0.5.23"] == dict(version=1, cache_flushed=True, warned=False), r
+    assert e520.state()["flushes"] == 0 and e523.state()["flushes"] == 1
+    assert r["refused_s"] < 10 and old.state()["calls"] and "/pause_generation" not in old.state()["calls"]
+    assert r["keyed_version"] == 1
+    check_engine(key, ckpts["qwen3_moe"], versions=("1",))
+    st = failing.state()
+    assert r["failed_version"] == 0 and not st["paused"] and not st["session"] and not st["groups"], st
+    assert st["calls"][-1] == "/continue_generation", st["calls"]
