@@ -47,7 +47,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     try:
         if pause and hasattr(sender, "pause"):
             sender.pause()
-        executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), name_filter=name_filter)
+        extra = {} if name_filter is None else {"name_filter": name_filter}  # duck-typed exporters need not know it
+        executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), **extra)
         executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
         bar = None
         if progress and dist.get_rank() == 0:
