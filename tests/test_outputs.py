@@ -238,3 +238,13 @@ def test_verify_two_hf_directories(tmp_path):
     for needle in ("z  ", "missing", "w  ", "unexpected", "dtype", "max |diff| 5.000e-01", "DIFFERENT"):
         assert needle in r.stdout, (needle, r.stdout)
     assert cli("verify", a, b, "--atol", "1").returncode == 1  # the dtype difference remains
+
+
+def test_library_logging_is_silent_unless_configured():
+    code = ("import logging, mcore2hf\n"
+            "logging.getLogger('mcore2hf').warning('dropped the source config\\'s quantization_config')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    code += "logging.basicConfig()\nlogging.getLogger('mcore2hf').warning('now shown')\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "now shown" in r.stderr and "quantization_config" not in r.stderr
