@@ -298,7 +298,7 @@ def job(a):
     consume(ex.buckets(bb, overlap=True))
     two = [timed(lambda: consume(ex.buckets(bb, overlap=True)), device) for _ in range(a.repeat)]
     rows["mcore2hf (all ranks, overlap)"] = (min(t for t, _ in two), max(p for _, p in two))
-    ex._executors.pop((bb, None, True))  # free its two arenas before the other methods run
+    ex._executors.pop((bb, None, True, None))  # free its two arenas before the other methods run
 
     # host issue time of a later export: the CPU is done issuing before the GPU is done
     sync(device)
