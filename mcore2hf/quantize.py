@@ -1,0 +1,172 @@
+"""FP8 block quantization in the format of the published FP8 checkpoints (DeepSeek-V3, GLM-4.5-FP8, Qwen3-*-FP8).
+
+A quantized linear weight `X.weight` [out, in] becomes `X.weight` float8_e4m3fn [out, in] plus
+`X.weight_scale_inv` float32 [ceil(out/128), ceil(in/128)]; dequantized value = fp8 * scale_inv per 128x128
+block, edge blocks partial (DeepSeek-V3 README_WEIGHTS.md, "FP8 Weight Documentation": blocks not aligned to 128
+are zero-padded to 128 before the scale is computed, float32 scales, `quantization_config` = {activation_scheme:
+dynamic, fmt: e4m3, quant_method: fp8, weight_block_size: [128, 128]}).
+
+The arithmetic is DeepGEMM's reference quantizer, bit for bit: `per_block_cast_to_fp8` and `ceil_to_ue8m0` in
+deep_gemm/utils/math.py of deepseek-ai/DeepGEMM at commit 54e22612409371d6364144b69086735beb54e98b (2026-06-23).
+Which tensors a given architecture keeps unquantized is not decided here: each converter carries an `FP8Policy`
+table (converters/common.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import regex
+import torch
+
+BLOCK = 128  # weight_block_size of every published block-FP8 checkpoint
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+
+
+@dataclass(frozen=True)
+class FP8Scheme:
+    """An export option: `fp8` (float32 scales as amax / 448) or `fp8-ue8m0` (scales rounded up to powers of
+    two, for DeepGEMM's UE8M0 kernels on Blackwell; still stored as float32 tensors)."""
+
+    name: str
+    ue8m0: bool
+
+
+SCHEMES = {"fp8": FP8Scheme("fp8", False), "fp8-ue8m0": FP8Scheme("fp8-ue8m0", True)}
+
+
+def get_scheme(quantize: str | FP8Scheme | None) -> FP8Scheme | None:
+    """The scheme for an export's `quantize=` argument (None: no quantization); a clear error otherwise."""
+    if quantize is None or isinstance(quantize, FP8Scheme):
+        return quantize
+    if isinstance(quantize, str) and quantize in SCHEMES:
+        return SCHEMES[quantize]
+    raise ValueError(f"quantize must be one of {sorted(SCHEMES)} or None, got {quantize!r}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def scale_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """Shape of the weight_scale_inv of a weight of `shape` [out, in]."""
+    out, inp = shape
+    return ceil_div(out, BLOCK), ceil_div(inp, BLOCK)
+
+
+def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= |x| (fp32 bit arithmetic: exponent + 1 when the mantissa is non-zero,
+    exponent clamped to [1, 254]). DeepGEMM 54e2261 deep_gemm/utils/math.py `ceil_to_ue8m0`; older DeepGEMM and
+    SGLang's copies use pow(2, ceil(log2(x))), which rounds differently where log2 is inexact."""
+    bits = x.abs().float().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+    return (exp.clamp(1, 254) << 23).view(torch.float32)
+
+
+def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
+                          block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight [m, n], float32 scale_inv [ceil(m/block), ceil(n/block)]) of a 2-D tensor.
+
+    DeepGEMM 54e2261 deep_gemm/utils/math.py `per_block_cast_to_fp8`, step for step: zero-pad to whole blocks,
+    block amax in fp32 clamped at 1e-4 (a zero block gets scale 1e-4/448 and fp8 zeros: no inf/nan),
+    sf = amax / 448 (UE8M0: rounded up to a power of two), fp8 = (x * (1 / sf)) cast to float8_e4m3fn, the
+    product computed in fp32 (a bf16 tensor times an fp32 tensor promotes)."""
+    if x.dim() != 2:
+        raise ValueError(f"block FP8 quantization takes a 2-D weight, got shape {tuple(x.shape)}")
+    m, n = x.shape
+    padded = torch.zeros((ceil_div(m, block) * block, ceil_div(n, block) * block), dtype=x.dtype, device=x.device)
+    padded[:m, :n] = x
+    view = padded.view(-1, block, padded.size(1) // block, block)
+    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    sf = amax / FP8_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    scaled = (view * (1.0 / sf)).to(torch.float8_e4m3fn)
+    return scaled.view_as(padded)[:m, :n].contiguous(), sf.view(view.size(0), view.size(2))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                   block: int = BLOCK) -> torch.Tensor:
+    """fp8 weight x its block's scale_inv, as engines and transformers dequantize (edge blocks partial)."""
+    m, n = weight.shape
+    if tuple(scale_inv.shape) != (ceil_div(m, block), ceil_div(n, block)):
+        raise ValueError(f"scale_inv of a [{m}, {n}] weight must be [{ceil_div(m, block)}, {ceil_div(n, block)}], "
+                         f"got {list(scale_inv.shape)}")
+    s = scale_inv.float().repeat_interleave(block, 0)[:m].repeat_interleave(block, 1)[:, :n]
+    return (weight.float() * s).to(dtype)
+
+
+@dataclass(frozen=True)
+class FP8Policy:
+    """One architecture's quantization table: which HF tensors stay in the export dtype.
+
+    Every 2-D `*.weight` is quantized except those matching `keep` (regexes over HF names); 1-D tensors (norms,
+    biases, e_score_correction_bias) are never quantized. `list_not_converted`: the published config lists
+    `modules_to_not_convert` (Qwen3-FP8 does; newer vLLM needs the router gates in it), so ours lists the module
+    of every unquantized 2-D weight."""
+
+    keep: tuple[str, ...]
+    list_not_converted: bool = True
+    source: str = ""  # what the table follows (published checkpoints, engine loaders)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_keep", [regex.compile(p) for p in self.keep])
+
+    def quantized(self, name: str, shape: Sequence[int]) -> bool:
+        return len(shape) == 2 and name.endswith(".weight") and not any(p.fullmatch(name) for p in self._keep)
+
+    def config(self, scheme: FP8Scheme, tensors: Sequence[tuple[str, Sequence[int]]]) -> dict:
+        """config.json's `quantization_config` for an export of `tensors` ((HF name, shape), before quantization)."""
+        out: dict = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                     "weight_block_size": [BLOCK, BLOCK]}
+        if scheme.ue8m0:
+            out["scale_fmt"] = "ue8m0"
+        if self.list_not_converted:
+            out["modules_to_not_convert"] = sorted(
+                {name.removesuffix(".weight") for name, shape in tensors
+                 if len(shape) == 2 and name.endswith(".weight") and not self.quantized(name, shape)})
+        return out
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name + SCALE_SUFFIX
+
+
+def quantized_tensors(tensors: Sequence[tuple], policy: FP8Policy) -> list[tuple]:
+    """The output tensors of an export: (name, shape, dtype, *rest) with each weight the policy quantizes turned
+    into float8_e4m3fn and followed by its float32 weight_scale_inv (same *rest)."""
+    out = []
+    for name, shape, dtype, *rest in tensors:
+        if policy.quantized(name, shape):
+            out.append((name, tuple(shape), torch.float8_e4m3fn, *rest))
+            out.append((scale_name(name), scale_shape(shape), torch.float32, *rest))
+        else:
+            out.append((name, tuple(shape), dtype, *rest))
+    return out
+
+
+def quantize_flat(flat: torch.Tensor, entries: Sequence, out_entries: Sequence, scheme: FP8Scheme) -> torch.Tensor:
+    """A flat bucket (uint8, `entries`: objects with name, shape, dtype, start, nbytes) rewritten as the flat
+    buffer of `out_entries`: fp8 entries quantized from the same-named source tensor (their scale written to its
+    weight_scale_inv entry), every other entry copied byte for byte."""
+    src = {e.name: e for e in entries}
+    dst = {e.name: e for e in out_entries}
+    total = max((e.start + e.nbytes for e in out_entries), default=0)
+    out = torch.empty(total, dtype=torch.uint8, device=flat.device)
+
+    def view(buf, e):
+        return buf[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape)
+
+    for e in out_entries:
+        s = src.get(e.name)
+        if s is None:  # a scale: written with its weight
+            continue
+        if e.dtype == s.dtype:
+            out[e.start:e.start + e.nbytes].copy_(flat[s.start:s.start + s.nbytes])
+            continue
+        q, sf = per_block_cast_to_fp8(view(flat, s), scheme.ue8m0)
+        view(out, e).copy_(q)
+        view(out, dst[scale_name(e.name)]).copy_(sf)
+    return out
