@@ -36,6 +36,7 @@ from .buckets import Bucket
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
+from .quantize import get_scheme, quantize_flat
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -264,6 +265,7 @@ class Executor:
     def __init__(self, plan: ExportPlan, ctx: ParallelContext, local: dict[str, LocalTensor],
                  receivers: tuple[int, ...] | None, device: torch.device, arenas: int = 1):
         self.plan, self.ctx, self.local, self.device = plan, ctx, local, device
+        self.scheme = get_scheme(plan.quantize)
         self.receivers = receivers
         self.arenas_n = max(1, arenas)
         self.stats = {"gather_s": 0.0, "convert_s": 0.0}
@@ -290,7 +292,9 @@ class Executor:
         sizes = [self._stage_bytes(p)[1] for p in self.programs]
         arenas = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0]) for a in range(self.arenas_n)]
         me = self.ctx.rank
-        out = max([b.nbytes for b in self.plan.buckets if self.receivers is None or me in self.receivers] or [0])
+        # a quantized export holds the gathered bucket and its quantized copy at once
+        out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in self.plan.buckets
+                   if self.receivers is None or me in self.receivers] or [0])
         return {"arena_bytes": sum(arenas), "largest_bucket_bytes": out, "total_bytes": sum(arenas) + out}
 
     def compile(self) -> None:
@@ -473,7 +477,7 @@ class Executor:
     def _convert(self, cb: CBucket) -> Bucket:
         b = cb.plan
         if not cb.receive:
-            return Bucket(b.index, None, b.entries)
+            return Bucket(b.index, None, b.output)
         flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
         typed = {dt: flat[:b.nbytes - b.nbytes % dt.itemsize].view(dt) for dt in cb.dtypes}
         for c in cb.copies:
@@ -487,7 +491,9 @@ class Executor:
                 if not p.is_contiguous():
                     p = p.contiguous()
                 dst.copy_(p.as_strided(c.sizes, c.src_strides, p.storage_offset() + c.src_offset))
-        return Bucket(b.index, flat, b.entries)
+        if b.out_entries is not None:  # FP8: each full HF weight quantized as a whole (bit-identical by construction)
+            flat = quantize_flat(flat, b.entries, b.out_entries, self.scheme)
+        return Bucket(b.index, flat, b.output)
 
     def run(self, on_bucket: Callable[[int], None] | None = None, timing: bool = False) -> Iterator[Bucket]:
         """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly.

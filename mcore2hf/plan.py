@@ -22,6 +22,7 @@ from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
 from .mapping import Converter, ModelDims, Resolved
 from .naming import LocalTensor
 from .parallel import ParallelContext
+from .quantize import FP8Policy, FP8Scheme, quantized_tensors
 
 ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
 
@@ -122,6 +123,17 @@ class BucketPlan:
     sources: list[Source] = field(default_factory=list)
     entries: list[HFEntry] = field(default_factory=list)
     nbytes: int = 0
+    #: a quantized export's output (fp8 weights + their float32 weight_scale_inv); `entries` is then what the
+    #: gather builds before quantization
+    out_entries: list[HFEntry] | None = None
+
+    @property
+    def output(self) -> list[HFEntry]:
+        return self.entries if self.out_entries is None else self.out_entries
+
+    @property
+    def out_nbytes(self) -> int:
+        return sum(e.nbytes for e in self.output)
 
 
 @dataclass
@@ -132,43 +144,59 @@ class ExportPlan:
     bucket_bytes: int
     records: list[RankRecord]
     world_size: int
+    quantize: str | None = None  # FP8 scheme name ("fp8", "fp8-ue8m0") of a quantized export
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(b.entries) for b in self.buckets)
+        return sum(len(b.output) for b in self.buckets)
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for b in self.buckets for e in b.entries)
+        return sum(e.nbytes for b in self.buckets for e in b.output)
 
     def hf_entries(self) -> list[HFEntry]:
-        return [e for b in self.buckets for e in b.entries]
+        """The tensors the export delivers (after quantization, for a quantized plan)."""
+        return [e for b in self.buckets for e in b.output]
+
+    def quantized_names(self) -> list[str]:
+        return [e.name for e in self.hf_entries() if e.dtype == torch.float8_e4m3fn]
 
     def to_dict(self) -> dict:
         """The plan as plain data (the JSON of `mcore2hf plan --json`)."""
         tensors = []
         for b in self.buckets:
-            for e in b.entries:
+            for e in b.output:
                 src = self.sources[e.source]
                 tensors.append(dict(name=e.name, shape=list(e.shape), dtype=str(e.dtype).removeprefix("torch."),
                                     bytes=e.nbytes, bucket=b.index, source=src.name, megatron=src.local_name,
                                     op=type(src.resolved.op).__name__, shards=src.count, stages=list(src.stages),
                                     ep=src.ep))
-        return dict(model_type=self.model_type, world_size=self.world_size, bucket_bytes=self.bucket_bytes,
-                    num_tensors=self.num_tensors, total_bytes=self.total_bytes,
-                    buckets=[dict(index=b.index, bytes=b.nbytes, tensors=len(b.entries)) for b in self.buckets],
-                    tensors=tensors)
+        out = dict(model_type=self.model_type, world_size=self.world_size, bucket_bytes=self.bucket_bytes,
+                   num_tensors=self.num_tensors, total_bytes=self.total_bytes,
+                   buckets=[dict(index=b.index, bytes=b.out_nbytes, tensors=len(b.output)) for b in self.buckets],
+                   tensors=tensors)
+        if self.quantize:
+            out["quantize"] = self.quantize
+            out["quantized"] = self.quantized_names()
+        return out
 
     def describe(self, limit: int | None = None) -> str:
         """The dry run: every HF tensor with shape, dtype, its Megatron source (and its shards) and bucket."""
         lines = [
             f"plan for {self.model_type}: {self.num_tensors} HF tensors, {self.total_bytes / 2**20:.1f} MiB, "
             f"{len(self.buckets)} bucket(s) of <= {self.bucket_bytes / 2**20:.1f} MiB, world size {self.world_size}",
+        ]
+        if self.quantize:
+            q = self.quantized_names()
+            lines.append(f"quantized ({self.quantize}, 128x128 blocks, after the gather): {len(q)} weights become "
+                         "float8_e4m3fn + a float32 weight_scale_inv (listed with their shapes); the other tensors "
+                         "keep their dtype")
+        lines += [
             f"{'bucket':>6}  {'HF tensor':<60} {'shape':<18} {'dtype':<9} source (shards x where)",
         ]
         shown = 0
         for b in self.buckets:
-            for e in b.entries:
+            for e in b.output:
                 if limit is not None and shown >= limit:
                     lines.append(f"... {self.num_tensors - shown} more")
                     return "\n".join(lines)
@@ -370,3 +398,14 @@ def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> 
         entries.append(HFEntry(name, tuple(shape), dtype, offset, n, source))
         offset += n
     return entries
+
+
+def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme) -> ExportPlan:
+    """The same plan (sources, buckets, gathers) delivering FP8: each bucket's output entries, with the weights
+    the architecture's policy quantizes as float8_e4m3fn followed by their float32 weight_scale_inv, packed tight
+    (larger element sizes first, so every entry stays aligned for its dtype)."""
+    buckets = []
+    for b in plan.buckets:
+        tensors = quantized_tensors([(e.name, e.shape, e.dtype, e.source) for e in b.entries], policy)
+        buckets.append(replace(b, out_entries=pack_tight(tensors)))
+    return replace(plan, buckets=buckets, quantize=scheme.name)
