@@ -36,7 +36,7 @@ from .buckets import Bucket
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
-from .quantize import get_scheme, quantize_flat
+from .quantize import FP8RowSlices, get_scheme, per_block_cast_to_fp8, quantize_flat
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -266,6 +266,7 @@ class Executor:
                  receivers: tuple[int, ...] | None, device: torch.device, arenas: int = 1):
         self.plan, self.ctx, self.local, self.device = plan, ctx, local, device
         self.scheme = get_scheme(plan.quantize)
+        self._blobs: dict[str, torch.Tensor] = {}  # this export's shards quantized before the collectives
         self.receivers = receivers
         self.arenas_n = max(1, arenas)
         self.stats = {"gather_s": 0.0, "convert_s": 0.0}
@@ -275,6 +276,30 @@ class Executor:
         else:
             self.programs = [receivers_program(b, ctx, receivers) for b in plan.buckets]
         self._compiled: list[CBucket] | None = None
+
+    def _src(self, s: Source):
+        """What a source's local shard is read from: the parameter (or a buffer getter), or for a tensor
+        quantized on the shards a getter of its FP8 blob (quantized once per export, dropped after its bucket)."""
+        lt = self.local[s.name]
+        if not s.prequant:
+            return _source_of(lt)
+        op: FP8RowSlices = s.resolved.op
+        param, n = _source_of(lt), s.shard_shape[0]
+        data, soff = op.rows * op.cols, op.scale_offset
+        ue8m0 = self.scheme.ue8m0
+
+        def blob() -> torch.Tensor:
+            b = self._blobs.get(s.name)
+            if b is None:
+                p = param if isinstance(param, torch.Tensor) else param()
+                q, sf = per_block_cast_to_fp8(p.detach(), ue8m0)
+                b = torch.empty(n, dtype=torch.uint8, device=p.device)
+                b[:data].copy_(q.view(torch.uint8).view(-1))
+                b[soff:].copy_(sf.view(torch.uint8).view(-1))
+                self._blobs[s.name] = b
+            return b
+
+        return blob
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def _stage_bytes(self, prog: Program) -> tuple[list[int], int]:
@@ -331,7 +356,7 @@ class Executor:
             for dst_rank, items in r.sends.items():
                 n = r.send_bytes[dst_rank]
                 dsts = [self._view(a, base + off, s) for s, _i, off in items]
-                srcs = [_source_of(self.local[s.name]) for s, _i, _off in items]
+                srcs = [self._src(s) for s, _i, _off in items]
                 cb.p2p.sends.append((dst_rank, arena[base:base + n], dsts, srcs, _getters(srcs)))
                 base += align(n)
             recv_base = base
@@ -347,20 +372,21 @@ class Executor:
             for s, off in st.packs:
                 if st.striped:  # this rank's own TP shard
                     dsts.append(self._view(a, base + st.axis.rank * st.slot + off, s))
-                    srcs.append(_source_of(self.local[s.name]))
+                    srcs.append(self._src(s))
                 else:  # every shard of the source, from where it is now
                     loc = prog.before[j].get(s.name, Loc(LOCAL))
                     step = align(s.shard_nbytes)
                     for i in range(s.count):
                         dsts.append(self._view(a, base + st.axis.rank * st.slot + off + i * step, s))
                         if loc.region == LOCAL:
-                            srcs.append(_source_of(self.local[s.name]))
+                            srcs.append(self._src(s))
                         else:
                             srcs.append(self._view(a, region_base[loc.region] + loc.offsets[i], s))
             cb.stages.append(CStage(st.axis.group, recv, mine, dsts, srcs, _getters(srcs)))
         if prog.receive:
             cb.copies = self._compile_copies(prog, a, region_base)
-            cb.dtypes = tuple(sorted({e.dtype for e in prog.bucket.entries}, key=str))
+            cb.dtypes = tuple(sorted({e.dtype for e in prog.bucket.entries} | {s.dtype for s in prog.bucket.sources},
+                                     key=str))
         return cb
 
     def _compile_copies(self, prog: Program, a: int, region_base: dict) -> list[Copy]:
@@ -372,11 +398,10 @@ class Executor:
             isz = s.dtype.itemsize
             specs = s.resolved.op.copies(s.shard_shape, s.count)
             if loc.region == LOCAL:
-                lt = self.local[s.name]
                 for c in specs:
                     strides, off = c.resolve(0)
                     raw.append(Copy(s.dtype, c.sizes, c.dst_strides, outs[c.out].start // isz + c.dst_offset,
-                                    None, _source_of(lt), strides, off))
+                                    None, self._src(s), strides, off))
             else:
                 base = region_base[0 if loc.region == "mixed" else loc.region]
                 for j, c in enumerate(specs):
@@ -408,8 +433,7 @@ class Executor:
                 (c.sizes, c.dst_strides, c.src_strides)
             doff = dst0 + (i * c.dst_strides[0] if per_shard else 0)
             if offs[i] == LOCAL:
-                out.append(Copy(s.dtype, sizes, dstr, doff, None, _source_of(self.local[s.name]), sstr,
-                                c.src_offset))
+                out.append(Copy(s.dtype, sizes, dstr, doff, None, self._src(s), sstr, c.src_offset))
             else:
                 out.append(Copy(s.dtype, sizes, dstr, doff, None, ("arena", a), sstr,
                                 (base + offs[i]) // isz + c.src_offset))
@@ -475,6 +499,14 @@ class Executor:
         return bucket
 
     def _convert(self, cb: CBucket) -> Bucket:
+        b = cb.plan
+        try:
+            return self._build(cb)
+        finally:
+            for s in b.sources:  # this bucket's FP8 blobs are no longer needed
+                self._blobs.pop(s.name, None)
+
+    def _build(self, cb: CBucket) -> Bucket:
         b = cb.plan
         if not cb.receive:
             return Bucket(b.index, None, b.output)

@@ -22,7 +22,7 @@ from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
 from .mapping import Converter, ModelDims, Resolved
 from .naming import LocalTensor
 from .parallel import ParallelContext
-from .quantize import FP8Policy, FP8Scheme, quantized_tensors
+from .quantize import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_slices, scale_name
 
 ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
 
@@ -69,6 +69,8 @@ class Source:
     holders: dict[int, tuple[int, ...]]  # shard index -> global ranks holding that shard
     hf_shapes: list[tuple[int, ...]]
     local_name: str = ""
+    #: FP8 export: quantized where it is held, before any collective (travels as an FP8RowSlices byte blob)
+    prequant: bool = False
 
     @property
     def stage(self) -> int:
@@ -161,6 +163,10 @@ class ExportPlan:
     def quantized_names(self) -> list[str]:
         return [e.name for e in self.hf_entries() if e.dtype == torch.float8_e4m3fn]
 
+    def prequantized_names(self) -> list[str]:
+        """FP8 weights quantized where they are held, before the collectives."""
+        return [e.name for e in self.hf_entries() if e.dtype == torch.float8_e4m3fn and self.sources[e.source].prequant]
+
     def to_dict(self) -> dict:
         """The plan as plain data (the JSON of `mcore2hf plan --json`)."""
         tensors = []
@@ -178,6 +184,7 @@ class ExportPlan:
         if self.quantize:
             out["quantize"] = self.quantize
             out["quantized"] = self.quantized_names()
+            out["quantized_on_shards"] = self.prequantized_names()
         return out
 
     def describe(self, limit: int | None = None) -> str:
@@ -187,10 +194,11 @@ class ExportPlan:
             f"{len(self.buckets)} bucket(s) of <= {self.bucket_bytes / 2**20:.1f} MiB, world size {self.world_size}",
         ]
         if self.quantize:
-            q = self.quantized_names()
-            lines.append(f"quantized ({self.quantize}, 128x128 blocks, after the gather): {len(q)} weights become "
-                         "float8_e4m3fn + a float32 weight_scale_inv (listed with their shapes); the other tensors "
-                         "keep their dtype")
+            q, pre = self.quantized_names(), self.prequantized_names()
+            lines.append(f"quantized ({self.quantize}, 128x128 blocks): {len(q)} weights become float8_e4m3fn + a "
+                         f"float32 weight_scale_inv (listed with their shapes), {len(pre)} of them on the shards "
+                         f"before the collectives (op FP8RowSlices), {len(q) - len(pre)} after the gather; the other "
+                         "tensors keep their dtype")
         lines += [
             f"{'bucket':>6}  {'HF tensor':<60} {'shape':<18} {'dtype':<9} source (shards x where)",
         ]
@@ -400,12 +408,53 @@ def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> 
     return entries
 
 
-def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme) -> ExportPlan:
-    """The same plan (sources, buckets, gathers) delivering FP8: each bucket's output entries, with the weights
-    the architecture's policy quantizes as float8_e4m3fn followed by their float32 weight_scale_inv, packed tight
-    (larger element sizes first, so every entry stays aligned for its dtype)."""
+def prequantized_source(src: Source, policy: FP8Policy, probes: dict) -> Source | None:
+    """`src` quantized where it is held, before the collectives, when that is bit-identical to quantizing its
+    full HF tensors: one unsharded 2-D tensor (TP/ETP shards would need blocks that never straddle a shard: not
+    done yet) whose HF outputs are all quantized and are 128-row-aligned runs of its rows (checked by running
+    its layout op on row labels). Those bytes cross the EP and PP collectives (and P2P rounds) as fp8 + scales."""
+    r = src.resolved
+    if src.count != 1 or len(src.shard_shape) != 2 or r.copies or not src.dtype.is_floating_point:
+        return None
+    if not all(policy.quantized(n, shape) for n, shape in zip(r.hf_names, src.hf_shapes)):
+        return None
+    key = (id(r.op), src.shard_shape)
+    if key not in probes:
+        probes[key] = row_slices(r.op, src.shard_shape)
+    slices = probes[key]
+    if slices is None:
+        return None
+    rows, cols = src.shard_shape
+    op = FP8RowSlices(rows, cols, slices)
+    names = tuple(x for n in r.hf_names for x in (n, scale_name(n)))
+    blob = (FP8RowSlices.blob_nbytes(rows, cols),)
+    return replace(src, resolved=replace(r, hf_names=names, op=op), dtype=torch.uint8, shard_shape=blob,
+                   full_shape=blob, hf_shapes=op.hf_shapes(src.full_shape), prequant=True)
+
+
+def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme, on_shards: bool = True) -> ExportPlan:
+    """The same plan (buckets, holders) delivering FP8: the weights the architecture's policy quantizes become
+    float8_e4m3fn followed by their float32 weight_scale_inv, packed tight (larger element sizes first, so every
+    entry stays aligned for its dtype). With `on_shards`, tensors that allow it are quantized where they are held,
+    before the collectives (`prequantized_source`); the others are quantized after the gather, as full HF tensors
+    (the bucket's `out_entries`; None when the gather already delivers everything quantized)."""
+    probes: dict = {}
+    sources = dict(plan.sources)
     buckets = []
     for b in plan.buckets:
-        tensors = quantized_tensors([(e.name, e.shape, e.dtype, e.source) for e in b.entries], policy)
-        buckets.append(replace(b, out_entries=pack_tight(tensors)))
-    return replace(plan, buckets=buckets, quantize=scheme.name)
+        srcs, gathered = [], []
+        for s in b.sources:
+            pre = prequantized_source(s, policy, probes) if on_shards else None
+            if pre is not None:
+                s = sources[s.name] = pre
+                gathered += [(n, shape, torch.float8_e4m3fn if i % 2 == 0 else torch.float32, s.name)
+                             for i, (n, shape) in enumerate(zip(s.hf_names, s.out_shapes()))]
+            else:
+                gathered += [(n, shape, s.dtype, s.name) for n, shape in zip(s.hf_names, s.out_shapes())]
+            srcs.append(s)
+        entries = pack_tight(gathered)
+        final = quantized_tensors(gathered, policy)
+        out = None if [t[:3] for t in final] == [t[:3] for t in gathered] else pack_tight(final)
+        buckets.append(replace(b, sources=srcs, entries=entries, nbytes=sum(e.nbytes for e in entries),
+                               out_entries=out))
+    return replace(plan, sources=sources, buckets=buckets, quantize=scheme.name)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import regex
 import torch
 
+from .layouts import LayoutOp, StridedCopy
+
 BLOCK = 128  # weight_block_size of every published block-FP8 checkpoint
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -139,7 +141,7 @@ def quantized_tensors(tensors: Sequence[tuple], policy: FP8Policy) -> list[tuple
     into float8_e4m3fn and followed by its float32 weight_scale_inv (same *rest)."""
     out = []
     for name, shape, dtype, *rest in tensors:
-        if policy.quantized(name, shape):
+        if dtype != torch.float8_e4m3fn and policy.quantized(name, shape):  # (already fp8: quantized on the shard)
             out.append((name, tuple(shape), torch.float8_e4m3fn, *rest))
             out.append((scale_name(name), scale_shape(shape), torch.float32, *rest))
         else:
@@ -170,3 +172,80 @@ def quantize_flat(flat: torch.Tensor, entries: Sequence, out_entries: Sequence, 
         view(out, e).copy_(q)
         view(out, dst[scale_name(e.name)]).copy_(sf)
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantizing on the shards, before the collectives
+
+
+def _align4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+class FP8RowSlices(LayoutOp):
+    """The layout op of a tensor quantized where it is held, before any collective: its one shard travels as a
+    byte blob [fp8 weight R x C | pad to 4 | float32 scales ceil(R/128) x ceil(C/128)], and each HF output is a
+    block-aligned run of rows [a, b) of it, so its fp8 rows and scale rows are contiguous byte ranges of the blob
+    (outputs in order: weight 0, its scale_inv, weight 1, ...). Valid only where `row_slices` found the original
+    op to be such a row split (the plan checks it per tensor)."""
+
+    n_out = 2
+
+    def __init__(self, rows: int, cols: int, slices: tuple[tuple[int, int], ...]):
+        self.rows, self.cols, self.slices = rows, cols, tuple(slices)
+        self.n_out = 2 * len(slices)
+
+    @staticmethod
+    def blob_nbytes(rows: int, cols: int) -> int:
+        rb, cb = scale_shape((rows, cols))
+        return _align4(rows * cols) + rb * cb * 4
+
+    @property
+    def scale_offset(self) -> int:
+        return _align4(self.rows * self.cols)
+
+    def hf_shapes(self, full_shape):
+        out = []
+        for a, b in self.slices:
+            out += [(b - a, self.cols), scale_shape((b - a, self.cols))]
+        return out
+
+    def copies(self, shard_shape, count):
+        c = self.cols
+        cb = scale_shape((self.rows, c))[1]
+        soff = self.scale_offset
+        specs = []
+        for k, (a, b) in enumerate(self.slices):
+            nb = ceil_div(b - a, BLOCK)
+            specs.append(StridedCopy(2 * k, ((b - a) * c,), (1,), (1,), 0, a * c))
+            specs.append(StridedCopy(2 * k + 1, (nb * cb * 4,), (1,), (1,), 0, soff + a // BLOCK * cb * 4))
+        return specs
+
+
+def row_slices(op: LayoutOp, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
+    """The row ranges [a, b) of an unsharded 2-D Megatron tensor of `shape` that `op` makes its HF outputs, when
+    every output is whole rows of it starting on a 128-row block boundary and ending on one (or at the last row):
+    then quantizing the Megatron tensor quantizes each output exactly, block for block. None otherwise.
+
+    Found by running the op on row labels (no assumption about how any op is written)."""
+    if len(shape) != 2:
+        return None
+    rows, cols = shape
+    label = torch.arange(rows, dtype=torch.float32).unsqueeze(1).expand(rows, cols).contiguous()
+    try:
+        outs = op.hf_tensors([label])
+    except Exception:  # noqa: BLE001 - an op that cannot run on this shape alone is not a row split
+        return None
+    slices = []
+    for out in outs:
+        if out.dim() != 2 or out.shape[1] != cols or out.shape[0] == 0:
+            return None
+        first = out[:, :1]
+        a, n = int(first[0, 0]), out.shape[0]
+        if not torch.equal(out, first.expand_as(out)) or not torch.equal(
+                first.squeeze(1), torch.arange(a, a + n, dtype=torch.float32)):
+            return None
+        if a % BLOCK or ((a + n) % BLOCK and a + n != rows):
+            return None
+        slices.append((a, a + n))
+    return tuple(slices)

@@ -21,7 +21,8 @@ from mcore2hf.testing.world import Layout, run_world
 # boundaries (an ETP2 shard of the 160-row GLU half has 80 rows), MLA ranks 160 / 144
 BIG = dict(hidden_size=192, intermediate_size=320, vocab_size=300)
 BIG_ARCH = {
-    "qwen3_moe": dict(moe_intermediate_size=160, head_dim=48),
+    "qwen3_moe": dict(moe_intermediate_size=256, head_dim=48),  # GLU halves of whole blocks: experts at ETP1
+                                                                # are quantized before the EP gather
     "glm4_moe": dict(moe_intermediate_size=160, head_dim=48),
     "deepseek_v3": dict(moe_intermediate_size=160, q_lora_rank=160, kv_lora_rank=144, qk_nope_head_dim=48,
                         qk_rope_head_dim=16, v_head_dim=48),
@@ -50,8 +51,14 @@ def test_fp8_export_bit_identical_to_reference_all_architectures(layout, big_bf1
     failed = {mt: r for mt, r in results[0].items() if isinstance(r, Exception)}
     assert not failed, "\n".join(f"--- {mt} at {layout}:\n{r}" for mt, r in failed.items())
     for mt, r in results[0].items():
-        print(f"{mt} {layout}: {r['quantized']} of {r['tensors']} tensors fp8, bytes {r['bytes']} -> {r['fp8_bytes']}")
+        print(f"{mt} {layout}: {r['quantized']} of {r['tensors']} tensors fp8 ({r['on_shards']} quantized on the "
+              f"shards), bytes {r['bytes']} -> {r['fp8_bytes']}, received over collectives {r['wire']} -> "
+              f"{r['fp8_wire']} (rank 0)")
         assert r["fp8_bytes"] < 0.75 * r["bytes"], (mt, r)
+        assert r["fp8_wire"] <= r["wire"], (mt, r)
+    if (layout.etp or layout.tp) == 1:  # experts unsharded: quantized before the EP gather, about half the bytes
+        r = results[0]["qwen3_moe"]
+        assert r["on_shards"] >= 48 and r["fp8_wire"] < 0.7 * r["wire"], r
 
 
 def test_every_architecture_has_an_fp8_table():
@@ -143,3 +150,26 @@ def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, c
         if loader > 1e-4 or beyond > 1e-4:
             problems.append((mt, loader, vs_megatron, rounding, beyond))
     assert not problems, problems
+
+
+def test_dry_run_lists_quantized_weights_and_scale_shapes():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:qwen3_moe", "--ep", "2",
+                        "--quantize", "fp8-ue8m0", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    tensors = {t["name"]: t for t in report["tensors"]}
+    w = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    assert tensors[w]["dtype"] == "float8_e4m3fn" and tensors[w + "_scale_inv"]["shape"] == [1, 1]
+    assert tensors[w + "_scale_inv"]["dtype"] == "float32"
+    assert tensors["model.layers.0.mlp.gate.weight"]["dtype"] == "bfloat16"  # router gate stays bf16
+    assert tensors["lm_head.weight"]["dtype"] == "bfloat16" and "lm_head.weight_scale_inv" not in tensors
+    assert report["quantize"] == "fp8-ue8m0"
+    down = "model.layers.0.mlp.experts.3.down_proj.weight"  # a whole expert tensor: before the EP gather
+    assert down in report["quantized_on_shards"] and w not in report["quantized_on_shards"]  # 32-row GLU halves
+    assert w in report["quantized"]  # ... are quantized after the gather
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:qwen3_moe",
+                        "--quantize", "fp8", "--limit", "3"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "quantized (fp8, 128x128 blocks)" in r.stdout, r.stdout + r.stderr

@@ -512,8 +512,13 @@ def fp8_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, save: 
         agree(checked(saved_ok) if rank == 0 else None)
     bf16 = ex.plan(quantize=None)
     fp8 = ex.plan(quantize="fp8")
+
+    def wire(quantize) -> int:  # bytes this rank receives through the collectives of an all-ranks export
+        return sum((st.axis.size - 1) * st.slot for p in ex.executor(quantize=quantize).programs for st in p.stages)
+
     return {"quantized": len(quantized), "tensors": len(want["fp8"]), "bytes": bf16.total_bytes,
-            "fp8_bytes": fp8.total_bytes}
+            "fp8_bytes": fp8.total_bytes, "on_shards": len(fp8.prequantized_names()), "wire": wire(None),
+            "fp8_wire": wire("fp8")}
 
 
 def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, quantize: str):
