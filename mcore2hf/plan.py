@@ -22,7 +22,7 @@ from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
 from .mapping import Converter, ModelDims, Resolved
 from .naming import LocalTensor
 from .parallel import ParallelContext
-from .quantize import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_slices, scale_name
+from .quantize import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
 
 ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
 
@@ -409,27 +409,27 @@ def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> 
 
 
 def prequantized_source(src: Source, policy: FP8Policy, probes: dict) -> Source | None:
-    """`src` quantized where it is held, before the collectives, when that is bit-identical to quantizing its
-    full HF tensors: one unsharded 2-D tensor (TP/ETP shards would need blocks that never straddle a shard: not
-    done yet) whose HF outputs are all quantized and are 128-row-aligned runs of its rows (checked by running
-    its layout op on row labels). Those bytes cross the EP and PP collectives (and P2P rounds) as fp8 + scales."""
+    """`src` quantized where it is held (each TP / expert-TP shard on its own), before the collectives, when that
+    is bit-identical to quantizing its full HF tensors: a 2-D tensor whose HF outputs are all quantized and are
+    made of runs of shard rows on 128-row block boundaries (no 128x128 block straddles a shard or an output;
+    checked by running its layout op on row labels). Its bytes cross every collective as fp8 + scales."""
     r = src.resolved
-    if src.count != 1 or len(src.shard_shape) != 2 or r.copies or not src.dtype.is_floating_point:
+    if len(src.shard_shape) != 2 or r.copies or not src.dtype.is_floating_point:
         return None
     if not all(policy.quantized(n, shape) for n, shape in zip(r.hf_names, src.hf_shapes)):
         return None
-    key = (id(r.op), src.shard_shape)
+    key = (id(r.op), src.shard_shape, src.count)
     if key not in probes:
-        probes[key] = row_slices(r.op, src.shard_shape)
-    slices = probes[key]
-    if slices is None:
+        probes[key] = row_pieces(r.op, src.shard_shape, src.count)
+    found = probes[key]
+    if found is None:
         return None
     rows, cols = src.shard_shape
-    op = FP8RowSlices(rows, cols, slices)
+    op = FP8RowSlices(rows, cols, *found)
     names = tuple(x for n in r.hf_names for x in (n, scale_name(n)))
-    blob = (FP8RowSlices.blob_nbytes(rows, cols),)
-    return replace(src, resolved=replace(r, hf_names=names, op=op), dtype=torch.uint8, shard_shape=blob,
-                   full_shape=blob, hf_shapes=op.hf_shapes(src.full_shape), prequant=True)
+    blob = FP8RowSlices.blob_nbytes(rows, cols)
+    return replace(src, resolved=replace(r, hf_names=names, op=op), dtype=torch.uint8, shard_shape=(blob,),
+                   full_shape=(src.count * blob,), hf_shapes=op.hf_shapes(src.full_shape), prequant=True)
 
 
 def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme, on_shards: bool = True) -> ExportPlan:

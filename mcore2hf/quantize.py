@@ -89,6 +89,24 @@ def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
     return scaled.view_as(padded)[:m, :n].contiguous(), sf.view(view.size(0), view.size(2))
 
 
+def per_block_cast_to_fp8_batched(x: torch.Tensor, use_ue8m0: bool = False,
+                                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`per_block_cast_to_fp8` of each matrix of a stack [N, m, n] in one pass (a dozen kernels for the whole
+    stack instead of per matrix): the same elementwise steps and per-block max, so bit-identical to it."""
+    if x.dim() != 3:
+        raise ValueError(f"expected a stack of 2-D weights [N, m, n], got shape {tuple(x.shape)}")
+    k, m, n = x.shape
+    padded = torch.zeros((k, ceil_div(m, block) * block, ceil_div(n, block) * block), dtype=x.dtype, device=x.device)
+    padded[:, :m, :n] = x
+    view = padded.view(k, -1, block, padded.size(2) // block, block)
+    amax = view.abs().float().amax(dim=(2, 4), keepdim=True).clamp(1e-4)
+    sf = amax / FP8_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    scaled = (view * (1.0 / sf)).to(torch.float8_e4m3fn)
+    return scaled.view_as(padded)[:, :m, :n].contiguous(), sf.view(k, view.size(1), view.size(3))
+
+
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                    block: int = BLOCK) -> torch.Tensor:
     """fp8 weight x its block's scale_inv, as engines and transformers dequantize (edge blocks partial)."""
@@ -161,16 +179,20 @@ def quantize_flat(flat: torch.Tensor, entries: Sequence, out_entries: Sequence, 
     def view(buf, e):
         return buf[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape)
 
+    groups: dict[tuple, list] = {}  # same shape and dtype: quantized together (bit-identical, fewer kernels)
     for e in out_entries:
         s = src.get(e.name)
         if s is None:  # a scale: written with its weight
             continue
         if e.dtype == s.dtype:
             out[e.start:e.start + e.nbytes].copy_(flat[s.start:s.start + s.nbytes])
-            continue
-        q, sf = per_block_cast_to_fp8(view(flat, s), scheme.ue8m0)
-        view(out, e).copy_(q)
-        view(out, dst[scale_name(e.name)]).copy_(sf)
+        else:
+            groups.setdefault((tuple(s.shape), s.dtype), []).append((s, e))
+    for items in groups.values():
+        q, sf = per_block_cast_to_fp8_batched(torch.stack([view(flat, s) for s, _ in items]), scheme.ue8m0)
+        for k, (_, e) in enumerate(items):
+            view(out, e).copy_(q[k])
+            view(out, dst[scale_name(e.name)]).copy_(sf[k])
     return out
 
 
@@ -183,17 +205,18 @@ def _align4(n: int) -> int:
 
 
 class FP8RowSlices(LayoutOp):
-    """The layout op of a tensor quantized where it is held, before any collective: its one shard travels as a
-    byte blob [fp8 weight R x C | pad to 4 | float32 scales ceil(R/128) x ceil(C/128)], and each HF output is a
-    block-aligned run of rows [a, b) of it, so its fp8 rows and scale rows are contiguous byte ranges of the blob
-    (outputs in order: weight 0, its scale_inv, weight 1, ...). Valid only where `row_slices` found the original
-    op to be such a row split (the plan checks it per tensor)."""
+    """The layout op of a tensor quantized where it is held, before any collective: each shard travels as a byte
+    blob [fp8 weight R x C | pad to 4 | float32 scales ceil(R/128) x ceil(C/128)], and each HF output is made of
+    pieces, runs of whole rows [a, b) of shard i placed at row d, with a and d on 128-row block boundaries and
+    b - a whole blocks (or ending at the last row of both the shard and the output): so a piece's fp8 rows and
+    scale rows are contiguous byte ranges of the blob, and quantizing the shards quantizes the outputs exactly.
+    Outputs in order: weight 0, its scale_inv, weight 1, ... Valid only where `row_pieces` found the original op
+    to be such a row permutation (the plan checks it per tensor)."""
 
-    n_out = 2
-
-    def __init__(self, rows: int, cols: int, slices: tuple[tuple[int, int], ...]):
-        self.rows, self.cols, self.slices = rows, cols, tuple(slices)
-        self.n_out = 2 * len(slices)
+    def __init__(self, rows: int, cols: int, outputs: tuple[tuple[tuple[int, int, int, int], ...], ...],
+                 out_rows: tuple[int, ...]):
+        self.rows, self.cols, self.outputs, self.out_rows = rows, cols, tuple(outputs), tuple(out_rows)
+        self.n_out = 2 * len(outputs)
 
     @staticmethod
     def blob_nbytes(rows: int, cols: int) -> int:
@@ -206,8 +229,8 @@ class FP8RowSlices(LayoutOp):
 
     def hf_shapes(self, full_shape):
         out = []
-        for a, b in self.slices:
-            out += [(b - a, self.cols), scale_shape((b - a, self.cols))]
+        for n in self.out_rows:
+            out += [(n, self.cols), scale_shape((n, self.cols))]
         return out
 
     def copies(self, shard_shape, count):
@@ -215,37 +238,51 @@ class FP8RowSlices(LayoutOp):
         cb = scale_shape((self.rows, c))[1]
         soff = self.scale_offset
         specs = []
-        for k, (a, b) in enumerate(self.slices):
-            nb = ceil_div(b - a, BLOCK)
-            specs.append(StridedCopy(2 * k, ((b - a) * c,), (1,), (1,), 0, a * c))
-            specs.append(StridedCopy(2 * k + 1, (nb * cb * 4,), (1,), (1,), 0, soff + a // BLOCK * cb * 4))
+        for k, pieces in enumerate(self.outputs):
+            for i, a, b, d in pieces:
+                nb = ceil_div(b - a, BLOCK)
+                specs.append(StridedCopy(2 * k, ((b - a) * c,), (1,), (1,), d * c, a * c, i))
+                specs.append(StridedCopy(2 * k + 1, (nb * cb * 4,), (1,), (1,), d // BLOCK * cb * 4,
+                                         soff + a // BLOCK * cb * 4, i))
         return specs
 
 
-def row_slices(op: LayoutOp, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
-    """The row ranges [a, b) of an unsharded 2-D Megatron tensor of `shape` that `op` makes its HF outputs, when
-    every output is whole rows of it starting on a 128-row block boundary and ending on one (or at the last row):
-    then quantizing the Megatron tensor quantizes each output exactly, block for block. None otherwise.
-
-    Found by running the op on row labels (no assumption about how any op is written)."""
+def row_pieces(op: LayoutOp, shape: tuple[int, ...], count: int):
+    """(pieces per output, rows per output) when `op` makes each HF output of a tensor held as `count` shards of
+    `shape` out of runs of whole shard rows aligned as FP8RowSlices needs; None otherwise (columns mixed or
+    split, a run not on 128-row block boundaries, ...). Found by running the op on row labels (int32 label
+    shard * R + row in every column), so it assumes nothing about how any op is written."""
     if len(shape) != 2:
         return None
     rows, cols = shape
-    label = torch.arange(rows, dtype=torch.float32).unsqueeze(1).expand(rows, cols).contiguous()
+    shards = [torch.arange(i * rows, (i + 1) * rows, dtype=torch.int32).unsqueeze(1).expand(rows, cols).contiguous()
+              for i in range(count)]
     try:
-        outs = op.hf_tensors([label])
-    except Exception:  # noqa: BLE001 - an op that cannot run on this shape alone is not a row split
+        outs = op.hf_tensors(shards)
+    except Exception:  # noqa: BLE001 - an op that cannot run on these shapes alone is not a row permutation
         return None
-    slices = []
+    del shards
+    outputs, out_rows = [], []
     for out in outs:
         if out.dim() != 2 or out.shape[1] != cols or out.shape[0] == 0:
             return None
-        first = out[:, :1]
-        a, n = int(first[0, 0]), out.shape[0]
-        if not torch.equal(out, first.expand_as(out)) or not torch.equal(
-                first.squeeze(1), torch.arange(a, a + n, dtype=torch.float32)):
-            return None
-        if a % BLOCK or ((a + n) % BLOCK and a + n != rows):
-            return None
-        slices.append((a, a + n))
-    return tuple(slices)
+        label = out[:, 0]
+        if not torch.equal(out, label.unsqueeze(1).expand_as(out)):
+            return None  # columns mixed: not a row permutation
+        n = out.shape[0]
+        label = label.long()
+        # a new piece where the label does not continue the previous row's (another shard, or a jump)
+        breaks = torch.nonzero((label[1:] != label[:-1] + 1) | (label[1:] // rows != label[:-1] // rows))
+        starts = [0] + [int(x) + 1 for x in breaks.flatten()]
+        pieces = []
+        for j, d in enumerate(starts):
+            e = starts[j + 1] if j + 1 < len(starts) else n
+            i, a = divmod(int(label[d]), rows)
+            b = a + (e - d)
+            tail = b == rows and e == n  # the partial last block of both the shard and the output
+            if a % BLOCK or d % BLOCK or ((b - a) % BLOCK and not tail):
+                return None
+            pieces.append((i, a, b, d))
+        outputs.append(tuple(pieces))
+        out_rows.append(n)
+    return tuple(outputs), tuple(out_rows)
