@@ -36,7 +36,13 @@ from .buckets import Bucket
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
-from .quantize import FP8RowSlices, get_scheme, per_block_cast_to_fp8, quantize_flat
+from .quantize import (
+    FP8RowSlices,
+    get_scheme,
+    per_block_cast_to_fp8,
+    per_block_cast_to_fp8_batched,
+    quantize_flat,
+)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -247,6 +253,8 @@ class CBucket:
     p2p: CP2P | None = None
     copies: list[Copy] = field(default_factory=list)
     dtypes: tuple[torch.dtype, ...] = ()
+    # FP8 on the shards: this rank's shards to quantize before the bucket's collectives, by shard shape
+    prequant: list[tuple[FP8RowSlices, list[tuple[str, object]]]] = field(default_factory=list)
 
 
 def _source_of(lt: LocalTensor):
@@ -348,6 +356,12 @@ class Executor:
         arena = self.arenas[a]
         stage_offs, _ = self._stage_bytes(prog)
         cb = CBucket(prog.bucket, prog.receive, a)
+        groups: dict[tuple, tuple] = {}
+        for s in prog.bucket.sources:
+            if s.prequant and s.name in self.local:
+                op = s.resolved.op
+                groups.setdefault((op.rows, op.cols), (op, []))[1].append((s.name, _source_of(self.local[s.name])))
+        cb.prequant = list(groups.values())
         region_base: dict = {}
         if prog.p2p is not None:
             r = prog.p2p
@@ -455,9 +469,27 @@ class Executor:
         self._pack(st.dsts, st.srcs, st.dynamic)
         works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
 
+    def _quantize_held(self, cb: CBucket) -> None:
+        """The FP8 blobs of this rank's shards in the bucket, quantized per shard shape in one batched pass."""
+        for op, items in cb.prequant:
+            todo = [(name, src) for name, src in items if name not in self._blobs]
+            if not todo:
+                continue
+            x = torch.stack([(src if isinstance(src, torch.Tensor) else src()).detach() for _, src in todo])
+            q, sf = per_block_cast_to_fp8_batched(x, self.scheme.ue8m0)
+            del x
+            n, data, soff = len(todo), op.rows * op.cols, op.scale_offset
+            blobs = torch.empty((n, FP8RowSlices.blob_nbytes(op.rows, op.cols)), dtype=torch.uint8, device=q.device)
+            blobs[:, :data].copy_(q.view(torch.uint8).reshape(n, data))
+            blobs[:, soff:].copy_(sf.view(torch.uint8).reshape(n, -1))
+            for k, (name, _) in enumerate(todo):
+                self._blobs[name] = blobs[k]
+
     def start(self, index: int, first_only: bool = False) -> tuple[CBucket, list, int]:
         """Issue the collectives of bucket `index` that depend on nothing of this bucket not yet done."""
         cb = self._compiled[index]
+        if cb.prequant:
+            self._quantize_held(cb)
         works: list = []
         if cb.p2p is not None:
             ops = []

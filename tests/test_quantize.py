@@ -151,3 +151,15 @@ def test_quantize_flat_bucket_300x200_matches_per_tensor_quantization():
         assert _same_bits(got[name], q) and _same_bits(got[name + "_scale_inv"], s)
     assert torch.equal(got["n.weight"], norm)
     assert all(e.start % e.dtype.itemsize == 0 for e in out_entries)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_batched_3x300x200_equals_one_by_one(deepgemm, ue8m0):
+    from mcore2hf.quantize import per_block_cast_to_fp8_batched
+
+    x = torch.stack([_weights((300, 200), torch.bfloat16, seed=k) for k in range(3)])
+    x[1, :128, :128] = 0
+    q, s = per_block_cast_to_fp8_batched(x, ue8m0)
+    for k in range(3):
+        rq, rs = deepgemm.per_block_cast_to_fp8(x[k], use_ue8m0=ue8m0)
+        assert _same_bits(q[k], rq) and _same_bits(s[k], rs)
