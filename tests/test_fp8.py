@@ -44,12 +44,47 @@ LAYOUTS = [
 ]
 
 
+SGLANG = "0.5.23"  # sglang/srt/weight_sync/tensor_bucket.py of the published wheel
+
+
+def sglang_accepts_fp8_buckets(paths) -> None:
+    """SGLang's own FlattenedTensorBucket (from its wheel) receives an FP8 bucket as sent: the receive buffer it
+    allocates from (names, dtypes, shapes) has our offsets (fp8 weights and fp32 scales aligned), and the tensors
+    it reconstructs from our flat buffer are ours; flattening our tensors its way gives our bytes."""
+    import importlib.util
+
+    from mcore2hf.testing.wheels import unpacked_wheel
+
+    root = unpacked_wheel("sglang", SGLANG, ("sglang/*",))
+    spec = importlib.util.spec_from_file_location("sglang_tensor_bucket",
+                                                  root / "sglang" / "srt" / "weight_sync" / "tensor_bucket.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for path in paths:
+        saved = torch.load(path)
+        flat, meta = saved["flat"], saved["meta"]
+        dtypes = [m[2].removeprefix("torch.") for m in meta]
+        assert "float8_e4m3fn" in dtypes and any(m[0].endswith("weight_scale_inv") for m in meta), path
+        recv = mod.FlattenedTensorBucket.empty([m[0] for m in meta], dtypes, [m[1] for m in meta], "cpu")
+        assert [(x.start_idx, x.end_idx) for x in recv.get_metadata()] == [(m[3], m[4]) for m in meta], path
+        recv.flattened_tensor.copy_(flat)
+        got = recv.reconstruct_tensors()
+        ours = [(m[0], flat[m[3]:m[4]].view(getattr(torch, d)).view(m[1])) for m, d in zip(meta, dtypes)]
+        assert [n for n, _ in got] == [n for n, _ in ours]
+        assert all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for (_, a), (_, b) in zip(got, ours))
+        again = mod.FlattenedTensorBucket(named_tensors=ours)
+        assert torch.equal(again.get_flattened_tensor(), flat), path
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_fp8_export_bit_identical_to_reference_all_architectures(layout, big_bf16, tmp_path):
     results = run_world(worlds.for_each_arch, layout, worlds.fp8_matrix, dict(big_bf16), layout, "bfloat16",
                         str(tmp_path), layout == LAYOUTS[0], timeout=480)
     failed = {mt: r for mt, r in results[0].items() if isinstance(r, Exception)}
     assert not failed, "\n".join(f"--- {mt} at {layout}:\n{r}" for mt, r in failed.items())
+    if layout == LAYOUTS[0]:
+        sglang_accepts_fp8_buckets([tmp_path / mt / "bucket0.pt" for mt in ARCHS])
     for mt, r in results[0].items():
         print(f"{mt} {layout}: {r['quantized']} of {r['tensors']} tensors fp8 ({r['on_shards']} quantized on the "
               f"shards), bytes {r['bytes']} -> {r['fp8_bytes']}, received over collectives {r['wire']} -> "

@@ -499,6 +499,11 @@ def fp8_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, save: 
     if save:
         out = os.path.join(out_root, cfg.model_type, str(layout))
         ex.save_pretrained(out, max_shard_size=200_000, quantize="fp8-ue8m0", progress=False)
+        for i, bucket in enumerate(ex.buckets(bucket_bytes=256 * 1024, quantize="fp8")):  # for the SGLang check
+            if i == 0 and rank == 0:
+                torch.save(dict(flat=bucket.flat.clone(), meta=[(m.name, tuple(m.shape), str(m.dtype), m.start_idx,
+                                                                 m.end_idx) for m in bucket.metadata()]),
+                           os.path.join(out_root, cfg.model_type, "bucket0.pt"))
 
         def saved_ok():
             assert_same(read_hf_checkpoint(out), want["fp8-ue8m0"], f"{layout} save_pretrained fp8-ue8m0")
