@@ -96,7 +96,9 @@ class HFExporter:
         `name_filter(hf_name) -> bool` keeps only the HF tensors it accepts (e.g. no MTP layers for an engine
         without them): filtered tensors are not gathered, converted or sent. `quantize="fp8"` / `"fp8-ue8m0"`:
         the weights the architecture's converter quantizes are delivered as float8_e4m3fn plus a float32
-        `weight_scale_inv` [ceil(out/128), ceil(in/128)] (DeepSeek-V3 / Qwen3-FP8 format)."""
+        `weight_scale_inv` [ceil(out/128), ceil(in/128)] (DeepSeek-V3 / Qwen3-FP8 format), bit-identical to
+        quantizing each full HF tensor; tensors whose 128x128 blocks never straddle a shard are quantized where
+        they are held, before the collectives (half the bytes on the wire), the others after the gather."""
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         scheme = get_scheme(quantize)

@@ -38,6 +38,7 @@ from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
 from .quantize import (
     FP8RowSlices,
+    chunks,
     get_scheme,
     per_block_cast_to_fp8,
     per_block_cast_to_fp8_batched,
@@ -470,11 +471,14 @@ class Executor:
         works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
 
     def _quantize_held(self, cb: CBucket) -> None:
-        """The FP8 blobs of this rank's shards in the bucket, quantized per shard shape in one batched pass."""
+        """The FP8 blobs of this rank's shards in the bucket, quantized per shard shape in batched passes of
+        bounded size (their fp32 temporaries stay far below a bucket)."""
         for op, items in cb.prequant:
-            todo = [(name, src) for name, src in items if name not in self._blobs]
-            if not todo:
-                continue
+            for todo in chunks([(n, src) for n, src in items if n not in self._blobs], op.rows * op.cols):
+                self._quantize_batch(op, todo)
+
+    def _quantize_batch(self, op: FP8RowSlices, todo: list) -> None:
+        if todo:
             x = torch.stack([(src if isinstance(src, torch.Tensor) else src()).detach() for _, src in todo])
             q, sf = per_block_cast_to_fp8_batched(x, self.scheme.ue8m0)
             del x

@@ -107,6 +107,16 @@ def per_block_cast_to_fp8_batched(x: torch.Tensor, use_ue8m0: bool = False,
     return scaled.view_as(padded)[:, :m, :n].contiguous(), sf.view(k, view.size(1), view.size(3))
 
 
+BATCH_ELEMENTS = 1 << 25  # a batched quantization's input (its fp32 temporaries are ~8 bytes per element)
+
+
+def chunks(items: list, numel: int, limit: int = BATCH_ELEMENTS) -> list[list]:
+    """`items` (each of `numel` elements) in runs of at most `limit` elements (at least one item per run), so the
+    temporaries of a batched quantization stay bounded whatever the bucket size."""
+    per = max(1, limit // max(numel, 1))
+    return [items[i:i + per] for i in range(0, len(items), per)]
+
+
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                    block: int = BLOCK) -> torch.Tensor:
     """fp8 weight x its block's scale_inv, as engines and transformers dequantize (edge blocks partial)."""
@@ -188,11 +198,12 @@ def quantize_flat(flat: torch.Tensor, entries: Sequence, out_entries: Sequence, 
             out[e.start:e.start + e.nbytes].copy_(flat[s.start:s.start + s.nbytes])
         else:
             groups.setdefault((tuple(s.shape), s.dtype), []).append((s, e))
-    for items in groups.values():
-        q, sf = per_block_cast_to_fp8_batched(torch.stack([view(flat, s) for s, _ in items]), scheme.ue8m0)
-        for k, (_, e) in enumerate(items):
-            view(out, e).copy_(q[k])
-            view(out, dst[scale_name(e.name)]).copy_(sf[k])
+    for (shape, _), group in groups.items():
+        for items in chunks(group, shape[0] * shape[1]):
+            q, sf = per_block_cast_to_fp8_batched(torch.stack([view(flat, s) for s, _ in items]), scheme.ue8m0)
+            for k, (_, e) in enumerate(items):
+                view(out, e).copy_(q[k])
+                view(out, dst[scale_name(e.name)]).copy_(sf[k])
     return out
 
 

@@ -163,3 +163,11 @@ def test_batched_3x300x200_equals_one_by_one(deepgemm, ue8m0):
     for k in range(3):
         rq, rs = deepgemm.per_block_cast_to_fp8(x[k], use_ue8m0=ue8m0)
         assert _same_bits(q[k], rq) and _same_bits(s[k], rs)
+
+
+def test_batches_are_bounded_by_elements():
+    from mcore2hf.quantize import chunks
+
+    assert chunks(list(range(5)), 300 * 200, limit=2 * 300 * 200) == [[0, 1], [2, 3], [4]]
+    assert chunks(list(range(2)), 10**9, limit=10) == [[0], [1]]  # a tensor over the limit goes alone
+    assert chunks([], 100) == []
