@@ -134,8 +134,10 @@ class FP8Policy:
 
     Every 2-D `*.weight` is quantized except those matching `keep` (regexes over HF names); 1-D tensors (norms,
     biases, e_score_correction_bias) are never quantized. `list_not_converted`: the published config lists
-    `modules_to_not_convert` (Qwen3-FP8 does; newer vLLM needs the router gates in it), so ours lists the module
-    of every unquantized 2-D weight."""
+    `modules_to_not_convert` (newer vLLM needs the router gates in it), so ours lists the module of every
+    unquantized weight, norms included, in layer order, as Qwen3-30B-A3B-FP8's config.json does ("lm_head",
+    "model.layers.0.input_layernorm", "model.layers.0.mlp.gate", "model.layers.0.post_attention_layernorm", ...;
+    quoted in vllm-project/llm-compressor#1758 and xorbitsai/inference#4032)."""
 
     keep: tuple[str, ...]
     list_not_converted: bool = True
@@ -156,8 +158,12 @@ class FP8Policy:
         if self.list_not_converted:
             out["modules_to_not_convert"] = sorted(
                 {name.removesuffix(".weight") for name, shape in tensors
-                 if len(shape) == 2 and name.endswith(".weight") and not self.quantized(name, shape)})
+                 if name.endswith(".weight") and not self.quantized(name, shape)}, key=_natural)
         return out
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in regex.split(r"(\d+)", name))
 
 
 def scale_name(weight_name: str) -> str:

@@ -123,7 +123,7 @@ def test_policy_quantized_tensors_and_config():
     names = [(n, s) for n, s, _, _ in tensors]
     assert policy.config(SCHEMES["fp8"], names) == {
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["model.embed_tokens", "model.layers.0.mlp.gate"]}
+        "modules_to_not_convert": ["model.embed_tokens", "model.layers.0.mlp.gate", "model.norm"]}
     assert policy.config(SCHEMES["fp8-ue8m0"], names)["scale_fmt"] == "ue8m0"
     assert "modules_to_not_convert" not in FP8Policy(keep=(), list_not_converted=False).config(SCHEMES["fp8"], names)
     for bad in ("fp4", "FP8", 8):

@@ -513,6 +513,15 @@ def fp8_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, save: 
             assert qc["quant_method"] == "fp8" and qc["fmt"] == "e4m3" and qc["scale_fmt"] == "ue8m0", qc
             assert qc["weight_block_size"] == [128, 128] and qc["activation_scheme"] == "dynamic", qc
             assert written.get("torch_dtype", written.get("dtype")) == dtype_name, written
+            if cfg.model_type == "qwen3_moe":  # as Qwen3-30B-A3B-FP8's config.json lists them
+                assert {"lm_head", "model.layers.0.input_layernorm", "model.layers.0.mlp.gate",
+                        "model.layers.0.post_attention_layernorm"} <= set(qc["modules_to_not_convert"]), qc
+            if policy.list_not_converted:
+                assert set(qc["modules_to_not_convert"]) == {n.removesuffix(".weight") for n, t in ref.items()
+                                                             if n.endswith(".weight") and t.dtype != torch.uint8
+                                                             and not policy.quantized(n, t.shape)}, qc
+            else:
+                assert "modules_to_not_convert" not in qc, qc
 
         agree(checked(saved_ok) if rank == 0 else None)
     bf16 = ex.plan(quantize=None)
