@@ -487,6 +487,9 @@ def fp8_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, save: 
                                   or "eh_proj" in n or n.endswith("mlp.gate.weight")) for n in quantized), quantized
     for q, expect in want.items():
         assert_same(ex.state_dict(quantize=q), expect, f"{layout} {q} all ranks")
+    overlapped = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, overlap=True, quantize="fp8-ue8m0")
+                  for n, t in b}
+    assert_same(overlapped, want["fp8-ue8m0"], f"{layout} fp8-ue8m0 4 KiB buckets, overlap")
     small = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0, quantize="fp8") for n, t in b}
     agree(checked(lambda: assert_same(small, want["fp8"], f"{layout} fp8 receivers=[0] 4 KiB buckets"))
           if rank == 0 else (None if not small else "a non-receiver got tensors"))
