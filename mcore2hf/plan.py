@@ -411,8 +411,9 @@ def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> 
 def prequantized_source(src: Source, policy: FP8Policy, probes: dict) -> Source | None:
     """`src` quantized where it is held (each TP / expert-TP shard on its own), before the collectives, when that
     is bit-identical to quantizing its full HF tensors: a 2-D tensor whose HF outputs are all quantized and are
-    made of runs of shard rows on 128-row block boundaries (no 128x128 block straddles a shard or an output;
-    checked by running its layout op on row labels). Its bytes cross every collective as fp8 + scales."""
+    made of runs of whole shard rows, or of whole shard columns (row-parallel), on 128 block boundaries (no
+    128x128 block straddles a shard or an output; checked by running its layout op on labels). Its bytes cross
+    every collective as fp8 + scales."""
     r = src.resolved
     if len(src.shard_shape) != 2 or r.copies or not src.dtype.is_floating_point:
         return None

@@ -224,15 +224,17 @@ def _align4(n: int) -> int:
 class FP8RowSlices(LayoutOp):
     """The layout op of a tensor quantized where it is held, before any collective: each shard travels as a byte
     blob [fp8 weight R x C | pad to 4 | float32 scales ceil(R/128) x ceil(C/128)], and each HF output is made of
-    pieces, runs of whole rows [a, b) of shard i placed at row d, with a and d on 128-row block boundaries and
-    b - a whole blocks (or ending at the last row of both the shard and the output): so a piece's fp8 rows and
-    scale rows are contiguous byte ranges of the blob, and quantizing the shards quantizes the outputs exactly.
-    Outputs in order: weight 0, its scale_inv, weight 1, ... Valid only where `row_pieces` found the original op
-    to be such a row permutation (the plan checks it per tensor)."""
+    pieces, runs of whole rows [a, b) of shard i placed at row d (axis 0; or of whole columns, axis 1: a
+    row-parallel tensor), with a and d on 128 block boundaries and b - a whole blocks (or ending at the last
+    row / column of both the shard and the output): so no block straddles a shard, a piece's fp8 data and scales
+    are (strided) byte ranges of the blob, and quantizing the shards quantizes the outputs exactly. Outputs in
+    order: weight 0, its scale_inv, weight 1, ... Valid only where `row_pieces` found the original op to be such
+    a permutation (the plan checks it per tensor)."""
 
     def __init__(self, rows: int, cols: int, outputs: tuple[tuple[tuple[int, int, int, int], ...], ...],
-                 out_rows: tuple[int, ...]):
-        self.rows, self.cols, self.outputs, self.out_rows = rows, cols, tuple(outputs), tuple(out_rows)
+                 out_sizes: tuple[int, ...], axis: int = 0):
+        self.rows, self.cols, self.outputs, self.out_sizes = rows, cols, tuple(outputs), tuple(out_sizes)
+        self.axis = axis
         self.n_out = 2 * len(outputs)
 
     @staticmethod
@@ -246,60 +248,93 @@ class FP8RowSlices(LayoutOp):
 
     def hf_shapes(self, full_shape):
         out = []
-        for n in self.out_rows:
-            out += [(n, self.cols), scale_shape((n, self.cols))]
+        for n in self.out_sizes:
+            shape = (n, self.cols) if self.axis == 0 else (self.rows, n)
+            out += [shape, scale_shape(shape)]
         return out
 
     def copies(self, shard_shape, count):
         c = self.cols
-        cb = scale_shape((self.rows, c))[1]
+        rb, cb = scale_shape((self.rows, c))
         soff = self.scale_offset
         specs = []
         for k, pieces in enumerate(self.outputs):
             for i, a, b, d in pieces:
                 nb = ceil_div(b - a, BLOCK)
-                specs.append(StridedCopy(2 * k, ((b - a) * c,), (1,), (1,), d * c, a * c, i))
-                specs.append(StridedCopy(2 * k + 1, (nb * cb * 4,), (1,), (1,), d // BLOCK * cb * 4,
-                                         soff + a // BLOCK * cb * 4, i))
+                if self.axis == 0:  # whole rows: contiguous bytes
+                    specs.append(StridedCopy(2 * k, ((b - a) * c,), (1,), (1,), d * c, a * c, i))
+                    specs.append(StridedCopy(2 * k + 1, (nb * cb * 4,), (1,), (1,), d // BLOCK * cb * 4,
+                                             soff + a // BLOCK * cb * 4, i))
+                else:  # whole columns: every row's run of bytes, and every scale row's run of 4-byte scales
+                    n = self.out_sizes[k]
+                    cb_out = ceil_div(n, BLOCK)
+                    specs.append(StridedCopy(2 * k, (self.rows, b - a), (n, 1), (c, 1), d, a, i))
+                    specs.append(StridedCopy(2 * k + 1, (rb, nb * 4), (cb_out * 4, 1), (cb * 4, 1), d // BLOCK * 4,
+                                             soff + a // BLOCK * 4, i))
         return specs
 
 
+def _probe(op: LayoutOp, shape: tuple[int, int], count: int, axis: int):
+    """The op run on shards labelled shard * size + index along `axis` (int32, the same across the other axis)."""
+    rows, cols = shape
+    size = shape[axis]
+    shards = []
+    for i in range(count):
+        ids = torch.arange(i * size, (i + 1) * size, dtype=torch.int32)
+        shards.append((ids.unsqueeze(1) if axis == 0 else ids.unsqueeze(0)).expand(rows, cols).contiguous())
+    try:
+        return op.hf_tensors(shards)
+    except Exception:  # noqa: BLE001 - an op that cannot run on these shapes alone is not such a permutation
+        return None
+
+
 def row_pieces(op: LayoutOp, shape: tuple[int, ...], count: int):
-    """(pieces per output, rows per output) when `op` makes each HF output of a tensor held as `count` shards of
-    `shape` out of runs of whole shard rows aligned as FP8RowSlices needs; None otherwise (columns mixed or
-    split, a run not on 128-row block boundaries, ...). Found by running the op on row labels (int32 label
-    shard * R + row in every column), so it assumes nothing about how any op is written."""
+    """(pieces per output, sizes per output, axis) when `op` makes each HF output of a tensor held as `count`
+    shards of `shape` out of runs of whole shard rows (axis 0) or whole shard columns (axis 1) aligned as
+    FP8RowSlices needs; None otherwise (rows and columns both permuted, a run not on 128 block boundaries, ...).
+    Found by running the op on labels (shard * size + index), so it assumes nothing about how any op is written."""
     if len(shape) != 2:
         return None
-    rows, cols = shape
-    shards = [torch.arange(i * rows, (i + 1) * rows, dtype=torch.int32).unsqueeze(1).expand(rows, cols).contiguous()
-              for i in range(count)]
-    try:
-        outs = op.hf_tensors(shards)
-    except Exception:  # noqa: BLE001 - an op that cannot run on these shapes alone is not a row permutation
+    for axis in (0, 1):
+        found = _pieces(op, tuple(shape), count, axis)
+        if found is not None:
+            return (*found, axis)
+    return None
+
+
+def _pieces(op: LayoutOp, shape: tuple[int, int], count: int, axis: int):
+    rows = shape[0]
+    size, other = shape[axis], shape[1 - axis]
+    outs = _probe(op, shape, count, axis)
+    if outs is None:
         return None
-    del shards
-    outputs, out_rows = [], []
-    for out in outs:
-        if out.dim() != 2 or out.shape[1] != cols or out.shape[0] == 0:
+    if axis == 1:  # the other index must be kept as is: every output row r is shard row r
+        same = _probe(op, shape, count, 0)
+        if same is None or any(o.dim() != 2 or o.shape[0] != rows or not torch.equal(
+                o, torch.arange(rows, dtype=torch.int32).unsqueeze(1).expand_as(o) + (o // rows) * rows)
+                for o in same):
             return None
-        label = out[:, 0]
-        if not torch.equal(out, label.unsqueeze(1).expand_as(out)):
-            return None  # columns mixed: not a row permutation
-        n = out.shape[0]
+    outputs, out_sizes = [], []
+    for out in outs:
+        if out.dim() != 2 or out.shape[1 - axis] != other or out.shape[axis] == 0:
+            return None
+        label = out[:, 0] if axis == 0 else out[0, :]
+        if not torch.equal(out, label.unsqueeze(1 - axis).expand_as(out)):
+            return None  # not a permutation along `axis` alone
+        n = out.shape[axis]
         label = label.long()
-        # a new piece where the label does not continue the previous row's (another shard, or a jump)
-        breaks = torch.nonzero((label[1:] != label[:-1] + 1) | (label[1:] // rows != label[:-1] // rows))
+        # a new piece where the label does not continue the previous one's (another shard, or a jump)
+        breaks = torch.nonzero((label[1:] != label[:-1] + 1) | (label[1:] // size != label[:-1] // size))
         starts = [0] + [int(x) + 1 for x in breaks.flatten()]
         pieces = []
         for j, d in enumerate(starts):
             e = starts[j + 1] if j + 1 < len(starts) else n
-            i, a = divmod(int(label[d]), rows)
+            i, a = divmod(int(label[d]), size)
             b = a + (e - d)
-            tail = b == rows and e == n  # the partial last block of both the shard and the output
+            tail = b == size and e == n  # the partial last block of both the shard and the output
             if a % BLOCK or d % BLOCK or ((b - a) % BLOCK and not tail):
                 return None
             pieces.append((i, a, b, d))
         outputs.append(tuple(pieces))
-        out_rows.append(n)
-    return tuple(outputs), tuple(out_rows)
+        out_sizes.append(n)
+    return tuple(outputs), tuple(out_sizes)

@@ -171,3 +171,39 @@ def test_batches_are_bounded_by_elements():
     assert chunks(list(range(5)), 300 * 200, limit=2 * 300 * 200) == [[0, 1], [2, 3], [4]]
     assert chunks(list(range(2)), 10**9, limit=10) == [[0], [1]]  # a tensor over the limit goes alone
     assert chunks([], 100) == []
+
+
+@pytest.mark.parametrize("op_name,shape,count,eligible", [
+    ("Row", (300, 128), 2, True),  # row-parallel: column pieces, 300-row edge blocks
+    ("Row", (200, 256), 3, True),
+    ("Row", (300, 96), 2, False),  # 96-column shards: blocks would straddle shards
+    ("GatedColumn", (512, 200), 2, True),  # [gate_i; up_i] of 128 rows each
+    ("GatedColumn", (320, 200), 1, False),  # 160-row halves: a block straddles gate and up
+    ("Column", (256, 72), 3, True),
+    ("Replicated", (300, 200), 1, True),
+], ids=lambda v: str(v))
+def test_quantizing_shards_then_layout_equals_quantizing_hf_tensors(op_name, shape, count, eligible):
+    """The plan's on-shard path in miniature: each shard quantized alone into its blob, FP8RowSlices' copies
+    from the stacked blobs, versus the reference quantizer on the HF tensors the original op makes."""
+    from mcore2hf import layouts
+    from mcore2hf.quantize import FP8RowSlices, row_pieces
+
+    op = getattr(layouts, op_name)()
+    found = row_pieces(op, shape, count)
+    assert (found is not None) == eligible, found
+    if not eligible:
+        return
+    shards = [_weights(shape, torch.bfloat16, seed=i) for i in range(count)]
+    fo = FP8RowSlices(*shape, *found)
+    blobs = torch.zeros(count, FP8RowSlices.blob_nbytes(*shape), dtype=torch.uint8)
+    for i, shard in enumerate(shards):
+        q, s = per_block_cast_to_fp8(shard)
+        blobs[i, :shape[0] * shape[1]] = q.view(torch.uint8).reshape(-1)
+        blobs[i, fo.scale_offset:] = s.view(torch.uint8).reshape(-1)
+    shapes = fo.hf_shapes(None)
+    outs = [torch.empty(w, dtype=torch.uint8) if k % 2 == 0 else torch.empty(w[0], w[1] * 4, dtype=torch.uint8)
+            for k, w in enumerate(shapes)]
+    fo.to_hf(list(blobs), outs)
+    for k, t in enumerate(op.hf_tensors(shards)):
+        q, s = per_block_cast_to_fp8(t)
+        assert torch.equal(outs[2 * k], q.view(torch.uint8)) and torch.equal(outs[2 * k + 1].view(torch.float32), s)
