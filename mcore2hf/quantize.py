@@ -7,7 +7,10 @@ are zero-padded to 128 before the scale is computed, float32 scales, `quantizati
 dynamic, fmt: e4m3, quant_method: fp8, weight_block_size: [128, 128]}).
 
 The arithmetic is DeepGEMM's reference quantizer, bit for bit: `per_block_cast_to_fp8` and `ceil_to_ue8m0` in
-deep_gemm/utils/math.py of deepseek-ai/DeepGEMM at commit 54e22612409371d6364144b69086735beb54e98b (2026-06-23).
+deep_gemm/utils/math.py of deepseek-ai/DeepGEMM at commit 54e22612409371d6364144b69086735beb54e98b (2026-06-23),
+the same file as in the PyPI wheel sgl-deep-gemm 0.2.5 (the tests' oracle). SGLang 0.5.23 carries a UE8M0-only copy
+(sglang/srt/layers/quantization/fp8_utils.py, same bit arithmetic); its sglang/benchmark/deepseek_utils.py copy
+scales by 448 / amax, which is not equivalent (about 0.1% of the bytes differ).
 Which tensors a given architecture keeps unquantized is not decided here: each converter carries an `FP8Policy`
 table (converters/common.py).
 """
