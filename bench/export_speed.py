@@ -5,6 +5,7 @@
     python bench/export_speed.py --arch deepseek_v3 --layout ep2        # DeepSeek-V3 shapes, 4 layers + MTP
     python bench/export_speed.py --cpu --layout ep2 --layers 2 --experts 8 --hidden 256 --heads 4 --moe-ffn 64 \
         --vocab 1024 --mbridge                                          # the same code path on CPU (gloo)
+    python bench/export_speed.py --layout ep4 --quantize fp8            # also block-FP8 exports (bf16 vs fp8)
 
 Builds a Megatron GPTModel with Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 heads, 4 KV groups, head_dim 128,
 128 experts, top-8, moe_ffn 768, vocab 151936, bf16, ~61 GB) with random weights made on the GPU, then measures on
@@ -18,6 +19,9 @@ the same model in one run:
   names (mcore2hf.testing.te_naming), as mbridge requires;
 * the NCCL floor: the bytes each rank must receive (everything it does not hold in full) over the receive rate of
   an all-gather of a large buffer, measured in the same run.
+* with --quantize fp8 (or fp8-ue8m0): the same exports delivering block-FP8 tensors (float8_e4m3fn + float32
+  weight_scale_inv), their output bytes, the bytes sent over the collectives, the ratio to the floor of the FP8
+  bytes, and whether the quantization on the GPU equals the CPU reference bit for bit (sampled tensors).
 
 Prints one table: method, seconds, GB/s (HF bytes materialized per rank / s), ratio to mcore2hf, ratio to the
 floor, peak extra GPU memory (max_memory_allocated over what was allocated before the call); then the host issue
@@ -246,6 +250,47 @@ def nccl_floor(ex, device, dtype) -> tuple[float, float]:
     return need, (world - 1) * per_rank / dt
 
 
+def wire_bytes(ex, bb, quantize=None) -> int:
+    """Bytes this rank receives through the collectives of one all-ranks export (staging of every stage)."""
+    prog = ex.executor(bb, quantize=quantize).programs
+    return sum((st.axis.size - 1) * st.slot for p in prog for st in p.stages)
+
+
+def fp8_floor_need(ex, bb, quantize) -> int:
+    """The FP8 bytes this rank must receive: the quantized output of every source it does not hold in full."""
+    ctx = ex.ctx
+    plan = ex.plan(bb, quantize=quantize)
+    need = 0
+    for b in plan.buckets:
+        for e in b.output:
+            s = plan.sources[e.source]
+            if not (s.count == 1 and ctx.pp.rank in s.stages and (not s.is_expert or s.ep == ctx.ep.rank)):
+                need += e.nbytes
+    return need
+
+
+def fp8_cuda_equals_cpu(ex, bb, quantize, limit: int = 48) -> str:
+    """Quantize on the device (the export) and on the CPU (reference quantizer on the exported bf16 tensor):
+    bit-identical? Sampled over the first `limit` quantized tensors, clones kept on the host."""
+    import torch
+
+    from mcore2hf.quantize import per_block_cast_to_fp8, scale_name
+
+    plan = ex.plan(bb, quantize=quantize)
+    names = set(plan.quantized_names()[:limit])
+    bf16 = {n: t.cpu().clone() for b in ex.buckets(bb) for n, t in b if n in names}
+    got = {n: t.cpu().clone() for b in ex.buckets(bb, quantize=quantize) for n, t in b
+           if n in names or n.removesuffix("_scale_inv") in names}
+    ue8m0 = quantize == "fp8-ue8m0"
+    bad = []
+    for n, t in bf16.items():
+        q, sf = per_block_cast_to_fp8(t, ue8m0)
+        if not (torch.equal(q.view(torch.uint8), got[n].view(torch.uint8))
+                and torch.equal(sf.view(torch.int32), got[scale_name(n)].view(torch.int32))):
+            bad.append(n)
+    return f"{len(bf16) - len(bad)}/{len(bf16)} sampled tensors bit-identical" + (f", DIFFER: {bad[:3]}" if bad else "")
+
+
 def job(a):
     import importlib
 
@@ -298,7 +343,24 @@ def job(a):
     consume(ex.buckets(bb, overlap=True))
     two = [timed(lambda: consume(ex.buckets(bb, overlap=True)), device) for _ in range(a.repeat)]
     rows["mcore2hf (all ranks, overlap)"] = (min(t for t, _ in two), max(p for _, p in two))
-    ex._executors.pop((bb, None, True, None))  # free its two arenas before the other methods run
+    ex._executors.pop((bb, None, True, None, None))  # free its two arenas before the other methods run
+
+    fp8 = None
+    if a.quantize:
+        q = a.quantize
+        consume(ex.buckets(bb, quantize=q))  # quantized plan + compile
+        runs = [timed(lambda: consume(ex.buckets(bb, quantize=q)), device) for _ in range(a.repeat)]
+        rows[f"mcore2hf {q} (all ranks)"] = (min(t for t, _ in runs), max(p for _, p in runs))
+        consume(ex.buckets(bb, receivers=0, quantize=q))
+        runs = [timed(lambda: consume(ex.buckets(bb, receivers=0, quantize=q)), device) for _ in range(a.repeat)]
+        rows[f"mcore2hf {q} (rank 0 only)"] = (min(t for t, _ in runs), max(p for _, p in runs))
+        for key in [k for k in ex._executors if k[-1] is not None]:
+            ex._executors.pop(key)
+        qplan = ex.plan(bb, quantize=q)
+        fp8 = dict(out_bytes=qplan.total_bytes, quantized=len(qplan.quantized_names()),
+                   on_shards=len(qplan.prequantized_names()), wire_bf16=wire_bytes(ex, bb),
+                   wire=wire_bytes(ex, bb, q), need=fp8_floor_need(ex, bb, q),
+                   cuda_cpu=fp8_cuda_equals_cpu(ex, bb, q))  # collective: every rank runs it
 
     # host issue time of a later export: the CPU is done issuing before the GPU is done
     sync(device)
@@ -343,7 +405,7 @@ def job(a):
             mb = f"{type(e).__name__}: {str(e)[:300]}"
     return dict(rank=rank, rows=rows, first=first, peak_first=peak_first, hf_bytes=hf_bytes, params_gb=params_gb,
                 build_s=build_s, issue=issue, busy=busy, cpu=cpu, total=total, leak=leak, floor_need=floor_need, rate=rate,
-                buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb)
+                buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb, fp8=fp8)
 
 
 def main():
@@ -363,6 +425,8 @@ def main():
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU (small models): exercises the code path")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
+                    help="also time block-FP8 exports (bytes, floor of the FP8 bytes, CUDA == CPU check)")
     a = ap.parse_args()
     from mcore2hf.testing.world import Layout, run_world
 
@@ -400,6 +464,19 @@ def main():
     if leak:
         print(f"memory allocated after each of {len(leak)} exports: first {leak[0] / 2**30:.3f} GiB, last "
               f"{leak[-1] / 2**30:.3f} GiB, growth {(leak[-1] - leak[0]) / 2**20:.1f} MiB")
+    if r0.get("fp8"):
+        q = a.quantize
+        fp8_s = max(x["rows"][f"mcore2hf {q} (all ranks)"][0] for x in res)
+        fp8_floor = max(x["fp8"]["need"] / x["rate"] if x["rate"] else 0 for x in res)
+        wire = max(x["fp8"]["wire"] for x in res)
+        wire_bf16 = max(x["fp8"]["wire_bf16"] for x in res)
+        print(f"{q}: {r0['fp8']['quantized']} weights quantized ({r0['fp8']['on_shards']} on the shards before the "
+              f"collectives); output {r0['fp8']['out_bytes'] / 1e9:.3f} GB vs bf16 {gb:.3f} GB "
+              f"({r0['fp8']['out_bytes'] / r0['hf_bytes']:.2f}x); bytes received per rank over the collectives "
+              f"{wire / 1e9:.3f} GB vs bf16 {wire_bf16 / 1e9:.3f} GB ({wire / max(wire_bf16, 1):.2f}x); export "
+              f"{fp8_s:.3f} s vs bf16 {ref:.3f} s ({fp8_s / ref:.2f}x)"
+              + (f"; floor of the FP8 bytes {fp8_floor:.3f} s, ratio {fp8_s / fp8_floor:.2f}x" if fp8_floor else ""))
+        print(f"{q} on {'CPU' if a.cpu else 'CUDA'} vs the CPU reference quantizer: {r0['fp8']['cuda_cpu']}")
     for x in res:
         if x.get("mbridge_note"):
             print(f"mbridge on rank {x['rank']}: {x['mbridge_note']}")

@@ -5,6 +5,7 @@ by name. Whether the model *should* have it is checked against the HF config by 
 
 from mcore2hf.layouts import QKV, Column, GatedColumn, LatentDown, Replicated, Row, VocabRows
 from mcore2hf.mapping import Rule
+from mcore2hf.quantize import FP8Policy
 
 L = "decoder.layers.{L}"
 HL = "model.layers.{L}"
@@ -91,3 +92,16 @@ def mtp() -> list[Rule]:
 def llama_like() -> list[Rule]:
     """Dense decoders: Llama, Qwen2, Qwen3 (and the dense layers of MoE models)."""
     return embeddings() + gqa_attention() + dense_mlp()
+
+
+# FP8 block-quantized export: the 2-D weights the published FP8 checkpoints keep in bf16 (every other 2-D weight
+# is quantized, 1-D tensors never are). Embeddings, lm_head and the MoE router gate stay bf16 in DeepSeek-V3,
+# GLM-4.5-FP8 and Qwen3-*-FP8; in the MTP layers of DeepSeek-V3 / GLM-4.5, eh_proj and the embedding / head copies
+# stay bf16 while the MTP block's own linears are fp8 (SGLang and vLLM reject a quantized shared_head.head).
+FP8_KEEP = (r"model\.embed_tokens\.weight", r"lm_head\.weight", r"model\.layers\.\d+\.mlp\.gate\.weight")
+FP8_KEEP_MTP = (r"model\.layers\.\d+\.(embed_tokens|eh_proj|shared_head\.head)\.weight",)
+
+
+def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str = "") -> FP8Policy:
+    return FP8Policy(keep=FP8_KEEP + (FP8_KEEP_MTP if mtp else ()), list_not_converted=list_not_converted,
+                     source=source)

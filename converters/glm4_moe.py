@@ -4,11 +4,12 @@ q/k norms, MTP layers (with the embedding and head copies the published checkpoi
 from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
-from .common import dense_mlp, embeddings, gqa_attention, moe, mtp
+from .common import dense_mlp, embeddings, fp8_policy, gqa_attention, moe, mtp
 
 GLM4_MOE = register(Converter(
     model_type="glm4_moe",
     spec="mcore2hf.model_specs.glm4_moe",
     rules=embeddings(mtp_copies=True) + gqa_attention() + dense_mlp()
     + moe(shared_experts=True, expert_bias=True) + mtp(),
+    fp8=fp8_policy(mtp=True, source="GLM-4.5-FP8 / GLM-4.6-FP8 checkpoints; router gates listed for vLLM"),
 ))

@@ -3,6 +3,7 @@
 from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
-from .common import llama_like
+from .common import fp8_policy, llama_like
 
-QWEN2 = register(Converter(model_type="qwen2", spec="mcore2hf.model_specs.qwen2", rules=llama_like()))
+QWEN2 = register(Converter(model_type="qwen2", spec="mcore2hf.model_specs.qwen2", rules=llama_like(),
+                           fp8=fp8_policy(source="no published block-FP8 checkpoint: the Qwen3-FP8 table")))

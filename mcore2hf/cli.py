@@ -124,7 +124,7 @@ def cmd_plan(a) -> int:
         cfg = load_hf_config(a.hf_config)
     layout = _layout(a)
     report = run_plan(cfg, layout, bucket_bytes=a.bucket_size, dtype=DTYPES[a.dtype], te_names=a.te_names,
-                      name_filter=_name_filter(a))
+                      name_filter=_name_filter(a), quantize=a.quantize)
     print(json.dumps(report, indent=2) if a.json else plan_report(report, a.limit))
     return 0
 
@@ -136,7 +136,7 @@ def cmd_export(a) -> int:
     r = export_checkpoint(a.ckpt_dir, a.out_dir, a.hf_config, iteration=a.iteration, dtype=a.dtype,
                           max_shard_size=a.shard_size, bucket_bytes=a.bucket_size, overwrite=a.overwrite,
                           progress=not a.quiet, name_filter=_name_filter(a),
-                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, quantize=a.quantize)
     if not a.quiet:
         print(f"wrote {r.tensors} HF tensors ({format_size(r.bytes_written)}) to {r.out_dir} in {r.seconds:.1f} s; "
               f"checkpoint {format_size(r.checkpoint_bytes)}, {r.ignored_keys} non-model keys skipped; "
@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="machine-readable output (every tensor, memory per rank)")
     pl.add_argument("--te-names", action="store_true",
                     help="show Transformer Engine parameter names as Megatron sources (fused norms, grouped experts)")
+    pl.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
+                    help="plan a block-FP8 export: which weights are quantized (and where), their scale shapes")
     _filters(pl)
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
@@ -195,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bytes converted at a time, bounds memory (default 1GiB)")
     ex.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128,
                     help="Megatron's vocab padding divisor used in training (default 128)")
+    ex.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
+                    help="write a block-FP8 checkpoint (DeepSeek-V3 / Qwen3-FP8 format: float8_e4m3fn weights + "
+                         "float32 weight_scale_inv per 128x128 block; fp8-ue8m0: power-of-two scales)")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     ex.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     _filters(ex)

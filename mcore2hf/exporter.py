@@ -18,13 +18,23 @@ from .hf_config import HFConfigLike, config_source
 from .mapping import Converter
 from .naming import LocalTensor, local_tensors, unwrap_model
 from .parallel import ParallelContext
-from .plan import ExportPlan, Source, assign_buckets, build_sources, filter_sources, gather_records
+from .plan import (
+    ExportPlan,
+    Source,
+    assign_buckets,
+    build_sources,
+    filter_sources,
+    gather_records,
+    quantized_plan,
+)
+from .quantize import FP8Scheme, get_scheme
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .sizes import format_size
 
 Receivers = str | int | Sequence[int] | None
 NameFilterLike = Callable[[str], bool] | None  # e.g. naming.NameFilter(exclude=(r"^model\.layers\.48\.",))
+Quantize = str | FP8Scheme | None  # "fp8" / "fp8-ue8m0": block-FP8 output (see mcore2hf.quantize)
 
 log = logging.getLogger("mcore2hf")
 
@@ -79,13 +89,24 @@ class HFExporter:
             check_structure(self._sources, self.spec, self.hf_config, self.dims)
         return self._sources
 
-    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None) -> ExportPlan:
+    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
+             quantize: Quantize = None) -> ExportPlan:
         """The export plan (collective on first call). `print(plan.describe())` is the dry run.
 
         `name_filter(hf_name) -> bool` keeps only the HF tensors it accepts (e.g. no MTP layers for an engine
-        without them): filtered tensors are not gathered, converted or sent."""
+        without them): filtered tensors are not gathered, converted or sent. `quantize="fp8"` / `"fp8-ue8m0"`:
+        the weights the architecture's converter quantizes are delivered as float8_e4m3fn plus a float32
+        `weight_scale_inv` [ceil(out/128), ceil(in/128)] (DeepSeek-V3 / Qwen3-FP8 format), bit-identical to
+        quantizing each full HF tensor; tensors whose 128x128 blocks never straddle a shard are quantized where
+        they are held, before the collectives (half the bytes on the wire), the others after the gather."""
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        scheme = get_scheme(quantize)
+        if scheme is not None:
+            key = (bucket_bytes, name_filter, scheme.name)
+            if key not in self._plans:
+                self._plans[key] = quantized_plan(self.plan(bucket_bytes, name_filter), self.fp8_policy(), scheme)
+            return self._plans[key]
         key = (bucket_bytes, name_filter)
         if key not in self._plans:
             sources = filter_sources(self._build_sources(), name_filter)
@@ -98,6 +119,13 @@ class HFExporter:
                          plan.model_type, plan.num_tensors, format_size(plan.total_bytes), len(plan.buckets),
                          format_size(bucket_bytes), plan.world_size, ", filtered" if name_filter else "")
         return self._plans[key]
+
+    def fp8_policy(self):
+        """The architecture's FP8 table (which HF tensors stay unquantized), from its converter."""
+        if self.converter.fp8 is None:
+            raise ValueError(f"FP8 export is not supported for model_type {self.converter.model_type!r}: its "
+                             "converter has no fp8 policy (which tensors stay unquantized)")
+        return self.converter.fp8
 
     def _receivers(self, receivers: Receivers) -> tuple[int, ...] | None:
         if receivers is None or (isinstance(receivers, str) and receivers == "all"):
@@ -115,45 +143,57 @@ class HFExporter:
         self._executors.clear()
 
     def executor(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
-                 overlap: bool = False, name_filter: NameFilterLike = None) -> Executor:
+                 overlap: bool = False, name_filter: NameFilterLike = None, quantize: Quantize = None) -> Executor:
         """The compiled executor for these settings (built and cached on first use)."""
         recv = self._receivers(receivers)
-        key = (bucket_bytes, recv, overlap, name_filter)
+        scheme = get_scheme(quantize)
+        key = (bucket_bytes, recv, overlap, name_filter, scheme)
         if key not in self._executors:
-            self._executors[key] = Executor(self.plan(bucket_bytes, name_filter), self.ctx, self._local, recv,
-                                            self.device, arenas=2 if overlap else 1)
+            self._executors[key] = Executor(self.plan(bucket_bytes, name_filter, scheme), self.ctx, self._local,
+                                            recv, self.device, arenas=2 if overlap else 1)
         return self._executors[key]
 
     # -- export ----------------------------------------------------------------------------------------------
     def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
-                overlap: bool = False, name_filter: NameFilterLike = None) -> Iterator[Bucket]:
+                overlap: bool = False, name_filter: NameFilterLike = None,
+                quantize: Quantize = None) -> Iterator[Bucket]:
         """Yield buckets of (HF name, full tensor). Every rank must iterate to the end.
 
         Drop each bucket before asking for the next to keep one output bucket alive at a time. `overlap=True`
         runs the next bucket's first collectives while this one is converted, with one more bucket of staging.
-        `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`)."""
-        yield from self.executor(bucket_bytes, receivers, overlap, name_filter).run()
+        `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`). `quantize="fp8"` /
+        `"fp8-ue8m0"`: block-FP8 weights and their `weight_scale_inv` tensors, ordinary entries of the bucket."""
+        yield from self.executor(bucket_bytes, receivers, overlap, name_filter, quantize).run()
 
     def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
-                      name_filter: NameFilterLike = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in self.buckets(bucket_bytes, receivers, name_filter=name_filter):
+                      name_filter: NameFilterLike = None,
+                      quantize: Quantize = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets(bucket_bytes, receivers, name_filter=name_filter, quantize=quantize):
             yield from bucket
 
-    def state_dict(self, receivers: Receivers = "all", name_filter: NameFilterLike = None) -> dict[str, torch.Tensor]:
+    def state_dict(self, receivers: Receivers = "all", name_filter: NameFilterLike = None,
+                   quantize: Quantize = None) -> dict[str, torch.Tensor]:
         """All HF tensors as one dict (copies): for tests and small models."""
-        return {name: t.clone() for name, t in self.named_tensors(receivers=receivers, name_filter=name_filter)}
+        return {name: t.clone() for name, t in self.named_tensors(receivers=receivers, name_filter=name_filter,
+                                                                  quantize=quantize)}
 
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer_rank: int = 0,
                         overwrite: bool = False, extra_files: Sequence[str] | None = None,
-                        name_filter: NameFilterLike = None, progress: bool = True) -> str:
+                        name_filter: NameFilterLike = None, progress: bool = True, quantize: Quantize = None) -> str:
         """Write config.json, sharded *.safetensors and model.safetensors.index.json (from writer_rank only).
 
         Collective. The directory appears only when complete; on failure every rank raises and nothing is left.
         config.json is the user's file as given (only the dtype value changes, a quantization_config of the
         source is dropped); tokenizer and generation files of an HF directory given as config are copied
-        (`extra_files` replaces that list). `progress` shows a progress bar on the writer rank (on a terminal)."""
-        plan = self.plan(bucket_bytes, name_filter)
+        (`extra_files` replaces that list). `progress` shows a progress bar on the writer rank (on a terminal).
+        `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint with its `quantization_config`."""
+        scheme = get_scheme(quantize)
+        plan = self.plan(bucket_bytes, name_filter, scheme)
+        quantization = None
+        if scheme is not None:
+            base = self.plan(bucket_bytes, name_filter)
+            quantization = self.fp8_policy().config(scheme, [(e.name, e.shape) for e in base.hf_entries()])
         writer = None
         error = None
         src = self.config_source
@@ -164,7 +204,7 @@ class HFExporter:
                 infos = [TensorInfo(e.name, e.shape, e.dtype) for e in plan.hf_entries()]
                 writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size, overwrite=overwrite,
                                            extra_files=src.companion_files if extra_files is None else extra_files,
-                                           inputs=inputs)
+                                           inputs=inputs, quantization=quantization)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         error = self._agree(error, writer_rank)
@@ -175,7 +215,7 @@ class HFExporter:
             from tqdm import tqdm
 
             bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="save_pretrained", disable=None)
-        for bucket in self.buckets(bucket_bytes, receivers=writer_rank, name_filter=name_filter):
+        for bucket in self.buckets(bucket_bytes, receivers=writer_rank, name_filter=name_filter, quantize=scheme):
             if writer is not None and error is None:
                 try:
                     writer.send(bucket)

@@ -36,6 +36,14 @@ from .buckets import Bucket
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
+from .quantize import (
+    FP8RowSlices,
+    chunks,
+    get_scheme,
+    per_block_cast_to_fp8,
+    per_block_cast_to_fp8_batched,
+    quantize_flat,
+)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -246,6 +254,8 @@ class CBucket:
     p2p: CP2P | None = None
     copies: list[Copy] = field(default_factory=list)
     dtypes: tuple[torch.dtype, ...] = ()
+    # FP8 on the shards: this rank's shards to quantize before the bucket's collectives, by shard shape
+    prequant: list[tuple[FP8RowSlices, list[tuple[str, object]]]] = field(default_factory=list)
 
 
 def _source_of(lt: LocalTensor):
@@ -264,6 +274,8 @@ class Executor:
     def __init__(self, plan: ExportPlan, ctx: ParallelContext, local: dict[str, LocalTensor],
                  receivers: tuple[int, ...] | None, device: torch.device, arenas: int = 1):
         self.plan, self.ctx, self.local, self.device = plan, ctx, local, device
+        self.scheme = get_scheme(plan.quantize)
+        self._blobs: dict[str, torch.Tensor] = {}  # this export's shards quantized before the collectives
         self.receivers = receivers
         self.arenas_n = max(1, arenas)
         self.stats = {"gather_s": 0.0, "convert_s": 0.0}
@@ -273,6 +285,30 @@ class Executor:
         else:
             self.programs = [receivers_program(b, ctx, receivers) for b in plan.buckets]
         self._compiled: list[CBucket] | None = None
+
+    def _src(self, s: Source):
+        """What a source's local shard is read from: the parameter (or a buffer getter), or for a tensor
+        quantized on the shards a getter of its FP8 blob (quantized once per export, dropped after its bucket)."""
+        lt = self.local[s.name]
+        if not s.prequant:
+            return _source_of(lt)
+        op: FP8RowSlices = s.resolved.op
+        param, n = _source_of(lt), s.shard_shape[0]
+        data, soff = op.rows * op.cols, op.scale_offset
+        ue8m0 = self.scheme.ue8m0
+
+        def blob() -> torch.Tensor:
+            b = self._blobs.get(s.name)
+            if b is None:
+                p = param if isinstance(param, torch.Tensor) else param()
+                q, sf = per_block_cast_to_fp8(p.detach(), ue8m0)
+                b = torch.empty(n, dtype=torch.uint8, device=p.device)
+                b[:data].copy_(q.view(torch.uint8).view(-1))
+                b[soff:].copy_(sf.view(torch.uint8).view(-1))
+                self._blobs[s.name] = b
+            return b
+
+        return blob
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def _stage_bytes(self, prog: Program) -> tuple[list[int], int]:
@@ -290,7 +326,9 @@ class Executor:
         sizes = [self._stage_bytes(p)[1] for p in self.programs]
         arenas = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0]) for a in range(self.arenas_n)]
         me = self.ctx.rank
-        out = max([b.nbytes for b in self.plan.buckets if self.receivers is None or me in self.receivers] or [0])
+        # a quantized export holds the gathered bucket and its quantized copy at once
+        out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in self.plan.buckets
+                   if self.receivers is None or me in self.receivers] or [0])
         return {"arena_bytes": sum(arenas), "largest_bucket_bytes": out, "total_bytes": sum(arenas) + out}
 
     def compile(self) -> None:
@@ -319,6 +357,12 @@ class Executor:
         arena = self.arenas[a]
         stage_offs, _ = self._stage_bytes(prog)
         cb = CBucket(prog.bucket, prog.receive, a)
+        groups: dict[tuple, tuple] = {}
+        for s in prog.bucket.sources:
+            if s.prequant and s.name in self.local:
+                op = s.resolved.op
+                groups.setdefault((op.rows, op.cols), (op, []))[1].append((s.name, _source_of(self.local[s.name])))
+        cb.prequant = list(groups.values())
         region_base: dict = {}
         if prog.p2p is not None:
             r = prog.p2p
@@ -327,7 +371,7 @@ class Executor:
             for dst_rank, items in r.sends.items():
                 n = r.send_bytes[dst_rank]
                 dsts = [self._view(a, base + off, s) for s, _i, off in items]
-                srcs = [_source_of(self.local[s.name]) for s, _i, _off in items]
+                srcs = [self._src(s) for s, _i, _off in items]
                 cb.p2p.sends.append((dst_rank, arena[base:base + n], dsts, srcs, _getters(srcs)))
                 base += align(n)
             recv_base = base
@@ -343,20 +387,21 @@ class Executor:
             for s, off in st.packs:
                 if st.striped:  # this rank's own TP shard
                     dsts.append(self._view(a, base + st.axis.rank * st.slot + off, s))
-                    srcs.append(_source_of(self.local[s.name]))
+                    srcs.append(self._src(s))
                 else:  # every shard of the source, from where it is now
                     loc = prog.before[j].get(s.name, Loc(LOCAL))
                     step = align(s.shard_nbytes)
                     for i in range(s.count):
                         dsts.append(self._view(a, base + st.axis.rank * st.slot + off + i * step, s))
                         if loc.region == LOCAL:
-                            srcs.append(_source_of(self.local[s.name]))
+                            srcs.append(self._src(s))
                         else:
                             srcs.append(self._view(a, region_base[loc.region] + loc.offsets[i], s))
             cb.stages.append(CStage(st.axis.group, recv, mine, dsts, srcs, _getters(srcs)))
         if prog.receive:
             cb.copies = self._compile_copies(prog, a, region_base)
-            cb.dtypes = tuple(sorted({e.dtype for e in prog.bucket.entries}, key=str))
+            cb.dtypes = tuple(sorted({e.dtype for e in prog.bucket.entries} | {s.dtype for s in prog.bucket.sources},
+                                     key=str))
         return cb
 
     def _compile_copies(self, prog: Program, a: int, region_base: dict) -> list[Copy]:
@@ -368,11 +413,10 @@ class Executor:
             isz = s.dtype.itemsize
             specs = s.resolved.op.copies(s.shard_shape, s.count)
             if loc.region == LOCAL:
-                lt = self.local[s.name]
                 for c in specs:
                     strides, off = c.resolve(0)
                     raw.append(Copy(s.dtype, c.sizes, c.dst_strides, outs[c.out].start // isz + c.dst_offset,
-                                    None, _source_of(lt), strides, off))
+                                    None, self._src(s), strides, off))
             else:
                 base = region_base[0 if loc.region == "mixed" else loc.region]
                 for j, c in enumerate(specs):
@@ -404,8 +448,7 @@ class Executor:
                 (c.sizes, c.dst_strides, c.src_strides)
             doff = dst0 + (i * c.dst_strides[0] if per_shard else 0)
             if offs[i] == LOCAL:
-                out.append(Copy(s.dtype, sizes, dstr, doff, None, _source_of(self.local[s.name]), sstr,
-                                c.src_offset))
+                out.append(Copy(s.dtype, sizes, dstr, doff, None, self._src(s), sstr, c.src_offset))
             else:
                 out.append(Copy(s.dtype, sizes, dstr, doff, None, ("arena", a), sstr,
                                 (base + offs[i]) // isz + c.src_offset))
@@ -427,9 +470,30 @@ class Executor:
         self._pack(st.dsts, st.srcs, st.dynamic)
         works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
 
+    def _quantize_held(self, cb: CBucket) -> None:
+        """The FP8 blobs of this rank's shards in the bucket, quantized per shard shape in batched passes of
+        bounded size (their fp32 temporaries stay far below a bucket)."""
+        for op, items in cb.prequant:
+            for todo in chunks([(n, src) for n, src in items if n not in self._blobs], op.rows * op.cols):
+                self._quantize_batch(op, todo)
+
+    def _quantize_batch(self, op: FP8RowSlices, todo: list) -> None:
+        if todo:
+            x = torch.stack([(src if isinstance(src, torch.Tensor) else src()).detach() for _, src in todo])
+            q, sf = per_block_cast_to_fp8_batched(x, self.scheme.ue8m0)
+            del x
+            n, data, soff = len(todo), op.rows * op.cols, op.scale_offset
+            blobs = torch.empty((n, FP8RowSlices.blob_nbytes(op.rows, op.cols)), dtype=torch.uint8, device=q.device)
+            blobs[:, :data].copy_(q.view(torch.uint8).reshape(n, data))
+            blobs[:, soff:].copy_(sf.view(torch.uint8).reshape(n, -1))
+            for k, (name, _) in enumerate(todo):
+                self._blobs[name] = blobs[k]
+
     def start(self, index: int, first_only: bool = False) -> tuple[CBucket, list, int]:
         """Issue the collectives of bucket `index` that depend on nothing of this bucket not yet done."""
         cb = self._compiled[index]
+        if cb.prequant:
+            self._quantize_held(cb)
         works: list = []
         if cb.p2p is not None:
             ops = []
@@ -472,8 +536,16 @@ class Executor:
 
     def _convert(self, cb: CBucket) -> Bucket:
         b = cb.plan
+        try:
+            return self._build(cb)
+        finally:
+            for s in b.sources:  # this bucket's FP8 blobs are no longer needed
+                self._blobs.pop(s.name, None)
+
+    def _build(self, cb: CBucket) -> Bucket:
+        b = cb.plan
         if not cb.receive:
-            return Bucket(b.index, None, b.entries)
+            return Bucket(b.index, None, b.output)
         flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
         typed = {dt: flat[:b.nbytes - b.nbytes % dt.itemsize].view(dt) for dt in cb.dtypes}
         for c in cb.copies:
@@ -487,7 +559,9 @@ class Executor:
                 if not p.is_contiguous():
                     p = p.contiguous()
                 dst.copy_(p.as_strided(c.sizes, c.src_strides, p.storage_offset() + c.src_offset))
-        return Bucket(b.index, flat, b.entries)
+        if b.out_entries is not None:  # FP8: each full HF weight quantized as a whole (bit-identical by construction)
+            flat = quantize_flat(flat, b.entries, b.out_entries, self.scheme)
+        return Bucket(b.index, flat, b.output)
 
     def run(self, on_bucket: Callable[[int], None] | None = None, timing: bool = False) -> Iterator[Bucket]:
         """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly.

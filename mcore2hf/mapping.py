@@ -17,6 +17,7 @@ import regex
 
 from .errors import UnknownParametersError
 from .layouts import LayoutOp, Replicated
+from .quantize import FP8Policy
 
 _PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")
 
@@ -104,6 +105,8 @@ class Converter:
     aliases: tuple[str, ...] = ()
     #: HF name patterns (same placeholders) that loading may skip, beyond the rules' export-only copies
     ignore_on_load: tuple[str, ...] = ()
+    #: which HF tensors stay unquantized in an FP8 export (None: FP8 export not supported for this architecture)
+    fp8: FP8Policy | None = None
 
     def __post_init__(self):
         templates = [t for rule in self.rules for t in rule.copies] + list(self.ignore_on_load)

@@ -34,6 +34,7 @@ from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .naming import canonical_layer_name, mtp_inner
 from .plan import align, natural_key, pack_tight
+from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .sizes import parse_size
@@ -373,20 +374,28 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
                       iteration: int | None = None, dtype: torch.dtype | str | None = None,
                       max_shard_size: int | str = "5GB", bucket_bytes: int | str = "1GiB",
                       overwrite: bool = False, progress: bool = True, name_filter=None,
-                      make_vocab_size_divisible_by: int = 128) -> ExportReport:
+                      make_vocab_size_divisible_by: int = 128, quantize: str | None = None) -> ExportReport:
     """Write an HF directory from a Megatron torch_dist checkpoint (no GPU, no torch.distributed).
 
     `dtype` casts floating tensors (tensors HF keeps in fp32, like e_score_correction_bias, stay fp32).
     Every tensor's shape is checked against the model transformers builds from `hf_config`, and the vocab rows
     dropped as padding must be exactly Megatron's padding (`make_vocab_size_divisible_by` x the checkpoint's
     TP); all problems are reported at once, before anything is written. `name_filter(hf_name) -> bool` selects
-    tensors."""
+    tensors. `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint (see `mcore2hf.quantize`): each
+    bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy."""
     t0 = time.perf_counter()
     budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
     parse_size(max_shard_size, "max_shard_size")
     cast = _parse_dtype(dtype)
+    scheme = get_scheme(quantize)
     out_dir = os.path.abspath(os.fspath(out_dir))
     source = config_source(hf_config)
+    policy = None
+    if scheme is not None:
+        policy = get_converter(source.config.model_type).fp8
+        if policy is None:
+            raise ValueError(f"FP8 export is not supported for model_type {source.config.model_type!r}: its "
+                             "converter has no fp8 policy")
     inputs = [ckpt_dir] + ([source.directory] if source.directory else [])
     check_target(out_dir, overwrite, inputs)
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)
@@ -396,9 +405,15 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     def out_dtype(s: CkptSource) -> torch.dtype:
         return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
 
-    infos = [TensorInfo(name, shape, out_dtype(s)) for s in sources for name, shape in s.hf]
+    tensors = [(name, shape, out_dtype(s)) for s in sources for name, shape in s.hf]
+    quantization = None
+    if scheme is not None:
+        quantization = policy.config(scheme, [(name, shape) for name, shape, _ in tensors])
+        tensors = quantized_tensors(tensors, policy)
+    infos = [TensorInfo(name, shape, dt) for name, shape, dt in tensors]
     writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
-                               extra_files=source.companion_files, inputs=inputs + [it_dir])
+                               extra_files=source.companion_files, inputs=inputs + [it_dir],
+                               quantization=quantization)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -408,6 +423,10 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     try:
         for index, group in enumerate(_groups(sources, budget, out_dtype)):
             bucket = _convert(reader, group, out_dtype, index)
+            if scheme is not None:
+                entries = pack_tight(quantized_tensors([(e.name, e.shape, e.dtype, e.source) for e in bucket.entries],
+                                                       policy))
+                bucket = Bucket(index, quantize_flat(bucket.flat, bucket.entries, entries, scheme), entries)
             writer.send(bucket)
             n = sum(e.nbytes for e in bucket.entries)
             del bucket  # one output buffer at a time

@@ -22,6 +22,7 @@ from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
 from .mapping import Converter, ModelDims, Resolved
 from .naming import LocalTensor
 from .parallel import ParallelContext
+from .quantize import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
 
 ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
 
@@ -68,6 +69,8 @@ class Source:
     holders: dict[int, tuple[int, ...]]  # shard index -> global ranks holding that shard
     hf_shapes: list[tuple[int, ...]]
     local_name: str = ""
+    #: FP8 export: quantized where it is held, before any collective (travels as an FP8RowSlices byte blob)
+    prequant: bool = False
 
     @property
     def stage(self) -> int:
@@ -122,6 +125,17 @@ class BucketPlan:
     sources: list[Source] = field(default_factory=list)
     entries: list[HFEntry] = field(default_factory=list)
     nbytes: int = 0
+    #: a quantized export's output (fp8 weights + their float32 weight_scale_inv); `entries` is then what the
+    #: gather builds before quantization
+    out_entries: list[HFEntry] | None = None
+
+    @property
+    def output(self) -> list[HFEntry]:
+        return self.entries if self.out_entries is None else self.out_entries
+
+    @property
+    def out_nbytes(self) -> int:
+        return sum(e.nbytes for e in self.output)
 
 
 @dataclass
@@ -132,43 +146,65 @@ class ExportPlan:
     bucket_bytes: int
     records: list[RankRecord]
     world_size: int
+    quantize: str | None = None  # FP8 scheme name ("fp8", "fp8-ue8m0") of a quantized export
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(b.entries) for b in self.buckets)
+        return sum(len(b.output) for b in self.buckets)
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for b in self.buckets for e in b.entries)
+        return sum(e.nbytes for b in self.buckets for e in b.output)
 
     def hf_entries(self) -> list[HFEntry]:
-        return [e for b in self.buckets for e in b.entries]
+        """The tensors the export delivers (after quantization, for a quantized plan)."""
+        return [e for b in self.buckets for e in b.output]
+
+    def quantized_names(self) -> list[str]:
+        return [e.name for e in self.hf_entries() if e.dtype == torch.float8_e4m3fn]
+
+    def prequantized_names(self) -> list[str]:
+        """FP8 weights quantized where they are held, before the collectives."""
+        return [e.name for e in self.hf_entries() if e.dtype == torch.float8_e4m3fn and self.sources[e.source].prequant]
 
     def to_dict(self) -> dict:
         """The plan as plain data (the JSON of `mcore2hf plan --json`)."""
         tensors = []
         for b in self.buckets:
-            for e in b.entries:
+            for e in b.output:
                 src = self.sources[e.source]
                 tensors.append(dict(name=e.name, shape=list(e.shape), dtype=str(e.dtype).removeprefix("torch."),
                                     bytes=e.nbytes, bucket=b.index, source=src.name, megatron=src.local_name,
                                     op=type(src.resolved.op).__name__, shards=src.count, stages=list(src.stages),
                                     ep=src.ep))
-        return dict(model_type=self.model_type, world_size=self.world_size, bucket_bytes=self.bucket_bytes,
-                    num_tensors=self.num_tensors, total_bytes=self.total_bytes,
-                    buckets=[dict(index=b.index, bytes=b.nbytes, tensors=len(b.entries)) for b in self.buckets],
-                    tensors=tensors)
+        out = dict(model_type=self.model_type, world_size=self.world_size, bucket_bytes=self.bucket_bytes,
+                   num_tensors=self.num_tensors, total_bytes=self.total_bytes,
+                   buckets=[dict(index=b.index, bytes=b.out_nbytes, tensors=len(b.output)) for b in self.buckets],
+                   tensors=tensors)
+        if self.quantize:
+            out["quantize"] = self.quantize
+            out["quantized"] = self.quantized_names()
+            out["quantized_on_shards"] = self.prequantized_names()
+        return out
 
     def describe(self, limit: int | None = None) -> str:
         """The dry run: every HF tensor with shape, dtype, its Megatron source (and its shards) and bucket."""
         lines = [
             f"plan for {self.model_type}: {self.num_tensors} HF tensors, {self.total_bytes / 2**20:.1f} MiB, "
             f"{len(self.buckets)} bucket(s) of <= {self.bucket_bytes / 2**20:.1f} MiB, world size {self.world_size}",
+        ]
+        if self.quantize:
+            q, pre = self.quantized_names(), self.prequantized_names()
+            lines.append(f"quantized ({self.quantize}, 128x128 blocks): {len(q)} weights become float8_e4m3fn + a "
+                         f"float32 weight_scale_inv (listed with their shapes), {len(pre)} of them on the shards "
+                         f"before the collectives (op FP8RowSlices), {len(q) - len(pre)} after the gather; the other "
+                         "tensors keep their dtype")
+        lines += [
             f"{'bucket':>6}  {'HF tensor':<60} {'shape':<18} {'dtype':<9} source (shards x where)",
         ]
         shown = 0
         for b in self.buckets:
-            for e in b.entries:
+            for e in b.output:
                 if limit is not None and shown >= limit:
                     lines.append(f"... {self.num_tensors - shown} more")
                     return "\n".join(lines)
@@ -370,3 +406,56 @@ def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> 
         entries.append(HFEntry(name, tuple(shape), dtype, offset, n, source))
         offset += n
     return entries
+
+
+def prequantized_source(src: Source, policy: FP8Policy, probes: dict) -> Source | None:
+    """`src` quantized where it is held (each TP / expert-TP shard on its own), before the collectives, when that
+    is bit-identical to quantizing its full HF tensors: a 2-D tensor whose HF outputs are all quantized and are
+    made of runs of whole shard rows, or of whole shard columns (row-parallel), on 128 block boundaries (no
+    128x128 block straddles a shard or an output; checked by running its layout op on labels). Its bytes cross
+    every collective as fp8 + scales."""
+    r = src.resolved
+    if len(src.shard_shape) != 2 or r.copies or not src.dtype.is_floating_point:
+        return None
+    if not all(policy.quantized(n, shape) for n, shape in zip(r.hf_names, src.hf_shapes)):
+        return None
+    key = (id(r.op), src.shard_shape, src.count)
+    if key not in probes:
+        probes[key] = row_pieces(r.op, src.shard_shape, src.count)
+    found = probes[key]
+    if found is None:
+        return None
+    rows, cols = src.shard_shape
+    op = FP8RowSlices(rows, cols, *found)
+    names = tuple(x for n in r.hf_names for x in (n, scale_name(n)))
+    blob = FP8RowSlices.blob_nbytes(rows, cols)
+    return replace(src, resolved=replace(r, hf_names=names, op=op), dtype=torch.uint8, shard_shape=(blob,),
+                   full_shape=(src.count * blob,), hf_shapes=op.hf_shapes(src.full_shape), prequant=True)
+
+
+def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme, on_shards: bool = True) -> ExportPlan:
+    """The same plan (buckets, holders) delivering FP8: the weights the architecture's policy quantizes become
+    float8_e4m3fn followed by their float32 weight_scale_inv, packed tight (larger element sizes first, so every
+    entry stays aligned for its dtype). With `on_shards`, tensors that allow it are quantized where they are held,
+    before the collectives (`prequantized_source`); the others are quantized after the gather, as full HF tensors
+    (the bucket's `out_entries`; None when the gather already delivers everything quantized)."""
+    probes: dict = {}
+    sources = dict(plan.sources)
+    buckets = []
+    for b in plan.buckets:
+        srcs, gathered = [], []
+        for s in b.sources:
+            pre = prequantized_source(s, policy, probes) if on_shards else None
+            if pre is not None:
+                s = sources[s.name] = pre
+                gathered += [(n, shape, torch.float8_e4m3fn if i % 2 == 0 else torch.float32, s.name)
+                             for i, (n, shape) in enumerate(zip(s.hf_names, s.out_shapes()))]
+            else:
+                gathered += [(n, shape, s.dtype, s.name) for n, shape in zip(s.hf_names, s.out_shapes())]
+            srcs.append(s)
+        entries = pack_tight(gathered)
+        final = quantized_tensors(gathered, policy)
+        out = None if [t[:3] for t in final] == [t[:3] for t in gathered] else pack_tight(final)
+        buckets.append(replace(b, sources=srcs, entries=entries, nbytes=sum(e.nbytes for e in entries),
+                               out_entries=out))
+    return replace(plan, sources=sources, buckets=buckets, quantize=scheme.name)

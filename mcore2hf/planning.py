@@ -6,7 +6,8 @@ from __future__ import annotations
 from .sizes import format_size
 
 
-def _plan_rank(hf_config, layout, bucket_bytes: int, dtype_name: str, te_names: bool, name_filter) -> dict:
+def _plan_rank(hf_config, layout, bucket_bytes: int, dtype_name: str, te_names: bool, name_filter,
+               quantize=None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -25,20 +26,21 @@ def _plan_rank(hf_config, layout, bucket_bytes: int, dtype_name: str, te_names: 
 
         to_te_names(chunks)
     ex = HFExporter(chunks, hf_config)
-    plan = ex.plan(bucket_bytes, name_filter=name_filter)
-    memory = ex.executor(bucket_bytes, name_filter=name_filter).memory_estimate()
+    plan = ex.plan(bucket_bytes, name_filter=name_filter, quantize=quantize)
+    memory = ex.executor(bucket_bytes, name_filter=name_filter, quantize=quantize).memory_estimate()
     report = plan.to_dict() if dist.get_rank() == 0 else {}
     report["memory"] = memory
     return report
 
 
 def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te_names: bool = False,
-             name_filter=None) -> dict:
-    """The plan as a dict (tensors, buckets, layout, each rank's memory). The layout is checked first."""
+             name_filter=None, quantize: str | None = None) -> dict:
+    """The plan as a dict (tensors, buckets, layout, each rank's memory). The layout is checked first.
+    `quantize="fp8"` / `"fp8-ue8m0"`: the FP8 export's plan (which weights are quantized, scale shapes)."""
     from .testing.world import run_world
 
     layout.check(hf_config)
-    ranks = run_world(_plan_rank, layout, hf_config, layout, bucket_bytes, dtype, te_names, name_filter)
+    ranks = run_world(_plan_rank, layout, hf_config, layout, bucket_bytes, dtype, te_names, name_filter, quantize)
     report = ranks[0]
     report["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep,
                         "etp": layout.etp or layout.tp, "world_size": layout.size}
@@ -59,6 +61,11 @@ def plan_report(report: dict, limit: int | None = None) -> str:
                  f"{format_size(worst['total_bytes'])} (rank {worst['rank']}: staging arena "
                  f"{format_size(worst['arena_bytes'])} + largest output bucket "
                  f"{format_size(worst['largest_bucket_bytes'])}), plus any bucket your loop keeps")
+    if report.get("quantize"):
+        q, pre = report["quantized"], report["quantized_on_shards"]
+        lines.append(f"quantized ({report['quantize']}, 128x128 blocks): {len(q)} weights -> float8_e4m3fn + float32 "
+                     f"weight_scale_inv (listed below), {len(pre)} of them on the shards before the collectives, "
+                     f"{len(q) - len(pre)} after the gather")
     lines.append(f"{'bucket':>6}  {'HF tensor':<60} {'shape':<18} {'dtype':<9} source [op, shards x where]")
     tensors = report["tensors"]
     for t in tensors[:limit]:

@@ -10,9 +10,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_export_speed_bench_runs_on_cpu():
     cmd = [sys.executable, os.path.join(ROOT, "bench", "export_speed.py"), "--cpu", "--layout", "tp2ep2-w2",
            "--arch", "glm4_moe", "--layers", "2", "--experts", "8", "--hidden", "128", "--heads", "4",
-           "--moe-ffn", "32", "--vocab", "1000", "--repeat", "1", "--leak-rounds", "2"]
+           "--moe-ffn", "128", "--vocab", "1000", "--repeat", "1", "--leak-rounds", "2", "--quantize", "fp8"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "DIFFER" not in out.stdout, out.stdout
     for row in ("mcore2hf (all ranks)", "mcore2hf (rank 0 only)", "mcore2hf (all ranks, overlap)",
-                "per-tensor async (slime-style)", "growth 0.0 MiB"):
+                "per-tensor async (slime-style)", "growth 0.0 MiB", "mcore2hf fp8 (all ranks)",
+                "mcore2hf fp8 (rank 0 only)", "weights quantized", "sampled tensors bit-identical"):
         assert row in out.stdout, out.stdout

@@ -232,3 +232,37 @@ def test_name_filter_skips_tensors_at_plan_level(saved, ckpts, tmp_path):
     with pytest.raises(ValueError, match="keeps only some"):
         export_checkpoint(ckpt, tmp_path / "split", ckpts["glm4_moe"], name_filter=lambda n: "k_proj" not in n,
                           progress=False)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["tp2-pp2-ep2", "tp2-ep2-etp2-singleton"])
+def test_offline_fp8_export_equals_the_reference_quantizer(case, saved, ckpts, tmp_path):
+    """`export --quantize`: bit-identical to the reference quantizer on the full (cast) HF tensors, the CLI and
+    the Python API, both scale formats, with quantization_config in config.json."""
+    from mcore2hf.registry import get_converter
+
+    layout, singleton = case
+    for mt, base in saved[(str(layout), singleton)].items():
+        source = {k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)  # --dtype bf16
+                  for k, v in read_hf_checkpoint(ckpts[mt]).items()}
+        policy = get_converter(mt).fp8
+        for quantize in ("fp8", "fp8-ue8m0"):
+            out = tmp_path / mt / quantize
+            if quantize == "fp8" and mt == "glm4_moe":
+                r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(base, "ckpt"),
+                                    str(out), "--hf-config", ckpts[mt], "--dtype", "bf16", "--quantize", quantize,
+                                    "--bucket-size", "64KiB", "--quiet"], capture_output=True, text=True)
+                assert r.returncode == 0, r.stderr
+            else:
+                export_checkpoint(os.path.join(base, "ckpt"), out, ckpts[mt], dtype="bf16", quantize=quantize,
+                                  bucket_bytes="64KiB", progress=False)
+            assert_same(read_hf_checkpoint(out), worlds.reference_fp8(source, policy, quantize == "fp8-ue8m0"),
+                        f"{mt} {layout} {quantize}")
+            with open(out / "config.json") as f:
+                config = json.load(f)
+            qc = config["quantization_config"]
+            assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128], qc
+            assert ("scale_fmt" in qc) == (quantize == "fp8-ue8m0"), qc
+            assert config.get("torch_dtype", config.get("dtype")) == "bfloat16", config
+    with pytest.raises(ValueError, match=r"quantize must be one of \['fp8', 'fp8-ue8m0'\] or None, got 'int4'"):
+        export_checkpoint(os.path.join(base, "ckpt"), tmp_path / "bad", ckpts[mt], quantize="int4", progress=False)
+    assert not (tmp_path / "bad").exists()

@@ -484,3 +484,95 @@ def sglang_modes_suite(ckpt: str, layout: Layout, urls: dict[str, str]) -> dict:
         sync(ex, failing, bucket_bytes=64 * 1024, progress=False)
     out["failed_version"] = failing.version
     return out
+
+
+def reference_fp8(ref: dict, policy, ue8m0: bool) -> dict:
+    """What an FP8 export must be: the reference quantizer applied to each full HF tensor the policy quantizes."""
+    from mcore2hf.quantize import per_block_cast_to_fp8, scale_name
+
+    out = {}
+    for name, t in ref.items():
+        if policy.quantized(name, t.shape):
+            out[name], out[scale_name(name)] = per_block_cast_to_fp8(t, ue8m0)
+        else:
+            out[name] = t
+    return out
+
+
+def fp8_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, save: bool = True) -> dict:
+    """FP8 export at `layout` is bit-identical to the reference quantizer applied to the full HF tensors, in
+    every receiver mode, with small buckets, for both scale formats, and through save_pretrained."""
+    import json
+
+    dtype = getattr(torch, dtype_name)
+    rank = dist.get_rank()
+    cfg, chunks = build(ckpt, layout, dtype)
+    load_hf_weights(chunks, ckpt)
+    ref = read_hf_checkpoint(ckpt)
+    ex = HFExporter(chunks, cfg)
+    policy = ex.fp8_policy()
+    want = {q: reference_fp8(ref, policy, q == "fp8-ue8m0") for q in ("fp8", "fp8-ue8m0")}
+    quantized = sorted(n for n, t in want["fp8"].items() if t.dtype == torch.float8_e4m3fn)
+    assert quantized and not any(("embed_tokens" in n or "lm_head" in n or "shared_head.head" in n
+                                  or "eh_proj" in n or n.endswith("mlp.gate.weight")) for n in quantized), quantized
+    for q, expect in want.items():
+        assert_same(ex.state_dict(quantize=q), expect, f"{layout} {q} all ranks")
+    overlapped = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, overlap=True, quantize="fp8-ue8m0")
+                  for n, t in b}
+    assert_same(overlapped, want["fp8-ue8m0"], f"{layout} fp8-ue8m0 4 KiB buckets, overlap")
+    small = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0, quantize="fp8") for n, t in b}
+    agree(checked(lambda: assert_same(small, want["fp8"], f"{layout} fp8 receivers=[0] 4 KiB buckets"))
+          if rank == 0 else (None if not small else "a non-receiver got tensors"))
+    plan = ex.plan(4096, quantize="fp8")
+    for b in plan.buckets:  # SGLang's flattened bucket: back to back, each entry aligned for its dtype view
+        assert all(e.start % e.dtype.itemsize == 0 for e in b.output)
+        assert sum(e.nbytes for e in b.output) == b.out_nbytes
+    text = plan.describe()
+    assert "quantized (fp8" in text and all(n + "_scale_inv" in text for n in quantized)
+    if save:
+        out = os.path.join(out_root, cfg.model_type, str(layout))
+        ex.save_pretrained(out, max_shard_size=200_000, quantize="fp8-ue8m0", progress=False)
+        for i, bucket in enumerate(ex.buckets(bucket_bytes=256 * 1024, quantize="fp8")):  # for the SGLang check
+            if i == 0 and rank == 0:
+                torch.save(dict(flat=bucket.flat.clone(), meta=[(m.name, tuple(m.shape), str(m.dtype), m.start_idx,
+                                                                 m.end_idx) for m in bucket.metadata()]),
+                           os.path.join(out_root, cfg.model_type, "bucket0.pt"))
+
+        def saved_ok():
+            assert_same(read_hf_checkpoint(out), want["fp8-ue8m0"], f"{layout} save_pretrained fp8-ue8m0")
+            with open(os.path.join(out, "config.json")) as f:
+                written = json.load(f)
+            qc = written["quantization_config"]
+            assert qc["quant_method"] == "fp8" and qc["fmt"] == "e4m3" and qc["scale_fmt"] == "ue8m0", qc
+            assert qc["weight_block_size"] == [128, 128] and qc["activation_scheme"] == "dynamic", qc
+            assert written.get("torch_dtype", written.get("dtype")) == dtype_name, written
+            if cfg.model_type == "qwen3_moe":  # as Qwen3-30B-A3B-FP8's config.json lists them
+                assert {"lm_head", "model.layers.0.input_layernorm", "model.layers.0.mlp.gate",
+                        "model.layers.0.post_attention_layernorm"} <= set(qc["modules_to_not_convert"]), qc
+            if policy.list_not_converted:
+                assert set(qc["modules_to_not_convert"]) == {n.removesuffix(".weight") for n, t in ref.items()
+                                                             if n.endswith(".weight") and t.dtype != torch.uint8
+                                                             and not policy.quantized(n, t.shape)}, qc
+            else:
+                assert "modules_to_not_convert" not in qc, qc
+
+        agree(checked(saved_ok) if rank == 0 else None)
+    bf16 = ex.plan(quantize=None)
+    fp8 = ex.plan(quantize="fp8")
+
+    def wire(quantize) -> int:  # bytes this rank receives through the collectives of an all-ranks export
+        return sum((st.axis.size - 1) * st.slot for p in ex.executor(quantize=quantize).programs for st in p.stages)
+
+    return {"quantized": len(quantized), "tensors": len(want["fp8"]), "bytes": bf16.total_bytes,
+            "fp8_bytes": fp8.total_bytes, "on_shards": len(fp8.prequantized_names()), "wire": wire(None),
+            "fp8_wire": wire("fp8")}
+
+
+def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, quantize: str):
+    """Load HF weights at `layout`, save them as FP8 with HFExporter, and return the Megatron logits."""
+    cfg, chunks = build(ckpt, layout, mtp=False)
+    load_hf_weights(chunks, ckpt)
+    logits = megatron_logits(chunks, tokens, cfg.vocab_size)
+    HFExporter(chunks, cfg).save_pretrained(os.path.join(out_root, cfg.model_type), quantize=quantize,
+                                            progress=False)
+    return logits

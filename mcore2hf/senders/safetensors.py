@@ -163,7 +163,11 @@ class SafetensorsWriter:
         self.total_size = 0
         for i, infos in enumerate(groups):
             self.files[f"model-{i + 1:05d}-of-{n:05d}.safetensors"] = infos
-        self.dtype = max(((sum(t.nbytes for t in tensors if t.dtype == d), d) for d in {t.dtype for t in tensors}),
+        # the model's dtype is that of most bytes; in a quantized export, that of the unquantized tensors (published
+        # FP8 checkpoints say bfloat16): fp8 weights and their scales do not count
+        counted = [t for t in tensors if self.quantization is None
+                   or (t.dtype != torch.float8_e4m3fn and not t.name.endswith("_scale_inv"))] or tensors
+        self.dtype = max(((sum(t.nbytes for t in counted if t.dtype == d), d) for d in {t.dtype for t in counted}),
                          default=(0, torch.float32), key=lambda x: x[0])[1]
 
     def _write_header(self, fname: str, infos: list[TensorInfo]) -> None:
