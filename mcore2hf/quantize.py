@@ -70,6 +70,13 @@ def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
     return (exp.clamp(1, 254) << 23).view(torch.float32)
 
 
+def _true_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """t / divisor rounded as IEEE division on every device: PyTorch's CUDA kernel turns division by a Python
+    scalar into multiplication by its reciprocal (one ulp off for amax / 448, measured on an H200), a 0-dim tensor
+    divisor keeps the true division that DeepGEMM's `x_amax / 448.0` computes on CPU."""
+    return t / t.new_full((), divisor)
+
+
 def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
                           block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight [m, n], float32 scale_inv [ceil(m/block), ceil(n/block)]) of a 2-D tensor.
@@ -85,7 +92,7 @@ def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
     padded[:m, :n] = x
     view = padded.view(-1, block, padded.size(1) // block, block)
     amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    sf = amax / FP8_MAX
+    sf = _true_div(amax, FP8_MAX)
     if use_ue8m0:
         sf = ceil_to_ue8m0(sf)
     scaled = (view * (1.0 / sf)).to(torch.float8_e4m3fn)
@@ -103,7 +110,7 @@ def per_block_cast_to_fp8_batched(x: torch.Tensor, use_ue8m0: bool = False,
     padded[:, :m, :n] = x
     view = padded.view(k, -1, block, padded.size(2) // block, block)
     amax = view.abs().float().amax(dim=(2, 4), keepdim=True).clamp(1e-4)
-    sf = amax / FP8_MAX
+    sf = _true_div(amax, FP8_MAX)
     if use_ue8m0:
         sf = ceil_to_ue8m0(sf)
     scaled = (view * (1.0 / sf)).to(torch.float8_e4m3fn)
