@@ -186,3 +186,25 @@ class NameFilter:
         if self.include and not any(regex.search(p, hf_name) for p in self.include):
             return False
         return not any(regex.search(p, hf_name) for p in self.exclude)
+
+
+def filter_outputs(keep: Callable[[str], bool], outputs) -> dict:
+    """Which outputs a name filter keeps. `outputs` yields (key, primary HF names, copy names) per Megatron tensor;
+    returns {key: kept copy names} for the tensors kept at all. A layout op writes all its primary outputs together,
+    so keeping some of them but not others is an error, as is keeping nothing."""
+    out, split = {}, []
+    for key, primary, copies in outputs:
+        kept = [keep(n) for n in primary]
+        kept_copies = tuple(c for c in copies if keep(c))
+        if not any(kept) and not kept_copies:
+            continue
+        if not all(kept):
+            split.append(f"{key} -> {list(primary)} (kept: {[n for n, k in zip(primary, kept) if k]})")
+            continue
+        out[key] = kept_copies
+    if split:
+        raise ValueError("the name filter keeps only some of the HF tensors one Megatron tensor becomes; keep all "
+                         "or none of them:\n  " + "\n  ".join(split))
+    if not out:
+        raise ValueError("the name filter keeps no HF tensor")
+    return out

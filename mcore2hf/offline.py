@@ -32,7 +32,7 @@ from .buckets import Bucket
 from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .naming import canonical_layer_name, mtp_inner
+from .naming import canonical_layer_name, filter_outputs, mtp_inner
 from .plan import align, natural_key, pack_tight
 from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
@@ -527,21 +527,10 @@ def vocab_padding_problems(reader: DistCheckpointReader, vocab_size: int, divisi
 
 
 def _filtered(sources: list[CkptSource], keep) -> list[CkptSource]:
-    out, split = [], []
-    for s in sources:
-        kept = [keep(name) for name, _ in s.hf]
-        if not any(kept):
-            continue
-        if not all(kept[:s.n_out]):
-            split.append(f"{s.key} -> {[n for n, _ in s.hf[:s.n_out]]}")
-            continue
-        out.append(replace(s, hf=[h for h, k in zip(s.hf, kept) if k]))
-    if split:
-        raise ValueError("the name filter keeps only some of the HF tensors one Megatron tensor becomes; keep all "
-                         "or none of them:\n  " + "\n  ".join(split))
-    if not out:
-        raise ValueError("the name filter keeps no HF tensor")
-    return out
+    kept = filter_outputs(keep, ((s.name, [n for n, _ in s.hf[:s.n_out]], [n for n, _ in s.hf[s.n_out:]])
+                                 for s in sources))
+    return [replace(s, hf=s.hf[:s.n_out] + [h for h in s.hf[s.n_out:] if h[0] in kept[s.name]])
+            for s in sources if s.name in kept]
 
 
 def _parse_dtype(dtype) -> torch.dtype | None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
 from .mapping import Converter, ModelDims, Resolved
-from .naming import LocalTensor
+from .naming import LocalTensor, filter_outputs
 from .parallel import ParallelContext
 from .quantize import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
 
@@ -328,23 +328,9 @@ def filter_sources(sources: dict[str, Source], keep) -> dict[str, Source]:
     together, so a filter that keeps some outputs of one Megatron tensor but not others is an error."""
     if keep is None:
         return sources
-    out, split = {}, []
-    for name, s in sources.items():
-        r = s.resolved
-        primary = [keep(n) for n in r.hf_names]
-        copies = tuple(c for c in r.copies if keep(c))
-        if not any(primary) and not copies:
-            continue
-        if not all(primary):
-            split.append(f"{name} -> {list(r.hf_names)} (kept: {[n for n, k in zip(r.hf_names, primary) if k]})")
-            continue
-        out[name] = s if copies == r.copies else replace(s, resolved=replace(r, copies=copies))
-    if split:
-        raise ValueError("the name filter keeps only some of the HF tensors one Megatron tensor becomes; keep all "
-                         "or none of them:\n  " + "\n  ".join(split))
-    if not out:
-        raise ValueError("the name filter keeps no HF tensor")
-    return out
+    kept = filter_outputs(keep, ((n, s.resolved.hf_names, s.resolved.copies) for n, s in sources.items()))
+    return {n: s if kept[n] == s.resolved.copies else replace(s, resolved=replace(s.resolved, copies=kept[n]))
+            for n, s in sources.items() if n in kept}
 
 
 def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[BucketPlan]:

@@ -248,3 +248,18 @@ def test_library_logging_is_silent_unless_configured():
     code += "logging.basicConfig()\nlogging.getLogger('mcore2hf').warning('now shown')\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "now shown" in r.stderr and "quantization_config" not in r.stderr
+
+
+def test_name_filter_keeps_whole_megatron_tensors():
+    from mcore2hf.naming import NameFilter, filter_outputs
+
+    outs = [("qkv", ("q", "k", "v"), ()), ("emb", ("model.embed_tokens.weight",), ("model.layers.4.embed_tokens.weight",)),
+            ("norm", ("model.norm.weight",), ())]
+    assert filter_outputs(NameFilter(exclude=(r"^model\.layers\.4\.",)), outs) == {"qkv": (), "emb": (), "norm": ()}
+    assert filter_outputs(NameFilter(include=(r"embed",)), outs) == {"emb": ("model.layers.4.embed_tokens.weight",)}
+    with pytest.raises(ValueError, match=r"qkv -> \['q', 'k', 'v'\] \(kept: \['q', 'v'\]\)"):
+        filter_outputs(NameFilter(exclude=("^k$",)), outs)
+    with pytest.raises(ValueError, match="keeps no HF tensor"):
+        filter_outputs(NameFilter(include=("nothing",)), outs)
+    with pytest.raises(ValueError, match="not a regular expression"):
+        NameFilter(include=("(",))
