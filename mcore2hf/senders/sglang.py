@@ -531,12 +531,16 @@ class _BroadcastSender(_SenderBase):
             return
         self.attempt += 1
         offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self._store = host_store(self.timeout) if self.master_port == 0 else None  # master_port=0: the OS picks
-        self.port = self._store.port if self._store is not None else self.master_port
+        self._prepare_rendezvous()
         errors = self._parallel(self._init_calls(offsets), self._join)
         if errors:
             self._teardown()
             raise EngineError(self._join_failed + "; ".join(errors))
+
+    def _prepare_rendezvous(self) -> None:
+        """Set `self.port`, the rendezvous port the engines are told; master_port=0: a store on a port the OS picks."""
+        self._store = host_store(self.timeout) if self.master_port == 0 else None
+        self.port = self._store.port if self._store is not None else self.master_port
 
     def _join(self) -> None:
         self.pg = join_weight_update_group(self.master_address, self.port, 0, self.world_size,

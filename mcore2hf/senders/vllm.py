@@ -448,6 +448,9 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
             raise EngineError("vLLM's NCCL weight transfer needs vllm importable on trainer rank 0 (its "
                               "StatelessProcessGroup + PyNcclCommunicator form the group); use the IPC backend "
                               "(VLLMColocatedSender) otherwise")
+        super().connect()
+
+    def _prepare_rendezvous(self) -> None:
         import socket
 
         self._listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # bound now: its port goes to the engines
@@ -455,7 +458,6 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
         self._listen.bind((self.master_address, self.master_port))
         self._listen.listen()
         self.port = self._listen.getsockname()[1]
-        super().connect()
 
     def _init_calls(self, offsets: list[int]) -> list[tuple]:
         calls = []
