@@ -11,12 +11,11 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_senders import make_bucket
 
-from mcore2hf.buckets import Bucket
 from mcore2hf.cli import build_parser
 from mcore2hf.errors import Mcore2HFError
 from mcore2hf.hf_config import config_source, output_config
-from mcore2hf.plan import pack_tight
 from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from mcore2hf.sizes import parse_size
 from mcore2hf.testing.tiny import tiny_config
@@ -90,17 +89,9 @@ def test_cli_runtime_errors_are_one_line_and_debug_shows_the_traceback(tmp_path)
 
 # -- the writer: overlap, overwrite, permissions, stale temporary directories --------------------------------------
 
-def _bucket(tensors: dict[str, torch.Tensor]) -> Bucket:
-    entries = pack_tight([(n, tuple(t.shape), t.dtype, n) for n, t in tensors.items()])
-    flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
-    for e in entries:
-        flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape).copy_(tensors[e.name])
-    return Bucket(0, flat, entries)
-
-
 def _write(out, tensors, config=None, **kw) -> SafetensorsWriter:
     w = SafetensorsWriter(out, [TensorInfo(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], config, **kw)
-    w.send(_bucket(tensors))
+    w.send(make_bucket(tensors))
     w.finish()
     return w
 
