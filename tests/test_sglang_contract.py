@@ -85,72 +85,98 @@ class _Exporter:
         return SimpleNamespace(programs=buckets, stats={}, run=lambda timing=False: iter(buckets))
 
 
-def trainer(kind: str, url: str, engine_tp: int, port: int, api_key, expect_error):
-    """One trainer rank: two syncs through our sender into the real-code server (or the expected refusal)."""
-    from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, UnsupportedEngine, sync
+def _http(url: str, path: str, method: str = "GET") -> dict:
+    import json
+    import urllib.request
 
-    if kind == "colocated":
-        sender = SGLangColocatedSender(url, engine_tp, timeout=60, api_key=api_key)
-    else:
-        sender = SGLangDistributedSender([url], [engine_tp], "127.0.0.1", port, backend="gloo", timeout=60,
-                                         api_key=api_key)
-    ex = _Exporter(tensors(0))
-    if expect_error:
-        t = time.monotonic()
-        with pytest.raises(UnsupportedEngine, match=expect_error):
+    with urllib.request.urlopen(urllib.request.Request(url + path, method=method), timeout=60) as r:
+        return json.loads(r.read())
+
+
+def trainer(url: str, engine_tp: int, api_key):
+    """One rank of a trainer world of `engine_tp` ranks: colocated then distributed, two syncs each, through our
+    senders into the real-code server; after each kind rank 0 takes the server's record and clears it."""
+    import torch.distributed as dist
+
+    from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, sync
+
+    rank, out = dist.get_rank(), {}
+    for kind in ("colocated", "distributed"):
+        if kind == "colocated":
+            sender = SGLangColocatedSender(url if rank == 0 else None, engine_tp, timeout=60, api_key=api_key)
+        else:  # port 0: the sender hosts the rendezvous on a port the OS picks
+            sender = SGLangDistributedSender([url] if rank == 0 else None, [engine_tp], "127.0.0.1", 0,
+                                             backend="gloo", timeout=60, api_key=api_key)
+        ex = _Exporter(tensors(0))
+        for _ in range(2):
             sync(ex, sender, progress=False)
-        return time.monotonic() - t
-    for _ in range(2):
-        sync(ex, sender, progress=False)
-    if kind == "distributed":
-        sender.close()
-    return sender.version
+        if kind == "distributed":
+            sender.close()
+        dist.barrier()
+        out[kind] = {"version": sender.version}
+        if rank == 0:
+            out[kind]["state"] = _http(url, "/mcore2hf_state")
+            _http(url, "/mcore2hf_reset", "POST")
+        dist.barrier()
+    return out
+
+
+def refused_trainer(url: str, expect_error: str) -> float:
+    from mcore2hf.senders import SGLangColocatedSender, UnsupportedEngine, sync
+
+    sender = SGLangColocatedSender(url, 1, timeout=60)
+    t = time.monotonic()
+    with pytest.raises(UnsupportedEngine, match=expect_error):
+        sync(_Exporter(tensors(0)), sender, progress=False)
+    return time.monotonic() - t
 
 
 def protocol(calls):
     return [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("version", [SESSION_RELEASE, PRE_SESSION_RELEASE])
-def test_sync_into_real_sglang(version):
-    """Colocated (engine TP 2: one payload per rank) and distributed (engine TP 1: the release's group + broadcast
-    receive; TP 2 would register one group name twice in this one-process engine) syncs, twice each:
-    every byte equal on every engine rank, the version recorded, sessions exactly where the release has them."""
+def test_sync_into_real_sglang(version, tp):
+    """One server of engine TP `tp` (one scheduler process per TP rank, each running the release's code) and a
+    trainer world of `tp` ranks: colocated (one payload per engine rank) then distributed (each engine rank joins
+    the weight-update group at its rank offset and receives the broadcast), two syncs each: every byte equal on
+    every engine rank, the version recorded, sessions exactly where the release has them."""
     sessions = version == SESSION_RELEASE
-    for kind, tp, trainers in (("colocated", 2, 2), ("distributed", 1, 1)):
-        server = RealServer(version, tp=tp, api_key="k3y")
-        try:
-            assert server.version == version
-            port = 0  # the sender hosts the rendezvous on a port the OS picks
-            vs = run_world(trainer, Layout(world_size=trainers), kind, server.url, tp, port, "k3y", None, timeout=300)
-            assert vs == [2] * trainers
-            state = server.state()
-            want = digests(tensors(0))
+    server = RealServer(version, tp=tp, api_key="k3y")
+    try:
+        assert server.version == version
+        results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
+        want = digests(tensors(0))
+        for kind in ("colocated", "distributed"):
+            assert [r[kind]["version"] for r in results] == [2] * tp, kind
+            state = results[0][kind]["state"]
+            assert sorted(state["weights"]) == [str(r) for r in range(tp)]
             for r in range(tp):
                 got = {n: d[0] for n, d in state["weights"][str(r)].items()}
                 assert got == want, f"{kind} rank {r}: {[n for n in want if got.get(n) != want[n]]}"
-            assert state["versions"][-1] == "2" and "1" in state["versions"]
+            # every update request of a sync carries its version
+            assert set(state["versions"]) == {"1", "2"} and state["versions"] == sorted(state["versions"]), \
+                (kind, state["versions"])
             update = "/update_weights_from_tensor" if kind == "colocated" else "/update_weights_from_distributed"
             one = ["/pause_generation"] + (["/begin_weight_update"] if sessions else []) + [update, "/flush_cache"] \
                 + (["/end_weight_update"] if sessions else []) + ["/continue_generation"]
-            head = ["/server_info"] + (["/init_weights_update_group"] if kind == "distributed" else [])
-            tail = ["/destroy_weights_update_group"] if kind == "distributed" else []
-            calls = protocol(state["calls"])
             if kind == "distributed":  # the group is formed in begin(), before the first pause
-                assert calls == head + one + one[0:] + tail or calls == ["/server_info", "/init_weights_update_group"] \
-                    + one + one + tail, calls
+                expected = ["/server_info", "/init_weights_update_group"] + one + one \
+                    + ["/destroy_weights_update_group"]
             else:
-                assert calls == head + one + one, calls
+                expected = ["/server_info"] + one + one
+            assert protocol(state["calls"]) == expected, (kind, state["calls"])
             assert not state["paused"]
-        finally:
-            server.stop()
+    finally:
+        server.stop()
 
 
 def test_refuses_sglang_0_5_4_before_anything_moves():
     server = RealServer(REFUSED_RELEASE)
     try:
-        (elapsed,) = run_world(trainer, Layout(), "colocated", server.url, 1, 0, None, "sglang 0.5.4.post3 is not "
-                               "supported", timeout=120)
+        (elapsed,) = run_world(refused_trainer, Layout(), server.url, "sglang 0.5.4.post3 is not supported",
+                               timeout=120)
         assert elapsed < 30
     finally:
         server.stop()

@@ -2,13 +2,16 @@
 sys.path), with the GPU-only and heavy third-party imports it cannot load here replaced by permissive stubs.
 
 Only sglang's modules run for real; a stub stands in for any module that is not installed (kernels, triton, CUDA
-bindings, ...). `python -m mcore2hf.testing.sglang_real SITE_DIR` serves the release's own FastAPI app
-(entrypoints/http_server.py: its routes, request validation, reply formats, API-key middleware) on 127.0.0.1 port 0
-(the port is printed as `PORT <n>`), behind a tokenizer manager that hands each request to the release's own
-scheduler-side code: the weight-updater component (session checks, >= 0.5.20 layout) or scheduler mixin (older),
-the TP worker's deserialization (its SafeUnpickler, patch_torch's UUID-aware CUDA rebuild), the model runner's
-flattened-bucket rebuild and its weight-update group (init_custom_process_group, gloo) with the distributed receive.
-The model is a recorder: every tensor given to `load_weights` is hashed; GET /mcore2hf_state returns the hashes.
+bindings, ...). `python -m mcore2hf.testing.sglang_real SITE_DIR --tp N` serves, on 127.0.0.1 port 0 (printed as
+`PORT <n>`), a small HTTP front end whose routes and replies follow the release's entrypoints/http_server.py (which
+routes exist is read from it; API-key check as utils/auth.py) and which builds each request with the release's
+request types (io_struct). As in SGLang, each engine TP rank is its own scheduler process: rank 0 gets the request
+and passes it to the other ranks with the release's broadcast_pyobj; every rank runs the release's scheduler-side
+code: the weight-updater component (session checks, >= 0.5.20 layout), the TP worker's deserialization (its
+SafeUnpickler, patch_torch's UUID-aware CUDA rebuild), the model runner's flattened-bucket rebuild and its
+weight-update group (init_weights_update_group at rank_offset + tp_rank, init_custom_process_group, gloo) with the
+distributed receive. The model is a recorder: every tensor given to `load_weights` is hashed; GET /mcore2hf_state
+returns the hashes per rank, POST /mcore2hf_reset forgets them (the harness' own routes).
 """
 
 from __future__ import annotations
@@ -161,21 +164,32 @@ def _imported_by_sglang() -> bool:
     return f is not None and f.f_globals.get("__name__", "").startswith("sglang")
 
 
+# Modules (and transformers' lazy attributes) that import triton & co. lazily; preloaded by install().
+PRELOAD = ("torch._dynamo", "torch._inductor.codecache", "torch._inductor.utils", "transformers")
+PRELOAD_TRANSFORMERS = ("AutoProcessor", "AutoImageProcessor", "AutoTokenizer", "AutoConfig", "PretrainedConfig",
+                        "AutoModel", "AutoFeatureExtractor")
+
+
 def install(site_dir: str) -> None:
     """Put one release's unpacked wheel first on sys.path and stub what it cannot import here."""
     if any(m == "sglang" or m.startswith("sglang.") for m in sys.modules):
         raise RuntimeError("sglang is already imported in this process: one release per process")
     sys.path.insert(0, site_dir)
     # load what torch and transformers import lazily while triton & co are still absent: with stubs in
-    # sys.modules they would take them for the real packages
-    import torch._dynamo  # noqa: F401
-    import torch._inductor.codecache  # noqa: F401
-    import torch._inductor.utils  # noqa: F401
-    import transformers
+    # sys.modules they would take them for the real packages. A name another torch/transformers lacks is skipped.
+    import importlib
 
-    for name in ("AutoProcessor", "AutoImageProcessor", "AutoTokenizer", "AutoConfig", "PretrainedConfig",
-                 "AutoModel", "AutoFeatureExtractor"):
-        getattr(transformers, name)
+    for module in PRELOAD:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
+    transformers = sys.modules.get("transformers")
+    for name in PRELOAD_TRANSFORMERS if transformers else ():
+        try:
+            getattr(transformers, name)
+        except (ImportError, AttributeError):
+            continue
     sys.meta_path.insert(0, _StubFinder(last=False))
     sys.meta_path.append(_StubFinder(last=True))
 
@@ -215,56 +229,49 @@ class _Recorder:
 
 
 class Engine:
-    """One SGLang server of `tp_size` ranks, each rank's scheduler-side objects built from the release's code."""
+    """One SGLang server of `tp_size` ranks laid out as SGLang runs them: this (HTTP / tokenizer-manager) process
+    and one scheduler process per engine TP rank (forked once the release's code is loaded). The tokenizer side
+    hands each request to scheduler rank 0, which passes it to the other TP ranks with the release's
+    broadcast_pyobj over the TP CPU group (managers/scheduler_components/request_receiver.py, 0.5.23;
+    scheduler.py recv_requests, 0.5.20); every rank runs the release's scheduler-side method. Each rank's default
+    process group is the engine's TP world (gloo), so the release's barriers and its init_weights_update_group
+    (one group per process, joined at rank_offset + tp_rank) run as in SGLang."""
 
-    def __init__(self, tp_size: int = 1, api_key: str | None = None):
-        import types as _t
+    def __init__(self, tp_size: int = 1, api_key: str | None = None, timeout: float = 300.0):
+        import multiprocessing
+        import tempfile
 
-        import torch.distributed as dist
         from sglang.srt.managers import io_struct
-        from sglang.srt.managers.scheduler_components import weight_updater as sched_wu
-        from sglang.srt.model_executor.model_runner_components import weight_updater as runner_wu
         from sglang.srt.utils import common
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.version import __version__
 
-        if not dist.is_initialized():  # WeightUpdater.init_weights_update_group asserts a default group
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self.version, self.tp_size, self.api_key = __version__, tp_size, api_key
+        self.version, self.tp_size, self.api_key, self.timeout = __version__, tp_size, api_key, timeout
         self.io, self.common = io_struct, common
-        self.weights: dict[int, dict] = {r: {} for r in range(tp_size)}
         self.versions: list[str] = []
         self.calls: list[str] = []
         self.paused = False
-        self.ranks = []
-        for rank in range(tp_size):
-            ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1,
-                                    tp_group=_t.SimpleNamespace(cpu_group=None))
-            model = _recorder(self.weights[rank])
-            updater = runner_wu.WeightUpdater(
-                tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                get_model=lambda m=model: m, update_model_fields=lambda *a, **k: None,
-                recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
-            runner = _t.SimpleNamespace(weight_updater=updater, model=model)
-            worker = _Worker(rank, runner, common, monkey_patch_torch_reductions)
-            scheduler = _t.SimpleNamespace(record_weight_version_change=lambda new_version: None)
-            import dataclasses
+        # fork: each rank starts with the release's code already imported (a spawned start re-imports it, ~10 s
+        # a rank on this machine); no thread has been started in this process yet
+        ctx = multiprocessing.get_context("fork")
+        init = f"file://{tempfile.mkdtemp(prefix='sglang-tp-')}/store"
+        pipes = [ctx.Pipe() for _ in range(tp_size)]
+        self.conns = [parent for parent, _ in pipes]
+        self.procs = [ctx.Process(target=_scheduler_main, args=(r, tp_size, init, pipes[r][1]), daemon=True)
+                      for r in range(tp_size)]
+        for p in self.procs:
+            p.start()
+        for r, conn in enumerate(self.conns):
+            ok, message = self._answer(r, conn)
+            if not ok:
+                raise RuntimeError(f"engine TP rank {r} did not start: {message}")
 
-            cls = sched_wu.SchedulerWeightUpdaterManager
-            extra = {"tp_cpu_group": None} if any(f.name == "tp_cpu_group" and f.init
-                                                  for f in dataclasses.fields(cls)) else {}  # 0.5.20: an argument
-            manager = _with_parallel(sched_wu, ps, lambda w=worker, s=scheduler, cls=cls, extra=extra: cls(
-                tp_worker=w, draft_worker=None, memory_saver_adapter=None, flush_cache=lambda **k: True,
-                is_fully_idle=lambda **k: True, scheduler=s, **extra))
-            self.ranks.append((ps, manager, runner_wu))
-        self._patch_runtime(runner_wu)
-
-    @staticmethod
-    def _patch_runtime(runner_wu):
-        import types as _t
-
-        if hasattr(runner_wu, "get_model"):  # weight cache off (runtime_context.get_model().weight_cache_mode)
-            runner_wu.get_model = lambda: _t.SimpleNamespace(weight_cache_mode="off")
+    def _answer(self, rank: int, conn) -> tuple[bool, object]:
+        if not conn.poll(self.timeout):
+            return False, f"engine TP rank {rank} did not answer within {self.timeout} s"
+        try:
+            return conn.recv()
+        except EOFError:
+            return False, f"engine TP rank {rank} exited (exit code {self.procs[rank].exitcode})"
 
     def request(self, cls_name: str, body: dict):
         """The release's request type built from the JSON body, as its HTTP layer validates it."""
@@ -279,32 +286,102 @@ class Engine:
             pass
         return cls(**body)  # dataclasses (<= 0.5.20)
 
-    def call(self, method: str, req):
-        """Run `method` of every rank's scheduler-side manager; merge as FanOutCommunicator.merge_results does."""
-        import threading
+    def call(self, method: str, req) -> tuple[bool, object]:
+        """Run `method` on every TP rank (request to rank 0, which broadcasts it). Success when every rank
+        succeeds (stricter than SGLang, whose reply is rank 0's); the message is the first failure's, or rank
+        0's (for the harness' own state query, every rank's answer)."""
+        self.conns[0].send([(method, req)])
+        outs = [self._answer(r, c) for r, c in enumerate(self.conns)]
+        if method == _STATE:
+            return all(o[0] for o in outs), [o[1] for o in outs]
+        ok = all(o[0] for o in outs)
+        return ok, next((o[1] for o in outs if not o[0]), outs[0][1])
 
-        import sglang.srt.managers.scheduler_components.weight_updater as sched_wu
 
-        outs: list = [None] * len(self.ranks)
+_STATE, _RESET = "mcore2hf_state", "mcore2hf_reset"  # the harness' own requests (not SGLang's)
 
-        def run(i, ps, manager, runner_wu):  # ranks run concurrently, as a group rendezvous and broadcast need
+
+class _Rank:
+    """One engine TP rank's scheduler-side objects, built from the release's code in the rank's own process:
+    SchedulerWeightUpdaterManager over a TP worker (_Worker) over a model runner with the release's WeightUpdater
+    and a recorder model."""
+
+    def __init__(self, rank: int, tp_size: int):
+        import dataclasses
+        import types as _t
+
+        import torch.distributed as dist
+        from sglang.srt.managers.scheduler_components import weight_updater as sched_wu
+        from sglang.srt.model_executor.model_runner_components import weight_updater as runner_wu
+        from sglang.srt.utils import common
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        group = dist.group.WORLD  # the engine's TP world: in SGLang the TP group's CPU (gloo) group
+        ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1,
+                                tp_group=_t.SimpleNamespace(cpu_group=group, rank=rank, ranks=list(range(tp_size))))
+        for m in (sched_wu, runner_wu):  # runtime_context.get_parallel(): this process's rank
+            m.get_parallel = lambda: ps
+        if hasattr(runner_wu, "get_model"):  # weight cache off (runtime_context.get_model().weight_cache_mode)
+            runner_wu.get_model = lambda: _t.SimpleNamespace(weight_cache_mode="off")
+        self.weights: dict = {}
+        model = _recorder(self.weights)
+        updater = runner_wu.WeightUpdater(
+            tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+            get_model=lambda: model, update_model_fields=lambda *a, **k: None,
+            recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+        worker = _Worker(rank, _t.SimpleNamespace(weight_updater=updater, model=model), common,
+                         monkey_patch_torch_reductions)
+        scheduler = _t.SimpleNamespace(record_weight_version_change=lambda new_version: None)
+        cls = sched_wu.SchedulerWeightUpdaterManager
+        extra = {"tp_cpu_group": group} if any(f.name == "tp_cpu_group" and f.init
+                                               for f in dataclasses.fields(cls)) else {}  # 0.5.20: an argument
+        self.manager = cls(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
+                           flush_cache=lambda **k: True, is_fully_idle=lambda **k: True, scheduler=scheduler,
+                           **extra)
+
+    def handle(self, method: str, req) -> tuple[bool, object]:
+        if method == _STATE:
+            return True, dict(self.weights)
+        if method == _RESET:
+            self.weights.clear()
+            return True, ""
+        try:
+            out = getattr(self.manager, method)(req)
+            return bool(out.success), out.message
+        except Exception as e:  # noqa: BLE001 - recorded as the rank's failure
+            return False, f"{type(e).__name__}: {e}"
+
+
+def _scheduler_main(rank: int, tp_size: int, init_method: str, conn) -> None:
+    """A scheduler process: join the TP world, then serve requests until the pipe closes."""
+    import ctypes
+    import signal
+
+    import torch.distributed as dist
+    from sglang.srt.utils import broadcast_pyobj
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server process
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp_size)
+        r = _Rank(rank, tp_size)
+    except Exception as e:  # noqa: BLE001 - reported to the server process
+        conn.send((False, f"{type(e).__name__}: {e}"))
+        return
+    conn.send((True, "ready"))
+    while True:
+        if rank == 0:
             try:
-                outs[i] = getattr(manager, method)(req)
-            except Exception as e:  # noqa: BLE001 - recorded as the rank's failure
-                import types as _t
-
-                outs[i] = _t.SimpleNamespace(success=False, message=f"{type(e).__name__}: {e}")
-
-        parallel = _RankLocal(sched_wu, self.ranks[0][2])
-        threads = []
-        for i, (ps, manager, runner_wu) in enumerate(self.ranks):
-            t = threading.Thread(target=parallel.run, args=(ps, run, i, ps, manager, runner_wu))
-            t.start()
-            threads.append(t)
-        for t in threads:
-            t.join()
-        ok = all(o.success for o in outs)
-        return ok, next((o.message for o in outs if not o.success), outs[0].message)
+                reqs = conn.recv()
+            except EOFError:
+                reqs = [(None, None)]
+        else:
+            reqs = None
+        if tp_size > 1:  # scheduler rank 0 passes the requests to the other TP ranks
+            reqs = broadcast_pyobj(reqs, rank, dist.group.WORLD, src=0)
+        method, req = reqs[0]
+        if method is None:
+            return
+        conn.send(r.handle(method, req))
 
 
 class _Worker:
@@ -334,35 +411,6 @@ class _Worker:
     def update_weights_from_tensor(self, r):  # 0.5.20
         return self.model_runner.weight_updater.update_weights_from_tensor(
             named_tensors=self.deserialize_own_rank(r.serialized_named_tensors), load_format=r.load_format)
-
-
-class _RankLocal:
-    """`get_parallel` of the release's modules answering the calling thread's rank."""
-
-    def __init__(self, *modules):
-        import threading
-
-        self.local = threading.local()
-        for m in modules:
-            m.get_parallel = lambda: self.local.ps
-
-    def run(self, ps, fn, *args):
-        self.local.ps = ps
-        fn(*args)
-
-
-def _with_parallel(module, ps, fn, extra=()):
-    """Run fn with the modules' `get_parallel` answering this rank's parallel state."""
-    mods = (module, *extra)
-    saved = [getattr(m, "get_parallel", None) for m in mods]
-    for m in mods:
-        m.get_parallel = lambda: ps
-    try:
-        return fn()
-    finally:
-        for m, s in zip(mods, saved):
-            if s is not None:
-                m.get_parallel = s
 
 
 def _release_has(route: str) -> bool:
@@ -419,9 +467,11 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None) -> None:
             if self.path != "/mcore2hf_state" and not self._auth():  # the test's own route needs no key
                 return
             if self.path == "/mcore2hf_state":
-                return self._send(200, {"weights": {str(r): w for r, w in engine.weights.items()},
-                                        "versions": engine.versions, "calls": engine.calls, "paused": engine.paused,
-                                        "version": __version__})
+                with lock:
+                    ok, weights = engine.call(_STATE, None)
+                return self._send(200 if ok else 500, {
+                    "weights": {str(r): w for r, w in enumerate(weights)}, "versions": engine.versions,
+                    "calls": engine.calls, "paused": engine.paused, "version": __version__})
             if self.path in routes and self.path.endswith("server_info"):
                 if engine is not None:
                     engine.calls.append(self.path)
@@ -430,10 +480,16 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None) -> None:
             self._send(404, {"detail": "Not Found"})
 
         def do_POST(self):
-            if not self._auth():
+            if self.path != "/mcore2hf_reset" and not self._auth():  # the test's own route needs no key
                 return
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             path = self.path
+            if path == "/mcore2hf_reset" and engine is not None:  # the test's own route: forget what was recorded
+                with lock:
+                    ok, message = engine.call(_RESET, None)
+                engine.versions.clear()
+                engine.calls.clear()
+                return self._send(200 if ok else 500, {"success": ok, "message": message})
             if engine is None or (path in posts and path.endswith("weight_update") and path not in routes):
                 return self._send(404, {"detail": "Not Found"})
             engine.calls.append(path)
