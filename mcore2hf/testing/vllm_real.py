@@ -479,6 +479,47 @@ def scenario_ipc_tp2_by_uuid() -> None:
         server.stop()
 
 
+def _ipc_trainer(url: str) -> int:
+    """A rank of a trainer world of 2 (one rank per engine "GPU"): two syncs of its own copy of the buckets,
+    different per rank so each worker's bytes show which handle it opened."""
+    import torch.distributed as dist
+
+    from mcore2hf.senders import sync, vllm
+
+    rank = dist.get_rank()
+    # GPU-only fact stubbed: CPU tensors have no GPU UUID ("cpu" on every rank); here each rank has its own GPU
+    vllm.device_uuid = lambda device: f"GPU-{rank}"
+    sender = vllm.VLLMColocatedSender(url if rank == 0 else None, 2, timeout=60)
+    for version in (1, 2):
+        sync(ListExporter([buckets_of(model_tensors(30 + 10 * version + rank))]), sender, progress=False)
+    return sender.version
+
+
+def scenario_ipc_tp2_sync() -> None:
+    """IPC into an engine of TP 2 through sync(): a trainer world of 2 processes (the engine's group), the first
+    rank merging both ranks' handles into each update; two syncs, each worker holding its own rank's bytes and the
+    weight version recorded."""
+    from mcore2hf.testing.vllm_real import _ipc_trainer  # by module name: this file may run as __main__
+    from mcore2hf.testing.world import Layout, run_world
+
+    workers = [make_worker("ipc", r, 2) for r in range(2)]
+    for r, w in enumerate(workers):
+        w.gpu_uuid = f"GPU-{r}"
+    core = EngineCore(workers)
+    server = Server(async_client(core))
+    try:
+        versions = run_world(_ipc_trainer, Layout(world_size=2), server.url, timeout=300)
+        assert versions == [2, 2] and core.version == "2", (versions, core.version)
+        for r, w in enumerate(workers):
+            check_model(w.model, model_tensors(50 + r))
+            assert not w._weight_update_active
+        calls = [e for e in core.events if e != "update_weights"]
+        one = ["pause:abort", "start_weight_update", "finish_weight_update", "resume"]
+        assert calls[0] == "init_weight_transfer_engine" and [c for c in calls if c in one] == one + one, calls
+    finally:
+        server.stop()
+
+
 def scenario_nccl(packed: bool) -> None:
     """Two engines (TP1 and TP2: 4 NCCL ranks with the trainer), vLLM's StatelessProcessGroup rendezvous, gloo
     in place of NCCL; packed chunks smaller than a bucket so each bucket spans several broadcasts."""
@@ -673,6 +714,7 @@ SCENARIOS = {
     "ipc_http_unpacked": lambda: scenario_ipc(True, False),
     "ipc_llm_packed": lambda: scenario_ipc(False, True),
     "ipc_http_tp2_by_uuid": scenario_ipc_tp2_by_uuid,
+    "ipc_http_tp2_sync": scenario_ipc_tp2_sync,
     "nccl_http_packed": lambda: scenario_nccl(True),
     "nccl_http_unpacked": lambda: scenario_nccl(False),
     "nccl_llm_packed": scenario_nccl_llm,
