@@ -1,9 +1,10 @@
 """Our SGLang senders against SGLang's own code from the published wheels (CPU, GPU-only imports stubbed):
-each release runs in its own server process (mcore2hf.testing.sglang_real) whose request types, session checks
-(>= 0.5.21), SafeUnpickler, patch_torch rebuild, FlattenedTensorBucket rebuild and weight-update group + broadcast
-receive (WeightUpdater.init_weights_update_group / receive, gloo) are the release's. Pinned releases: 0.5.23 (the
-newest, with sessions), 0.5.20 (the last without sessions; already the newer internal layout), and 0.5.4.post3
-(refused). A wheel that cannot be fetched or imported fails these tests."""
+each release runs in its own server (mcore2hf.testing.sglang_real: one scheduler process per engine TP rank) whose
+request types, session checks (>= 0.5.21), SafeUnpickler, patch_torch rebuild, FlattenedTensorBucket rebuild and
+weight-update group + broadcast receive (init_weights_update_group at rank_offset + tp_rank, gloo) are the
+release's. Pinned releases: 0.5.23 (the newest, with sessions), 0.5.20 (the last without sessions; already the
+newer internal layout), and 0.5.4.post3 (refused). Run by hand (MCORE2HF_SGLANG_EXTRA): 0.5.22 and 0.5.10 (the
+0.5.6-0.5.19 layout) passed on 2026-11-23. A wheel that cannot be fetched or imported fails these tests."""
 
 import hashlib
 import os

@@ -303,28 +303,35 @@ _STATE, _RESET = "mcore2hf_state", "mcore2hf_reset"  # the harness' own requests
 
 class _Rank:
     """One engine TP rank's scheduler-side objects, built from the release's code in the rank's own process:
-    SchedulerWeightUpdaterManager over a TP worker (_Worker) over a model runner with the release's WeightUpdater
-    and a recorder model."""
+    >= 0.5.20: SchedulerWeightUpdaterManager over a TP worker (_Worker) over a model runner with the release's
+    WeightUpdater; older: the release's SchedulerUpdateWeightsMixin, TpModelWorker and ModelRunner methods (objects
+    made without their GPU __init__). The model is a recorder."""
 
     def __init__(self, rank: int, tp_size: int):
-        import dataclasses
+        import importlib.util
         import types as _t
 
         import torch.distributed as dist
+
+        group = dist.group.WORLD  # the engine's TP world: in SGLang the TP group's CPU (gloo) group
+        self.weights: dict = {}
+        model = _recorder(self.weights)
+        if importlib.util.find_spec("sglang.srt.managers.scheduler_components") is None:
+            self.manager = self._before_0_5_20(rank, group, model)
+            return
+        import dataclasses
+
         from sglang.srt.managers.scheduler_components import weight_updater as sched_wu
         from sglang.srt.model_executor.model_runner_components import weight_updater as runner_wu
         from sglang.srt.utils import common
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-        group = dist.group.WORLD  # the engine's TP world: in SGLang the TP group's CPU (gloo) group
         ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1,
                                 tp_group=_t.SimpleNamespace(cpu_group=group, rank=rank, ranks=list(range(tp_size))))
         for m in (sched_wu, runner_wu):  # runtime_context.get_parallel(): this process's rank
             m.get_parallel = lambda: ps
         if hasattr(runner_wu, "get_model"):  # weight cache off (runtime_context.get_model().weight_cache_mode)
             runner_wu.get_model = lambda: _t.SimpleNamespace(weight_cache_mode="off")
-        self.weights: dict = {}
-        model = _recorder(self.weights)
         updater = runner_wu.WeightUpdater(
             tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
             get_model=lambda: model, update_model_fields=lambda *a, **k: None,
@@ -338,6 +345,29 @@ class _Rank:
         self.manager = cls(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
                            flush_cache=lambda **k: True, is_fully_idle=lambda **k: True, scheduler=scheduler,
                            **extra)
+
+    @staticmethod
+    def _before_0_5_20(rank: int, group, model):
+        """0.5.6-0.5.19 layout (read in 0.5.10): scheduler_update_weights_mixin.py, tp_worker.py, model_runner.py."""
+        import types as _t
+
+        from sglang.srt.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin
+        from sglang.srt.managers.tp_worker import TpModelWorker
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        runner = ModelRunner.__new__(ModelRunner)
+        runner.__dict__.update(model=model, device="cpu", tp_rank=rank, _model_update_group={},
+                               server_args=_t.SimpleNamespace(custom_weight_loader=[]))
+        worker = TpModelWorker.__new__(TpModelWorker)
+        worker.__dict__.update(_model_runner=runner, tp_rank=rank)  # model_runner: a property
+
+        class Scheduler(SchedulerUpdateWeightsMixin):
+            pass
+
+        scheduler = Scheduler()
+        scheduler.__dict__.update(tp_worker=worker, draft_worker=None, tp_cpu_group=group,
+                                  memory_saver_adapter=None, flush_cache=lambda: True, is_fully_idle=lambda: True)
+        return scheduler
 
     def handle(self, method: str, req) -> tuple[bool, object]:
         if method == _STATE:
