@@ -111,9 +111,8 @@ def trainer(url: str, engine_tp: int, api_key):
         else:  # port 0: the sender hosts the rendezvous on a port the OS picks
             sender = SGLangDistributedSender([url] if rank == 0 else None, [engine_tp], "127.0.0.1", 0,
                                              backend="gloo", timeout=60, api_key=api_key)
-        ex = _Exporter(tensors(0))
-        for _ in range(2):
-            sync(ex, sender, progress=False)
+        for seed in (0, 1):  # different bytes each sync: the second must replace the first
+            sync(_Exporter(tensors(seed)), sender, progress=False)
         if kind == "distributed":
             sender.close()
         dist.barrier()
@@ -151,7 +150,7 @@ def test_sync_into_real_sglang(version, tp):
     try:
         assert server.version == version
         results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
-        want = digests(tensors(0))
+        want = digests(tensors(1))  # the second sync's
         for kind in ("colocated", "distributed"):
             assert [r[kind]["version"] for r in results] == [2] * tp, kind
             state = results[0][kind]["state"]
