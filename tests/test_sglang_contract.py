@@ -43,13 +43,6 @@ class RealServer:
         self.url = f"http://127.0.0.1:{line.split()[1]}"
         self.version = line.split()[3]
 
-    def state(self) -> dict:
-        import json
-        import urllib.request
-
-        with urllib.request.urlopen(self.url + "/mcore2hf_state", timeout=30) as r:
-            return json.loads(r.read())
-
     def stop(self):
         self.proc.kill()
         self.proc.wait(10)
