@@ -66,6 +66,9 @@ def _te_layer(layer: nn.Module, explicit_expert_comm: bool) -> None:
             elif fc == "linear_fc1":
                 p.partition_stride = 1  # TE's GroupedLinear does not carry Megatron's GLU stride
             getattr(grouped, fc).register_parameter(f"weight{i}", p)
+            bias = getattr(expert, fc)._parameters.pop("bias", None)
+            if bias is not None:  # expert biases (gpt-oss): TE's GroupedLinear names them bias{i}
+                getattr(grouped, fc).register_parameter(f"bias{i}", bias)
     mlp.experts = grouped
 
 
