@@ -11,7 +11,7 @@
   TransformerConfig in 0.16.1), set here; HF's truncate=False is correction_range_round_to_int=False.
 """
 
-from mcore2hf.errors import ConfigMismatchError
+from mcore2hf.errors import ConfigMismatchError, LayoutError
 from mcore2hf.hf_config import get, rope_parameters
 
 from .common import (
@@ -21,6 +21,7 @@ from .common import (
     llama_like_fields,
     make_config,
     moe_fields,
+    parallel_fields,
     spec_builder,
 )
 
@@ -76,6 +77,10 @@ def _checks(cfg) -> None:
 
 def transformer_config(cfg, **overrides):
     _checks(cfg)
+    etp = overrides.get("expert_tensor_parallel_size") or parallel_fields()["expert_tensor_parallel_size"]
+    if etp not in (None, 1):  # megatron-core asserts "Bias in Moe is only supported when ETP==1"
+        raise LayoutError(f"gpt_oss has expert biases, which megatron-core supports only at expert-TP 1; "
+                          f"expected expert_tensor_parallel_size 1, got {etp}")
     n = cfg.num_hidden_layers
     fields = llama_like_fields(cfg)
     fields.update(add_bias_linear=True, add_qkv_bias=True, softmax_type="learnable", **_window_fields(cfg))
