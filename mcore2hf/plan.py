@@ -131,6 +131,9 @@ class BucketPlan:
     #: a quantized export's output (fp8 weights + their float32 weight_scale_inv); `entries` is then what the
     #: gather builds before quantization
     out_entries: list[HFEntry] | None = None
+    #: a stacked tensor larger than the budget: its pieces gathered in rounds of <= the budget (each round's
+    #: staging reused by the next), all writing into the bucket's one output buffer; None: one round
+    rounds: list[list[Source]] | None = None
 
     @property
     def output(self) -> list[HFEntry]:
@@ -381,7 +384,28 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
                 outputs.setdefault(name, (name, shape, src.dtype, src.name))
         b.entries = pack_tight(list(outputs.values()))
         b.nbytes = sum(e.nbytes for e in b.entries)
+        if b.nbytes > bucket_bytes and isinstance(b.sources[0].resolved.op, Stacked):
+            b.rounds = gather_rounds(b.sources, bucket_bytes)
     return buckets
+
+
+def gather_rounds(pieces: list[Source], bucket_bytes: int) -> list[list[Source]] | None:
+    """Rounds of <= `bucket_bytes` (at least one piece each) over the pieces of one stacked tensor, taken
+    round-robin over EP ranks so every rank contributes to each round's all-gather alike."""
+    by_ep: dict[int, list[Source]] = defaultdict(list)
+    for s in pieces:
+        by_ep[s.ep].append(s)
+    order = [s for k in range(max(len(v) for v in by_ep.values()))
+             for ep in sorted(by_ep) for s in by_ep[ep][k:k + 1]]
+    rounds: list[list[Source]] = []
+    size = 0
+    for s in order:
+        if not rounds or (size + s.hf_nbytes > bucket_bytes and rounds[-1]):
+            rounds.append([])
+            size = 0
+        rounds[-1].append(s)
+        size += s.hf_nbytes
+    return rounds if len(rounds) > 1 else None
 
 
 def stacked_units(sources: dict[str, Source], bucket_bytes: int) -> list[list[Source]]:

@@ -117,7 +117,8 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     zero_(chunks)
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} TE names")
-    return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank}
+    return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank,
+            "rounds_4k": sum(len(b.rounds or ()) for b in plan.buckets)}  # stacked tensors gathered in rounds
 
 
 def for_each_arch(fn, ckpts: dict[str, str], *args) -> dict[str, object]:
