@@ -73,14 +73,15 @@ def test_gated_interleaved_matches_the_hf_forward_x_at_gate_up_h6_f8():
     assert torch.allclose(y[..., ::2], x @ gate.t()) and torch.allclose(y[..., 1::2], x @ up.t())
 
 
-@pytest.mark.parametrize("etp", [1, 2])
-@pytest.mark.parametrize("inner,shape,shard_dim", [(GatedInterleaved(), (16, 6), 0), (RowTransposed(), (6, 8), 1),
-                                                   (Replicated(), (6,), None)], ids=["fc1_16x6", "fc2_6x8", "bias_6"])
+CASES = [(GatedInterleaved(), (16, 6), 0, 1), (GatedInterleaved(), (16, 6), 0, 2), (RowTransposed(), (6, 8), 1, 1),
+         (RowTransposed(), (6, 8), 1, 2), (Replicated(), (6,), None, 1)]
+
+
+@pytest.mark.parametrize("inner,shape,shard_dim,etp", CASES,
+                         ids=["fc1_16x6_etp1", "fc1_16x6_etp2", "fc2_6x8_etp1", "fc2_6x8_etp2", "bias_6"])
 def test_stacked_items_E3_write_one_output_and_read_back(inner, shape, shard_dim, etp):
     """Three pieces each write item e of one [3, ...] output (what the planner does with a layer's experts), and
     each piece's shards are read back from the stacked tensor."""
-    if shard_dim is None and etp > 1:
-        pytest.skip("replicated")
     experts = [rand(*shape) for _ in range(3)]
     if isinstance(inner, GatedInterleaved):
         shards = [glu_shards(w[:8], w[8:], etp) for w in experts]
