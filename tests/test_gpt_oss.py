@@ -14,7 +14,8 @@ from mcore2hf.testing.tiny import tiny_config
 
 def test_cli_plan_shows_stacked_experts_from_both_ep_ranks():
     out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:gpt_oss", "--tp", "2",
-                          "--ep", "2", "--etp", "1", "--json"], capture_output=True, text=True, check=True)
+                          "--ep", "2", "--etp", "1", "--json", "--bucket-size", "4KiB"],
+                         capture_output=True, text=True, check=True)
     import json
 
     plan = json.loads(out.stdout)
@@ -26,6 +27,11 @@ def test_cli_plan_shows_stacked_experts_from_both_ep_ranks():
     assert names["model.layers.0.self_attn.sinks"]["shards"] == 2  # split by heads over TP
     assert not [n for n in names if ".experts.0." in n]
     assert plan["num_tensors"] == len(names) == 71
+    # the gate_up_proj (64 KiB in the plan's bf16) is one output, gathered in rounds of one expert: no rank stages
+    # all of it (in one round the EP all-gather would stage 2 ranks x 4 experts x 8 KiB)
+    gate_up = names["model.layers.3.mlp.experts.gate_up_proj"]["bytes"]
+    assert gate_up == 8 * 64 * 64 * 2 and max(b["bytes"] for b in plan["buckets"]) == gate_up
+    assert all(m["arena_bytes"] < gate_up for m in plan["memory"]), plan["memory"]
 
 
 def test_expert_tp_above_1_is_refused_before_megatron_asserts():

@@ -580,3 +580,20 @@ def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, q
     HFExporter(chunks, cfg).save_pretrained(os.path.join(out_root, cfg.model_type), quantize=quantize,
                                             progress=False)
     return logits
+
+
+def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
+    """megatron-core 0.19's single grouped expert parameter (`mlp.experts.linear_fc1.weight` [experts, ...]):
+    loaded from HF into it and exported back bit-identical, with the names a 0.19 TE model shows."""
+    cfg, chunks = build(ckpt, layout)
+    ref = read_hf_checkpoint(ckpt)
+    to_te_names(chunks, single_grouped=True)
+    names = te_names_of(chunks)
+    assert any(n.endswith(".mlp.experts.linear_fc1.weight") for n in names), names[:10]
+    assert not any(".mlp.experts.linear_fc1.weight0" in n for n in names)
+    zero_(chunks)
+    load_hf_weights(chunks, ckpt)
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), ref, f"{layout} single grouped")
+    assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}, ref, f"{layout} 4 KiB")
+    return {"tensors": len(ref)}
