@@ -80,6 +80,9 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     assert_same(ex.state_dict(), ref, f"{layout} all ranks")
     small = {n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}
     assert_same(small, ref, f"{layout} 4 KiB buckets")
+    # two arenas: the next bucket's first collectives run while this one converts (and gpt-oss's rounds)
+    overlapped = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, overlap=True) for n, t in b}
+    assert_same(overlapped, ref, f"{layout} 4 KiB buckets, overlap")
     plan = ex.plan(4096)
     for b in plan.buckets:  # byte bound: only a single oversized tensor (not with its MTP copies) may exceed it,
         # or the pieces of one stacked tensor (gpt-oss's experts.gate_up_proj), which fill one output together
