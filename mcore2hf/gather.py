@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,8 @@ class Program:
     p2p: P2PRound | None = None
     where: dict[str, Loc] = field(default_factory=dict)
     before: list[dict[str, Loc]] = field(default_factory=list)  # `where` as it was when each stage packed
+    #: a stacked tensor gathered in rounds (BucketPlan.rounds): one program per round, all into one output
+    rounds: list[Program] | None = None
 
     def add(self, stage: Stage) -> int:
         self.before.append(dict(self.where))
@@ -256,6 +258,8 @@ class CBucket:
     dtypes: tuple[torch.dtype, ...] = ()
     # FP8 on the shards: this rank's shards to quantize before the bucket's collectives, by shard shape
     prequant: list[tuple[FP8RowSlices, list[tuple[str, object]]]] = field(default_factory=list)
+    program: Program | None = None
+    rounds: list[CBucket] | None = None  # a bucket gathered in rounds: each round's collectives and copies
 
 
 def _source_of(lt: LocalTensor):
@@ -280,11 +284,21 @@ class Executor:
         self.arenas_n = max(1, arenas)
         self.stats = {"gather_s": 0.0, "convert_s": 0.0}
         self._timing = False
-        if receivers is None:
-            self.programs = [all_ranks_program(b, ctx) for b in plan.buckets]
-        else:
-            self.programs = [receivers_program(b, ctx, receivers) for b in plan.buckets]
+        self.programs = [self._program(b) for b in plan.buckets]
         self._compiled: list[CBucket] | None = None
+
+    def _program(self, b: BucketPlan) -> Program:
+        def make(bp: BucketPlan) -> Program:
+            if self.receivers is None:
+                return all_ranks_program(bp, self.ctx)
+            return receivers_program(bp, self.ctx, self.receivers)
+
+        if not b.rounds:
+            return make(b)
+        # each round is a bucket of its own for the collectives (staging of <= the budget, reused by the next
+        # round); its copies write its pieces' items into the one output the whole bucket describes
+        rounds = [make(replace(b, sources=r, rounds=None)) for r in b.rounds]
+        return Program(b, receive=rounds[0].receive, rounds=rounds)
 
     def _src(self, s: Source):
         """What a source's local shard is read from: the parameter (or a buffer getter), or for a tensor
@@ -312,6 +326,8 @@ class Executor:
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def _stage_bytes(self, prog: Program) -> tuple[list[int], int]:
+        if prog.rounds:
+            return [], max(self._stage_bytes(r)[1] for r in prog.rounds)
         offs, total = [], 0
         if prog.p2p is not None:
             total = prog.p2p.recv_total + sum(prog.p2p.send_bytes.values())
@@ -354,9 +370,14 @@ class Executor:
 
     def _compile_bucket(self, k: int, prog: Program) -> CBucket:
         a = k % self.arenas_n
+        if prog.rounds:
+            cb = CBucket(prog.bucket, prog.receive, a, program=prog,
+                         rounds=[self._compile_bucket(k, r) for r in prog.rounds])
+            cb.dtypes = tuple(sorted({d for r in cb.rounds for d in r.dtypes}, key=str))
+            return cb
         arena = self.arenas[a]
         stage_offs, _ = self._stage_bytes(prog)
-        cb = CBucket(prog.bucket, prog.receive, a)
+        cb = CBucket(prog.bucket, prog.receive, a, program=prog)
         groups: dict[tuple, tuple] = {}
         for s in prog.bucket.sources:
             if s.prequant and s.name in self.local:
@@ -490,8 +511,15 @@ class Executor:
                 self._blobs[name] = blobs[k]
 
     def start(self, index: int, first_only: bool = False) -> tuple[CBucket, list, int]:
-        """Issue the collectives of bucket `index` that depend on nothing of this bucket not yet done."""
+        """Issue the collectives of bucket `index` that depend on nothing of this bucket not yet done (of its
+        first round, for a bucket gathered in rounds)."""
         cb = self._compiled[index]
+        if cb.rounds:
+            _, works, j = self._start(cb.rounds[0], first_only)
+            return cb, works, j
+        return self._start(cb, first_only)
+
+    def _start(self, cb: CBucket, first_only: bool = False) -> tuple[CBucket, list, int]:
         if cb.prequant:
             self._quantize_held(cb)
         works: list = []
@@ -505,7 +533,7 @@ class Executor:
             if ops:
                 works.extend(dist.batch_isend_irecv(ops))
             return cb, works, 0
-        stages = self.programs[index].stages
+        stages = cb.program.stages
         j = 0
         while j < len(stages) and not stages[j].depends and (not first_only or stages[j].striped):
             self._launch(cb, j, works)
@@ -519,6 +547,15 @@ class Executor:
 
     def finish(self, run: tuple[CBucket, list, int]) -> Bucket:
         cb, works, j = run
+        if cb.rounds:
+            return self._finish_rounds(cb, works, j)
+        self._gather(cb, works, j)
+        t1 = self._now()
+        bucket = self._convert(cb)
+        self.stats["convert_s"] += self._now() - t1
+        return bucket
+
+    def _gather(self, cb: CBucket, works: list, j: int) -> None:
         t0 = self._now()
         for w in works:
             w.wait()
@@ -528,11 +565,26 @@ class Executor:
             for w in works:
                 w.wait()
             j += 1
-        t1 = self._now()
-        self.stats["gather_s"] += t1 - t0
-        bucket = self._convert(cb)
-        self.stats["convert_s"] += self._now() - t1
-        return bucket
+        self.stats["gather_s"] += self._now() - t0
+
+    def _finish_rounds(self, cb: CBucket, works: list, j: int) -> Bucket:
+        """A stacked tensor over the budget: each round's pieces are gathered into the (reused) staging arena and
+        written into their items of the one output buffer, so the output is the only full copy held."""
+        b = cb.plan
+        flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device) if cb.receive else None
+        try:
+            for r, rcb in enumerate(cb.rounds):
+                if r:
+                    _, works, j = self._start(rcb)
+                self._gather(rcb, works, j)
+                t1 = self._now()
+                if flat is not None:
+                    self._copy_into(rcb, flat)
+                self.stats["convert_s"] += self._now() - t1
+        finally:
+            for s in b.sources:
+                self._blobs.pop(s.name, None)
+        return Bucket(b.index, flat, b.output)
 
     def _convert(self, cb: CBucket) -> Bucket:
         b = cb.plan
@@ -547,7 +599,15 @@ class Executor:
         if not cb.receive:
             return Bucket(b.index, None, b.output)
         flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
-        typed = {dt: flat[:b.nbytes - b.nbytes % dt.itemsize].view(dt) for dt in cb.dtypes}
+        self._copy_into(cb, flat)
+        if b.out_entries is not None:  # FP8: each full HF weight quantized as a whole (bit-identical by construction)
+            flat = quantize_flat(flat, b.entries, b.out_entries, self.scheme)
+        return Bucket(b.index, flat, b.output)
+
+    def _copy_into(self, cb: CBucket, flat: torch.Tensor) -> None:
+        """The bucket's compiled copies (layout ops) from staging and parameters into the output buffer `flat`."""
+        n = flat.numel()
+        typed = {dt: flat[:n - n % dt.itemsize].view(dt) for dt in cb.dtypes}
         for c in cb.copies:
             dst = typed[c.dtype].as_strided(c.sizes, c.dst_strides, c.dst_offset)
             if c.src is not None:
@@ -559,9 +619,6 @@ class Executor:
                 if not p.is_contiguous():
                     p = p.contiguous()
                 dst.copy_(p.as_strided(c.sizes, c.src_strides, p.storage_offset() + c.src_offset))
-        if b.out_entries is not None:  # FP8: each full HF weight quantized as a whole (bit-identical by construction)
-            flat = quantize_flat(flat, b.entries, b.out_entries, self.scheme)
-        return Bucket(b.index, flat, b.output)
 
     def run(self, on_bucket: Callable[[int], None] | None = None, timing: bool = False) -> Iterator[Bucket]:
         """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly.

@@ -20,7 +20,7 @@ the round trip is a permutation, tested bit for bit for every shard count.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -341,3 +341,111 @@ class LatentDown(Concat):
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         _check(full_shape[0] == self.rows, "MLA down projection rows", self.rows, full_shape[0])
         return [tuple(full_shape)]
+
+
+class GatedInterleaved(LayoutOp):
+    """GLU `linear_fc1` of an expert -> gpt-oss's `gate_up_proj` slice: gate and up interleaved by column
+    (gate = x[..., ::2], up = x[..., 1::2]; transformers 5.23 models/gpt_oss/modeling_gpt_oss.py, _apply_gate),
+    and for the weight transposed to [hidden, 2 * ffn] (HF multiplies `x @ gate_up_proj[e]`).
+
+    Megatron's fc1 is [gate; up] ([2 * ffn, hidden], or [2 * ffn] for the bias); expert-TP shard i holds
+    [gate_i; up_i], which become columns 2 * (i * f + r) + {0, 1} of the HF tensor."""
+
+    tp_dim = 0
+    strides = (1, 2)
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[0] % 2 == 0, "GLU linear_fc1 rows (gate + up) even", "an even count", full_shape[0])
+        return [tuple(reversed(full_shape))]
+
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        f = shard_shape[0] // 2  # gate (and up) rows per shard
+        if len(shard_shape) == 1:  # bias: out[2 * (i * f + r) + j] = shard_i[j * f + r]
+            return [StridedCopy(0, (count, f), (2 * f, 2), (S, 1), dst_offset=j, src_offset=j * f) for j in (0, 1)]
+        h = shard_shape[1]  # weight: out[c, 2 * (i * f + r) + j] = shard_i[j * f + r, c]
+        cols = 2 * f * count
+        return [StridedCopy(0, (count, f, h), (2 * f, 2, cols), (S, h, 1), dst_offset=j, src_offset=j * f * h)
+                for j in (0, 1)]
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        f = full_shape[0] // 2 // count
+        dim = len(full_shape) - 1  # the interleaved dim of the HF tensor
+        part = _take(hf[0], dim, 2 * index * f, 2 * (index + 1) * f)  # [.., 2f]: gate_i / up_i interleaved
+        gate, up = (part[..., j::2] for j in (0, 1))
+        return torch.cat([gate.t(), up.t()] if dim else [gate, up], dim=0).contiguous()
+
+
+class RowTransposed(LayoutOp):
+    """Row-parallel `linear_fc2` of an expert ([hidden, ffn], shards [hidden, ffn / n]) -> gpt-oss's
+    `down_proj` slice [ffn, hidden] (HF multiplies `x @ down_proj[e]`)."""
+
+    tp_dim = 1
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        return [tuple(reversed(full_shape))]
+
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        h, c = shard_shape  # out[i * c + r, k] = shard_i[k, r]
+        return [StridedCopy(0, (count, c, h), (c * h, h, 1), (S, 1, c))]
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        c = full_shape[1] // count
+        return _take(hf[0], 0, index * c, (index + 1) * c).t().contiguous()
+
+
+class _Part:
+    """Item `index` along dim 0 of a stacked HF tensor or safetensors slice, sliced lazily like one."""
+
+    def __init__(self, x, index: int):
+        self.x, self.index = x, index
+
+    def get_shape(self) -> list[int]:
+        return list(shape_of(self.x)[1:])
+
+    def __getitem__(self, key) -> torch.Tensor:
+        key = key if isinstance(key, tuple) else (key,)
+        return self.x[(slice(self.index, self.index + 1), *key)][0]
+
+
+class Stacked(LayoutOp):
+    """One of `count` Megatron tensors (a layer's experts) that together make HF tensors stacked along a new
+    dim 0 (gpt-oss's `experts.gate_up_proj` [E, ...]): `inner` converts it, into item `index` of each output.
+
+    Every stacked piece has the same HF names; the planner keeps all `count` pieces of a name in one bucket
+    and lets each write its item of the one output (its copies shifted by `index` items)."""
+
+    def __init__(self, inner: LayoutOp, index: int, count: int):
+        if not 0 <= index < count:
+            raise ShapeMismatchError(f"stacked item {index} of {count}: expected 0 <= index < {count}")
+        self.inner, self.index, self.count = inner, index, count
+        self.tp_dim, self.strides, self.n_out = inner.tp_dim, inner.strides, inner.n_out
+        self.check_attributes = inner.check_attributes
+
+    def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
+        return self.inner.split(shard_shape, group)
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        return [(self.count, *s) for s in self.inner.hf_shapes(full_shape)]
+
+    def item_shapes(self, full_shape: Shape) -> list[Shape]:
+        """The shapes of this piece's items (what it contributes to each output)."""
+        return self.inner.hf_shapes(full_shape)
+
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        full = full_shape_of_shard(shard_shape, self.tp_dim, count)
+        items = [_numel(s) for s in self.inner.hf_shapes(full)]
+        return [replace(c, dst_offset=c.dst_offset + self.index * items[c.out])
+                for c in self.inner.copies(shard_shape, count)]
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        return self.inner.shard_from_hf([_Part(h, self.index) for h in hf], index, count, full_shape)
+
+    def hf_tensors(self, shards):
+        raise NotImplementedError("a stacked piece writes into its item of a shared output: use to_hf")
+
+
+def full_shape_of_shard(shard_shape: Shape, tp_dim: int | None, count: int) -> Shape:
+    shape = list(shard_shape)
+    if tp_dim is not None and count > 1:
+        shape[tp_dim] *= count
+    return tuple(shape)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import regex
 
 from .errors import UnknownParametersError
-from .layouts import LayoutOp, Replicated
+from .layouts import LayoutOp, Replicated, Stacked
 from .quantize import FP8Policy
 
 _PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")
@@ -67,6 +67,9 @@ class Rule:
     copies: Sequence[str] = ()
     #: HF keeps this tensor's dtype when an export casts (e.g. fp32 e_score_correction_bias in bf16 checkpoints)
     keep_dtype: bool = False
+    #: a placeholder ("E") the HF names do not have: every Megatron tensor it numbers is one item of HF tensors
+    #: stacked along a new dim 0 (gpt-oss's experts.gate_up_proj [E, ...]); the op becomes `Stacked`
+    stack: str | None = None
 
     def __post_init__(self):
         self.hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
@@ -131,7 +134,8 @@ class Converter:
                     copies += [t.format(MTP=dims.num_layers + m, **fields) for m in range(dims.num_mtp_layers)]
                 else:
                     copies.append(t.format(**fields))
-            return Resolved(name, hf, tuple(copies), _op_cache(rule, dims), rule)
+            index = fields[rule.stack] if rule.stack else None
+            return Resolved(name, hf, tuple(copies), _op_cache(rule, dims, index), rule)
         return None
 
     def resolve_all(self, names: Sequence[str], dims: ModelDims) -> dict[str, Resolved]:
@@ -148,13 +152,19 @@ class Converter:
         return out
 
 
-_OPS: dict[tuple[int, ModelDims], LayoutOp] = {}
+_OPS: dict[tuple[int, ModelDims, int | None], LayoutOp] = {}
+
+#: how many items a stacking placeholder numbers
+_STACK_COUNTS = {"E": lambda dims: dims.num_experts}
 
 
-def _op_cache(rule: Rule, dims: ModelDims) -> LayoutOp:
-    # one op object per rule and model: tens of thousands of expert tensors share a handful of ops
-    key = (id(rule), dims)
+def _op_cache(rule: Rule, dims: ModelDims, index: int | None = None) -> LayoutOp:
+    # one op object per rule and model (and stacked item): tens of thousands of expert tensors share a few ops
+    key = (id(rule), dims, index)
     op = _OPS.get(key)
     if op is None:
-        op = _OPS[key] = rule.build_op(dims)
+        op = rule.build_op(dims)
+        if index is not None:
+            op = Stacked(op, index, _STACK_COUNTS[rule.stack](dims))
+        _OPS[key] = op
     return op

@@ -39,6 +39,10 @@ _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GROUPED_EXPERT = regex.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
 _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
+# megatron-core 0.19 with moe_single_grouped_weight / _bias (TE >= 2.14): all local experts in one parameter
+# `linear_fc{1,2}.weight` of TEGroupedLinear (extensions/transformer_engine.py, _split_grouped_checkpoint_tensor:
+# item i is tensor[i] when dim 0 is num_gemms, else chunk i of dim 0); each item is named like TE's weight{i}
+_SINGLE_GROUPED = regex.compile(r"(.+\.mlp\.experts\.linear_fc[12])\.(weight|bias)")
 
 
 @dataclass
@@ -75,6 +79,20 @@ def _param_getter(p: torch.nn.Parameter) -> Callable[[], torch.Tensor]:
 
 def _buffer_getter(module: torch.nn.Module, attr: str) -> Callable[[], torch.Tensor]:
     return lambda: getattr(module, attr)
+
+
+def _grouped_item_getter(p: torch.nn.Parameter, i: int, n: int) -> Callable[[], torch.Tensor]:
+    if p.shape[0] == n:
+        return lambda: p.data[i]
+    rows = p.shape[0] // n
+    return lambda: p.data[i * rows:(i + 1) * rows]
+
+
+def _copy_tp_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    # the layout op decides the split; the attributes are only cross-checked (plan._shard_split)
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode"):
+        if hasattr(src, attr):
+            setattr(dst, attr, getattr(src, attr))
 
 
 def _submodule(root: torch.nn.Module, dotted: str) -> torch.nn.Module:
@@ -132,6 +150,14 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
         prefix = f"chunk{vp}." if len(chunks) > 1 else ""
         items: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor], bool]] = []
         for name, p in chunk.named_parameters():
+            single = _SINGLE_GROUPED.fullmatch(name) if num_local else None
+            if single is not None and p.shape[0] % num_local == 0:
+                for i in range(num_local):  # views of the one grouped parameter, read at every export
+                    get = _grouped_item_getter(p, i, num_local)
+                    view = get()
+                    _copy_tp_attributes(p, view)
+                    items.append((f"{single.group(1)}.{single.group(2)}{i}", view, get, True))
+                continue
             items.append((name, p, _param_getter(p), False))
         for name, b in chunk.named_buffers():
             if name.endswith("expert_bias"):

@@ -32,8 +32,9 @@ from .buckets import Bucket
 from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .layouts import Stacked
 from .naming import canonical_layer_name, filter_outputs, mtp_inner
-from .plan import align, natural_key, pack_tight
+from .plan import align, natural_key, pack_tight, stack_units
 from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
@@ -405,7 +406,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     def out_dtype(s: CkptSource) -> torch.dtype:
         return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
 
-    tensors = [(name, shape, out_dtype(s)) for s in sources for name, shape in s.hf]
+    tensors = list({name: (name, shape, out_dtype(s)) for s in sources for name, shape in s.hf}.values())
     quantization = None
     if scheme is not None:
         quantization = policy.config(scheme, [(name, shape) for name, shape, _ in tensors])
@@ -544,14 +545,16 @@ def _parse_dtype(dtype) -> torch.dtype | None:
 
 
 def _groups(sources: Sequence[CkptSource], budget: int, out_dtype):
-    """Byte-bounded groups of sources, in checkpoint order (a source over the budget is a group alone)."""
+    """Byte-bounded groups of sources, in checkpoint order (a source over the budget is a group alone; the pieces
+    of a stacked HF tensor, e.g. gpt-oss's experts.gate_up_proj, go into one group, which may exceed it)."""
     group, size = [], 0
-    for s in sources:
-        n = sum(align(_nbytes(shape, out_dtype(s))) for _, shape in s.hf)
+    for unit in stack_units(list(sources), lambda s: (s.op, tuple(n for n, _ in s.hf[:s.n_out]), s.key)):
+        n = sum(align(_nbytes(shape[1:] if isinstance(s.op, Stacked) else shape, out_dtype(s)))
+                for s in unit for _, shape in s.hf)
         if group and size + n > budget:
             yield group
             group, size = [], 0
-        group.append(s)
+        group += unit
         size += n
     if group:
         yield group
@@ -565,7 +568,8 @@ def _nbytes(shape, dtype) -> int:
 
 
 def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, index: int) -> Bucket:
-    entries = pack_tight([(name, shape, out_dtype(s), s.name) for s in group for name, shape in s.hf])
+    # the pieces of a stacked tensor share its entry, each writing its item
+    entries = pack_tight(list({name: (name, shape, out_dtype(s), s.name) for s in group for name, shape in s.hf}.values()))
     flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
     views = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
     for s in group:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
+from .layouts import Stacked
 from .mapping import Converter, ModelDims, Resolved
 from .naming import LocalTensor, filter_outputs
 from .parallel import ParallelContext
@@ -98,8 +99,10 @@ class Source:
 
     @property
     def hf_nbytes(self) -> int:
+        """Bytes of its HF outputs; for a stacked piece, of its items (its share of the shared outputs)."""
         total = 0
-        for shape in self.out_shapes():
+        shapes = [s[1:] for s in self.hf_shapes] if isinstance(self.resolved.op, Stacked) else self.out_shapes()
+        for shape in shapes:
             n = self.dtype.itemsize
             for s in shape:
                 n *= s
@@ -128,6 +131,9 @@ class BucketPlan:
     #: a quantized export's output (fp8 weights + their float32 weight_scale_inv); `entries` is then what the
     #: gather builds before quantization
     out_entries: list[HFEntry] | None = None
+    #: a stacked tensor larger than the budget: its pieces gathered in rounds of <= the budget (each round's
+    #: staging reused by the next), all writing into the bucket's one output buffer; None: one round
+    rounds: list[list[Source]] | None = None
 
     @property
     def output(self) -> list[HFEntry]:
@@ -340,9 +346,9 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
     fewest bytes in the current bucket, so every stage and EP rank contributes evenly to each collective."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    queues: dict[tuple[int, int], list[Source]] = defaultdict(list)
-    for s in sources.values():  # already in natural order
-        queues[(s.stage, s.ep)].extend(split_copies(s, bucket_bytes))
+    queues: dict[tuple[int, int], list[list[Source]]] = defaultdict(list)
+    for unit in stacked_units(sources, bucket_bytes):  # already in natural order
+        queues[(unit[0].stage, -1 if len(unit) > 1 else unit[0].ep)].append(unit)
     heads = dict.fromkeys(queues, 0)
     buckets: list[BucketPlan] = []
     current = BucketPlan(0)
@@ -353,8 +359,8 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
         live = [c for c in queues if heads[c] < len(queues[c])]
         stage = min({c[0] for c in live}, key=lambda st: (per_stage[st], st))
         cls = min((c for c in live if c[0] == stage), key=lambda c: (per_class[c], c))
-        src = queues[cls][heads[cls]]
-        size = src.hf_nbytes
+        unit = queues[cls][heads[cls]]
+        size = sum(src.hf_nbytes for src in unit)
         if current.sources and current.nbytes + size > bucket_bytes:
             buckets.append(current)
             current = BucketPlan(len(buckets))
@@ -362,7 +368,7 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
             per_class.clear()
         heads[cls] += 1
         remaining -= 1
-        current.sources.append(src)
+        current.sources.extend(unit)
         current.nbytes += size
         per_stage[stage] += size
         per_class[cls] += size
@@ -372,10 +378,72 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
         # the round-robin picked what goes in; the layout is natural order, so each EP rank's experts are
         # contiguous in staging and in the output alike, and their copies merge into batched ones
         b.sources.sort(key=lambda s: natural_key(s.name))
-        b.entries = pack_tight([(name, shape, src.dtype, src.name)
-                                for src in b.sources for name, shape in zip(src.hf_names, src.out_shapes())])
+        outputs: dict[str, tuple] = {}  # the pieces of a stacked tensor share its entry
+        for src in b.sources:
+            for name, shape in zip(src.hf_names, src.out_shapes()):
+                outputs.setdefault(name, (name, shape, src.dtype, src.name))
+        b.entries = pack_tight(list(outputs.values()))
         b.nbytes = sum(e.nbytes for e in b.entries)
+        if b.nbytes > bucket_bytes and isinstance(b.sources[0].resolved.op, Stacked):
+            b.rounds = gather_rounds(b.sources, bucket_bytes)
     return buckets
+
+
+def gather_rounds(pieces: list[Source], bucket_bytes: int) -> list[list[Source]] | None:
+    """Rounds of <= `bucket_bytes` (at least one piece each) over the pieces of one stacked tensor, taken
+    round-robin over EP ranks so every rank contributes to each round's all-gather alike."""
+    by_ep: dict[int, list[Source]] = defaultdict(list)
+    for s in pieces:
+        by_ep[s.ep].append(s)
+    order = [s for k in range(max(len(v) for v in by_ep.values()))
+             for ep in sorted(by_ep) for s in by_ep[ep][k:k + 1]]
+    rounds: list[list[Source]] = []
+    size = 0
+    for s in order:
+        if not rounds or (size + s.hf_nbytes > bucket_bytes and rounds[-1]):
+            rounds.append([])
+            size = 0
+        rounds[-1].append(s)
+        size += s.hf_nbytes
+    return rounds if len(rounds) > 1 else None
+
+
+def stacked_units(sources: dict[str, Source], bucket_bytes: int) -> list[list[Source]]:
+    """What buckets are filled with: one source (or a published copy of it, `split_copies`), or all the pieces of
+    stacked HF tensors (a layer's experts -> gpt-oss's experts.gate_up_proj), which go into one bucket together so
+    each piece writes its item of the one output in place; such a unit may exceed the budget, alone in its bucket."""
+    units = []
+    for unit in stack_units(list(sources.values()), lambda s: (s.resolved.op, s.resolved.hf_names, s.name)):
+        units += [unit] if isinstance(unit[0].resolved.op, Stacked) else [[u] for u in split_copies(unit[0], bucket_bytes)]
+    for unit in units:
+        if len(unit) > 1 and len({(s.stage, s.dtype, s.shard_shape, s.count) for s in unit}) != 1:
+            raise ShapeMismatchError(f"{list(unit[0].resolved.hf_names)}: its stacked pieces differ in shape, dtype "
+                                     f"or stage ({sorted({(s.stage, str(s.dtype), s.shard_shape) for s in unit})})")
+    return units
+
+
+def stack_units(items: list, describe) -> list[list]:
+    """`items` in units, in order of first appearance: the pieces of one stacked HF tensor together (wherever they
+    appear), everything else alone. `describe(item)` -> (op, HF names, name). Raises unless every stack is whole."""
+    units: list[list] = []
+    stacks: dict[tuple[str, ...], list] = {}
+    for item in items:
+        op, names, _ = describe(item)
+        if not isinstance(op, Stacked):
+            units.append([item])
+            continue
+        unit = stacks.get(names)
+        if unit is None:
+            unit = stacks[names] = []
+            units.append(unit)
+        unit.append(item)
+    for names, unit in stacks.items():
+        op, _, first = describe(unit[0])
+        found = sorted(describe(x)[0].index for x in unit)
+        if found != list(range(op.count)):
+            raise LayoutError(f"{list(names)} stack {op.count} Megatron tensors (one per expert), but there are "
+                              f"items {found} (e.g. {first}): every expert of the layer is needed")
+    return units
 
 
 def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> list[HFEntry]:

@@ -9,13 +9,16 @@ import os
 import pytest
 import torch
 import worlds
-from conftest import ARCHS
+from conftest import ARCHS as ALL_ARCHS
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from mcore2hf.quantize import FP8Policy, dequantize_fp8
 from mcore2hf.registry import get_converter
 from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
+
+# gpt-oss has no FP8 table (its experts are published in MXFP4): refused, see test_gpt_oss.py
+ARCHS = [mt for mt in ALL_ARCHS if mt != "gpt_oss"]
 
 # dims over 128 and not multiples of it: edge blocks in both directions, 128-blocks that straddle TP / ETP shard
 # boundaries (an ETP2 shard of the 160-row GLU half has 80 rows), MLA ranks 160 / 144
@@ -164,7 +167,7 @@ def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, c
        8-13 for the MoE models, so a bound on |fp8 - Megatron| alone would prove nothing."""
     layout = Layout(tp=2, ep=2, etp=1)
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    results = run_world(worlds.for_each_arch, layout, worlds.fp8_parity, dict(ckpts), layout, str(tmp_path),
+    results = run_world(worlds.for_each_arch, layout, worlds.fp8_parity, {mt: ckpts[mt] for mt in ARCHS}, layout, str(tmp_path),
                         tokens, quantize)[0]
     failed = {mt: r for mt, r in results.items() if isinstance(r, Exception)}
     assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())

@@ -20,15 +20,20 @@ LAYOUTS = [
     (Layout(pp=2, first_stage_layers=1), "float32"),  # uneven pipeline: 1 + 3 layers
     (Layout(ep=2, etp=2), "float32"),  # expert-TP > TP
 ]
+ETP1_ONLY = {"gpt_oss"}
 
 
 @pytest.mark.parametrize("layout,dtype", LAYOUTS, ids=[f"{lay}-{dt}" for lay, dt in LAYOUTS])
 def test_layout_invariance_all_architectures(layout, dtype, ckpts, ckpts_bf16, tmp_path):
     source = ckpts_bf16 if dtype == "bfloat16" else ckpts
-    results = run_world(worlds.for_each_arch, layout, worlds.layout_matrix, dict(source), layout, dtype,
+    # gpt-oss's expert biases exist in megatron-core only at expert-TP 1 (its spec refuses more: test_gpt_oss.py)
+    source = {mt: c for mt, c in source.items() if layout.etp == 1 or mt not in ETP1_ONLY}
+    results = run_world(worlds.for_each_arch, layout, worlds.layout_matrix, source, layout, dtype,
                         str(tmp_path), timeout=420)
     failed = {mt: r for mt, r in results[0].items() if isinstance(r, Exception)}
     assert not failed, "\n".join(f"--- {mt} at {layout}:\n{r}" for mt, r in failed.items())
     for mt, r in results[0].items():
         assert r["buckets_4k"] > 1, mt
+        # gpt-oss's stacked experts (16 KiB per expert) exceed 4 KiB buckets: gathered in rounds of one expert
+        assert r["rounds_4k"] == (4 * 2 * 8 if mt == "gpt_oss" else 0), (mt, r)  # 4 layers x 2 weights x 8
         assert os.path.isdir(tmp_path / mt / str(layout))

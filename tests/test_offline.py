@@ -16,7 +16,8 @@ from mcore2hf.offline import CheckpointError, export_checkpoint
 from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
 
-ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama"]
+ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama", "gpt_oss"]
+ETP1_ONLY = {"gpt_oss"}  # expert biases: megatron-core builds them only at expert-TP 1
 CASES = [
     (Layout(tp=2, pp=2, ep=2, etp=1), False),
     (Layout(pp=2, vpp=2, ep=2, etp=1), False),
@@ -37,7 +38,8 @@ def saved(ckpts, tmp_path_factory):
     for layout, singleton in CASES:
         root = tmp_path_factory.mktemp(f"dist-{layout}")
         res = run_world(worlds.for_each_arch, layout, worlds.save_dist_checkpoint,
-                        {mt: ckpts[mt] for mt in ARCHS}, layout, str(root), 7, singleton)[0]
+                        {mt: ckpts[mt] for mt in ARCHS if layout.etp == 1 or mt not in ETP1_ONLY}, layout,
+                        str(root), 7, singleton)[0]
         failed = {mt: r for mt, r in res.items() if isinstance(r, Exception)}
         assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
         out[(str(layout), singleton)] = res

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from mcore2hf import HFExporter, load_hf_weights
 from mcore2hf.hf_config import load_hf_config
+from mcore2hf.layouts import Stacked
 from mcore2hf.model_specs.common import padded_vocab_size
 from mcore2hf.registry import get_model_spec
 from mcore2hf.testing.forward import megatron_logits
@@ -79,9 +80,14 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     assert_same(ex.state_dict(), ref, f"{layout} all ranks")
     small = {n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}
     assert_same(small, ref, f"{layout} 4 KiB buckets")
+    # two arenas: the next bucket's first collectives run while this one converts (and gpt-oss's rounds)
+    overlapped = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, overlap=True) for n, t in b}
+    assert_same(overlapped, ref, f"{layout} 4 KiB buckets, overlap")
     plan = ex.plan(4096)
-    for b in plan.buckets:  # byte bound: only a single oversized tensor (not with its MTP copies) may exceed it
-        assert b.nbytes <= 4096 or (len(b.sources) == 1 and not b.sources[0].resolved.copies), \
+    for b in plan.buckets:  # byte bound: only a single oversized tensor (not with its MTP copies) may exceed it,
+        # or the pieces of one stacked tensor (gpt-oss's experts.gate_up_proj), which fill one output together
+        assert b.nbytes <= 4096 or (len(b.sources) == 1 and not b.sources[0].resolved.copies) or \
+            len(b.entries) == 1 and isinstance(b.sources[0].resolved.op, Stacked), \
             (b.index, b.nbytes, [e.name for e in b.entries])
 
     got0 = ex.state_dict(receivers=0)
@@ -114,7 +120,8 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     zero_(chunks)
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} TE names")
-    return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank}
+    return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank,
+            "rounds_4k": sum(len(b.rounds or ()) for b in plan.buckets)}  # stacked tensors gathered in rounds
 
 
 def for_each_arch(fn, ckpts: dict[str, str], *args) -> dict[str, object]:
@@ -576,3 +583,20 @@ def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, q
     HFExporter(chunks, cfg).save_pretrained(os.path.join(out_root, cfg.model_type), quantize=quantize,
                                             progress=False)
     return logits
+
+
+def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
+    """megatron-core 0.19's single grouped expert parameter (`mlp.experts.linear_fc1.weight` [experts, ...]):
+    loaded from HF into it and exported back bit-identical, with the names a 0.19 TE model shows."""
+    cfg, chunks = build(ckpt, layout)
+    ref = read_hf_checkpoint(ckpt)
+    to_te_names(chunks, single_grouped=True)
+    names = te_names_of(chunks)
+    assert any(n.endswith(".mlp.experts.linear_fc1.weight") for n in names), names[:10]
+    assert not any(".mlp.experts.linear_fc1.weight0" in n for n in names)
+    zero_(chunks)
+    load_hf_weights(chunks, ckpt)
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), ref, f"{layout} single grouped")
+    assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}, ref, f"{layout} 4 KiB")
+    return {"tensors": len(ref)}

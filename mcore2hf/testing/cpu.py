@@ -12,6 +12,7 @@ The one place for them (measured with megatron-core 0.16.1, torch 2.13 CPU); eac
 5. MLA (DeepSeek): `megatron.core.extensions.transformer_engine` imports with MagicMocks for TE classes, and
    MLA does `isinstance(linear_proj, TELinear)`; give that module (and multi_latent_attention, which imported
    the name) a plain `TELinear` class and HAVE_TE=False.
+7. the sliding-window causal mask (gpt-oss) is built with device="cuda": built on the CPU instead.
 
 Not a shim but a module: `SDPACoreAttention`, the core attention the local-spec MLA layer needs (Megatron's
 `DotProductAttention` rejects MLA's `k_channels` / `v_channels` / `softmax_scale`); model_specs.deepseek_v3
@@ -43,6 +44,15 @@ def apply_cpu_shims() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None
+
+    from megatron.core.fusions import fused_softmax
+
+    def window_mask_cpu(sq, skv, window_size):
+        # megatron/core/transformer/utils.py get_sliding_window_causal_mask (0.16.1), on the CPU
+        mu = torch.triu(torch.ones(sq, skv, dtype=torch.bool), diagonal=skv - sq - window_size[0])
+        return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = window_mask_cpu
 
     try:
         from megatron.core.extensions import transformer_engine as te_ext

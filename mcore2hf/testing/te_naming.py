@@ -18,6 +18,7 @@ The rewritten model is for naming, gathering and loading; its forward is not mea
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -38,7 +39,21 @@ class _GroupedExperts(nn.Module):
         self.linear_fc2 = _GroupedLinear()
 
 
-def _te_layer(layer: nn.Module, explicit_expert_comm: bool) -> None:
+def _single_grouped(linear: nn.Module, n: int) -> None:
+    """megatron-core 0.19's moe_single_grouped_weight / _bias: weight0..weight{n-1} -> one `weight` [n, ...]
+    (and biases); a new Parameter holding the same values, with the first item's attributes."""
+    for kind in ("weight", "bias"):
+        items = [linear._parameters.pop(f"{kind}{i}", None) for i in range(n)]
+        if items[0] is None:
+            continue
+        p = nn.Parameter(torch.stack([t.data for t in items]))
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(items[0], attr):
+                setattr(p, attr, getattr(items[0], attr))
+        linear.register_parameter(kind, p)
+
+
+def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool = False) -> None:
     attn = layer.self_attention
     if hasattr(attn, "linear_qkv"):
         if "weight" in layer.input_layernorm._parameters:
@@ -66,11 +81,18 @@ def _te_layer(layer: nn.Module, explicit_expert_comm: bool) -> None:
             elif fc == "linear_fc1":
                 p.partition_stride = 1  # TE's GroupedLinear does not carry Megatron's GLU stride
             getattr(grouped, fc).register_parameter(f"weight{i}", p)
+            bias = getattr(expert, fc)._parameters.pop("bias", None)
+            if bias is not None:  # expert biases (gpt-oss): TE's GroupedLinear names them bias{i}
+                getattr(grouped, fc).register_parameter(f"bias{i}", bias)
+    if single_grouped:
+        _single_grouped(grouped.linear_fc1, len(local))
+        _single_grouped(grouped.linear_fc2, len(local))
     mlp.experts = grouped
 
 
-def to_te_names(model) -> None:
-    """Rewrite a local-spec model (or its list of virtual-PP chunks) to TE's names and attributes, in place."""
+def to_te_names(model, single_grouped: bool = False) -> None:
+    """Rewrite a local-spec model (or its list of virtual-PP chunks) to TE's names and attributes, in place;
+    `single_grouped`: as megatron-core 0.19 with moe_single_grouped_weight (new Parameters, same values)."""
     from megatron.core import parallel_state as ps
 
     from ..naming import unwrap_model
@@ -83,7 +105,7 @@ def to_te_names(model) -> None:
             for m in mtp.layers:
                 layers.append(getattr(m, "transformer_layer", None) or m.mtp_model_layer)
         for layer in layers:
-            _te_layer(layer, explicit)
+            _te_layer(layer, explicit, single_grouped)
 
 
 def te_names_of(model) -> list[str]:

@@ -32,6 +32,15 @@ TINY_CONFIGS: dict[str, dict] = {
         v_head_dim=16, num_nextn_predict_layers=1, max_position_embeddings=256, rms_norm_eps=1e-6,
         rope_scaling=None, tie_word_embeddings=False,
     ),
+    # attention sinks, biases, sliding window 4 on alternate layers (the parity tokens are longer), a clamp
+    # limit the random activations reach, yarn rope; experts stacked per layer in HF
+    "gpt_oss": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+        swiglu_limit=0.5, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=64),
+    ),
     "qwen3": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False),
     "qwen2": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

@@ -1,0 +1,118 @@
+"""gpt-oss: HF GptOssConfig <-> Megatron TransformerConfig (megatron-core 0.16.1's own features, local spec).
+
+* attention sinks: `softmax_type="learnable"` (DotProductAttention's `softmax_offset`, one per head, SoftmaxOne
+  appends it as an extra logit column and drops it after the softmax, as HF's eager_attention_forward does);
+* sliding window on the layers `layer_types` marks: Megatron's window (left, 0) keeps keys j >= i - left, HF's
+  sliding_window W keeps j > i - W, so left = W - 1 (checked by the logit parity test at seq > W);
+* clamped SwiGLU: `quick_gelu` (x * sigmoid(1.702 x)) with `activation_func_clamp_value` = swiglu_limit and
+  `glu_linear_offset` = 1 (HF: (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit);
+* biases everywhere (`add_bias_linear`: q/k/v, o, router, experts); router: top-k of the logits, then softmax;
+* yarn rope: GPTModel's `position_embedding_type="yarn"` reads `yarn_*` attributes of the config (not fields of
+  TransformerConfig in 0.16.1), set here; HF's truncate=False is correction_range_round_to_int=False.
+"""
+
+from mcore2hf.errors import ConfigMismatchError, LayoutError
+from mcore2hf.hf_config import get, rope_parameters
+
+from .common import (
+    base_dims,
+    base_structural,
+    default_gpt_kwargs,
+    llama_like_fields,
+    make_config,
+    moe_fields,
+    parallel_fields,
+    spec_builder,
+)
+
+HF_ARCHITECTURE = "GptOssForCausalLM"
+QUICK_GELU_ALPHA = 1.702  # megatron.core.fusions.fused_bias_geglu.quick_gelu's constant
+
+
+def num_experts(cfg) -> int:
+    return int(get(cfg, "num_local_experts", "num_experts"))
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    return True
+
+
+def dims(cfg):
+    return base_dims(cfg, num_experts=num_experts(cfg))
+
+
+def _window_fields(cfg) -> dict:
+    types = list(getattr(cfg, "layer_types", None) or [])
+    window = getattr(cfg, "sliding_window", None)
+    if not window or "sliding_attention" not in types:
+        return dict(window_size=None, window_attn_skip_freq=None)
+    # is_layer_window_attention: a list entry that is true means "this layer uses the window"
+    return dict(window_size=(int(window) - 1, 0), window_attn_skip_freq=[int(t == "sliding_attention") for t in types])
+
+
+def _yarn(cfg) -> dict:
+    rope = rope_parameters(cfg)
+    if rope.get("rope_type", "default") in ("default", None):
+        return {}
+    if rope["rope_type"] != "yarn":
+        raise ConfigMismatchError(f"gpt_oss rope_type {rope['rope_type']!r}: only 'yarn' and 'default' are supported")
+    return dict(
+        yarn_rotary_scaling_factor=float(rope["factor"]),
+        yarn_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        yarn_beta_fast=float(rope.get("beta_fast") or 32.0), yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+        yarn_mscale=1.0, yarn_mscale_all_dim=0.0,
+        yarn_correction_range_round_to_int=bool(rope.get("truncate", True)),
+    )
+
+
+def _checks(cfg) -> None:
+    alpha = float(getattr(cfg, "swiglu_alpha", QUICK_GELU_ALPHA))
+    if alpha != QUICK_GELU_ALPHA:
+        raise ConfigMismatchError(f"gpt_oss swiglu_alpha: Megatron's quick_gelu computes x * sigmoid(1.702 x), "
+                                  f"expected {QUICK_GELU_ALPHA}, the config has {alpha}")
+    if not getattr(cfg, "attention_bias", True):
+        raise ConfigMismatchError("gpt_oss attention_bias: expected True (Megatron's add_bias_linear gives q/k/v, "
+                                  "o, router and expert biases together), the config has False")
+
+
+def transformer_config(cfg, **overrides):
+    _checks(cfg)
+    etp = overrides.get("expert_tensor_parallel_size") or parallel_fields()["expert_tensor_parallel_size"]
+    if etp not in (None, 1):  # megatron-core asserts "Bias in Moe is only supported when ETP==1"
+        raise LayoutError(f"gpt_oss has expert biases, which megatron-core supports only at expert-TP 1; "
+                          f"expected expert_tensor_parallel_size 1, got {etp}")
+    n = cfg.num_hidden_layers
+    fields = llama_like_fields(cfg)
+    fields.update(add_bias_linear=True, add_qkv_bias=True, softmax_type="learnable", **_window_fields(cfg))
+    fields.update(activation_func=_quick_gelu(), glu_linear_offset=1.0,
+                  activation_func_clamp_value=float(cfg.swiglu_limit))
+    fields.update(moe_fields(cfg, num_experts(cfg), cfg.num_experts_per_tok, cfg.intermediate_size, [1] * n))
+    # HF GptOssTopKRouter: top-k of the (biased) logits, softmax over those k
+    fields.update(moe_router_score_function="softmax", moe_router_pre_softmax=False)
+    config = make_config(fields, overrides)
+    for k, v in _yarn(cfg).items():  # read by GPTModel with getattr, not TransformerConfig fields in 0.16.1
+        setattr(config, k, v)
+    return config
+
+
+def _quick_gelu():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return quick_gelu
+
+
+def structural_fields(cfg) -> dict:
+    out = base_structural(cfg)
+    out.update(num_moe_experts=num_experts(cfg), moe_ffn_hidden_size=cfg.intermediate_size, add_bias_linear=True,
+               softmax_type="learnable", qk_layernorm=False, **_window_fields(cfg))
+    return out
+
+
+def gpt_kwargs(cfg) -> dict:
+    out = default_gpt_kwargs(cfg)
+    if _yarn(cfg):
+        out["position_embedding_type"] = "yarn"
+    return out
+
+
+build_model = spec_builder(__name__)
