@@ -47,7 +47,7 @@ from .loader import HFReader
 from .mapping import _PLACEHOLDER, Converter, ModelDims
 from .offline import _parse_dtype, _peak_rss
 from .registry import get_converter
-from .senders.safetensors import _overlap
+from .senders.safetensors import _overlap, _umask
 from .sizes import parse_size
 
 #: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
@@ -377,6 +377,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     keys = {k: (shape, key_dtypes[k]) for k, (shape, _) in keys.items()}
     os.makedirs(ckpt_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{_iteration_name(iteration)}.tmp-", dir=ckpt_dir)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the checkpoint is a normal directory
     bar = None
     if progress:
         from tqdm import tqdm

@@ -576,3 +576,27 @@ def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, q
     HFExporter(chunks, cfg).save_pretrained(os.path.join(out_root, cfg.model_type), quantize=quantize,
                                             progress=False)
     return logits
+
+
+def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False) -> int:
+    """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
+    checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
+    builds), then exported live: bit-identical to the HF source. Returns the number of tensors checked."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    cfg, chunks = build(ckpt, layout)
+    zero_(chunks)
+    md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
+    if len(chunks) == 1:
+        sd = {"model": chunks[0].sharded_state_dict(metadata=md)}
+    else:
+        sd = {f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(chunks)}
+    with open(os.path.join(root, cfg.model_type, "latest_checkpointed_iteration.txt")) as f:
+        it = int(f.read())
+    loaded = dist_checkpointing.load(sd, os.path.join(root, cfg.model_type, f"iter_{it:07d}"))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    ref = read_hf_checkpoint(ckpt)
+    assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} imported")
+    return len(ref)
