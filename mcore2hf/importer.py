@@ -41,7 +41,7 @@ import regex
 import torch
 
 from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
-from .hf_config import HFConfigLike, config_source
+from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import GatedColumn, VocabRows, shape_of
 from .loader import HFReader
 from .mapping import _PLACEHOLDER, Converter, ModelDims
@@ -169,7 +169,7 @@ def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool
     return f"decoder.layers.{layer}.{rest}", lead, glob
 
 
-def plan_import(reader: HFReader, converter: Converter, dims: ModelDims, *, tp: int, divisible_by: int,
+def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *, tp: int, divisible_by: int,
                 singleton: bool, stacked: bool) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
     """Every Megatron tensor to write with its chunks, the checkpoint's keys {key: (global shape, dtype)}, and
     its `_extra_state` object keys; every problem is reported at once, before anything is written."""
@@ -180,6 +180,18 @@ def plan_import(reader: HFReader, converter: Converter, dims: ModelDims, *, tp: 
         raise UnknownParametersError(converter.model_type, [f"{n} (an HF tensor no rule of the "
                                                             f"{converter.model_type} table produces)"
                                                             for n in unexplained])
+    if stacked:  # one key for all decoder layers holds only when every layer has the same tensors
+        layers: dict[int, set[str]] = {}
+        for name in resolved:
+            m = _LAYER.fullmatch(name)
+            if m is not None and int(m.group(1)) < dims.num_layers:
+                layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+        kinds = {frozenset(v) for v in layers.values()}
+        if len(kinds) > 1:
+            first = layers[0]
+            other = next(i for i, v in sorted(layers.items()) if v != first)
+            raise ValueError(f"stacked layer keys need every decoder layer alike: layer 0 and layer {other} differ "
+                             f"(e.g. {sorted(first ^ layers[other])[:2]}); Megatron saves such models per layer")
     padded = padded_vocab_size(dims.vocab_size, tp, divisible_by)
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
@@ -187,7 +199,11 @@ def plan_import(reader: HFReader, converter: Converter, dims: ModelDims, *, tp: 
         if missing:
             problems.append(f"{name}: HF tensor(s) {missing} missing (the table makes {list(r.hf_names)})")
             continue
-        hf = [reader.slice(n) for n in r.hf_names]
+        try:
+            hf = [reader.slice(n) for n in r.hf_names]
+        except Exception as e:  # noqa: BLE001 - e.g. an index naming a tensor its file lacks
+            problems.append(f"{name}: cannot read {list(r.hf_names)} from {reader.where} ({type(e).__name__}: {e})")
+            continue
         have = [shape_of(x) for x in hf]
         full = _full_shape(r.op, have, padded)
         try:
@@ -223,6 +239,9 @@ def plan_import(reader: HFReader, converter: Converter, dims: ModelDims, *, tp: 
             objects.add(f"{module}._extra_state/shard_{'.'.join(map(str, offsets))}_"
                         f"{'.'.join(map(str, glob or (1,)))}")
         sources.append(src)
+    if not problems:  # every tensor against the model transformers builds from the config, as export checks
+        problems = shape_problems({n: shape_of(reader.slice(n)) for n in reader.names()},
+                                  hf_tensor_shapes(cfg, dims.num_mtp_layers))
     if problems:
         raise ShapeMismatchError(f"the HF checkpoint {reader.where} cannot become a Megatron checkpoint "
                                  f"({converter.model_type}):\n  " + "\n  ".join(problems))
@@ -367,7 +386,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         raise MissingWeightsError([str(e)], hf_dir) from None
     stacked = (not dims.num_experts) if stacked_layers is None else stacked_layers
     stacked = stacked and not singleton_local_shards  # transformer_block.py: singleton forces per-layer keys
-    sources, keys, objects = plan_import(reader, converter, dims, tp=tp, divisible_by=make_vocab_size_divisible_by,
+    sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, divisible_by=make_vocab_size_divisible_by,
                                          singleton=singleton_local_shards, stacked=stacked)
 
     def out_dtype(s: ImportSource) -> torch.dtype:
