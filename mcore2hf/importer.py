@@ -443,8 +443,20 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                         time.perf_counter() - t0, _peak_rss())
 
 
+#: HF bytes read between closing the safetensors files: their memory maps keep every page read resident
+#: (counted in RSS) until the file is closed
+REMAP_BYTES = 64 * 2**20
+
+
 def _tensors(reader: HFReader, sources: list[ImportSource]) -> Iterator[tuple[ImportSource, torch.Tensor]]:
     """Each Megatron tensor, rebuilt from its HF slices by the layout op's inverse (one at a time)."""
+    read = 0
     for s in sources:
         hf = [reader.slice(n) for n in s.hf]
-        yield s, s.op.shard_from_hf(hf, 0, 1, s.shape)
+        full = s.op.shard_from_hf(hf, 0, 1, s.shape)
+        del hf
+        read += full.nbytes
+        if read > REMAP_BYTES:
+            reader.close()
+            read = 0
+        yield s, full
