@@ -394,6 +394,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
 
     key_dtypes = {p.key: out_dtype(s) for s in sources for p in s.parts}
     keys = {k: (shape, key_dtypes[k]) for k, (shape, _) in keys.items()}
+    created = not os.path.isdir(ckpt_dir)
     os.makedirs(ckpt_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{_iteration_name(iteration)}.tmp-", dir=ckpt_dir)
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the checkpoint is a normal directory
@@ -434,6 +435,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         os.replace(tracker + ".tmp", tracker)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created and not os.listdir(ckpt_dir):
+            os.rmdir(ckpt_dir)  # nothing of a failed import is left behind
         raise
     finally:
         reader.close()

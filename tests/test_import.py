@@ -116,6 +116,10 @@ def test_output_guards_overwrite_and_atomicity(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr(importer._DistcpWriter, "tensor", failing)
     with pytest.raises(OSError, match="disk full"):
         import_checkpoint(src, out, iteration=2, overwrite=True, progress=False)
+    calls["n"] = 0
+    with pytest.raises(OSError, match="disk full"):
+        import_checkpoint(src, tmp_path / "new", progress=False)
+    assert not (tmp_path / "new").exists()
     monkeypatch.undo()
     assert {k: v for k, v in _listing(out).items() if "iter_0000003" not in k} == before
     assert sorted(os.listdir(out)) == ["iter_0000001", "iter_0000002", "iter_0000003",
