@@ -30,9 +30,11 @@ def write_hf(layers: int, out: str) -> None:
 
 
 def _child_peak_rss(args: list[str]) -> int:
-    """Peak RSS of a fresh `mcore2hf ...` process (ru_maxrss of the child)."""
-    code = ("import resource, sys; from mcore2hf.cli import main; rc = main(sys.argv[1:]); "
-            "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024); sys.exit(rc)")
+    """Peak RSS of a fresh `mcore2hf ...` process: its VmHWM (ru_maxrss is not usable here: Linux carries the
+    parent's high-water mark, this process's transformers model included, into a forked child)."""
+    code = ("import re, sys; from mcore2hf.cli import main; rc = main(sys.argv[1:]); "
+            "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1); "
+            "print('RSS', int(hwm) * 1024); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     if out.returncode:
         sys.exit(out.stderr)

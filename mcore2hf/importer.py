@@ -44,10 +44,10 @@ from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, Unkn
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import GatedColumn, VocabRows, shape_of
 from .loader import HFReader
-from .mapping import _PLACEHOLDER, Converter, ModelDims
+from .mapping import Converter, ModelDims, _compile
 from .offline import _parse_dtype, _peak_rss
 from .registry import get_converter
-from .senders.safetensors import _overlap, _umask
+from .senders.safetensors import SAFETENSORS_DTYPES, _overlap, _umask
 from .sizes import parse_size
 
 #: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
@@ -105,11 +105,7 @@ class ImportReport:
 def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
     """{canonical Megatron name: Resolved} for the HF tensors, by reading each rule's first HF template back
     (placeholders become numbers; MTP rules' {L} is num_layers + M); also the HF names no rule explains."""
-    templates = []
-    for rule in converter.rules:
-        parts = _PLACEHOLDER.split(rule.hf[0])
-        pattern = "".join(f"(?P<{p}>\\d+)" if i % 2 else regex.escape(p) for i, p in enumerate(parts))
-        templates.append((regex.compile(pattern), rule))
+    templates = [(_compile(rule.hf[0]), rule) for rule in converter.rules]
     found: dict[str, object] = {}
     used: set[str] = set()
     for hf_name in sorted(hf_names):
@@ -248,11 +244,11 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
     return sources, keys, sorted(objects)
 
 
+_FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
 def _slice_dtype(s) -> torch.dtype:
-    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-             "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool,
-             "F8_E4M3": torch.float8_e4m3fn}
-    return names[s.get_dtype()]
+    return _FROM_SAFETENSORS[s.get_dtype()]
 
 
 class _DistcpWriter:
