@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ def main() -> None:
         if verify.returncode or "IDENTICAL" not in verify.stdout:
             sys.exit(f"the import of {layers} layers does not export back to its source:\n{verify.stdout}")
         rows.append((layers, size, rss, seconds))
+        shutil.rmtree(work)
     print("\noffline import peak RSS (RSS includes ~0.3-0.5 GiB of torch/transformers; verified identical by "
           "`mcore2hf verify`)")
     print(f"{'layers':>6} {'HF GiB':>8} {'peak RSS GiB':>13} {'RSS / HF':>9} {'seconds':>8}")

@@ -169,7 +169,7 @@ def cmd_verify(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, verify, demo.")
+    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, import, verify, demo.")
     p.add_argument("--version", action="version", version=f"mcore2hf {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
