@@ -225,11 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "are written in it")
     im.add_argument("--iteration", type=int, default=0, help="iteration number of the checkpoint (default 0)")
     im.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
-    im.add_argument("--tp", type=_positive, default=1,
-                    help="tensor-parallel size training uses: the vocab is padded to a multiple of "
-                         "--make-vocab-size-divisible-by x TP, as Megatron pads it (default 1)")
+    im.add_argument("--tp", type=_positive, default=None,
+                    help="not needed to load at any layout (default: exactly vocab_size rows, which Megatron pads "
+                         "on load); pad the vocab to a multiple of --make-vocab-size-divisible-by x TP and chunk it "
+                         "by TP, exactly as training at that TP saves it")
     im.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128,
-                    help="Megatron's vocab padding divisor (default 128)")
+                    help="Megatron's vocab padding divisor, with --tp (default 128)")
     im.add_argument("--singleton-local-shards", action="store_true",
                     help="per-expert keys and GLU fc1 as _w/_v (for training with singleton_local_shards)")
     im.add_argument("--file-size", type=_size("--file-size"), default="5GB",

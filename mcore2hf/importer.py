@@ -20,7 +20,13 @@ strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `comm
 * routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
   `singleton_local_shards` one key per expert (`experts.experts.<e>.`) and every GLU fc1 split into `_w`/`_v`;
 * every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold);
-* vocab rows padded to a multiple of make_vocab_size_divisible_by x TP, chunked by that TP.
+* the vocab-parallel tensors (embedding, output layer, MTP copies) with exactly vocab_size rows, one chunk: they
+  are `allow_shape_mismatch` ShardedTensors (tensor_parallel/layers.py VocabParallelEmbedding
+  `sharded_state_dict`, language_module.py, multi_token_prediction.py), which the torch_dist load strategy
+  (strategies/torch.py `_mcore_to_dcp_compatible_tensor`: zero-initialized; `MCoreLoadPlanner
+  ._temporarily_bypass_shape_validation`: only the overlap read) loads at any padded vocab, so at any TP. With
+  `tp`, they are padded to a multiple of make_vocab_size_divisible_by x TP and chunked by that TP instead, as
+  training at that TP saves them.
 """
 
 from __future__ import annotations
@@ -165,7 +171,7 @@ def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool
     return f"decoder.layers.{layer}.{rest}", lead, glob
 
 
-def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *, tp: int, divisible_by: int,
+def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
                 singleton: bool, stacked: bool) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
     """Every Megatron tensor to write with its chunks, the checkpoint's keys {key: (global shape, dtype)}, and
     its `_extra_state` object keys; every problem is reported at once, before anything is written."""
@@ -188,7 +194,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             other = next(i for i, v in sorted(layers.items()) if v != first)
             raise ValueError(f"stacked layer keys need every decoder layer alike: layer 0 and layer {other} differ "
                              f"(e.g. {sorted(first ^ layers[other])[:2]}); Megatron saves such models per layer")
-    padded = padded_vocab_size(dims.vocab_size, tp, divisible_by)
+    padded = dims.vocab_size if tp is None else padded_vocab_size(dims.vocab_size, tp, divisible_by)
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
@@ -219,7 +225,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             half = (full[0] // 2, *full[1:])
             src.parts = [Part(key + "_w", zeros, half, 0, half[0]), Part(key + "_v", zeros, half, half[0], half[0])]
             shapes = {key + "_w": half, key + "_v": half}
-        elif isinstance(r.op, VocabRows) and tp > 1:  # chunked as training at this TP writes it
+        elif isinstance(r.op, VocabRows) and tp is not None and tp > 1:  # chunked as training at this TP writes it
             rows = full[0] // tp
             src.parts = [Part(key, (i * rows, *zeros[1:]), (rows, *full[1:]), i * rows, rows) for i in range(tp)]
             shapes = {key: full}
@@ -350,12 +356,15 @@ def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: 
 
 def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                       hf_config: HFConfigLike | None = None, iteration: int = 0,
-                      dtype: torch.dtype | str | None = None, tp: int = 1, make_vocab_size_divisible_by: int = 128,
+                      dtype: torch.dtype | str | None = None, tp: int | None = None,
+                      make_vocab_size_divisible_by: int = 128,
                       singleton_local_shards: bool = False, stacked_layers: bool | None = None,
                       file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True) -> ImportReport:
     """Write a Megatron torch_dist checkpoint (`ckpt_dir/iter_NNNNNNN` + latest_checkpointed_iteration.txt)
-    from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout whose
-    padded vocab (`make_vocab_size_divisible_by` x TP, as Megatron pads) equals the one written here (`tp`).
+    from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout and any
+    vocab padding: the vocab-parallel tensors hold exactly vocab_size rows and Megatron loads them with
+    `allow_shape_mismatch` (its padding rows zero). `tp` (with `make_vocab_size_divisible_by`) instead pads and
+    chunks them exactly as training at that TP saves them; not needed for loading.
 
     `dtype` casts floating tensors (ones HF keeps in fp32, like e_score_correction_bias, stay fp32).
     `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name);
@@ -367,7 +376,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     cast = _parse_dtype(dtype)
     limit = parse_size(file_size, "file_size")
-    if tp < 1 or make_vocab_size_divisible_by < 1 or iteration < 0:
+    if (tp is not None and tp < 1) or make_vocab_size_divisible_by < 1 or iteration < 0:
         raise ValueError(f"tp ({tp}) and make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be "
                          f">= 1 and iteration ({iteration}) >= 0")
     source = config_source(hf_config if hf_config is not None else hf_dir)

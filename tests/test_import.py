@@ -16,14 +16,14 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from mcore2hf.errors import Mcore2HFError, ShapeMismatchError, UnknownParametersError
 from mcore2hf.importer import ImportTargetError, import_checkpoint
-from mcore2hf.offline import export_checkpoint
+from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
 from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
 
 LAYOUTS = [
     (Layout(tp=2, ep=2, etp=1), True),  # EP, ETP != TP; singleton_local_shards (per-expert keys, fc1 _w/_v)
-    (Layout(pp=2, vpp=2, ep=2), False),  # virtual PP, stacked experts
-    (Layout(pp=2, first_stage_layers=1, last_stage_layers=3), False),  # uneven PP
+    (Layout(tp=2, pp=2, vpp=2, ep=2, etp=1), False),  # virtual PP, stacked experts; vocab padded to 256
+    (Layout(pp=2, first_stage_layers=1, last_stage_layers=3), False),  # uneven PP; vocab padded to 128
 ]
 
 
@@ -33,19 +33,33 @@ def model_keys(it_dir) -> dict:
             for k, v in md.items() if not k.startswith("optimizer")}
 
 
+@pytest.fixture(scope="module")
+def imported(ckpts, tmp_path_factory) -> dict[bool, str]:
+    """One import per architecture and key layout (singleton_local_shards or not), with no --tp: every layout
+    below loads the same checkpoint."""
+    roots = {s: tmp_path_factory.mktemp(f"imported-{int(s)}") for s in (False, True)}
+    for singleton, root in roots.items():
+        for mt, ckpt in ckpts.items():
+            import_checkpoint(ckpt, root / mt, singleton_local_shards=singleton, iteration=5, progress=False)
+    return {s: str(r) for s, r in roots.items()}
+
+
 @pytest.mark.parametrize("case", LAYOUTS, ids=[f"{lay}{'-singleton' if s else ''}" for lay, s in LAYOUTS])
-def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, ckpts, tmp_path):
+def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, ckpts, imported, tmp_path):
     layout, singleton = case
-    root = tmp_path / "imported"
-    for mt, ckpt in ckpts.items():
-        import_checkpoint(ckpt, root / mt, tp=layout.tp, singleton_local_shards=singleton, iteration=5,
-                          progress=False)
-    res = run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, str(root), singleton,
+    root = imported[singleton]
+    res = run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, root, singleton,
                     str(tmp_path / "resaved"))[0]
     failed = {mt: r for mt, r in res.items() if isinstance(r, Exception)}
     assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
-    for mt in ckpts:  # what Megatron writes for the model it loaded is what we wrote
-        ours, megatron = model_keys(root / mt / "iter_0000005"), model_keys(tmp_path / "resaved" / mt)
+    for mt in ckpts:  # what Megatron writes for the model it loaded is what we wrote, but for its vocab padding
+        ours, megatron = model_keys(os.path.join(root, mt, "iter_0000005")), model_keys(tmp_path / "resaved" / mt)
+        vocab = tiny_config(mt).vocab_size
+        padded = -(-vocab // (128 * layout.tp)) * 128 * layout.tp
+        for k in ours:  # ours: exactly vocab_size rows; Megatron's: padded to 128 x TP (zeros, loaded at any TP)
+            if k in VOCAB_KEYS or k.endswith(".embedding.word_embeddings.weight"):
+                assert ours[k][0][0] == vocab and megatron[k][0] == (padded, *ours[k][0][1:]), (mt, k, megatron[k])
+                megatron[k] = ours[k]
         assert ours == megatron, (mt, sorted(set(ours) ^ set(megatron))[:6],
                                   [k for k in ours if k in megatron and ours[k] != megatron[k]][:6])
 
@@ -54,11 +68,13 @@ def test_import_then_offline_export_is_bit_identical_without_megatron(ckpts, tmp
     for mt, ckpt in ckpts.items():
         ref = read_hf_checkpoint(ckpt)
         alike = mt not in ("glm4_moe", "deepseek_v3")  # their first layer is dense: never stacked
-        for singleton, stacked, tp in ((False, None, 1), (True, None, 2), (False, alike, 2)):
+        for singleton, stacked, tp in ((False, None, None), (False, None, 1), (True, None, 2), (False, alike, 2)):
             name = f"{mt}-{int(singleton)}{stacked}{tp}"
             import_checkpoint(ckpt, tmp_path / name, tp=tp, singleton_local_shards=singleton, stacked_layers=stacked,
                               file_size="20KB", progress=False)
             assert len([f for f in os.listdir(tmp_path / name / "iter_0000000") if f.endswith(".distcp")]) > 1
+            rows = model_keys(tmp_path / name / "iter_0000000")["embedding.word_embeddings.weight"][0][0]
+            assert rows == (100 if tp is None else 128 * tp), (name, rows)  # vocab_size 100: unpadded, or padded
             export_checkpoint(tmp_path / name, tmp_path / f"{name}-hf", ckpt, progress=False)
             worlds.assert_same(read_hf_checkpoint(tmp_path / f"{name}-hf"), ref, name)
         if not alike:
