@@ -20,7 +20,7 @@ strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `comm
 * routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
   `singleton_local_shards` one key per expert (`experts.experts.<e>.`) and every GLU fc1 split into `_w`/`_v`;
 * every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold);
-* the vocab-parallel tensors (embedding, output layer, MTP copies) with exactly vocab_size rows, one chunk: they
+* the vocab-parallel tensors (embedding, output layer; MTP shares their keys) with exactly vocab_size rows: they
   are `allow_shape_mismatch` ShardedTensors (tensor_parallel/layers.py VocabParallelEmbedding
   `sharded_state_dict`, language_module.py, multi_token_prediction.py), which the torch_dist load strategy
   (strategies/torch.py `_mcore_to_dcp_compatible_tensor`: zero-initialized; `MCoreLoadPlanner

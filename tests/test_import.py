@@ -1,5 +1,5 @@
 """`mcore2hf import`: HF directory -> Megatron torch_dist checkpoint. Megatron's own dist_checkpointing.load
-reads it at three layouts and the live export is bit-identical to the HF source; Megatron re-saving the loaded
+reads one import (vocab unpadded) at layouts of TP 1 and 2 and the live export is bit-identical to the HF source; Megatron re-saving the loaded
 model writes exactly our keys, shapes and dtypes; import -> offline export is bit-identical without Megatron."""
 
 import json
