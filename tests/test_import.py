@@ -1,6 +1,7 @@
 """`mcore2hf import`: HF directory -> Megatron torch_dist checkpoint. Megatron's own dist_checkpointing.load
-reads one import (vocab unpadded) at layouts of TP 1 and 2 and the live export is bit-identical to the HF source; Megatron re-saving the loaded
-model writes exactly our keys, shapes and dtypes; import -> offline export is bit-identical without Megatron."""
+reads one import (vocab unpadded) at layouts of TP 1 and 2, and the live export is bit-identical to the HF
+source; Megatron re-saving the loaded model writes our keys, shapes and dtypes but for its padded vocab rows;
+import -> offline export is bit-identical without Megatron."""
 
 import json
 import os
