@@ -1,4 +1,4 @@
-"""Command line: `mcore2hf demo | list | plan | export | verify`.
+"""Command line: `mcore2hf demo | list | plan | export | import | verify`.
 
 Nothing heavy (torch, transformers, megatron-core) is imported until a command runs, so `--help`, `--version`
 and argument errors answer at once. Every error this library raises on purpose, and every bad argument, is one
@@ -146,6 +146,20 @@ def cmd_export(a) -> int:
     return 0
 
 
+def cmd_import(a) -> int:
+    from .importer import import_checkpoint
+    from .sizes import format_size
+
+    r = import_checkpoint(a.hf_dir, a.ckpt_dir, iteration=a.iteration, dtype=a.dtype, tp=a.tp,
+                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+                          singleton_local_shards=a.singleton_local_shards, file_size=a.file_size,
+                          overwrite=a.overwrite, progress=not a.quiet)
+    if not a.quiet:
+        print(f"wrote {r.tensors} Megatron tensors ({r.keys} keys, {format_size(r.bytes_written)}) to "
+              f"{r.ckpt_dir}/iter_{r.iteration:07d} in {r.seconds:.1f} s; peak RSS {format_size(r.peak_rss_bytes)}")
+    return 0
+
+
 def cmd_verify(a) -> int:
     from .verify import compare, format_table
 
@@ -155,7 +169,7 @@ def cmd_verify(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, verify, demo.")
+    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, import, verify, demo.")
     p.add_argument("--version", action="version", version=f"mcore2hf {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
@@ -204,6 +218,26 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     _filters(ex)
     ex.set_defaults(fn=cmd_export)
+
+    im = sub.add_parser("import", help="HF directory -> Megatron torch_dist checkpoint, offline (CPU, bounded memory)")
+    im.add_argument("hf_dir", help="an HF directory (config.json + safetensors)")
+    im.add_argument("ckpt_dir", help="Megatron checkpoint directory: iter_NNNNNNN/ and latest_checkpointed_iteration.txt "
+                                     "are written in it")
+    im.add_argument("--iteration", type=int, default=0, help="iteration number of the checkpoint (default 0)")
+    im.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    im.add_argument("--tp", type=_positive, default=None,
+                    help="not needed to load at any layout (default: exactly vocab_size rows, which Megatron pads "
+                         "on load); pad the vocab to a multiple of --make-vocab-size-divisible-by x TP and chunk it "
+                         "by TP, exactly as training at that TP saves it")
+    im.add_argument("--make-vocab-size-divisible-by", type=_positive, default=128,
+                    help="Megatron's vocab padding divisor, with --tp (default 128)")
+    im.add_argument("--singleton-local-shards", action="store_true",
+                    help="per-expert keys and GLU fc1 as _w/_v (for training with singleton_local_shards)")
+    im.add_argument("--file-size", type=_size("--file-size"), default="5GB",
+                    help="largest .distcp file, e.g. 5GB (default 5GB)")
+    im.add_argument("--overwrite", action="store_true", help="replace an existing iter_NNNNNNN of this iteration")
+    im.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    im.set_defaults(fn=cmd_import)
 
     ve = sub.add_parser("verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
                                        "tensor by tensor (exit 1 on any difference)")

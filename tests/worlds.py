@@ -600,3 +600,37 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
     assert_same(ex.state_dict(), ref, f"{layout} single grouped")
     assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}, ref, f"{layout} 4 KiB")
     return {"tensors": len(ref)}
+
+
+def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None) -> int:
+    """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
+    checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
+    builds), then exported live: bit-identical to the HF source. With `resave`, Megatron then saves the model
+    under resave/<arch> (to compare keys). Returns the number of tensors checked."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    cfg, chunks = build(ckpt, layout)
+    zero_(chunks)
+    md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
+
+    def sharded() -> dict:
+        if len(chunks) == 1:
+            return {"model": chunks[0].sharded_state_dict(metadata=md)}
+        return {f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(chunks)}
+
+    sd = sharded()
+    with open(os.path.join(root, cfg.model_type, "latest_checkpointed_iteration.txt")) as f:
+        it = int(f.read())
+    loaded = dist_checkpointing.load(sd, os.path.join(root, cfg.model_type, f"iter_{it:07d}"))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    ref = read_hf_checkpoint(ckpt)
+    assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} imported")
+    if resave is not None:
+        out = os.path.join(resave, cfg.model_type)
+        if dist.get_rank() == 0:
+            os.makedirs(out, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(sharded(), out)
+    return len(ref)

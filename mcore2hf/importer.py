@@ -1,0 +1,470 @@
+"""Offline import: an HF directory -> a Megatron torch_dist checkpoint, on a CPU, in bounded memory.
+
+No torch.distributed, no model, no GPU. The HF names are mapped back through the converter's table (its rules
+read right to left), each Megatron tensor is rebuilt with its layout op's inverse (`shard_from_hf` of the
+single, TP-1 shard), and written as one chunk (a `torch.save` at a byte range of a `.distcp` file, as
+torch.distributed.checkpoint's FileSystemWriter writes them) under the key Megatron's `sharded_state_dict`
+gives it. Only one Megatron tensor is in memory at a time; the HF side is read slice by slice (safetensors).
+
+Keys, global shapes and chunk offsets are the ones megatron-core 0.16.1's sharded state dict uses (read in
+megatron/core/transformer/transformer_block.py `sharded_state_dict`, transformer_layer.py, mlp.py
+`apply_swiglu_sharded_factory`, moe/experts.py, dist_checkpointing/mapping.py `ShardedObject.unique_key`,
+strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `common.pt`, core.py
+`metadata.json`; tests/test_import.py compares them with a checkpoint Megatron itself saved):
+
+* decoder layers stacked under `decoder.layers.<name>` with a leading layer axis when every layer is alike (dense
+  models), else one key per layer (`decoder.layers.<i>.<name>`); MTP layers always per layer, their inner layer
+  under `mtp.layers.<m>.transformer_layer.`;
+* the local spec's key map (gpt_layer_specs.py `sharded_state_dict_keys_map`): `input_layernorm.` ->
+  `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_` (not for MLA);
+* routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
+  `singleton_local_shards` one key per expert (`experts.experts.<e>.`) and every GLU fc1 split into `_w`/`_v`;
+* every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold);
+* the vocab-parallel tensors (embedding, output layer; MTP shares their keys) with exactly vocab_size rows: they
+  are `allow_shape_mismatch` ShardedTensors (tensor_parallel/layers.py VocabParallelEmbedding
+  `sharded_state_dict`, language_module.py, multi_token_prediction.py), which the torch_dist load strategy
+  (strategies/torch.py `_mcore_to_dcp_compatible_tensor`: zero-initialized; `MCoreLoadPlanner
+  ._temporarily_bypass_shape_validation`: only the overlap read) loads at any padded vocab, so at any TP. With
+  `tp`, they are padded to a multiple of make_vocab_size_divisible_by x TP and chunked by that TP instead, as
+  training at that TP saves them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import import_module
+
+import regex
+import torch
+
+from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
+from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .layouts import GatedColumn, VocabRows, shape_of
+from .loader import HFReader
+from .mapping import Converter, ModelDims, _compile
+from .offline import _parse_dtype, _peak_rss
+from .registry import get_converter
+from .senders.safetensors import SAFETENSORS_DTYPES, _overlap, _umask
+from .sizes import parse_size
+
+#: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
+#: `_extra_state` that their sharded state dict saves as a ShardedObject
+LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
+                            "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                            "eh_proj"})
+#: gpt_layer_specs.py (megatron-core 0.16.1) get_gpt_layer_local_spec, non-MLA: norms saved under TE's fused names
+LOCAL_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                  "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_EXPERT = regex.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+class ImportTargetError(Mcore2HFError):
+    """The output checkpoint directory cannot be written without destroying something."""
+
+
+@dataclass
+class Part:
+    """One chunk to write: rows [row0, row0 + rows) of the Megatron tensor `name` (the GLU halves of singleton
+    checkpoints are parts too), placed at `offsets` of checkpoint key `key`."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    row0: int = 0
+    rows: int | None = None  # None: the whole tensor
+
+
+@dataclass
+class ImportSource:
+    """One canonical Megatron tensor: its HF sources, layout op, full shape and where its chunks go."""
+
+    name: str
+    hf: tuple[str, ...]
+    op: object
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    keep_dtype: bool = False  # HF keeps it in its dtype when the import casts (e_score_correction_bias)
+    parts: list[Part] = field(default_factory=list)
+
+
+@dataclass
+class ImportReport:
+    ckpt_dir: str
+    iteration: int
+    tensors: int
+    keys: int
+    bytes_written: int
+    seconds: float
+    peak_rss_bytes: int
+
+
+def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
+    """{canonical Megatron name: Resolved} for the HF tensors, by reading each rule's first HF template back
+    (placeholders become numbers; MTP rules' {L} is num_layers + M); also the HF names no rule explains."""
+    templates = [(_compile(rule.hf[0]), rule) for rule in converter.rules]
+    found: dict[str, object] = {}
+    used: set[str] = set()
+    for hf_name in sorted(hf_names):
+        for pattern, rule in templates:
+            m = pattern.fullmatch(hf_name)
+            if m is None:
+                continue
+            fields = {k: int(v) for k, v in m.groupdict().items()}
+            if "{M}" in rule.megatron:
+                fields["M"] = fields.get("L", -1) - dims.num_layers
+                if fields["M"] < 0:
+                    continue
+            name = rule.megatron.format(**fields)
+            r = converter.resolve(name, dims)
+            if r is None or r.hf_names[0] != hf_name:
+                continue  # an earlier rule owns this Megatron name: not this one's inverse
+            found[name] = r
+            used.update(r.hf_names)
+            break
+    unexplained = sorted(n for n in hf_names - used if not converter.ignored_on_load(n, dims))
+    return found, unexplained
+
+
+def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tuple[int, ...]:
+    """The Megatron tensor's shape from its HF tensors' shapes (ops with several outputs concatenate rows)."""
+    if isinstance(op, VocabRows):
+        return (padded_vocab, *hf_shapes[0][1:])
+    if len(hf_shapes) == 1:
+        return tuple(hf_shapes[0])
+    return (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])
+
+
+def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool) -> tuple[str, tuple[int, ...],
+                                                                                          tuple[int, ...]]:
+    """(key, leading offsets, leading global dims) of a canonical Megatron name in Megatron's sharded state
+    dict: the inverse of `offline.checkpoint_sources`."""
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return name, (), ()
+    layer, rest = int(m.group(1)), m.group(2)
+    if dims.kv_lora_rank is None:
+        for local, key in LOCAL_KEYS_MAP.items():
+            if rest.startswith(local):
+                rest = key + rest[len(local):]
+    lead, glob = (), ()
+    e = _EXPERT.fullmatch(rest)
+    if e is not None:
+        if singleton:
+            rest = f"mlp.experts.experts.{e.group(1)}.{e.group(2)}"
+        else:
+            rest = f"mlp.experts.experts.{e.group(2)}"
+            lead, glob = (int(e.group(1)),), (dims.num_experts,)
+    if layer >= dims.num_layers:
+        return f"mtp.layers.{layer - dims.num_layers}.transformer_layer.{rest}", lead, glob
+    if stacked:
+        return f"decoder.layers.{rest}", (layer, *lead), (dims.num_layers, *glob)
+    return f"decoder.layers.{layer}.{rest}", lead, glob
+
+
+def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
+                singleton: bool, stacked: bool) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
+    """Every Megatron tensor to write with its chunks, the checkpoint's keys {key: (global shape, dtype)}, and
+    its `_extra_state` object keys; every problem is reported at once, before anything is written."""
+    from .model_specs.common import padded_vocab_size
+
+    resolved, unexplained = megatron_names(converter, dims, reader.names())
+    if unexplained:
+        raise UnknownParametersError(converter.model_type, [f"{n} (an HF tensor no rule of the "
+                                                            f"{converter.model_type} table produces)"
+                                                            for n in unexplained])
+    if stacked:  # one key for all decoder layers holds only when every layer has the same tensors
+        layers: dict[int, set[str]] = {}
+        for name in resolved:
+            m = _LAYER.fullmatch(name)
+            if m is not None and int(m.group(1)) < dims.num_layers:
+                layers.setdefault(int(m.group(1)), set()).add(m.group(2))
+        kinds = {frozenset(v) for v in layers.values()}
+        if len(kinds) > 1:
+            first = layers[0]
+            other = next(i for i, v in sorted(layers.items()) if v != first)
+            raise ValueError(f"stacked layer keys need every decoder layer alike: layer 0 and layer {other} differ "
+                             f"(e.g. {sorted(first ^ layers[other])[:2]}); Megatron saves such models per layer")
+    padded = dims.vocab_size if tp is None else padded_vocab_size(dims.vocab_size, tp, divisible_by)
+    sources, keys, objects, problems = [], {}, set(), []
+    for name, r in sorted(resolved.items()):
+        missing = [n for n in r.hf_names if n not in reader]
+        if missing:
+            problems.append(f"{name}: HF tensor(s) {missing} missing (the table makes {list(r.hf_names)})")
+            continue
+        try:
+            hf = [reader.slice(n) for n in r.hf_names]
+        except Exception as e:  # noqa: BLE001 - e.g. an index naming a tensor its file lacks
+            problems.append(f"{name}: cannot read {list(r.hf_names)} from {reader.where} ({type(e).__name__}: {e})")
+            continue
+        have = [shape_of(x) for x in hf]
+        full = _full_shape(r.op, have, padded)
+        try:
+            want = [tuple(s) for s in r.op.hf_shapes(full)]
+        except ShapeMismatchError as e:
+            problems.append(f"{name} <- {list(r.hf_names)}: {e}")
+            continue
+        if want != have:
+            problems.append(f"{name} <- {list(r.hf_names)}: shapes {[list(h) for h in have]} do not make one "
+                            f"Megatron tensor (expected {[list(w) for w in want]})")
+            continue
+        dtype = hf[0].dtype if isinstance(hf[0], torch.Tensor) else _slice_dtype(hf[0])
+        src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
+        key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton)
+        zeros = (0,) * len(full)
+        if singleton and isinstance(r.op, GatedColumn):  # apply_swiglu_sharded_factory: gate _w, up _v
+            half = (full[0] // 2, *full[1:])
+            src.parts = [Part(key + "_w", zeros, half, 0, half[0]), Part(key + "_v", zeros, half, half[0], half[0])]
+            shapes = {key + "_w": half, key + "_v": half}
+        elif isinstance(r.op, VocabRows) and tp is not None and tp > 1:  # chunked as training at this TP writes it
+            rows = full[0] // tp
+            src.parts = [Part(key, (i * rows, *zeros[1:]), (rows, *full[1:]), i * rows, rows) for i in range(tp)]
+            shapes = {key: full}
+        else:
+            src.parts = [Part(key, (*lead, *zeros), (*(1,) * len(lead), *full))]
+            shapes = {key: (*glob, *full)}
+        for k, shape in shapes.items():
+            if keys.setdefault(k, (shape, dtype))[0] != shape:
+                problems.append(f"{k}: Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}")
+        module = key.rsplit(".", 1)[0]
+        if name.rsplit(".", 2)[-2] in LINEAR_MODULES:  # the canonical module: norms keyed into fc1 are not linears
+            offsets = lead or (0,)
+            objects.add(f"{module}._extra_state/shard_{'.'.join(map(str, offsets))}_"
+                        f"{'.'.join(map(str, glob or (1,)))}")
+        sources.append(src)
+    if not problems:  # every tensor against the model transformers builds from the config, as export checks
+        problems = shape_problems({n: shape_of(reader.slice(n)) for n in reader.names()},
+                                  hf_tensor_shapes(cfg, dims.num_mtp_layers))
+    if problems:
+        raise ShapeMismatchError(f"the HF checkpoint {reader.where} cannot become a Megatron checkpoint "
+                                 f"({converter.model_type}):\n  " + "\n  ".join(problems))
+    return sources, keys, sorted(objects)
+
+
+_FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _slice_dtype(s) -> torch.dtype:
+    return _FROM_SAFETENSORS[s.get_dtype()]
+
+
+class _DistcpWriter:
+    """Writes chunks into `.distcp` files the way torch.distributed.checkpoint's FileSystemWriter does (one
+    `torch.save` per tensor chunk, raw bytes per object) and the `.metadata` that indexes them."""
+
+    def __init__(self, path: str, file_bytes: int):
+        from torch.distributed.checkpoint.metadata import Metadata  # noqa: F401 - fail early if DCP is absent
+
+        self.path, self.file_bytes = path, file_bytes
+        self.index, self.file, self.name = 0, None, ""
+        self.storage: dict = {}
+        self.chunks: dict[str, list] = {}
+        self.bytes = 0
+
+    def _stream(self):
+        if self.file is None or self.file.tell() >= self.file_bytes:
+            if self.file is not None:
+                self.file.close()
+            self.name = f"__0_{self.index}.distcp"
+            self.index += 1
+            self.file = open(os.path.join(self.path, self.name), "wb")  # noqa: SIM115 - closed in finish
+        return self.file
+
+    def tensor(self, key: str, offsets: tuple[int, ...], t: torch.Tensor) -> None:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+        t = t.contiguous()
+        if t.untyped_storage().nbytes() != t.nbytes:  # torch.save writes whole storages
+            t = t.clone()
+        f = self._stream()
+        start = f.tell()
+        torch.save(t, f)
+        self._record(MetadataIndex(key, offsets), start, f.tell() - start)
+        self.chunks.setdefault(key, []).append(ChunkStorageMetadata(torch.Size(offsets), t.shape))
+
+    def blob(self, key: str, data: bytes) -> None:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        f = self._stream()
+        start = f.tell()
+        f.write(data)
+        self._record(MetadataIndex(key), start, len(data))
+
+    def _record(self, index, start: int, length: int) -> None:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        self.storage[index] = _StorageInfo(self.name, start, length)
+        self.bytes += length
+
+    def finish(self, keys: dict[str, tuple], objects: list[str]) -> None:
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            Metadata,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+        sd_meta: dict = {k: TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), self.chunks[k])
+                         for k, (shape, dtype) in keys.items()}
+        sd_meta.update({k: BytesStorageMetadata() for k in objects})
+        meta = Metadata(state_dict_metadata=sd_meta, storage_data=self.storage,
+                        storage_meta=StorageMeta(checkpoint_id=self.path, save_id=str(uuid.uuid4())))
+        with open(os.path.join(self.path, ".metadata"), "wb") as f:
+            pickle.dump(meta, f)  # as FileSystemWriter.finish (torch 2.13 filesystem.py) writes it
+
+
+def _iteration_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: list[str]) -> None:
+    """Refuse, before anything is written, an output that overlaps an input, a file, or an existing iteration
+    (with `overwrite`, only a torch_dist iteration directory is replaced)."""
+    target = os.path.join(ckpt_dir, _iteration_name(iteration))
+    for inp in inputs:
+        if _overlap(ckpt_dir, inp):
+            raise ImportTargetError(f"output directory {ckpt_dir} overlaps the input {inp}: choose another output")
+    if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+        raise ImportTargetError(f"output path {ckpt_dir} exists and is not a directory")
+    tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
+    if os.path.exists(tracker) and not os.path.isfile(tracker):
+        raise ImportTargetError(f"{tracker} exists and is not a file")
+    if os.path.isdir(ckpt_dir) and not os.path.isfile(tracker) and os.listdir(ckpt_dir):
+        raise ImportTargetError(f"output directory {ckpt_dir} is not empty and not a Megatron checkpoint "
+                                "directory (no latest_checkpointed_iteration.txt): refusing to write into it")
+    if os.path.lexists(target):
+        if not overwrite:
+            raise ImportTargetError(f"{target} exists (pass overwrite=True / --overwrite to replace it)")
+        if not os.path.isfile(os.path.join(target, ".metadata")) or os.path.islink(target):
+            raise ImportTargetError(f"{target} is not a torch_dist checkpoint directory (no .metadata): refusing "
+                                    "to replace it, even with overwrite")
+
+
+def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
+                      hf_config: HFConfigLike | None = None, iteration: int = 0,
+                      dtype: torch.dtype | str | None = None, tp: int | None = None,
+                      make_vocab_size_divisible_by: int = 128,
+                      singleton_local_shards: bool = False, stacked_layers: bool | None = None,
+                      file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True) -> ImportReport:
+    """Write a Megatron torch_dist checkpoint (`ckpt_dir/iter_NNNNNNN` + latest_checkpointed_iteration.txt)
+    from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout and any
+    vocab padding: the vocab-parallel tensors hold exactly vocab_size rows and Megatron loads them with
+    `allow_shape_mismatch` (its padding rows zero). `tp` (with `make_vocab_size_divisible_by`) instead pads and
+    chunks them exactly as training at that TP saves them; not needed for loading.
+
+    `dtype` casts floating tensors (ones HF keeps in fp32, like e_score_correction_bias, stay fp32).
+    `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name);
+    `stacked_layers` (default: dense models stack, MoE ones do not, as Megatron decides for the registered
+    specs) picks stacked `decoder.layers.<name>` keys. The iteration directory is written under a temporary
+    name and renamed when complete; the tracker file is replaced last."""
+    t0 = time.perf_counter()
+    hf_dir = os.path.abspath(os.fspath(hf_dir))
+    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    cast = _parse_dtype(dtype)
+    limit = parse_size(file_size, "file_size")
+    if (tp is not None and tp < 1) or make_vocab_size_divisible_by < 1 or iteration < 0:
+        raise ValueError(f"tp ({tp}) and make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be "
+                         f">= 1 and iteration ({iteration}) >= 0")
+    source = config_source(hf_config if hf_config is not None else hf_dir)
+    cfg = source.config
+    inputs = [hf_dir] + ([source.directory] if source.directory else [])
+    check_import_target(ckpt_dir, iteration, overwrite, inputs)
+    converter = get_converter(cfg.model_type)
+    dims = import_module(converter.spec).dims(cfg)
+    try:
+        reader = HFReader(hf_dir)
+    except FileNotFoundError as e:
+        raise MissingWeightsError([str(e)], hf_dir) from None
+    stacked = (not dims.num_experts) if stacked_layers is None else stacked_layers
+    stacked = stacked and not singleton_local_shards  # transformer_block.py: singleton forces per-layer keys
+    sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, divisible_by=make_vocab_size_divisible_by,
+                                         singleton=singleton_local_shards, stacked=stacked)
+
+    def out_dtype(s: ImportSource) -> torch.dtype:
+        return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
+
+    key_dtypes = {p.key: out_dtype(s) for s in sources for p in s.parts}
+    keys = {k: (shape, key_dtypes[k]) for k, (shape, _) in keys.items()}
+    created = not os.path.isdir(ckpt_dir)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{_iteration_name(iteration)}.tmp-", dir=ckpt_dir)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the checkpoint is a normal directory
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(sources), unit="tensor", desc="import")
+    try:
+        writer = _DistcpWriter(tmp, limit)
+        for s, full in _tensors(reader, sources):
+            full = full.to(out_dtype(s))
+            for p in s.parts:
+                writer.tensor(p.key, p.offsets, (full if p.rows is None else full[p.row0:p.row0 + p.rows])
+                              .reshape(p.sizes))
+            if bar is not None:
+                bar.update(1)
+        empty = io.BytesIO()
+        torch.save([None], empty)  # strategies/torch.py: a list of the rank's objects' data
+        for key in objects:
+            writer.blob(key, empty.getvalue())
+        writer.finish(keys, objects)
+        torch.save({"checkpoint_version": 3.0, "iteration": iteration}, os.path.join(tmp, "common.pt"))
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, f)
+        target = os.path.join(ckpt_dir, _iteration_name(iteration))
+        if os.path.isdir(target):  # overwrite, checked above: a torch_dist iteration directory
+            old = tempfile.mkdtemp(prefix=f".{_iteration_name(iteration)}.old-", dir=ckpt_dir)
+            os.replace(target, os.path.join(old, "x"))
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+        tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(iteration))
+        os.replace(tracker + ".tmp", tracker)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created and not os.listdir(ckpt_dir):
+            os.rmdir(ckpt_dir)  # nothing of a failed import is left behind
+        raise
+    finally:
+        reader.close()
+        if bar is not None:
+            bar.close()
+    return ImportReport(ckpt_dir, iteration, len(sources), len(keys) + len(objects), writer.bytes,
+                        time.perf_counter() - t0, _peak_rss())
+
+
+#: HF bytes read between closing the safetensors files: their memory maps keep every page read resident
+#: (counted in RSS) until the file is closed
+REMAP_BYTES = 64 * 2**20
+
+
+def _tensors(reader: HFReader, sources: list[ImportSource]) -> Iterator[tuple[ImportSource, torch.Tensor]]:
+    """Each Megatron tensor, rebuilt from its HF slices by the layout op's inverse (one at a time)."""
+    read = 0
+    for s in sources:
+        hf = [reader.slice(n) for n in s.hf]
+        full = s.op.shard_from_hf(hf, 0, 1, s.shape)
+        del hf
+        read += full.nbytes
+        if read > REMAP_BYTES:
+            reader.close()
+            read = 0
+        yield s, full

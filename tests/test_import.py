@@ -1,0 +1,214 @@
+"""`mcore2hf import`: HF directory -> Megatron torch_dist checkpoint. Megatron's own dist_checkpointing.load
+reads one import (vocab unpadded) at layouts of TP 1 and 2, and the live export is bit-identical to the HF
+source; Megatron re-saving the loaded model writes our keys, shapes and dtypes but for its padded vocab rows;
+import -> offline export is bit-identical without Megatron."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import worlds
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from mcore2hf.errors import Mcore2HFError, ShapeMismatchError, UnknownParametersError
+from mcore2hf.importer import ImportTargetError, import_checkpoint
+from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
+from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+from mcore2hf.testing.world import Layout, run_world
+
+LAYOUTS = [
+    (Layout(tp=2, ep=2, etp=1), True),  # EP, ETP != TP; singleton_local_shards (per-expert keys, fc1 _w/_v)
+    (Layout(tp=2, pp=2, vpp=2, ep=2, etp=1), False),  # virtual PP, stacked experts; vocab padded to 256
+    (Layout(pp=2, first_stage_layers=1, last_stage_layers=3), False),  # uneven PP; vocab padded to 128
+]
+
+
+def model_keys(it_dir) -> dict:
+    md = FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata
+    return {k: (tuple(v.size), v.properties.dtype) if hasattr(v, "size") else "object"
+            for k, v in md.items() if not k.startswith("optimizer")}
+
+
+@pytest.fixture(scope="module")
+def imported(ckpts, tmp_path_factory) -> dict[bool, str]:
+    """One import per architecture and key layout (singleton_local_shards or not), with no --tp: every layout
+    below loads the same checkpoint."""
+    roots = {s: tmp_path_factory.mktemp(f"imported-{int(s)}") for s in (False, True)}
+    for singleton, root in roots.items():
+        for mt, ckpt in ckpts.items():
+            import_checkpoint(ckpt, root / mt, singleton_local_shards=singleton, iteration=5, progress=False)
+    return {s: str(r) for s, r in roots.items()}
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=[f"{lay}{'-singleton' if s else ''}" for lay, s in LAYOUTS])
+def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, ckpts, imported, tmp_path):
+    layout, singleton = case
+    root = imported[singleton]
+    res = run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, root, singleton,
+                    str(tmp_path / "resaved"))[0]
+    failed = {mt: r for mt, r in res.items() if isinstance(r, Exception)}
+    assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
+    for mt in ckpts:  # what Megatron writes for the model it loaded is what we wrote, but for its vocab padding
+        ours, megatron = model_keys(os.path.join(root, mt, "iter_0000005")), model_keys(tmp_path / "resaved" / mt)
+        vocab = tiny_config(mt).vocab_size
+        padded = -(-vocab // (128 * layout.tp)) * 128 * layout.tp
+        for k in ours:  # ours: exactly vocab_size rows; Megatron's: padded to 128 x TP (zeros, loaded at any TP)
+            if k in VOCAB_KEYS or k.endswith(".embedding.word_embeddings.weight"):
+                assert ours[k][0][0] == vocab and megatron[k][0] == (padded, *ours[k][0][1:]), (mt, k, megatron[k])
+                megatron[k] = ours[k]
+        assert ours == megatron, (mt, sorted(set(ours) ^ set(megatron))[:6],
+                                  [k for k in ours if k in megatron and ours[k] != megatron[k]][:6])
+
+
+def test_import_then_offline_export_is_bit_identical_without_megatron(ckpts, tmp_path):
+    for mt, ckpt in ckpts.items():
+        ref = read_hf_checkpoint(ckpt)
+        alike = mt not in ("glm4_moe", "deepseek_v3")  # their first layer is dense: never stacked
+        for singleton, stacked, tp in ((False, None, None), (False, None, 1), (True, None, 2), (False, alike, 2)):
+            name = f"{mt}-{int(singleton)}{stacked}{tp}"
+            import_checkpoint(ckpt, tmp_path / name, tp=tp, singleton_local_shards=singleton, stacked_layers=stacked,
+                              file_size="20KB", progress=False)
+            assert len([f for f in os.listdir(tmp_path / name / "iter_0000000") if f.endswith(".distcp")]) > 1
+            rows = model_keys(tmp_path / name / "iter_0000000")["embedding.word_embeddings.weight"][0][0]
+            assert rows == (100 if tp is None else 128 * tp), (name, rows)  # vocab_size 100: unpadded, or padded
+            export_checkpoint(tmp_path / name, tmp_path / f"{name}-hf", ckpt, progress=False)
+            worlds.assert_same(read_hf_checkpoint(tmp_path / f"{name}-hf"), ref, name)
+        if not alike:
+            with pytest.raises(ValueError, match="layer 0 and layer 1 differ"):
+                import_checkpoint(ckpt, tmp_path / f"{mt}-stacked", stacked_layers=True, progress=False)
+            assert not (tmp_path / f"{mt}-stacked").exists()
+        # --dtype bf16: floating tensors cast, except those HF keeps in fp32 (e_score_correction_bias)
+        import_checkpoint(ckpt, tmp_path / f"{mt}-bf16", dtype="bf16", progress=False)
+        meta = model_keys(tmp_path / f"{mt}-bf16" / "iter_0000000")
+        assert {d for k, v in meta.items() if v != "object" for d in [v[1]] if not k.endswith("expert_bias")} \
+            == {torch.bfloat16}, mt
+        assert all(v[1] == torch.float32 for k, v in meta.items() if k.endswith("expert_bias")), mt
+        export_checkpoint(tmp_path / f"{mt}-bf16", tmp_path / f"{mt}-bf16-hf", ckpt, progress=False)
+        want = {k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16) for k, v in ref.items()}
+        worlds.assert_same(read_hf_checkpoint(tmp_path / f"{mt}-bf16-hf"), want, f"{mt} bf16")
+
+
+def _listing(root) -> dict:
+    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_output_guards_overwrite_and_atomicity(ckpts, tmp_path, monkeypatch):
+    src = ckpts["qwen3_moe"]
+    out = tmp_path / "ckpt"
+    import_checkpoint(src, out, iteration=1, progress=False)
+    import_checkpoint(src, out, iteration=2, progress=False)
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "2"
+    before = _listing(out)
+    with pytest.raises(ImportTargetError, match="iter_0000002 exists"):
+        import_checkpoint(src, out, iteration=2, progress=False)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("keep")
+    with pytest.raises(ImportTargetError, match="not a Megatron checkpoint directory"):
+        import_checkpoint(src, tmp_path / "busy", progress=False)
+    (out / "iter_0000003").mkdir()
+    (out / "iter_0000003" / "mine").write_text("keep")
+    with pytest.raises(ImportTargetError, match="not a torch_dist checkpoint directory"):
+        import_checkpoint(src, out, iteration=3, overwrite=True, progress=False)
+    for inside in (os.path.join(src, "megatron"), os.path.dirname(src)):
+        with pytest.raises(ImportTargetError, match="overlaps the input"):
+            import_checkpoint(src, inside, progress=False)
+
+    # a failure mid-write leaves the previous iteration, the tracker and nothing else
+    from mcore2hf import importer
+
+    calls = {"n": 0}
+    real = importer._DistcpWriter.tensor
+
+    def failing(self, *a):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise OSError("disk full")
+        return real(self, *a)
+
+    monkeypatch.setattr(importer._DistcpWriter, "tensor", failing)
+    with pytest.raises(OSError, match="disk full"):
+        import_checkpoint(src, out, iteration=2, overwrite=True, progress=False)
+    calls["n"] = 0
+    with pytest.raises(OSError, match="disk full"):
+        import_checkpoint(src, tmp_path / "new", progress=False)
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
+    assert {k: v for k, v in _listing(out).items() if "iter_0000003" not in k} == before
+    assert sorted(os.listdir(out)) == ["iter_0000001", "iter_0000002", "iter_0000003",
+                                       "latest_checkpointed_iteration.txt"]
+    import_checkpoint(src, out, iteration=2, overwrite=True, dtype="bf16", progress=False)  # replaces iter 2 only
+    assert model_keys(out / "iter_0000002")["output_layer.weight"][1] == torch.bfloat16
+    assert (out / "iter_0000003" / "mine").read_text() == "keep"
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "keep"
+
+
+def test_bad_input_is_reported_at_once_before_anything_is_written(ckpts, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(ckpts["glm4_moe"], src)
+    files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    tensors = {f: load_file(src / f) for f in files}
+    f0 = next(f for f in files if "model.layers.1.self_attn.k_proj.weight" in tensors[f])
+    t = dict(tensors[f0])
+    del t["model.layers.1.self_attn.k_proj.weight"]
+    t["model.layers.1.self_attn.o_proj.weight"] = t["model.layers.1.self_attn.o_proj.weight"][:, :32].contiguous()
+    save_file(t, src / f0, metadata={"format": "pt"})
+    with pytest.raises(ShapeMismatchError) as e:  # the index still names k_proj: its file lacks it
+        import_checkpoint(src, tmp_path / "o1", progress=False)
+    assert "cannot read" in str(e.value), str(e.value)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.self_attn.k_proj.weight"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ShapeMismatchError) as e:
+        import_checkpoint(src, tmp_path / "o1", progress=False)
+    assert "k_proj.weight'] missing" in str(e.value), str(e.value)
+    t["model.layers.1.self_attn.k_proj.weight"] = tensors[f0]["model.layers.1.self_attn.k_proj.weight"]
+    save_file(t, src / f0, metadata={"format": "pt"})
+    index["weight_map"]["model.layers.1.self_attn.k_proj.weight"] = f0
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ShapeMismatchError, match=r"o_proj.weight: HF config implies shape \[64, 64\], the "
+                                                 r"checkpoint gives \[64, 32\]"):
+        import_checkpoint(src, tmp_path / "o1", progress=False)
+    t["model.layers.1.self_attn.o_proj.weight"] = tensors[f0]["model.layers.1.self_attn.o_proj.weight"]
+    t["model.layers.1.mystery.weight"] = torch.zeros(3)
+    save_file(t, src / f0, metadata={"format": "pt"})
+    index["weight_map"]["model.layers.1.mystery.weight"] = f0
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UnknownParametersError, match="model.layers.1.mystery.weight"):
+        import_checkpoint(src, tmp_path / "o2", progress=False)
+    with pytest.raises(ShapeMismatchError, match="linear_qkv"):  # the config says 4 KV heads, the tensors 2
+        import_checkpoint(ckpts["qwen3_moe"], tmp_path / "o3", hf_config=tiny_config("qwen3_moe", num_key_value_heads=4),
+                          progress=False)
+    (tmp_path / "o1x").mkdir()
+    with pytest.raises(Mcore2HFError, match="neither model.safetensors.index.json nor model.safetensors"):
+        import_checkpoint(tmp_path / "o1x", tmp_path / "o4", hf_config=ckpts["llama"], progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["o1x", "src"]
+
+
+def test_cli(ckpts, tmp_path):
+    run = [sys.executable, "-m", "mcore2hf.cli", "import"]
+    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12", "--tp", "2",
+                              "--singleton-local-shards", "--dtype", "bf16"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "peak RSS" in r.stdout and (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "12"
+    meta = model_keys(tmp_path / "c" / "iter_0000012")
+    assert meta["embedding.word_embeddings.weight"] == ((256, 64), torch.bfloat16)  # 100 padded to 128 x TP 2
+    assert "decoder.layers.1.mlp.experts.experts.7.linear_fc1.weight_v" in meta
+    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--overwrite" in r.stderr, r.stderr
+    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "d"), "--file-size", "lots"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--file-size" in r.stderr
+
+
+def test_tied_embeddings_import_has_no_output_layer(tmp_path):
+    src = make_hf_checkpoint(tiny_config("llama"), tmp_path / "llama")
+    import_checkpoint(src, tmp_path / "c", progress=False)
+    meta = model_keys(tmp_path / "c" / "iter_0000000")
+    assert "output_layer.weight" not in meta and "embedding.word_embeddings.weight" in meta
+    assert meta["decoder.layers.self_attention.linear_qkv.weight"][0] == (4, 128, 64)  # stacked: a dense model
