@@ -27,6 +27,11 @@ BIG_ARCH = {
     "deepseek_v3": dict(moe_intermediate_size=160, q_lora_rank=160, kv_lora_rank=144, qk_nope_head_dim=48,
                         qk_rope_head_dim=16, v_head_dim=48),
     "qwen3": dict(head_dim=48), "qwen2": {}, "llama": {},
+    "glm4_moe_lite": dict(moe_intermediate_size=160, q_lora_rank=160, kv_lora_rank=144, qk_nope_head_dim=48,
+                          qk_rope_head_dim=16, v_head_dim=64),
+    "deepseek_v2": dict(moe_intermediate_size=160, kv_lora_rank=144, qk_nope_head_dim=48, qk_rope_head_dim=16,
+                        v_head_dim=48),
+    "mixtral": dict(head_dim=48), "mistral": dict(head_dim=48),  # Mixtral's experts: intermediate_size 320
 }
 
 
