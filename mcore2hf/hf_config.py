@@ -33,7 +33,9 @@ def load_hf_config(hf_config: HFConfigLike) -> PretrainedConfig:
             raise FileNotFoundError(f"{path} is a directory without config.json")
         raw = _read_json(config_json)
         if _canonical(raw.get("model_type", "")) != raw.get("model_type"):
-            return load_hf_config(raw)  # an alias: its auto_map (remote code) is never imported
+            cfg = load_hf_config(raw)  # an alias: its auto_map (remote code) is never imported
+            cfg.name_or_path = path  # as from_pretrained records it: exports write this directory's config.json
+            return cfg
         return AutoConfig.from_pretrained(path, local_files_only=True)
     if os.path.isfile(path):
         with open(path) as f:
