@@ -32,7 +32,7 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> 
     from .testing.tiny import read_hf_checkpoint
 
     cfg = load_hf_config(ckpt)
-    chunks = build_model(cfg, **layout.config_overrides())
+    chunks = build_model(cfg, use_te=False, **layout.config_overrides())  # CPU gloo workers: the local spec
     load_hf_weights(chunks, ckpt)
     ref = read_hf_checkpoint(ckpt)
 

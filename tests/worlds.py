@@ -23,7 +23,7 @@ def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bo
         overrides["mtp_num_layers"] = None
     if dtype != torch.float32:
         overrides.update(params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    chunks = build_model(ckpt, **overrides)
+    chunks = build_model(ckpt, use_te=False, **overrides)  # gloo CPU workers: the local spec, even where TE exists
     if dtype != torch.float32:
         chunks = [c.to(dtype) for c in chunks]  # what Megatron's Float16Module does in training
     return cfg, chunks
@@ -279,7 +279,7 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     ref = read_hf_checkpoint(ckpt)
     # megatron-core 0.16 sets TP attributes only when it initializes weights: the layout ops must not depend on
     # them (strip them, so this holds whatever the release does)
-    chunks = build_model(cfg, perform_initialization=False)
+    chunks = build_model(cfg, use_te=False, perform_initialization=False)
     for c in chunks:
         for p in c.parameters():
             for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
