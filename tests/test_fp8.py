@@ -140,11 +140,13 @@ def dequantized_reference_logits(ckpt, tokens, quantize):
         for mod_name, mod in model.named_modules():
             experts = getattr(mod, "gate_up_proj", None)
             if experts is not None and experts.dim() == 3:
-                prefix = mod_name
+                prefix, (g, u, d) = mod_name, ("gate_proj", "up_proj", "down_proj")
+                if f"{prefix}.0.{g}.weight" not in sd:  # Mixtral's checkpoint names
+                    prefix, (g, u, d) = mod_name.replace(".mlp.", ".block_sparse_moe."), ("w1", "w3", "w2")
                 n = experts.shape[0]
-                gate = torch.stack([sd[f"{prefix}.{e}.gate_proj.weight"] for e in range(n)])
-                up = torch.stack([sd[f"{prefix}.{e}.up_proj.weight"] for e in range(n)])
-                down = torch.stack([sd[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
+                gate = torch.stack([sd[f"{prefix}.{e}.{g}.weight"] for e in range(n)])
+                up = torch.stack([sd[f"{prefix}.{e}.{u}.weight"] for e in range(n)])
+                down = torch.stack([sd[f"{prefix}.{e}.{d}.weight"] for e in range(n)])
 
                 def qdq(w):
                     return torch.stack([dequantize_fp8(*per_block_cast_to_fp8(x, quantize == "fp8-ue8m0"))
