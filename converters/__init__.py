@@ -1,3 +1,15 @@
 """Built-in converters: importing this package registers every architecture."""
 
-from . import deepseek_v3, glm4_moe, gpt_oss, llama, qwen2, qwen3, qwen3_moe  # noqa: F401
+from . import (  # noqa: F401
+    deepseek_v2,
+    deepseek_v3,
+    glm4_moe,
+    glm4_moe_lite,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)

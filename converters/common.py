@@ -53,11 +53,13 @@ def mla_attention() -> list[Rule]:
     ]
 
 
-def glu_mlp(megatron: str, hf: str) -> list[Rule]:
-    """A SwiGLU MLP: fc1 = [gate; up] (TP shards [gate_i; up_i]) and fc2 = down."""
+def glu_mlp(megatron: str, hf: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Rule]:
+    """A SwiGLU MLP: fc1 = [gate; up] (TP shards [gate_i; up_i]) and fc2 = down; `names` are HF's (gate, up,
+    down) module names (Mixtral's experts: w1, w3, w2)."""
+    gate, up, down = names
     return [
-        Rule(f"{megatron}.linear_fc1.weight", [f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"], GatedColumn),
-        Rule(f"{megatron}.linear_fc2.weight", f"{hf}.down_proj.weight", Row),
+        Rule(f"{megatron}.linear_fc1.weight", [f"{hf}.{gate}.weight", f"{hf}.{up}.weight"], GatedColumn),
+        Rule(f"{megatron}.linear_fc2.weight", f"{hf}.{down}.weight", Row),
     ]
 
 
@@ -65,11 +67,13 @@ def dense_mlp() -> list[Rule]:
     return glu_mlp(f"{L}.mlp", f"{HL}.mlp")
 
 
-def moe(shared_experts: bool = False, expert_bias: bool = False) -> list[Rule]:
+def moe(shared_experts: bool = False, expert_bias: bool = False, hf_moe: str = "mlp",
+        expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Rule]:
     """Router, routed experts (local spec and TE grouped names are both canonicalized to experts.{E}),
-    optional shared experts and the router's expert_bias buffer (HF e_score_correction_bias)."""
-    rules = [Rule(f"{L}.mlp.router.weight", f"{HL}.mlp.gate.weight", Replicated)]
-    rules += glu_mlp(f"{L}.mlp.experts.{{E}}", f"{HL}.mlp.experts.{{E}}")
+    optional shared experts and the router's expert_bias buffer (HF e_score_correction_bias). `hf_moe` and
+    `expert_names`: the HF MoE block's and experts' module names (Mixtral: block_sparse_moe, w1/w3/w2)."""
+    rules = [Rule(f"{L}.mlp.router.weight", f"{HL}.{hf_moe}.gate.weight", Replicated)]
+    rules += glu_mlp(f"{L}.mlp.experts.{{E}}", f"{HL}.{hf_moe}.experts.{{E}}", expert_names)
     if shared_experts:
         rules += glu_mlp(f"{L}.mlp.shared_experts", f"{HL}.mlp.shared_experts")
     if expert_bias:

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 logging.getLogger("mcore2hf").addHandler(logging.NullHandler())  # silent unless the application configures logging
 
 _LAZY = {
-    "Bucket": "buckets", "DEFAULT_BUCKET_BYTES": "exporter", "HFExporter": "exporter",
+    "Bucket": "buckets", "build_model": "build", "DEFAULT_BUCKET_BYTES": "exporter", "HFExporter": "exporter",
     "load_hf_weights": "loader", "get_converter": "registry", "list_architectures": "registry",
     "Mcore2HFError": "errors", "ConfigMismatchError": "errors", "LayoutError": "errors",
     "MissingWeightsError": "errors", "ParallelStateError": "errors", "ShapeMismatchError": "errors",

@@ -26,16 +26,13 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from . import HFExporter, load_hf_weights
+    from . import HFExporter, build_model, load_hf_weights
     from .hf_config import load_hf_config
-    from .model_specs.common import padded_vocab_size
-    from .registry import get_model_spec
     from .testing.forward import megatron_logits
     from .testing.tiny import read_hf_checkpoint
 
     cfg = load_hf_config(ckpt)
-    chunks = get_model_spec(cfg.model_type).build_model(
-        cfg, vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp), **layout.config_overrides())
+    chunks = build_model(cfg, use_te=False, **layout.config_overrides())  # CPU gloo workers: the local spec
     load_hf_weights(chunks, ckpt)
     ref = read_hf_checkpoint(ckpt)
 

@@ -25,16 +25,29 @@ def load_hf_config(hf_config: HFConfigLike) -> PretrainedConfig:
         model_type = d.pop("model_type", None)
         if not model_type:
             raise ConfigMismatchError("an HF config given as a dict needs a 'model_type' key")
-        return AutoConfig.for_model(model_type, **d)
+        return AutoConfig.for_model(_canonical(model_type), **d)
     path = os.fspath(hf_config)
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        config_json = os.path.join(path, "config.json")
+        if not os.path.isfile(config_json):
             raise FileNotFoundError(f"{path} is a directory without config.json")
+        raw = _read_json(config_json)
+        if _canonical(raw.get("model_type", "")) != raw.get("model_type"):
+            cfg = load_hf_config(raw)  # an alias: its auto_map (remote code) is never imported
+            cfg.name_or_path = path  # as from_pretrained records it: exports write this directory's config.json
+            return cfg
         return AutoConfig.from_pretrained(path, local_files_only=True)
     if os.path.isfile(path):
         with open(path) as f:
             return load_hf_config(json.load(f))
     raise FileNotFoundError(f"no HF config at {path}")
+
+
+def _canonical(model_type: str) -> str:
+    """Aliases of registered architectures (Kimi-K2's `kimi_k2` is a DeepSeek-V3 config) load as their target."""
+    from .registry import canonical_model_type
+
+    return canonical_model_type(model_type)
 
 
 def get(cfg: PretrainedConfig, *names: str, default: Any = _MISSING) -> Any:

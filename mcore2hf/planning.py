@@ -11,15 +11,13 @@ def _plan_rank(hf_config, layout, bucket_bytes: int, dtype_name: str, te_names: 
     import torch
     import torch.distributed as dist
 
-    from . import HFExporter
-    from .model_specs.common import padded_vocab_size
-    from .registry import get_model_spec
+    from . import HFExporter, build_model
 
     dtype = getattr(torch, dtype_name)
     with torch.device("meta"):  # shapes and names only: no memory, no initialization
-        chunks = get_model_spec(hf_config.model_type).build_model(
-            hf_config, vocab_size=padded_vocab_size(hf_config.vocab_size, layout.tp), perform_initialization=False,
-            params_dtype=dtype, **layout.config_overrides())
+        # local spec: TE names, when asked for, are applied below (Transformer Engine needs no GPU then)
+        chunks = build_model(hf_config, use_te=False, perform_initialization=False, params_dtype=dtype,
+                             **layout.config_overrides())
         chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
     if te_names:
         from .testing.te_naming import to_te_names

@@ -41,5 +41,12 @@ def get_converter(model_type: str) -> Converter:
         ) from None
 
 
+def canonical_model_type(model_type: str) -> str:
+    """The registered model_type an alias stands for (e.g. kimi_k2 -> deepseek_v3); others unchanged."""
+    _load_builtin()
+    converter = _CONVERTERS.get(model_type)
+    return converter.model_type if converter is not None else model_type
+
+
 def get_model_spec(model_type: str) -> ModuleType:
     return importlib.import_module(get_converter(model_type).spec)

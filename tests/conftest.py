@@ -7,7 +7,8 @@ from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "gpt_oss"]
+ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "glm4_moe_lite", "deepseek_v2", "mixtral",
+         "mistral", "gpt_oss"]
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +27,25 @@ def ckpts_bf16(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def qwen3_moe_ckpt(ckpts) -> str:
     return ckpts["qwen3_moe"]
+
+
+@pytest.fixture(scope="session")
+def variant_ckpts(tmp_path_factory) -> dict[str, str]:
+    """Family members (TINY_VARIANTS: Kimi-K2, Moonlight): the checkpoint transformers writes, with config.json
+    replaced by the published form (Kimi-K2: model_type kimi_k2 and an auto_map to remote code). The remote code
+    files exist and fail when imported: nothing may run them."""
+    import json
+
+    from mcore2hf.testing.tiny import TINY_VARIANTS
+
+    root = tmp_path_factory.mktemp("variants")
+    out = {}
+    for name, raw in TINY_VARIANTS.items():
+        path = make_hf_checkpoint(tiny_config(name), root / name)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**raw, "torch_dtype": "float32"}, f, indent=2)
+        for module in ("configuration_deepseek.py", "modeling_deepseek.py"):
+            with open(os.path.join(path, module), "w") as f:
+                f.write("raise RuntimeError('remote code was executed')\n")
+        out[name] = path
+    return out

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mcore2hf import list_architectures
+from mcore2hf import get_converter, list_architectures
 from mcore2hf.demo import DEMO_LAYOUT, format_report, run_demo
 from mcore2hf.testing.world import Layout
 
@@ -25,7 +25,7 @@ def test_demo_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("layout", [DEMO_LAYOUT, Layout(pp=2, ep=2, etp=1)], ids=["default", "pp2"])
-@pytest.mark.parametrize("model_type", list_architectures())
-def test_demo_passes_for_every_architecture(model_type, layout):
+@pytest.mark.parametrize("model_type", sorted({get_converter(mt).model_type for mt in list_architectures()}))
+def test_demo_passes_for_every_architecture(model_type, layout):  # an alias (kimi_k2) runs its format's demo
     report, ok = format_report(run_demo(model_type, layout))
     assert ok, report

@@ -30,6 +30,11 @@ BIG_ARCH = {
     "deepseek_v3": dict(moe_intermediate_size=160, q_lora_rank=160, kv_lora_rank=144, qk_nope_head_dim=48,
                         qk_rope_head_dim=16, v_head_dim=48),
     "qwen3": dict(head_dim=48), "qwen2": {}, "llama": {},
+    "glm4_moe_lite": dict(moe_intermediate_size=160, q_lora_rank=160, kv_lora_rank=144, qk_nope_head_dim=48,
+                          qk_rope_head_dim=16, v_head_dim=64),
+    "deepseek_v2": dict(moe_intermediate_size=160, kv_lora_rank=144, qk_nope_head_dim=48, qk_rope_head_dim=16,
+                        v_head_dim=48),
+    "mixtral": dict(head_dim=48), "mistral": dict(head_dim=48),  # Mixtral's experts: intermediate_size 320
 }
 
 
@@ -138,11 +143,13 @@ def dequantized_reference_logits(ckpt, tokens, quantize):
         for mod_name, mod in model.named_modules():
             experts = getattr(mod, "gate_up_proj", None)
             if experts is not None and experts.dim() == 3:
-                prefix = mod_name
+                prefix, (g, u, d) = mod_name, ("gate_proj", "up_proj", "down_proj")
+                if f"{prefix}.0.{g}.weight" not in sd:  # Mixtral's checkpoint names
+                    prefix, (g, u, d) = mod_name.replace(".mlp.", ".block_sparse_moe."), ("w1", "w3", "w2")
                 n = experts.shape[0]
-                gate = torch.stack([sd[f"{prefix}.{e}.gate_proj.weight"] for e in range(n)])
-                up = torch.stack([sd[f"{prefix}.{e}.up_proj.weight"] for e in range(n)])
-                down = torch.stack([sd[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
+                gate = torch.stack([sd[f"{prefix}.{e}.{g}.weight"] for e in range(n)])
+                up = torch.stack([sd[f"{prefix}.{e}.{u}.weight"] for e in range(n)])
+                down = torch.stack([sd[f"{prefix}.{e}.{d}.weight"] for e in range(n)])
 
                 def qdq(w):
                     return torch.stack([dequantize_fp8(*per_block_cast_to_fp8(x, quantize == "fp8-ue8m0"))

@@ -7,10 +7,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from mcore2hf import HFExporter, load_hf_weights
+from mcore2hf import HFExporter, build_model, load_hf_weights
 from mcore2hf.hf_config import load_hf_config
 from mcore2hf.layouts import Stacked
-from mcore2hf.model_specs.common import padded_vocab_size
 from mcore2hf.registry import get_model_spec
 from mcore2hf.testing.forward import megatron_logits
 from mcore2hf.testing.te_naming import te_names_of, to_te_names
@@ -20,13 +19,12 @@ from mcore2hf.testing.world import Layout
 
 def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True):
     cfg = load_hf_config(ckpt)
-    spec = get_model_spec(cfg.model_type)
     overrides = dict(layout.config_overrides())
     if not mtp:
         overrides["mtp_num_layers"] = None
     if dtype != torch.float32:
         overrides.update(params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    chunks = spec.build_model(cfg, vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp), **overrides)
+    chunks = build_model(ckpt, use_te=False, **overrides)  # gloo CPU workers: the local spec, even where TE exists
     if dtype != torch.float32:
         chunks = [c.to(dtype) for c in chunks]  # what Megatron's Float16Module does in training
     return cfg, chunks
@@ -113,7 +111,8 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, te_names_of(chunks))
     names = [n for rank_names in names for n in rank_names]
-    fused = "linear_q_up_proj.layer_norm_weight" if cfg.model_type == "deepseek_v3" else "linear_qkv.layer_norm_weight"
+    mla = getattr(get_model_spec(cfg.model_type).dims(cfg), "kv_lora_rank", None)
+    fused = "linear_kv_up_proj.layer_norm_weight" if mla else "linear_qkv.layer_norm_weight"
     assert any(fused in n for n in names), names[:10]
     if get_model_spec(cfg.model_type).dims(cfg).num_experts:
         assert any(".mlp.experts.linear_fc1.weight" in n for n in names), names[:10]
@@ -144,7 +143,7 @@ def parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, te_na
     Without MTP layers: Megatron's MTP forward needs labels, transformers ignores MTP, and loading a checkpoint
     that has MTP tensors into a model without MTP must work (RL runs often train without it)."""
     cfg, chunks = build(ckpt, layout, mtp=False)
-    out_dir = os.path.join(out_root, cfg.model_type)
+    out_dir = os.path.join(out_root, os.path.basename(ckpt))  # family members share a model_type
     load_hf_weights(chunks, ckpt)
     logits = megatron_logits(chunks, tokens, cfg.vocab_size)
     if te_names:
@@ -285,11 +284,9 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     """Plan once, run many; the dry run lists everything; perform_initialization=False; bucket balance."""
     cfg = load_hf_config(ckpt)
     ref = read_hf_checkpoint(ckpt)
-    spec = get_model_spec(cfg.model_type)
     # megatron-core 0.16 sets TP attributes only when it initializes weights: the layout ops must not depend on
     # them (strip them, so this holds whatever the release does)
-    chunks = spec.build_model(cfg, vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp),
-                              perform_initialization=False)
+    chunks = build_model(cfg, use_te=False, perform_initialization=False)
     for c in chunks:
         for p in c.parameters():
             for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):

@@ -48,10 +48,90 @@ TINY_CONFIGS: dict[str, dict] = {
     # tied embeddings, as in Llama 3.2 1B/3B
     "llama": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True),
+    # GLM-4.7-Flash scaled down (its values are transformers 5.23's Glm4MoeLiteConfig defaults: MLA with
+    # v_head_dim > qk_nope_head_dim, rms_norm_eps 1e-5, n_group 1, routed_scaling_factor 1.8, the first layer
+    # dense via mlp_layer_types), with one MTP layer as published (num_nextn_predict_layers 1)
+    "glm4_moe_lite": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32,
+        # kv_b_proj has 4 x (12 + 20) = 128 rows: transformers' FP8 loader dequantizes only weights of whole
+        # 128-blocks or smaller than 128 (see README), and the FP8 test loads this model
+        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        num_nextn_predict_layers=1, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=256, attention_bias=False, tie_word_embeddings=False,
+    ),
+    # DeepSeek-V2-Lite scaled down (its published config.json: q_lora_rank null, softmax "greedy" routing without
+    # renormalization, routed_scaling_factor 1.0, 2 shared experts, yarn rope factor 40, mscale 0.707)
+    "deepseek_v2": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+        first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0},
+    ),
+    # Mixtral-8x7B scaled down: 8 experts, top-2, rms_norm_eps 1e-5, rope_theta 1e6, no sliding window
+    "mixtral": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    ),
+    # Mistral-7B-v0.3 scaled down: rms_norm_eps 1e-5, rope_theta 1e6, no sliding window
+    "mistral": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        sliding_window=None, max_position_embeddings=256, tie_word_embeddings=False,
+    ),
+}
+
+# Members of a registered family whose config.json is the family's format with other values (not an
+# architecture of their own: tests run them where the values matter, logit parity). Scaled-down published values.
+TINY_VARIANTS: dict[str, dict] = {
+    # moonshotai/Kimi-K2-Instruct(-0905) config.json: model_type "kimi_k2" with an auto_map to its remote code
+    # (configuration_deepseek.py / modeling_deepseek.py), yarn rope (factor 64, beta_fast 1, beta_slow 1,
+    # mscale 1, mscale_all_dim 1, original 4096, rope_theta 50000), n_group 1, routed_scaling_factor 2.827,
+    # no MTP layers (as listed by ParagEkbote/hf-model-inspector model_inspection_report.md)
+    "kimi_k2": dict(
+        model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                  "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+        norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
+        rope_theta=50000.0, max_position_embeddings=262144, tie_word_embeddings=False,
+        rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+    # moonshotai/Moonlight-16B-A3B config.json: deepseek_v3 with q_lora_rank null, rms_norm_eps 1e-5 (MLA's
+    # latent norms stay at 1e-6 in transformers), rope_theta 50000, n_group 1, routed_scaling_factor 2.446
+    "moonlight": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                  "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+        first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+        norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=0, rms_norm_eps=1e-5,
+        rope_theta=50000.0, rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
 }
 
 
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
+    """A registered architecture's tiny config, or a family member's from TINY_VARIANTS (loaded as mcore2hf
+    loads its config.json: kimi_k2 through its alias)."""
+    if model_type in TINY_VARIANTS:
+        from mcore2hf.hf_config import load_hf_config
+
+        return load_hf_config({**TINY_VARIANTS[model_type], **overrides})
     kw = {**TINY_CONFIGS[model_type], **overrides}
     return AutoConfig.for_model(model_type, **kw)
 

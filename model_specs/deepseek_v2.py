@@ -1,0 +1,35 @@
+"""DeepSeek-V2 / V2-Lite (HF `deepseek_v2`): DeepSeek-V3's multi-latent attention and format (V2-Lite: no
+q_lora_rank, so a plain q_proj) with softmax routing and no expert bias, and no MTP layers."""
+
+from mcore2hf.errors import ConfigMismatchError
+
+from .common import spec_builder
+from .deepseek_v3 import dims, gpt_kwargs, layer_spec, mla_transformer_config, structural_fields  # noqa: F401
+
+HF_ARCHITECTURE = "DeepseekV2ForCausalLM"
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    # transformers 5.23 modeling_deepseek_v2.py: MoE iff layer_idx >= first_k_dense_replace (moe_layer_freq unused)
+    return bool(cfg.n_routed_experts) and layer >= cfg.first_k_dense_replace
+
+
+def router_fields(cfg) -> dict:
+    """Softmax over all experts, top-k, times routed_scaling_factor (transformers 5.23 DeepseekV2TopkRouter)."""
+    method = getattr(cfg, "topk_method", "greedy") or "greedy"
+    if method != "greedy":
+        # HF scores a group by its best expert, Megatron by the sum of its top topk // group_topk
+        raise ConfigMismatchError(f"deepseek_v2 topk_method={method!r}: only 'greedy' is mapped to Megatron")
+    return dict(moe_router_score_function="softmax",
+                # Megatron's pre-softmax top-k keeps the softmax weights as they are; the original DeepSeek-V2
+                # code (and SGLang, vLLM) renormalize them iff norm_topk_prob (false in V2 / V2-Lite), which
+                # transformers 5.23 ignores
+                moe_router_pre_softmax=not getattr(cfg, "norm_topk_prob", False),
+                moe_router_topk_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))
+
+
+def transformer_config(cfg, **overrides):
+    return mla_transformer_config(cfg, is_moe_layer, router_fields(cfg), overrides)
+
+
+build_model = spec_builder(__name__)
