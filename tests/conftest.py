@@ -7,7 +7,7 @@ from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama"]
+ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "minimax_m2", "olmoe"]
 
 
 @pytest.fixture(scope="session")
