@@ -75,3 +75,13 @@ def test_full_width_norm_refuses_tp_not_dividing_heads():
 
     with pytest.raises(ConfigMismatchError, match="over 2 heads needs TP dividing the head count.*TP=4"):
         FullWidthRMSNorm(8, SimpleNamespace(tensor_model_parallel_size=4, params_dtype=torch.float32), heads=2)
+
+
+def test_specs_refuse_configs_transformers_computes_differently():
+    from mcore2hf.registry import get_model_spec
+    from mcore2hf.testing.tiny import tiny_config
+
+    with pytest.raises(ConfigMismatchError, match="'scoring_func': 'softmax'"):
+        get_model_spec("minimax_m2").transformer_config(tiny_config("minimax_m2", scoring_func="softmax"))
+    with pytest.raises(ConfigMismatchError, match="clip_qkv=8.0"):
+        get_model_spec("olmoe").transformer_config(tiny_config("olmoe", clip_qkv=8.0))
