@@ -16,7 +16,7 @@ from mcore2hf.offline import CheckpointError, export_checkpoint
 from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
 
-ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama"]
+ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama", "minimax_m2"]
 CASES = [
     (Layout(tp=2, pp=2, ep=2, etp=1), False),
     (Layout(pp=2, vpp=2, ep=2, etp=1), False),
