@@ -3,7 +3,7 @@
 A rule for a parameter that a given config does not have (q/k norm, attention bias) is harmless: rules match
 by name. Whether the model *should* have it is checked against the HF config by the model spec."""
 
-from mcore2hf.layouts import QKV, Column, GatedColumn, LatentDown, Replicated, Row, VocabRows
+from mcore2hf.layouts import QKV, Column, GatedColumn, LatentDown, LayoutOp, Replicated, Row, VocabRows
 from mcore2hf.mapping import Rule
 from mcore2hf.quantize import FP8Policy
 
@@ -22,16 +22,18 @@ def embeddings(mtp_copies: bool = False) -> list[Rule]:
     ]
 
 
-def gqa_attention() -> list[Rule]:
-    """Fused QKV (weights and biases), output projection, optional q/k norms, the layer's two norms."""
+def gqa_attention(qk_norm: type[LayoutOp] = Replicated) -> list[Rule]:
+    """Fused QKV (weights and biases), output projection, optional q/k norms, the layer's two norms.
+
+    `qk_norm=Column`: full-width q/k norms (MiniMax-M2, OLMoE), whose weight Megatron splits by heads over TP."""
     a, h = f"{L}.self_attention", f"{HL}.self_attn"
     return [
         Rule(f"{L}.input_layernorm.weight", f"{HL}.input_layernorm.weight"),
         Rule(f"{a}.linear_qkv.weight", [f"{h}.q_proj.weight", f"{h}.k_proj.weight", f"{h}.v_proj.weight"], QKV),
         Rule(f"{a}.linear_qkv.bias", [f"{h}.q_proj.bias", f"{h}.k_proj.bias", f"{h}.v_proj.bias"], QKV),
         Rule(f"{a}.linear_proj.weight", f"{h}.o_proj.weight", Row),
-        Rule(f"{a}.q_layernorm.weight", f"{h}.q_norm.weight"),
-        Rule(f"{a}.k_layernorm.weight", f"{h}.k_norm.weight"),
+        Rule(f"{a}.q_layernorm.weight", f"{h}.q_norm.weight", qk_norm),
+        Rule(f"{a}.k_layernorm.weight", f"{h}.k_norm.weight", qk_norm),
         Rule(f"{L}.pre_mlp_layernorm.weight", f"{HL}.post_attention_layernorm.weight"),
     ]
 
@@ -79,6 +81,16 @@ def moe(shared_experts: bool = False, expert_bias: bool = False, hf_moe: str = "
     if expert_bias:
         rules.append(Rule(f"{L}.mlp.router.expert_bias", f"{HL}.mlp.gate.e_score_correction_bias", Replicated,
                           keep_dtype=True))
+    return rules
+
+
+def block_sparse_moe(expert_bias: bool = False) -> list[Rule]:
+    """Mixtral-style MoE names (Mixtral, MiniMax-M2): block_sparse_moe.gate, experts.{E}.w1 (gate) / w3 (up) / w2
+    (down); optional block_sparse_moe.e_score_correction_bias (MiniMax-M2) from the router's expert_bias buffer."""
+    rules = moe(hf_moe="block_sparse_moe", expert_names=("w1", "w3", "w2"))
+    if expert_bias:
+        rules.append(Rule(f"{L}.mlp.router.expert_bias", f"{HL}.block_sparse_moe.e_score_correction_bias",
+                          Replicated, keep_dtype=True))
     return rules
 
 

@@ -225,3 +225,71 @@ def spec_builder(module_name: str):
         return build_model(sys.modules[module_name], cfg, **kwargs)
 
     return build
+
+
+class FullWidthRMSNorm(torch.nn.Module):
+    """RMSNorm over all heads of a projection at once: HF MiniMax-M2's and OLMoE's `q_norm` / `k_norm`
+    (RMSNorm(heads * head_dim) applied before the split into heads), which megatron-core has no module for.
+
+    Megatron calls q/k norms on [s, b, heads on this rank, head_dim] (built with hidden_size=head_dim). The
+    weight holds this rank's heads (TP-split by heads along dim 0, like a column-parallel bias), and the sum of
+    squares is all-reduced over TP, so TP > 1 computes what TP 1 computes; the gradient is all-reduced too."""
+
+    def __init__(self, hidden_size: int, config, eps: float = 1e-6, *, heads: int):
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        from mcore2hf.errors import ConfigMismatchError
+
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        if heads % tp:
+            raise ConfigMismatchError(f"a full-width q/k norm over {heads} heads needs TP dividing the head "
+                                      f"count (Megatron replicates kv heads when TP > num_query_groups); got TP={tp}")
+        self.head_dim, self.width, self.eps, self.tp = hidden_size, heads * hidden_size, eps, tp
+        self.weight = torch.nn.Parameter(torch.ones(heads // tp * hidden_size, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        shape, dtype = x.shape, x.dtype
+        x = x.float().flatten(-2)
+        sq = x.pow(2).sum(-1, keepdim=True)
+        if self.tp > 1:  # forward all-reduce; backward all-reduce (every rank's heads depend on every rank's sum)
+            sq = reduce_from_tensor_model_parallel_region(copy_to_tensor_model_parallel_region(sq))
+        x = x * torch.rsqrt(sq / self.width + self.eps)
+        return (self.weight * x.to(dtype)).view(shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed checkpoints: the weight is TP-sharded along dim 0 (the default treats it as replicated)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   {"weight": 0}, sharded_offsets)
+
+
+def full_width_qk_norm(block, config):
+    """A decoder block spec whose q/k norms are FullWidthRMSNorm over all query heads / all kv heads."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    block = copy.deepcopy(block)
+    for spec in block.layer_specs:
+        attn = spec.submodules.self_attention.submodules
+        attn.q_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": config.num_attention_heads})
+        attn.k_layernorm = ModuleSpec(module=FullWidthRMSNorm, params={"heads": config.num_query_groups})
+    return block
+
+
+def full_width_layer_spec(config, cfg, *, vp_stage=None, use_te=False):
+    """`layer_spec` of a model spec with full-width q/k norms (MiniMax-M2, OLMoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(**supported_kwargs(
+        get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te, normalization="RMSNorm",
+        vp_stage=vp_stage))
+    return full_width_qk_norm(block, config)

@@ -8,7 +8,7 @@ from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "glm4_moe_lite", "deepseek_v2", "mixtral",
-         "mistral", "gpt_oss"]
+         "mistral", "gpt_oss", "minimax_m2", "olmoe"]
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ BIG_ARCH = {
     "deepseek_v2": dict(moe_intermediate_size=160, kv_lora_rank=144, qk_nope_head_dim=48, qk_rope_head_dim=16,
                         v_head_dim=48),
     "mixtral": dict(head_dim=48), "mistral": dict(head_dim=48),  # Mixtral's experts: intermediate_size 320
+    "minimax_m2": dict(head_dim=48, rotary_dim=24), "olmoe": {},  # expert width: intermediate_size (320)
 }
 
 
@@ -124,6 +125,11 @@ def hf_fp8_logits(path, tokens):
         return model.eval()(tokens).logits, model
 
 
+# checkpoint names of the fused experts where they are not mlp.experts.E.{gate,up,down}_proj (transformers 5.23.0
+# conversion_mapping.py: minimax_m2 = mixtral's block_sparse_moe.experts.E.w1 / w3 / w2)
+CHECKPOINT_EXPERTS = {mt: ("block_sparse_moe", ("w1", "w3", "w2")) for mt in ("minimax_m2", "mixtral")}
+
+
 def dequantized_reference_logits(ckpt, tokens, quantize):
     """transformers on the source weights, each quantized weight replaced by reference quantize -> dequantize:
     what the FP8 checkpoint holds, computed without the FP8 loader (and the FP8 rounding's effect on logits)."""
@@ -140,16 +146,13 @@ def dequantized_reference_logits(ckpt, tokens, quantize):
                 q, s = per_block_cast_to_fp8(t, quantize == "fp8-ue8m0")
                 params[name].copy_(dequantize_fp8(q, s))
         # transformers fuses MoE experts in memory: quantize them through its checkpoint-format names
+        mlp, names = CHECKPOINT_EXPERTS.get(model.config.model_type, ("mlp", ("gate_proj", "up_proj", "down_proj")))
         for mod_name, mod in model.named_modules():
             experts = getattr(mod, "gate_up_proj", None)
             if experts is not None and experts.dim() == 3:
-                prefix, (g, u, d) = mod_name, ("gate_proj", "up_proj", "down_proj")
-                if f"{prefix}.0.{g}.weight" not in sd:  # Mixtral's checkpoint names
-                    prefix, (g, u, d) = mod_name.replace(".mlp.", ".block_sparse_moe."), ("w1", "w3", "w2")
+                prefix = mod_name.replace(".mlp.", f".{mlp}.")
                 n = experts.shape[0]
-                gate = torch.stack([sd[f"{prefix}.{e}.{g}.weight"] for e in range(n)])
-                up = torch.stack([sd[f"{prefix}.{e}.{u}.weight"] for e in range(n)])
-                down = torch.stack([sd[f"{prefix}.{e}.{d}.weight"] for e in range(n)])
+                gate, up, down = (torch.stack([sd[f"{prefix}.{e}.{w}.weight"] for e in range(n)]) for w in names)
 
                 def qdq(w):
                     return torch.stack([dequantize_fp8(*per_block_cast_to_fp8(x, quantize == "fp8-ue8m0"))

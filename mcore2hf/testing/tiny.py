@@ -41,6 +41,22 @@ TINY_CONFIGS: dict[str, dict] = {
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                              truncate=False, original_max_position_embeddings=64),
     ),
+    # MiniMax-M2's published config.json fields, scaled down: full-width q/k norm (q over 4 x 32 = 128 > hidden),
+    # rotary_dim = head_dim / 2, sigmoid routing with e_score_correction_bias, no shared experts, rope_theta 5e6
+    "minimax_m2": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rotary_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        rope_theta=5000000, rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
+        scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer",
+        shared_intermediate_size=0, bos_token_id=None, eos_token_id=None,  # the published ids exceed vocab 100
+    ),
+    # OLMoE-1B-7B's fields, scaled down: full-width q/k norm, MHA, softmax top-k without renormalization
+    "olmoe": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=None,
+        rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False,
+        eos_token_id=None,  # the published id exceeds vocab 100
+    ),
     "qwen3": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False),
     "qwen2": dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
