@@ -1,31 +1,34 @@
 """Layout invariance: the same HF weights, loaded into real megatron-core models at every parallel layout,
 export bit-identical HF tensors (all-ranks and chosen-receiver modes, save_pretrained, TE names).
 
-Every architecture runs in each layout's world; GLM-4.5 and DeepSeek-V3 include their MTP layer, so MTP
+Every architecture runs in each layout's world (format-mates in three: conftest.FORMAT_MATES); GLM-4.5 and DeepSeek-V3 include their MTP layer, so MTP
 tensors round-trip through load_hf_weights and export, names included."""
 
 import os
 
 import pytest
 import worlds
+from conftest import only_full
 
 from mcore2hf.testing.world import Layout, run_world
 
+# third field: the format-mates (conftest.FORMAT_MATES) run in this world too
 LAYOUTS = [
-    (Layout(), "float32"),
-    (Layout(tp=2, ep=2, etp=1), "float32"),  # expert-TP != TP
-    (Layout(tp=2, pp=2, ep=2, etp=1), "float32"),
-    (Layout(pp=2, vpp=2, ep=2, etp=1), "float32"),  # virtual pipeline
-    (Layout(tp=2, pp=2, ep=4, etp=1), "bfloat16"),  # 8 workers
-    (Layout(pp=2, first_stage_layers=1), "float32"),  # uneven pipeline: 1 + 3 layers
-    (Layout(ep=2, etp=2), "float32"),  # expert-TP > TP
+    (Layout(), "float32", False),
+    (Layout(tp=2, ep=2, etp=1), "float32", False),  # expert-TP != TP
+    (Layout(tp=2, pp=2, ep=2, etp=1), "float32", True),
+    (Layout(pp=2, vpp=2, ep=2, etp=1), "float32", True),  # virtual pipeline
+    (Layout(tp=2, pp=2, ep=4, etp=1), "bfloat16", False),  # 8 workers
+    (Layout(pp=2, first_stage_layers=1), "float32", True),  # uneven pipeline: 1 + 3 layers
+    (Layout(ep=2, etp=2), "float32", False),  # expert-TP > TP
 ]
 ETP1_ONLY = {"gpt_oss"}
 
 
-@pytest.mark.parametrize("layout,dtype", LAYOUTS, ids=[f"{lay}-{dt}" for lay, dt in LAYOUTS])
-def test_layout_invariance_all_architectures(layout, dtype, ckpts, ckpts_bf16, tmp_path):
+@pytest.mark.parametrize("layout,dtype,mates", LAYOUTS, ids=[f"{lay}-{dt}" for lay, dt, _ in LAYOUTS])
+def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_bf16, tmp_path):
     source = ckpts_bf16 if dtype == "bfloat16" else ckpts
+    source = source if mates else only_full(source)
     # gpt-oss's expert biases exist in megatron-core only at expert-TP 1 (its spec refuses more: test_gpt_oss.py)
     source = {mt: c for mt, c in source.items() if layout.etp == 1 or mt not in ETP1_ONLY}
     results = run_world(worlds.for_each_arch, layout, worlds.layout_matrix, source, layout, dtype,
