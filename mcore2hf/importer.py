@@ -48,7 +48,7 @@ import torch
 
 from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .layouts import GatedColumn, VocabRows, shape_of
+from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
 from .loader import HFReader
 from .mapping import Converter, ModelDims, _compile
 from .offline import _parse_dtype, _peak_rss
@@ -124,24 +124,24 @@ def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) ->
                 fields["M"] = fields.get("L", -1) - dims.num_layers
                 if fields["M"] < 0:
                     continue
-            name = rule.megatron.format(**fields)
-            r = converter.resolve(name, dims)
-            if r is None or r.hf_names[0] != hf_name:
+            # a stacked HF tensor (gpt-oss's experts.gate_up_proj [E, ...]) holds one Megatron tensor per item
+            items = [{}] if rule.stack is None else [{rule.stack: e} for e in range(dims.num_experts)]
+            rs = [(n, converter.resolve(n, dims)) for n in (rule.megatron.format(**fields, **i) for i in items)]
+            if any(r is None or r.hf_names[0] != hf_name for _, r in rs):
                 continue  # an earlier rule owns this Megatron name: not this one's inverse
-            found[name] = r
-            used.update(r.hf_names)
+            for name, r in rs:
+                found[name] = r
+                used.update(r.hf_names)
             break
     unexplained = sorted(n for n in hf_names - used if not converter.ignored_on_load(n, dims))
     return found, unexplained
 
 
 def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tuple[int, ...]:
-    """The Megatron tensor's shape from its HF tensors' shapes (ops with several outputs concatenate rows)."""
+    """The Megatron tensor's shape from its HF tensors' shapes (the op's inverse), with the vocab padding chosen."""
     if isinstance(op, VocabRows):
         return (padded_vocab, *hf_shapes[0][1:])
-    if len(hf_shapes) == 1:
-        return tuple(hf_shapes[0])
-    return (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])
+    return op.full_shape(hf_shapes)
 
 
 def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool) -> tuple[str, tuple[int, ...],
@@ -221,7 +221,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
         key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton)
         zeros = (0,) * len(full)
-        if singleton and isinstance(r.op, GatedColumn):  # apply_swiglu_sharded_factory: gate _w, up _v
+        if singleton and isinstance(getattr(r.op, "inner", r.op), GLU_FC1):  # apply_swiglu_sharded_factory: _w, _v
             half = (full[0] // 2, *full[1:])
             src.parts = [Part(key + "_w", zeros, half, 0, half[0]), Part(key + "_v", zeros, half, half[0], half[0])]
             shapes = {key + "_w": half, key + "_v": half}
@@ -249,6 +249,9 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
                                  f"({converter.model_type}):\n  " + "\n  ".join(problems))
     return sources, keys, sorted(objects)
 
+
+#: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one
+GLU_FC1 = (GatedColumn, GatedInterleaved)
 
 _FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 

@@ -101,6 +101,13 @@ class LayoutOp:
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         raise NotImplementedError
 
+    def full_shape(self, hf_shapes: list[Shape]) -> Shape:
+        """The inverse of `hf_shapes` (what the offline import needs): several outputs concatenate rows; Megatron's
+        vocab padding is not in HF shapes (VocabRows gives the unpadded shape)."""
+        if len(hf_shapes) == 1:
+            return tuple(hf_shapes[0])
+        return (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])
+
     def copies(self, shard_shape: Shape, count: int) -> list[StridedCopy]:
         raise NotImplementedError
 
@@ -358,6 +365,9 @@ class GatedInterleaved(LayoutOp):
         _check(full_shape[0] % 2 == 0, "GLU linear_fc1 rows (gate + up) even", "an even count", full_shape[0])
         return [tuple(reversed(full_shape))]
 
+    def full_shape(self, hf_shapes: list[Shape]) -> Shape:
+        return tuple(reversed(hf_shapes[0]))
+
     def copies(self, shard_shape, count) -> list[StridedCopy]:
         f = shard_shape[0] // 2  # gate (and up) rows per shard
         if len(shard_shape) == 1:  # bias: out[2 * (i * f + r) + j] = shard_i[j * f + r]
@@ -383,6 +393,9 @@ class RowTransposed(LayoutOp):
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         return [tuple(reversed(full_shape))]
+
+    def full_shape(self, hf_shapes: list[Shape]) -> Shape:
+        return tuple(reversed(hf_shapes[0]))
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
         h, c = shard_shape  # out[i * c + r, k] = shard_i[k, r]
@@ -426,6 +439,9 @@ class Stacked(LayoutOp):
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         return [(self.count, *s) for s in self.inner.hf_shapes(full_shape)]
+
+    def full_shape(self, hf_shapes: list[Shape]) -> Shape:
+        return self.inner.full_shape([tuple(s[1:]) for s in hf_shapes])
 
     def item_shapes(self, full_shape: Shape) -> list[Shape]:
         """The shapes of this piece's items (what it contributes to each output)."""

@@ -6,7 +6,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mcore2hf.errors import ShapeMismatchError
-from mcore2hf.layouts import QKV, Column, GatedColumn, Replicated, Row, VocabRows
+from mcore2hf.layouts import (
+    QKV,
+    Column,
+    GatedColumn,
+    GatedInterleaved,
+    Replicated,
+    Row,
+    RowTransposed,
+    Stacked,
+    VocabRows,
+)
 
 g = torch.Generator().manual_seed(0)
 
@@ -148,3 +158,13 @@ def test_to_hf_writes_into_views_of_one_flat_buffer_qkv_tp2():
         off += n
     QKV(8, 2, 4).to_hf(list(fused.chunk(2, 0)), outs)
     assert torch.equal(flat.view(torch.float32), torch.cat([q.flatten(), k.flatten(), v.flatten()]))
+
+
+@pytest.mark.parametrize("op,full", [
+    (Replicated(), (16,)), (Column(), (12, 8)), (Row(), (8, 12)), (GatedColumn(), (16, 8)),
+    (QKV(8, 2, 4), (48, 16)), (VocabRows(100), (100, 8)), (GatedInterleaved(), (16, 6)), (GatedInterleaved(), (16,)),
+    (RowTransposed(), (6, 8)), (Stacked(GatedInterleaved(), 1, 3), (16, 6)), (Stacked(RowTransposed(), 2, 3), (6, 8)),
+], ids=lambda x: type(x).__name__ if not isinstance(x, tuple) else "x".join(map(str, x)))
+def test_full_shape_inverts_hf_shapes(op, full):
+    """What the offline import rebuilds a Megatron tensor's shape with (unpadded vocab: VocabRows gives vocab_size)."""
+    assert op.full_shape(op.hf_shapes(full)) == full
