@@ -138,6 +138,10 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     latent = ("linear_q_up_proj", "linear_kv_up_proj") if use_te else ("q_layernorm", "kv_layernorm")
     for spec in block.layer_specs:
         attn = spec.submodules.self_attention.submodules
+        if config.q_lora_rank is None:  # no q_a_layernorm (Moonlight, DeepSeek-V2-Lite); megatron-core 0.19 refuses one
+            from megatron.core.transformer.identity_op import IdentityOp
+
+            attn.q_layernorm = IdentityOp
         for name in latent:
             setattr(attn, name, with_eps(getattr(attn, name), MLA_LATENT_NORM_EPS))
         if not use_te:
