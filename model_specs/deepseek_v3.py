@@ -126,6 +126,12 @@ def with_eps(module, eps: float):
                                               "__module__": module.__module__})
 
 
+def _megatron_at_least(*version: int) -> bool:
+    from megatron.core import __version__
+
+    return tuple(int(x) for x in __version__.split(".")[:2]) >= version
+
+
 def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     """The decoder block spec: MLA's latent norms with transformers' eps; without TE, a core attention that
     takes MLA's separate v head dim."""
@@ -134,14 +140,16 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     block = copy.deepcopy(get_gpt_decoder_block_spec(**supported_kwargs(
         get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te, normalization="RMSNorm",
         vp_stage=vp_stage)))
+    if config.q_lora_rank is None and _megatron_at_least(0, 19):
+        # megatron-core 0.19.2 mla_qk_norm_config.py `_resolve_mla_qk_layernorm`: with qk_layernorm and no
+        # q_lora_rank, linear_q_proj must be Transformer Engine's fused norm+linear; unverified against HF
+        raise ConfigMismatchError("q_lora_rank null (Moonlight, DeepSeek-V2-Lite): megatron-core >= 0.19 builds MLA "
+                                  "without q_lora_rank only with a fused norm+linear q projection (Transformer "
+                                  "Engine), not verified against the HF model; use megatron-core 0.16-0.18")
     # with TE the latent norms are fused into the up projections (TELayerNormColumnParallelLinear)
     latent = ("linear_q_up_proj", "linear_kv_up_proj") if use_te else ("q_layernorm", "kv_layernorm")
     for spec in block.layer_specs:
         attn = spec.submodules.self_attention.submodules
-        if config.q_lora_rank is None:  # no q_a_layernorm (Moonlight, DeepSeek-V2-Lite); megatron-core 0.19 refuses one
-            from megatron.core.transformer.identity_op import IdentityOp
-
-            attn.q_layernorm = IdentityOp
         for name in latent:
             setattr(attn, name, with_eps(getattr(attn, name), MLA_LATENT_NORM_EPS))
         if not use_te:
