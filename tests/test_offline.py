@@ -247,6 +247,8 @@ def test_offline_fp8_export_equals_the_reference_quantizer(case, saved, ckpts, t
         source = {k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)  # --dtype bf16
                   for k, v in read_hf_checkpoint(ckpts[mt]).items()}
         policy = get_converter(mt).fp8
+        if policy is None:  # gpt_oss: no FP8 table, refused before anything is written (tests/test_gpt_oss.py)
+            continue
         for quantize in ("fp8", "fp8-ue8m0"):
             out = tmp_path / mt / quantize
             if quantize == "fp8" and mt == "glm4_moe":
