@@ -584,7 +584,7 @@ class Executor:
         finally:
             for s in b.sources:
                 self._blobs.pop(s.name, None)
-        return Bucket(b.index, flat, b.output)
+        return self._output(b, flat)
 
     def _convert(self, cb: CBucket) -> Bucket:
         b = cb.plan
@@ -600,7 +600,11 @@ class Executor:
             return Bucket(b.index, None, b.output)
         flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
         self._copy_into(cb, flat)
-        if b.out_entries is not None:  # FP8: each full HF weight quantized as a whole (bit-identical by construction)
+        return self._output(b, flat)
+
+    def _output(self, b, flat: torch.Tensor | None) -> Bucket:
+        """The bucket as sent, from its gathered HF tensors (one round or several)."""
+        if flat is not None and b.out_entries is not None:  # FP8: each full HF weight quantized as a whole
             flat = quantize_flat(flat, b.entries, b.out_entries, self.scheme)
         return Bucket(b.index, flat, b.output)
 

@@ -46,7 +46,13 @@ from importlib import import_module
 import regex
 import torch
 
-from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
+from .errors import (
+    LayoutError,
+    Mcore2HFError,
+    MissingWeightsError,
+    ShapeMismatchError,
+    UnknownParametersError,
+)
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
 from .loader import HFReader
@@ -192,7 +198,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         if len(kinds) > 1:
             first = layers[0]
             other = next(i for i, v in sorted(layers.items()) if v != first)
-            raise ValueError(f"stacked layer keys need every decoder layer alike: layer 0 and layer {other} differ "
+            raise LayoutError(f"stacked layer keys need every decoder layer alike: layer 0 and layer {other} differ "
                              f"(e.g. {sorted(first ^ layers[other])[:2]}); Megatron saves such models per layer")
     padded = dims.vocab_size if tp is None else padded_vocab_size(dims.vocab_size, tp, divisible_by)
     sources, keys, objects, problems = [], {}, set(), []
@@ -392,10 +398,18 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         reader = HFReader(hf_dir)
     except FileNotFoundError as e:
         raise MissingWeightsError([str(e)], hf_dir) from None
+    if stacked_layers and singleton_local_shards:
+        reader.close()
+        raise LayoutError("stacked_layers=True with singleton_local_shards=True: Megatron's singleton keys are "
+                          "per layer (transformer_block.py); choose one")
     stacked = (not dims.num_experts) if stacked_layers is None else stacked_layers
     stacked = stacked and not singleton_local_shards  # transformer_block.py: singleton forces per-layer keys
-    sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, divisible_by=make_vocab_size_divisible_by,
-                                         singleton=singleton_local_shards, stacked=stacked)
+    try:
+        sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
+                                             divisible_by=make_vocab_size_divisible_by, stacked=stacked)
+    except BaseException:
+        reader.close()
+        raise
 
     def out_dtype(s: ImportSource) -> torch.dtype:
         return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype

@@ -20,11 +20,13 @@ def router_fields(cfg) -> dict:
     if method != "greedy":
         # HF scores a group by its best expert, Megatron by the sum of its top topk // group_topk
         raise ConfigMismatchError(f"deepseek_v2 topk_method={method!r}: only 'greedy' is mapped to Megatron")
-    return dict(moe_router_score_function="softmax",
-                # Megatron's pre-softmax top-k keeps the softmax weights as they are; the original DeepSeek-V2
-                # code (and SGLang, vLLM) renormalize them iff norm_topk_prob (false in V2 / V2-Lite), which
-                # transformers 5.23 ignores
-                moe_router_pre_softmax=not getattr(cfg, "norm_topk_prob", False),
+    if getattr(cfg, "norm_topk_prob", False):
+        # transformers 5.23 ignores it and scales; DeepSeek's own MoEGate renormalizes and then does not scale:
+        # the two disagree, so neither is verified (V2 and V2-Lite publish false)
+        raise ConfigMismatchError("deepseek_v2 norm_topk_prob=True: transformers and DeepSeek's code route "
+                                  "differently; only norm_topk_prob=False (as published) is mapped")
+    # softmax over all experts, top-k without renormalizing (Megatron's pre-softmax top-k), times the factor
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=True,
                 moe_router_topk_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0))
 
 

@@ -48,6 +48,8 @@ def test_what_megatron_cannot_express_is_refused_with_the_field_named():
     with pytest.raises(ConfigMismatchError, match="topk_method='group_limited_greedy'"):
         get_model_spec("deepseek_v2").transformer_config(
             tiny_config("deepseek_v2", topk_method="group_limited_greedy", n_group=2, topk_group=1))
+    with pytest.raises(ConfigMismatchError, match="norm_topk_prob=True"):
+        get_model_spec("deepseek_v2").transformer_config(tiny_config("deepseek_v2", norm_topk_prob=True))
     with pytest.raises(ConfigMismatchError, match="attention_bias=True"):
         get_model_spec("glm4_moe_lite").transformer_config(tiny_config("glm4_moe_lite", attention_bias=True))
 

@@ -15,7 +15,7 @@ import worlds
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from mcore2hf.errors import Mcore2HFError, ShapeMismatchError, UnknownParametersError
+from mcore2hf.errors import LayoutError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
 from mcore2hf.hf_config import load_hf_config
 from mcore2hf.importer import ImportTargetError, import_checkpoint
 from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
@@ -82,7 +82,7 @@ def test_import_then_offline_export_is_bit_identical_without_megatron(ckpts, tmp
             export_checkpoint(tmp_path / name, tmp_path / f"{name}-hf", ckpt, progress=False)
             worlds.assert_same(read_hf_checkpoint(tmp_path / f"{name}-hf"), ref, name)
         if not alike:
-            with pytest.raises(ValueError, match="layer 0 and layer 1 differ"):
+            with pytest.raises(LayoutError, match="layer 0 and layer 1 differ"):
                 import_checkpoint(ckpt, tmp_path / f"{mt}-stacked", stacked_layers=True, progress=False)
             assert not (tmp_path / f"{mt}-stacked").exists()
         # --dtype bf16: floating tensors cast, except those HF keeps in fp32 (e_score_correction_bias)
@@ -151,6 +151,9 @@ def test_output_guards_overwrite_and_atomicity(ckpts, tmp_path, monkeypatch):
 
 
 def test_bad_input_is_reported_at_once_before_anything_is_written(ckpts, tmp_path):
+    with pytest.raises(LayoutError, match="choose one"):  # an explicit choice is never silently overridden
+        import_checkpoint(ckpts["qwen3"], tmp_path / "both", stacked_layers=True, singleton_local_shards=True)
+    assert not (tmp_path / "both").exists()
     src = tmp_path / "src"
     shutil.copytree(ckpts["glm4_moe"], src)
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))

@@ -91,6 +91,10 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     got0 = ex.state_dict(receivers=0)
     agree(checked(lambda: assert_same(got0, ref, f"{layout} receivers=[0]") if rank == 0 else None)
           or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
+    # chosen receivers at 4 KiB buckets: P2P programs, and gpt-oss's stacked experts gathered in rounds
+    got4k = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0) for n, t in b}
+    agree(checked(lambda: assert_same(got4k, ref, f"{layout} receivers=[0] 4 KiB") if rank == 0 else None)
+          or (None if rank == 0 or not got4k else "a non-receiver got tensors"))
     last = dist.get_world_size() - 1
     got = ex.state_dict(receivers=[0, last])
     agree(checked(lambda: assert_same(got, ref, f"{layout} receivers=[0, {last}]") if rank in (0, last) else None)

@@ -78,11 +78,12 @@ TINY_CONFIGS: dict[str, dict] = {
         max_position_embeddings=256, attention_bias=False, tie_word_embeddings=False,
     ),
     # DeepSeek-V2-Lite scaled down (its published config.json: q_lora_rank null, softmax "greedy" routing without
-    # renormalization, routed_scaling_factor 1.0, 2 shared experts, yarn rope factor 40, mscale 0.707)
+    # renormalization, 2 shared experts, yarn rope factor 40, mscale 0.707); routed_scaling_factor 2.5 (published 1.0;
+    # DeepSeek-V2 16.0) so the parity test sees the factor
     "deepseek_v2": dict(
         vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
-        first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=2.5,
         norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False,
         rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
