@@ -118,6 +118,10 @@ FP8_KEEP = (r"model\.embed_tokens\.weight", r"lm_head\.weight", r"model\.layers\
 FP8_KEEP_MTP = (r"model\.layers\.\d+\.(embed_tokens|eh_proj|shared_head\.head)\.weight",)
 
 
-def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str = "") -> FP8Policy:
-    return FP8Policy(keep=FP8_KEEP + (FP8_KEEP_MTP if mtp else ()), list_not_converted=list_not_converted,
-                     source=source)
+def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str = "",
+               block_sparse_moe: bool = False) -> FP8Policy:
+    """Embeddings, lm_head and routers stay unquantized (Mixtral-style names: the router is block_sparse_moe.gate)."""
+    keep = FP8_KEEP + (FP8_KEEP_MTP if mtp else ())
+    if block_sparse_moe:
+        keep += (r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight",)
+    return FP8Policy(keep=keep, list_not_converted=list_not_converted, source=source)

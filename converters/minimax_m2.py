@@ -7,10 +7,9 @@ published checkpoint also holds MTP modules (use_mtp, num_mtp_modules=3) that tr
 
 from mcore2hf.layouts import Column
 from mcore2hf.mapping import Converter
-from mcore2hf.quantize import FP8Policy
 from mcore2hf.registry import register
 
-from .common import FP8_KEEP, block_sparse_moe, embeddings, gqa_attention
+from .common import block_sparse_moe, embeddings, fp8_policy, gqa_attention
 
 MINIMAX_M2 = register(Converter(
     model_type="minimax_m2",
@@ -18,6 +17,6 @@ MINIMAX_M2 = register(Converter(
     rules=embeddings() + gqa_attention(qk_norm=Column) + block_sparse_moe(expert_bias=True),
     # MiniMax-M2's published config.json: quantization_config fp8, weight_block_size [128, 128],
     # modules_to_not_convert ["gate", "e_score_correction_bias", "lm_head"] (router gates and lm_head stay bf16)
-    fp8=FP8Policy(keep=FP8_KEEP + (r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight",),
-                  source="MiniMax-M2 published FP8 checkpoint (gate, e_score_correction_bias, lm_head unquantized)"),
+    fp8=fp8_policy(block_sparse_moe=True,
+                   source="MiniMax-M2 published FP8 checkpoint (gate, e_score_correction_bias, lm_head unquantized)"),
 ))

@@ -3,15 +3,14 @@ the experts' gate / up / down projections w1 / w3 / w2 (transformers 5.23 conver
 renames them only in memory; save_pretrained writes these names)."""
 
 from mcore2hf.mapping import Converter
-from mcore2hf.quantize import FP8Policy
 from mcore2hf.registry import register
 
-from .common import FP8_KEEP, block_sparse_moe, embeddings, gqa_attention
+from .common import block_sparse_moe, embeddings, fp8_policy, gqa_attention
 
 MIXTRAL = register(Converter(
     model_type="mixtral",
     spec="mcore2hf.model_specs.mixtral",
     rules=embeddings() + gqa_attention() + block_sparse_moe(),
-    fp8=FP8Policy(keep=FP8_KEEP + (r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight",),
-                  source="no published block-FP8 checkpoint: the Qwen3-FP8 table, with Mixtral's router name"),
+    fp8=fp8_policy(block_sparse_moe=True,
+                   source="no published block-FP8 checkpoint: the Qwen3-FP8 table, with Mixtral's router name"),
 ))
