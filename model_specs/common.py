@@ -161,12 +161,12 @@ def base_dims(cfg, **extra):
     )
 
 
-def base_structural(cfg) -> dict:
-    """TransformerConfig fields every GQA decoder must match."""
+def base_structural(cfg, **fields) -> dict:
+    """TransformerConfig fields every GQA decoder must match, plus the architecture's own `fields`."""
     return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                 num_attention_heads=cfg.num_attention_heads,
                 num_query_groups=get(cfg, "num_key_value_heads", default=cfg.num_attention_heads),
-                kv_channels=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads))
+                kv_channels=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads), **fields)
 
 
 def sigmoid_router_fields(cfg, *, num_experts: int, topk: int) -> dict:

@@ -102,10 +102,8 @@ def _quick_gelu():
 
 
 def structural_fields(cfg) -> dict:
-    out = base_structural(cfg)
-    out.update(num_moe_experts=num_experts(cfg), moe_ffn_hidden_size=cfg.intermediate_size, add_bias_linear=True,
-               softmax_type="learnable", qk_layernorm=False, **_window_fields(cfg))
-    return out
+    return base_structural(cfg, num_moe_experts=num_experts(cfg), moe_ffn_hidden_size=cfg.intermediate_size,
+                           add_bias_linear=True, softmax_type="learnable", qk_layernorm=False, **_window_fields(cfg))
 
 
 def gpt_kwargs(cfg) -> dict:

@@ -35,10 +35,8 @@ def transformer_config(cfg, **overrides):
 
 
 def structural_fields(cfg) -> dict:
-    out = base_structural(cfg)
-    out.update(num_moe_experts=cfg.num_local_experts, moe_ffn_hidden_size=cfg.intermediate_size,
-               qk_layernorm=False, add_qkv_bias=False)
-    return out
+    return base_structural(cfg, num_moe_experts=cfg.num_local_experts, moe_ffn_hidden_size=cfg.intermediate_size,
+                           qk_layernorm=False, add_qkv_bias=False)
 
 
 def gpt_kwargs(cfg) -> dict:
