@@ -80,6 +80,10 @@ def _local_layer(config, moe: bool, linear: bool):
     sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
     if linear:
         sub.self_attention = gdn_module_spec()
+        # checkpoint keys as Transformer Engine's spec saves them (the input norm fused into in_proj), not
+        # the local spec's linear_qkv name, which a GDN layer does not have
+        sub.sharded_state_dict_keys_map = {**sub.sharded_state_dict_keys_map,
+                                           "input_layernorm.": "self_attention.in_proj.layer_norm_"}
     elif config.qk_layernorm:
         sub.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
         sub.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
