@@ -551,6 +551,12 @@ class GDNInProj(LayoutOp):
     def _r(self) -> int:
         return self.nv // self.nk
 
+    def checkpoint_parts(self) -> list[tuple[str, int]]:
+        """(key suffix, rows) of the parts megatron-core saves it as (gated_delta_net.py sharded_state_dict,
+        `_split_tensor_factory`): each a whole component, rows in Megatron's TP-1 order."""
+        qk, vz = self.nk * self.dk, self.nv * self.dv
+        return [("query", qk), ("key", qk), ("value", vz), ("z", vz), ("beta", self.nv), ("alpha", self.nv)]
+
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         qkvz = 2 * self.nk * self.dk + 2 * self.nv * self.dv
         _check(full_shape[0] == qkvz + 2 * self.nv,
@@ -596,13 +602,17 @@ class ColumnParts(LayoutOp):
 
     tp_dim = 0
 
-    def __init__(self, parts: tuple[int, ...]):
-        self.parts = tuple(parts)
+    def __init__(self, parts: tuple[int, ...], names: tuple[str, ...] = ()):
+        self.parts, self.names = tuple(parts), tuple(names)
 
     @classmethod
     def gdn_conv(cls, dims) -> ColumnParts:
         qk = dims.linear_num_key_heads * dims.linear_key_head_dim
-        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim))
+        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim), ("query", "key", "value"))
+
+    def checkpoint_parts(self) -> list[tuple[str, int]]:
+        """(key suffix, rows) of the parts megatron-core saves (conv1d: query, key, value); none without names."""
+        return list(zip(self.names, self.parts))
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         _check(full_shape[0] == sum(self.parts), f"rows of parts {self.parts}", sum(self.parts), full_shape[0])
