@@ -6,32 +6,34 @@ Bit-exact: every layout below exports the HF source tensors bit for bit (fp32 an
 `linear_attn.norm`, the one value-changing op (w_hf = w + 1 on export, w_hf - 1 on load: exact for the source's
 0.5 <= w_hf <= 2). Within rounding: the logits (see TOL)."""
 
+import os
+
 import pytest
 import torch
 import worlds
 from transformers import AutoModelForCausalLM
 
 from mcore2hf.hf_config import load_hf_config
+from mcore2hf.model_specs.qwen3_next import LOGIT_TOL
 from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
 
-#: Logit parity (fp32). Measured on the tiny model (|logits| up to 29.9): Megatron vs transformers 1.47e-4 (TP1);
-#: transformers' own fp32 forward vs its fp64 forward 1.94e-4, i.e. the round-off of this model's fp32 forward is
-#: as large as the Megatron/transformers difference (Megatron fp32 vs transformers fp64: 1.52e-4). Both forwards
-#: run the gated delta rule's chunked recurrence in fp32 and differ in summation order (Megatron l2-normalizes q/k
-#: before repeating them over value heads, convolves with nn.Conv1d, ...). So the check is relative to that
-#: measured round-off: Megatron may be no further from the fp64 forward than 1.5x transformers' fp32 forward is,
-#: and within an absolute 5e-4.
-TOL = 5e-4
+#: Logit parity (fp32): the gated delta rule's chunked recurrence runs in fp32 in both forwards, which differ in
+#: summation order (Megatron l2-normalizes q/k before repeating them over value heads, convolves with nn.Conv1d,
+#: ...). Measured (model_specs/qwen3_next.py LOGIT_TOL): transformers' own fp32 forward is 1.24e-4 from its fp64
+#: forward, Megatron 6.5e-5 (TP1) / 9.8e-5 (TP2 x EP2) from transformers fp32 and ~1.0e-4 from its fp64. So:
+#: within LOGIT_TOL of transformers fp32, and no further from the fp64 forward than 1.5x transformers' fp32 is.
+TOL = LOGIT_TOL
 ROUNDOFF_FACTOR = 1.5
 
 LAYOUTS = [
-    # TP2: in_proj's packed q/k/v/z/b/a, conv1d's q/k/v and the gated linear_qkv split; EP2; an uneven pipeline
-    # whose stage boundary lies between linear-attention layer 2 and full-attention layer 3
-    (Layout(tp=2, pp=2, ep=2, etp=1, first_stage_layers=3, last_stage_layers=1), "float32"),
-    # virtual PP: one layer per chunk (every boundary, linear|full included), TP2, EP2, in bf16
+    # TP2: in_proj's packed q/k/v/z/b/a, conv1d's q/k/v and the gated linear_qkv split; EP2; virtual PP with one
+    # layer per chunk, so linear-attention layer 2 (rank 0) and full-attention layer 3 (rank 1) meet at a stage
+    # boundary; bf16 (fp32 bit-exactness at TP2 x EP2: test_import_offline_export_and_megatron_load)
     (Layout(tp=2, pp=2, vpp=2, ep=2, etp=1), "bfloat16"),
 ]
+if os.environ.get("MCORE2HF_QWEN3_NEXT_ALL"):  # by hand (CI budget): an uneven 3 + 1 pipeline in fp32, same checks
+    LAYOUTS.append((Layout(tp=2, pp=2, ep=2, etp=1, first_stage_layers=3, last_stage_layers=1), "float32"))
 
 
 @pytest.fixture(scope="module")
