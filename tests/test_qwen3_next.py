@@ -130,3 +130,15 @@ def test_import_offline_export_and_megatron_load(ckpt, tmp_path):
             megatron[k] = ours[k]
     assert ours == megatron, (sorted(set(ours) ^ set(megatron))[:6],
                               [k for k in ours if k in megatron and ours[k] != megatron[k]][:6])
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_act", "gelu", "hidden_act: expected silu"), ("attention_bias", True, "attention_bias: expected False"),
+    ("shared_expert_intermediate_size", 0, "shared_expert_intermediate_size: .*expected > 0, got 0"),
+])
+def test_what_megatron_cannot_express_is_refused(field, value, match):
+    from mcore2hf.errors import ConfigMismatchError
+    from mcore2hf.model_specs import qwen3_next
+
+    with pytest.raises(ConfigMismatchError, match=match):
+        qwen3_next.transformer_config(tiny_config("qwen3_next", **{field: value}))
