@@ -142,3 +142,14 @@ def test_what_megatron_cannot_express_is_refused(field, value, match):
 
     with pytest.raises(ConfigMismatchError, match=match):
         qwen3_next.transformer_config(tiny_config("qwen3_next", **{field: value}))
+
+
+def test_versions_the_formats_were_read_in():
+    """The layouts and names above were read in megatron-core 0.16.1 (ssm/gated_delta_net.py, transformer/
+    attention.py, experimental_attention_variant_module_specs.py) and transformers 5.23 (models/qwen3_next):
+    this suite verifies them against exactly those releases."""
+    import megatron.core
+    import transformers
+
+    assert megatron.core.__version__ == "0.16.1", megatron.core.__version__
+    assert transformers.__version__.startswith("5.23."), transformers.__version__
