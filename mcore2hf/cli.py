@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
                                        "tensor by tensor (exit 1 on any difference)")
     ve.add_argument("a", help="an HF directory")
-    ve.add_argument("b", help="an HF directory or a Megatron torch_dist checkpoint")
+    ve.add_argument("b", help="an HF directory or a Megatron checkpoint (torch_dist or legacy torch)")
     ve.add_argument("--hf-config", default=None, help="HF config for a Megatron checkpoint (default: A's)")
     ve.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
     ve.add_argument("--atol", type=float, default=0.0, help="largest absolute difference accepted (default 0: exact)")

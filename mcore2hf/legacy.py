@@ -36,7 +36,7 @@ import regex
 import torch
 from torch import _weights_only_unpickler
 
-from .errors import LayoutError
+from .errors import ConfigMismatchError, LayoutError
 from .naming import canonical_layer_name, mtp_inner
 
 FILE = "model_optim_rng.pt"
@@ -264,8 +264,6 @@ class LegacyCheckpointReader:
             offsets[vp] = total
             total += counts[vp]
         if total != num_layers:
-            from .errors import ConfigMismatchError
-
             raise ConfigMismatchError(f"{self.path} holds {total} decoder layers (per (virtual stage, stage): "
                                       f"{dict(sorted(counts.items()))}), the HF config has {num_layers}")
 
@@ -285,6 +283,10 @@ class LegacyCheckpointReader:
                 local = len(experts[(d, mk, kind, m.group(2))])  # local indices are 0..local-1
                 canon = canonical_layer_name(kind, number, rest, num_layers, ep * local)
             if canon == "output_layer.weight" and tied:
+                if self._arg("untie_embeddings_and_output_weights"):
+                    raise ConfigMismatchError(f"the HF config ties the word embeddings (tie_word_embeddings), the "
+                                              f"checkpoint {self.path} was trained with untie_embeddings_and_output_"
+                                              "weights=True: its output_layer.weight is a weight of its own")
                 ignored.append(key)  # the last (or MTP) stage's copy of the tied embedding
                 continue
             rank = tp
