@@ -15,7 +15,7 @@ import torch.distributed as dist
 from mcore2hf.errors import UsageError
 from mcore2hf.legacy import LegacyFormatError
 from mcore2hf.offline import export_checkpoint
-from mcore2hf.testing.tiny import read_hf_checkpoint
+from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
 
 ARCHS = ["llama", "qwen3_moe"]  # dense (GLU fc1, QKV, tied embedding) and MoE
@@ -23,6 +23,7 @@ LAYOUTS = [
     Layout(tp=2, pp=2, vpp=2, ep=2, etp=1),  # mp_rank_XX_YYY_ZZZ, model0/model1, experts whole (expert-TP 1)
     Layout(tp=2, ep=2),  # mp_rank_XX_ZZZ (one suffix: EP), experts TP-sharded (expert-TP = TP)
 ]
+WORLD_ARCHS = {str(LAYOUTS[0]): ARCHS, str(LAYOUTS[1]): ["qwen3_moe"]}  # the second world is about experts (CI time)
 
 
 def checkpoint_name(root: str, iteration: int, tp: int, pp: int, ep: int, pp_size: int, ep_size: int) -> str:
@@ -102,7 +103,8 @@ def saved(ckpts, tmp_path_factory):
     out = {}
     for layout in LAYOUTS:
         root = tmp_path_factory.mktemp(f"legacy-{layout}")
-        out[str(layout)] = run_world(for_archs, layout, {mt: ckpts[mt] for mt in ARCHS}, layout, str(root))[0]
+        out[str(layout)] = run_world(for_archs, layout, {mt: ckpts[mt] for mt in WORLD_ARCHS[str(layout)]}, layout,
+                                     str(root))[0]
     return out
 
 
@@ -143,7 +145,7 @@ class _Evil:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_disallowed_global_is_refused_and_nothing_runs(saved, ckpts, tmp_path):
+def test_disallowed_global_is_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "executed"
     it = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00"
     it.mkdir(parents=True)
@@ -152,7 +154,7 @@ def test_disallowed_global_is_refused_and_nothing_runs(saved, ckpts, tmp_path):
                it / "model_optim_rng.pt")
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
     with pytest.raises(LegacyFormatError, match=r"does not allow: \['posix.system'\]"):
-        export_checkpoint(tmp_path / "ckpt", tmp_path / "out", ckpts["llama"], progress=False)
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "out", tiny_config("llama"), progress=False)
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
@@ -166,3 +168,16 @@ def test_without_hf_config_the_error_says_what_the_args_lack(saved, tmp_path):
     r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(base, "ckpt"), str(tmp_path / "o")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "missing: model_type" in r.stderr and not (tmp_path / "o").exists(), r.stderr
+
+
+def test_without_hf_config_torch_dist_common_pt_args_or_none(tmp_path):
+    it = tmp_path / "ckpt" / "iter_0000003"
+    it.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    (it / ".metadata").write_bytes(b"")
+    with pytest.raises(UsageError, match="stores no training args: pass --hf-config"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "out", None, progress=False)
+    torch.save({"args": argparse.Namespace(num_layers=2, hidden_size=32, padded_vocab_size=128)}, it / "common.pt")
+    with pytest.raises(UsageError, match=r"missing: model_type .*padded_vocab_size=128.*'num_hidden_layers': 2"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "out", None, progress=False)
+    assert not (tmp_path / "out").exists()
