@@ -116,8 +116,7 @@ def load_restricted(path: str) -> dict:
     if refused:
         raise LegacyFormatError(f"{path} refers to global(s) this reader does not allow: {refused}. Allowed beyond "
                                 f"tensors and plain containers: {sorted(ALLOWED)}. Nothing was unpickled.")
-    unsafe = named
-    globals_ = [(obj, name) for name, obj in ALLOWED.items() if name in unsafe]
+    globals_ = [(obj, name) for name, obj in ALLOWED.items() if name in named]
     try:
         with torch.serialization.safe_globals(globals_):
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
