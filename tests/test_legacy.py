@@ -133,8 +133,10 @@ def test_legacy_export_equals_live_export(layout, saved, ckpts, tmp_path):
 def test_verify_reads_legacy(saved, ckpts):
     from mcore2hf.verify import compare
 
-    result = compare(ckpts["qwen3_moe"], os.path.join(saved[str(LAYOUTS[0])]["qwen3_moe"], "ckpt"))
-    assert result.identical and not result.missing and not result.unexpected
+    root = os.path.join(saved[str(LAYOUTS[0])]["qwen3_moe"], "ckpt")
+    for path in (root, os.path.join(root, "iter_0000009")):  # the checkpoint root or one iteration's directory
+        result = compare(ckpts["qwen3_moe"], path)
+        assert result.identical and not result.missing and not result.unexpected, path
 
 
 class _Evil:
