@@ -1,0 +1,54 @@
+"""megatron-core's hybrid models (0.16.1 MambaModel here; 0.19's HybridModel on the GPU machine, bench/hybrid_check.py)
+hold each HF decoder layer as two Megatron layers, attention then MLP/MoE (pattern "*-*E..."). Built by
+`build_model(..., model_class="hybrid")` from the HF config, they load and export exactly like the GPTModel of the
+same weights: bit-identical to the HF source and to the GPTModel's export, at TP2, PP2 and TP2 x EP2 (names read in
+megatron-core 0.16.1 ssm/mamba_block.py and 0.19.2 models/hybrid/hybrid_block.py, hybrid_layer_allocation.py)."""
+
+import pytest
+import torch
+import worlds
+
+from mcore2hf.errors import ConfigMismatchError
+from mcore2hf.naming import HybridLayout
+from mcore2hf.testing.world import Layout, run_world
+
+
+def test_megatron_core_release_pinned():
+    import megatron.core
+
+    assert megatron.core.__version__ == "0.16.1"  # MambaModel / MambaStack names read in this release
+
+
+@pytest.mark.parametrize("pattern, hf_layers", [
+    ("*-*E", ["*-", "*E"]),
+    ("*-|*-/*E/*E", ["*-", "*-"]),  # 0.19: pipeline separators and MTP depths
+    ("M*-G-", ["M", "*-", "G-"]),  # a mixer without MLP is one HF layer
+])
+def test_hybrid_layout_parses_pattern_into_hf_layers(pattern, hf_layers):
+    layout = HybridLayout.parse(pattern)
+    assert layout.hf_layers() == hf_layers
+    assert layout.num_layers == len(hf_layers)
+
+
+@pytest.mark.parametrize("pattern", ["-*", "*--", "*-E", "*-/*-*-", "*-/*-/*E"])
+def test_hybrid_layout_refuses_patterns_without_hf_layers(pattern):
+    with pytest.raises(ConfigMismatchError, match="hybrid layer pattern"):
+        HybridLayout.parse(pattern)
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2), Layout(tp=2, ep=2)], ids=str)
+def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout):
+    archs = ["qwen3", "qwen3_moe"] if layout.ep == 1 else ["qwen3_moe"]
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0)) if layout.pp == 1 else None
+    results = run_world(worlds.for_each_arch, layout, worlds.hybrid_suite, {mt: ckpts[mt] for mt in archs},
+                        layout, tokens)
+    failed = {mt: r for mt, r in results[0].items() if isinstance(r, Exception)}
+    assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
+    for mt in archs:
+        r = results[0][mt]
+        assert r["model_class"] == "MambaModel"
+        assert r["pattern"] == ("*E" * 4 if mt == "qwen3_moe" else "*-" * 4)
+        # every rank holds its stage's share of the 8 Megatron layers
+        assert sum(x[mt]["megatron_layers_here"] for x in results) == 8 * layout.size // layout.pp
+        if tokens is not None:
+            assert r["logits_max_diff"] == 0.0, r["logits_max_diff"]
