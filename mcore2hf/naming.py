@@ -128,6 +128,41 @@ def hybrid_layout(chunk: torch.nn.Module) -> HybridLayout | None:
     return None if pattern is None else HybridLayout.parse(pattern)
 
 
+_MIXER_PARTS = ("input_layernorm.", "self_attention.")
+_MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")
+
+
+def checkpoint_hybrid_layout(keys, pattern: str) -> HybridLayout | None:
+    """The hybrid layout of a torch_dist checkpoint (None when it is a GPTModel's): a hybrid stack saves
+    `decoder.final_norm.weight` and its layers under their Megatron index (0.16.1 mamba_block.py,
+    0.19.2 hybrid_block.py `sharded_state_dict`). The pattern is not saved; `pattern` (the HF config's) must
+    agree with what each checkpoint layer holds: attention parts in mixer layers, MLP parts in MLP layers."""
+    keys = list(keys)
+    if "decoder.final_norm.weight" not in keys:
+        return None
+    layout = HybridLayout.parse(pattern)
+    held: dict[int, set[str]] = {}
+    for key in keys:
+        m = _LAYER.fullmatch(key)
+        if m is not None and m.group(1) == "decoder":
+            held.setdefault(int(m.group(2)), set()).add(m.group(3))
+    problems = []
+    if set(held) != set(range(len(layout.pattern))):
+        problems.append(f"the HF config implies {len(layout.pattern)} Megatron layers ({layout.pattern!r}), the "
+                        f"checkpoint has layers {sorted(held)}")
+    for i, rests in sorted(held.items()):
+        if i >= len(layout.pattern):
+            continue
+        mixer = layout.pattern[i] in HYBRID_MIXERS
+        wrong = sorted(r for r in rests if r.startswith(_MLP_PARTS if mixer else _MIXER_PARTS))
+        if wrong:
+            problems.append(f"checkpoint layer {i} holds {wrong[0]}, the HF config's pattern {layout.pattern!r} has "
+                            f"{layout.pattern[i]!r} there")
+    if problems:
+        raise ConfigMismatchError("hybrid-model checkpoint:\n  " + "\n  ".join(problems))
+    return layout
+
+
 def model_config(chunks: list[torch.nn.Module]):
     """The chunks' TransformerConfig as an HF model has it: for a hybrid model a copy with `num_layers` in HF
     layers, `mtp_num_layers` in MTP depths and `hybrid_layout` set (None for other models)."""

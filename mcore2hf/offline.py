@@ -33,7 +33,7 @@ from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, Unkn
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import Stacked
-from .naming import canonical_layer_name, filter_outputs, mtp_inner
+from .naming import HybridLayout, canonical_layer_name, checkpoint_hybrid_layout, filter_outputs, mtp_inner
 from .plan import align, natural_key, pack_tight, stack_units
 from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
@@ -307,8 +307,10 @@ class CkptSource:
     keep_dtype: bool = False
 
 
-def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[list[CkptSource], list[str]]:
+def checkpoint_sources(reader: DistCheckpointReader, num_layers: int,
+                       hybrid: HybridLayout | None = None) -> tuple[list[CkptSource], list[str]]:
     """Canonical sources of every model tensor of the checkpoint; also the keys that are not model weights.
+    `hybrid`: a hybrid model's checkpoint (naming.checkpoint_hybrid_layout), its layers renumbered to HF layers.
 
     Homogeneous models stack all decoder layers in one key (`decoder.layers.<name>` with a leading layer dim);
     others, and MTP layers, have one key per layer. Experts may be stacked inside either."""
@@ -316,6 +318,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
     ignored = []
 
     def add(kind: str, number: int, rest: str, key: str, lead: tuple[int, ...], part: str) -> None:
+        if hybrid is not None and kind == "decoder":
+            number = hybrid.hf_layer[number]
         kind, number, rest = mtp_inner(kind, number, rest, num_layers)
         stacked = _STACKED_EXPERTS.fullmatch(rest)
         if stacked is not None:
@@ -342,6 +346,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
             for layer in range(reader.shape(key)[0]):
                 add("decoder", layer, base[len(_STACKED_LAYERS):], key, (layer,), part)
         else:
+            if hybrid is not None and base == "decoder.final_norm.weight":
+                base = "decoder.final_layernorm.weight"
             found.setdefault(base, {})[part] = (key, ())
 
     sources = []
@@ -454,7 +460,12 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
     reader = DistCheckpointReader(it_dir)
-    sources, ignored = checkpoint_sources(reader, dims.num_layers)
+    hybrid = None
+    if "decoder.final_norm.weight" in reader.tensors:  # a hybrid model's: its pattern from the HF config
+        from .model_specs.common import hybrid_pattern
+
+        hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
+    sources, ignored = checkpoint_sources(reader, dims.num_layers, hybrid)
     reader.check_files({key for s in sources for key, _ in s.reads})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")

@@ -12,6 +12,8 @@ import worlds
 
 from mcore2hf.errors import ConfigMismatchError
 from mcore2hf.naming import HybridLayout
+from mcore2hf.offline import export_checkpoint
+from mcore2hf.testing.tiny import read_hf_checkpoint
 from mcore2hf.testing.world import Layout, run_world
 
 
@@ -53,10 +55,11 @@ if os.environ.get("MCORE2HF_HYBRID_ALL"):
 
 
 @pytest.mark.parametrize("layout, archs", LAYOUTS, ids=[f"{lay}-{'+'.join(a)}" for lay, a in LAYOUTS])
-def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout, archs):
+def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout, archs, tmp_path):
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0)) if layout.pp == 1 else None
+    dist_root = str(tmp_path / "dist") if layout.pp > 1 else None  # the hybrid model's torch_dist checkpoint
     results = run_world(worlds.for_each_arch, layout, worlds.hybrid_suite, {mt: ckpts[mt] for mt in archs},
-                        layout, tokens)
+                        layout, tokens, dist_root)
     failed = {mt: r for mt, r in results[0].items() if isinstance(r, Exception)}
     assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
     for mt in archs:
@@ -67,3 +70,21 @@ def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout, archs):
         assert sum(x[mt]["megatron_layers_here"] for x in results) == 8 * layout.size // layout.pp
         if tokens is not None:  # the same network: the hybrid forward equals the GPTModel's bit for bit
             assert r["logits_max_diff"] == 0.0, r["logits_max_diff"]
+        if dist_root is not None:  # its layers saved under Megatron indices, `final_norm`: renumbered offline
+            out = tmp_path / "offline" / mt
+            export_checkpoint(os.path.join(dist_root, mt, "ckpt"), out, ckpts[mt])
+            worlds.assert_same(read_hf_checkpoint(out), read_hf_checkpoint(ckpts[mt]), f"{layout} offline {mt}")
+
+
+def test_offline_export_refuses_hybrid_checkpoint_pattern_mismatch():
+    from mcore2hf.naming import checkpoint_hybrid_layout
+
+    keys = ["decoder.final_norm.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+            "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.2.mlp.linear_fc1.weight",
+            "decoder.layers.3.self_attention.linear_qkv.weight"]
+    with pytest.raises(ConfigMismatchError, match="checkpoint layer 2 holds mlp.linear_fc1.weight"):
+        checkpoint_hybrid_layout(keys, "*-*-")
+    with pytest.raises(ConfigMismatchError, match="implies 6 Megatron layers"):
+        checkpoint_hybrid_layout(keys, "*-*-*-")
+    assert checkpoint_hybrid_layout(keys[1:], "*-*-") is None  # a GPTModel's checkpoint
+    assert checkpoint_hybrid_layout(keys[:3], "*-").hf_layer == (0, 0)

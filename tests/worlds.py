@@ -17,14 +17,14 @@ from mcore2hf.testing.tiny import read_hf_checkpoint
 from mcore2hf.testing.world import Layout
 
 
-def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True):
+def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True, model_class: str = "gpt"):
     cfg = load_hf_config(ckpt)
     overrides = dict(layout.config_overrides())
     if not mtp:
         overrides["mtp_num_layers"] = None
     if dtype != torch.float32:
         overrides.update(params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    chunks = build_model(ckpt, use_te=False, **overrides)  # gloo CPU workers: the local spec, even where TE exists
+    chunks = build_model(ckpt, use_te=False, model_class=model_class, **overrides)  # gloo CPU workers: the local spec, even where TE exists
     if dtype != torch.float32:
         chunks = [c.to(dtype) for c in chunks]  # what Megatron's Float16Module does in training
     return cfg, chunks
@@ -343,7 +343,8 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     return {"pp_padding": padded / real_bytes, "buckets": len(plan.buckets)}
 
 
-def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False) -> str:
+def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False,
+                         model_class: str = "gpt") -> str:
     """Megatron training output at `layout`: a torch_dist checkpoint with model and Adam state under
     root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live."""
     from megatron.core import dist_checkpointing
@@ -359,7 +360,7 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
             self._scale = torch.tensor([1.0])
             self.is_stub_optimizer = optimizer is None
 
-    cfg, chunks = build(ckpt, layout)
+    cfg, chunks = build(ckpt, layout, model_class=model_class)
     load_hf_weights(chunks, ckpt)
     base = os.path.join(root, cfg.model_type)
     HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
@@ -637,11 +638,12 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     return len(ref)
 
 
-def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None) -> dict:
+def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, dist_root: str | None = None) -> dict:
     """The HF weights in a hybrid model (megatron-core 0.16 MambaModel / 0.19 HybridModel, attention and MLP as
     separate Megatron layers) and in a GPTModel at `layout`: both export exactly the HF source; the hybrid model
     also loads the GPTModel's export, under Transformer Engine's names too; a pattern the HF config contradicts
-    is refused; (with `tokens`) both forwards give the same logits."""
+    is refused; (with `tokens`) both forwards give the same logits; (with `dist_root`) the hybrid model's
+    torch_dist checkpoint is saved under dist_root/<arch>/ckpt for the offline export."""
     from mcore2hf.errors import ConfigMismatchError
     from mcore2hf.naming import hybrid_layout, model_config
 
@@ -680,5 +682,7 @@ def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None) 
     except ConfigMismatchError as e:
         error = str(e)
     assert error and "hybrid layer pattern, HF layer 0" in error, error
+    if dist_root is not None:
+        save_dist_checkpoint(ckpt, layout, dist_root, model_class="hybrid")
     return {"pattern": layout_.pattern, "megatron_layers_here": megatron_layers, "tensors": len(ref),
             "model_class": type(hybrid[0]).__name__, "logits_max_diff": logits, "error": error}
