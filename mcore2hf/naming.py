@@ -108,7 +108,7 @@ def _hf_layers(pattern: str, full_pattern: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def hybrid_pattern(chunk: torch.nn.Module) -> str | None:
+def hybrid_pattern_of(chunk: torch.nn.Module) -> str | None:
     """The full layer pattern a hybrid model chunk was built with (None for a GPTModel), read from the model:
     0.19 HybridModel.hybrid_layer_pattern (also set when built from the deprecated arguments), 0.16
     MambaModel.hybrid_override_pattern, else the allocation 0.16 computes from its ratios."""
@@ -124,7 +124,7 @@ def hybrid_pattern(chunk: torch.nn.Module) -> str | None:
 
 
 def hybrid_layout(chunk: torch.nn.Module) -> HybridLayout | None:
-    pattern = hybrid_pattern(chunk)
+    pattern = hybrid_pattern_of(chunk)
     return None if pattern is None else HybridLayout.parse(pattern)
 
 

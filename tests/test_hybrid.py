@@ -47,11 +47,12 @@ def test_hybrid_layout_refuses_patterns_without_hf_layers(pattern):
         HybridLayout.parse(pattern)
 
 
-#: CI: TP2 x PP2 x EP2 (expert-TP 1) for both, and TP2 for the forward comparison (needs PP1). By hand
-#: (MCORE2HF_HYBRID_ALL=1): TP2, PP2 and TP2 x EP2 each alone, both architectures where the layout fits.
-LAYOUTS = [(Layout(tp=2, pp=2, ep=2, etp=1), ["qwen3", "qwen3_moe"]), (Layout(tp=2), ["qwen3_moe"])]
+#: CI (its time budget): TP2 x PP2 x EP2 (expert-TP 1) for both, with the torch_dist checkpoint. By hand
+#: (MCORE2HF_HYBRID_ALL=1): TP2 (with the forward comparison, which needs PP1), PP2 and TP2 x EP2 each alone.
+LAYOUTS = [(Layout(tp=2, pp=2, ep=2, etp=1), ["qwen3", "qwen3_moe"])]
 if os.environ.get("MCORE2HF_HYBRID_ALL"):
-    LAYOUTS += [(Layout(tp=2), ["qwen3"]), (Layout(pp=2), ["qwen3", "qwen3_moe"]), (Layout(tp=2, ep=2), ["qwen3_moe"])]
+    LAYOUTS += [(Layout(tp=2), ["qwen3", "qwen3_moe"]), (Layout(pp=2), ["qwen3", "qwen3_moe"]),
+                (Layout(tp=2, ep=2), ["qwen3_moe"])]
 
 
 @pytest.mark.parametrize("layout, archs", LAYOUTS, ids=[f"{lay}-{'+'.join(a)}" for lay, a in LAYOUTS])
