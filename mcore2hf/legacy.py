@@ -235,8 +235,10 @@ class LegacyCheckpointReader:
     def checkpoint_bytes(self) -> int:
         return sum(os.path.getsize(os.path.join(self.path, d, FILE)) for d in self.files)
 
-    def sources(self, num_layers: int, tied: bool):
+    def sources(self, num_layers: int, tied: bool, hybrid=None):
         """CkptSources (reads = the TP or expert-TP shards in rank order) and the keys that are not weights."""
+        if hybrid is not None:  # never set: prepare_sources detects hybrid layouts by torch_dist keys only
+            raise LegacyFormatError(f"{self.path}: legacy checkpoints of hybrid models are not supported")
         from .offline import CkptSource
 
         counts: dict[tuple[int, int], int] = {}  # (virtual stage, stage) -> decoder layers it holds

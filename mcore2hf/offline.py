@@ -36,7 +36,7 @@ from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, Unkn
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import Stacked, full_shape_of_shard
-from .naming import canonical_layer_name, filter_outputs, mtp_inner
+from .naming import HybridLayout, canonical_layer_name, checkpoint_hybrid_layout, filter_outputs, mtp_inner
 from .plan import align, natural_key, pack_tight, stack_units
 from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
@@ -123,8 +123,9 @@ class DistCheckpointReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
 
-    def sources(self, num_layers: int, tied: bool) -> tuple[list[CkptSource], list[str]]:
-        return checkpoint_sources(self, num_layers)  # a tied output layer is not saved apart from the embedding
+    def sources(self, num_layers: int, tied: bool, hybrid: HybridLayout | None = None
+                ) -> tuple[list[CkptSource], list[str]]:
+        return checkpoint_sources(self, num_layers, hybrid)  # a tied output layer is not saved apart from the embedding
 
     def tp_of(self, source: CkptSource) -> int:
         """TP of the checkpoint's chunking of this tensor along dim 0 (vocab-parallel tensors)."""
@@ -330,8 +331,10 @@ _SPLIT_PART = regex.compile(r"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.
 PART_ORDER = ("", "w", "v", "query", "key", "value", "z", "beta", "alpha")
 
 
-def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[list[CkptSource], list[str]]:
+def checkpoint_sources(reader: DistCheckpointReader, num_layers: int,
+                       hybrid: HybridLayout | None = None) -> tuple[list[CkptSource], list[str]]:
     """Canonical sources of every model tensor of the checkpoint; also the keys that are not model weights.
+    `hybrid`: a hybrid model's checkpoint (naming.checkpoint_hybrid_layout), its layers renumbered to HF layers.
 
     Homogeneous models stack all decoder layers in one key (`decoder.layers.<name>` with a leading layer dim);
     others, and MTP layers, have one key per layer. Experts may be stacked inside either."""
@@ -339,6 +342,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
     ignored = []
 
     def add(kind: str, number: int, rest: str, key: str, lead: tuple[int, ...], part: str) -> None:
+        if hybrid is not None and kind == "decoder":
+            number = hybrid.hf_layer[number]
         kind, number, rest = mtp_inner(kind, number, rest, num_layers)
         stacked = _STACKED_EXPERTS.fullmatch(rest)
         if stacked is not None:
@@ -367,6 +372,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
             for layer in range(reader.shape(key)[0]):
                 add("decoder", layer, base[len(_STACKED_LAYERS):], key, (layer,), part)
         else:
+            if hybrid is not None and base == "decoder.final_norm.weight":
+                base = "decoder.final_layernorm.weight"
             found.setdefault(base, {})[part] = (key, ())
 
     sources = []
@@ -491,7 +498,12 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
     reader = open_checkpoint(it_dir)
-    sources, ignored = reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)))
+    hybrid = None
+    if "decoder.final_norm.weight" in reader.tensors:  # a hybrid model's: its pattern from the HF config
+        from .model_specs.common import hybrid_pattern
+
+        hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
+    sources, ignored = reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)), hybrid)
     reader.check_files({key for s in sources for shard in s.reads for key, _ in shard})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
