@@ -9,6 +9,7 @@ Run as a script (`python tests/test_engine_shards.py ENGINE SITE_DIR OUT.json`) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import traceback
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,7 +327,7 @@ def _sglang_moe(fm, t, p):
     w13 = torch.zeros(local, 2 * INTER // p.moe_tp, H)
     w2 = torch.zeros(local, H, INTER // p.moe_tp)
     for name, v in t.items():
-        e, proj = int(name.split(".")[4]), name.split(".")[5]
+        e, proj = int(name.split(".")[5]), name.split(".")[6]
         le = fm.FusedMoE._map_global_expert_id_to_local_expert_id(self, e)
         if le == -1:
             continue
@@ -380,7 +382,7 @@ def _vllm_engine():
             w13 = torch.zeros(local, 2 * INTER // p.moe_tp, H)
             w2 = torch.zeros(local, H, INTER // p.moe_tp)
             for name, v in t.items():
-                e, proj = int(name.split(".")[4]), name.split(".")[5]
+                e, proj = int(name.split(".")[5]), name.split(".")[6]
                 le = e if expert_map is None else int(expert_map[e])
                 if le == -1:
                     continue
@@ -425,6 +427,11 @@ def harness(engine: str, site: str, out: str) -> None:
                         assert not got[n].isnan().any(), f"{p}: {n} has NaN: a region misses what the engine reads"
                         assert torch.equal(got[n], want[n]), f"{p}: {n} differs from loading the full tensor"
                     assert any(v.isnan().any() for v in nan.values()), f"{p}: the loader read nothing"
+                    if tp > 1:  # another rank's regions must not do: the check can fail
+                        other = dataclasses.replace(p, tp_rank=(p.tp_rank + 1) % tp)
+                        wrong = load(case, {n: mask_to_engine(v, engine_regions(n, v.shape, DIMS, other), debug=True)
+                                            for n, v in full.items()}, p)
+                        assert any(v.isnan().any() for v in wrong.values()), f"{p}: rank {other.tp_rank}'s regions pass"
                     checked += 1
             results[case] = f"ok {checked}"
         except BaseException:  # noqa: BLE001
@@ -433,33 +440,40 @@ def harness(engine: str, site: str, out: str) -> None:
     Path(out).write_text(json.dumps(results, indent=1))
 
 
-def _run_harness(engine: str, version: str, tmp_path) -> dict:
+ENGINES = {"sglang": SGLANG, "vllm": VLLM}
+
+
+@pytest.fixture(scope="module")
+def harnesses(tmp_path_factory) -> dict:
+    """Both engines' harness subprocesses, started together (each spends most of its time importing its engine)."""
     from mcore2hf.testing.wheels import unpacked_wheel
 
-    if engine == "sglang":
-        site = unpacked_wheel("sglang", version, include=("sglang/*",))
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-    else:
-        site = unpacked_wheel("vllm", version, ("vllm/*.py", "vllm-*.dist-info/*"))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), VLLM_LOGGING_LEVEL="WARNING")
-    out = tmp_path / f"{engine}.json"
-    r = subprocess.run([sys.executable, __file__, engine, str(site), str(out)], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=900)
-    assert out.exists(), f"the {engine} harness died (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    tmp = tmp_path_factory.mktemp("engine_oracle")
+    running = {}
+    for engine, version in ENGINES.items():
+        if engine == "sglang":
+            site = unpacked_wheel("sglang", version, include=("sglang/*",))
+            env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+        else:
+            site = unpacked_wheel("vllm", version, ("vllm/*.py", "vllm-*.dist-info/*"))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), VLLM_LOGGING_LEVEL="WARNING")
+        out = tmp / f"{engine}.json"
+        proc = subprocess.Popen([sys.executable, __file__, engine, str(site), str(out)], env=env, cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        running[engine] = (proc, out, site)
+    yield running
+    for proc, _, _ in running.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_real_engine_loaders(harnesses, engine):
+    proc, out, site = harnesses[engine]
+    log, _ = proc.communicate(timeout=900)
+    assert out.exists(), f"the {engine} harness died (rc {proc.returncode}):\n{log[-6000:]}"
     res = json.loads(out.read_text())
-    assert res["version"] == version and res["file"].startswith(str(site)), res  # the wheel's code, not another
-    return res
-
-
-def test_real_engine_loaders_sglang(tmp_path):
-    res = _run_harness("sglang", SGLANG, tmp_path)
-    print({k: v for k, v in res.items() if k not in CASES})
-    bad = {c: res.get(c) for c in CASES if not str(res.get(c)).startswith("ok")}
-    assert not bad, "\n".join(f"{c}:\n{v}" for c, v in bad.items())
-
-
-def test_real_engine_loaders_vllm(tmp_path):
-    res = _run_harness("vllm", VLLM, tmp_path)
+    assert res["version"] == ENGINES[engine] and res["file"].startswith(str(site)), res  # the wheel's own code
     print({k: v for k, v in res.items() if k not in CASES})
     bad = {c: res.get(c) for c in CASES if not str(res.get(c)).startswith("ok")}
     assert not bad, "\n".join(f"{c}:\n{v}" for c, v in bad.items())
