@@ -231,7 +231,9 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
 # layer at every rank of TP 1/2/4 (and EP), loads (a) full tensors, (b) mask_to_engine(full, regions, debug=True),
 # (c) all-NaN tensors (the loader must read something: NaN reaches the parameters, or the case proves nothing).
 
-CASES = ("column", "row", "qkv", "merged_column", "vocab_embedding", "lm_head", "fused_moe")
+CASES = ("column", "row", "qkv", "merged_column", "vocab_embedding", "lm_head", "fused_moe", "minimax_qk_norm")
+#: the architecture whose per-architecture rules a case exercises
+CASE_MODEL_TYPE = {"minimax_qk_norm": "minimax_m2"}
 
 
 def _hf_tensors(case: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -252,6 +254,8 @@ def _hf_tensors(case: str, seed: int = 0) -> dict[str, torch.Tensor]:
         return {"model.embed_tokens.weight": rnd(VOCAB, H)}
     if case == "lm_head":
         return {"lm_head.weight": rnd(VOCAB, H)}
+    if case == "minimax_qk_norm":
+        return {f"{L}.self_attn.q_norm.weight": rnd(HEADS * HD), f"{L}.self_attn.k_norm.weight": rnd(KV * HD)}
     return {f"{L}.mlp.experts.{e}.{n}.weight": rnd(*((H, INTER) if n == "down_proj" else (INTER, H)))
             for e in range(E) for n in ("gate_proj", "up_proj", "down_proj")}
 
@@ -306,6 +310,15 @@ def _sglang_engine():
             cls = vpe.VocabParallelEmbedding if case == "vocab_embedding" else vpe.ParallelLMHead
             m = cls(VOCAB, H, **f32)
             m.weight.weight_loader(m.weight, next(iter(t.values())))
+        elif case == "minimax_qk_norm":
+            import sglang.srt.models.minimax_m2 as mm
+
+            mm.get_parallel, mm._is_cpu = lin.get_parallel, False
+            m = torch.nn.Module()
+            m.q_norm = mm.MiniMaxM2RMSNormTP(HEADS * HD, num_heads=HEADS)  # as MiniMaxM2Attention builds them
+            m.k_norm = mm.MiniMaxM2RMSNormTP(KV * HD, num_heads=KV)
+            m.q_norm.weight.weight_loader(m.q_norm.weight, k("q_norm.weight"))
+            m.k_norm.weight.weight_loader(m.k_norm.weight, k("k_norm.weight"))
         else:
             return _sglang_moe(fm, t, p)
         return {n: v.detach().clone() for n, v in m.named_parameters()}
@@ -369,6 +382,20 @@ def _vllm_engine():
             cls = vpe.VocabParallelEmbedding if case == "vocab_embedding" else vpe.ParallelLMHead
             m = cls(VOCAB, H, **f32)
             m.weight.weight_loader(m.weight, next(iter(t.values())))
+        elif case == "minimax_qk_norm":
+            import vllm.model_executor.layers.minimax_rms_norm.rms_norm_tp as rn
+            from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+            m = torch.nn.Module()
+            with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):  # a CustomOp
+                m.q_norm = rn.MiniMaxText01RMSNormTP(HD * HEADS)
+                if p.tp_size <= KV:  # vllm 0.33.0 models/minimax_m2.py MiniMaxM2Attention.__init__, both branches
+                    m.k_norm = rn.MiniMaxText01RMSNormTP(HD * KV)
+                else:
+                    m.k_norm = rn.MiniMaxText01RMSNormTP(HD * KV, weight_shard_world_size=KV,
+                                                         weight_shard_rank=p.tp_rank // (p.tp_size // KV))
+            m.q_norm.weight.weight_loader(m.q_norm.weight, k("q_norm.weight"))
+            m.k_norm.weight.weight_loader(m.k_norm.weight, k("k_norm.weight"))
         else:
             # RoutedExperts' ownership (determine_expert_map, "linear") and TP narrowing (_load_w13, _load_w2) on an
             # object with the attributes they read, as _weight_loader_impl calls them (param.data[local], dims 0/1)
@@ -419,7 +446,8 @@ def harness(engine: str, site: str, out: str) -> None:
             for tp in TPS:
                 for p in placements(engine, tp, moe=case == "fused_moe"):
                     want = load(case, {n: v.clone() for n, v in full.items()}, p)
-                    masked = {n: mask_to_engine(v, engine_regions(n, v.shape, DIMS, p), debug=True)
+                    mt = CASE_MODEL_TYPE.get(case)
+                    masked = {n: mask_to_engine(v, engine_regions(n, v.shape, DIMS, p, mt), debug=True)
                               for n, v in full.items()}
                     got = load(case, masked, p)
                     nan = load(case, {n: torch.full_like(v, float("nan")) for n, v in full.items()}, p)
@@ -429,7 +457,7 @@ def harness(engine: str, site: str, out: str) -> None:
                     assert any(v.isnan().any() for v in nan.values()), f"{p}: the loader read nothing"
                     if tp > 1:  # another rank's regions must not do: the check can fail
                         other = dataclasses.replace(p, tp_rank=(p.tp_rank + 1) % tp)
-                        wrong = load(case, {n: mask_to_engine(v, engine_regions(n, v.shape, DIMS, other), debug=True)
+                        wrong = load(case, {n: mask_to_engine(v, engine_regions(n, v.shape, DIMS, other, mt), debug=True)
                                             for n, v in full.items()}, p)
                         assert any(v.isnan().any() for v in wrong.values()), f"{p}: rank {other.tp_rank}'s regions pass"
                     checked += 1
