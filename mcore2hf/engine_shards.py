@@ -27,7 +27,7 @@ Read from the engines' published code (the wheels mcore2hf.testing.wheels unpack
 The two engines differ only in the vocab padding rule and in expert placement when E % ep != 0 (SGLang refuses
 it); gpt-oss's stacked experts are declared for vLLM only (SGLang 0.5.23 loads them through weight_loader_fused,
 not read yet). SGLang's shared-experts fusion (num_fused_shared_experts > 0, a server option) is not covered:
-the rules describe the unfused shared MLP (column / row over TP).
+the rules describe the unfused shared MLP (column / row over TP, or replicated where the placement says so).
 
 A region is a tuple of (dim, offset, length) triples, one per narrowed dim (dims not named are whole); a rank
 loads the union of its regions (an empty list: nothing). Regions of one rank never overlap.
@@ -66,6 +66,10 @@ class EnginePlacement:
     tp_size: int
     ep_size: int = 1
     moe_tp: int | None = None
+    #: shared experts replicated on every rank instead of split over TP: sglang with a DeepEP-class
+    #: moe_a2a_backend (models/deepseek_v2.py _shared_expert_use_tp1, glm4_moe.py parallel_group="replicated"),
+    #: vllm with use_sequence_parallel_moe (models/deepseek_v2.py DeepseekV2MLP disable_tp)
+    replicated_shared_experts: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -100,6 +104,8 @@ COLUMN = "column"              # dim 0 split evenly over TP (q, q_b, kv_b, gate/
 KV_HEADS = "kv_heads"          # dim 0 split by kv heads; tp > kv heads: rank r gets head r // (tp / kv heads)
 ROW = "row"                    # dim 1 split evenly over TP (o_proj, down_proj)
 VOCAB = "vocab"                # dim 0 rows of the engine's padded vocab shard, real rows only
+SHARED_COLUMN = "shared_column"  # shared experts' gate/up: COLUMN, or REPLICATED (replicated_shared_experts)
+SHARED_ROW = "shared_row"        # shared experts' down: ROW, or REPLICATED
 EXPERT_COLUMN = "expert_column"  # routed expert gate/up (w1/w3): owner rank under EP, dim 0 split over expert TP
 EXPERT_ROW = "expert_row"        # routed expert down (w2): owner rank under EP, dim 1 split over expert TP
 STACKED_GATE_UP = "stacked_gate_up"  # gpt-oss experts.gate_up_proj [E, H, 2I] (vllm)
@@ -129,8 +135,10 @@ KINDS: list[tuple[str, str]] = [
      rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight|model\.norm\.weight", REPLICATED),
     (rf"{_L}\.eh_proj\.weight", REPLICATED),  # MTP: nn.Linear in both engines' MTP models
     # dense and shared-expert MLPs: MergedColumnParallelLinear gate_up_proj, RowParallelLinear down_proj
-    (rf"{_L}\.mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj)\.weight", COLUMN),
-    (rf"{_L}\.mlp\.(?:shared_experts\.)?down_proj\.weight", ROW),
+    (rf"{_L}\.mlp\.shared_experts\.(?:gate_proj|up_proj)\.weight", SHARED_COLUMN),
+    (rf"{_L}\.mlp\.shared_experts\.down_proj\.weight", SHARED_ROW),
+    (rf"{_L}\.mlp\.(?:gate_proj|up_proj)\.weight", COLUMN),
+    (rf"{_L}\.mlp\.down_proj\.weight", ROW),
     # MoE routers (ReplicatedLinear) and the expert score bias
     (rf"{_MOE}\.gate\.weight|{_MOE}\.e_score_correction_bias|{_MOE}\.gate\.e_score_correction_bias"
      rf"|{_L}\.mlp\.router\.(?:weight|bias)", REPLICATED),
@@ -215,6 +223,8 @@ def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placemen
         raise EngineShardError(f"{hf_name}: {NOT_COVERED[placement.engine, kind]}")
     shape = tuple(shape)
     p, tp, r = placement, placement.tp_size, placement.tp_rank
+    if kind in (SHARED_COLUMN, SHARED_ROW):
+        kind = REPLICATED if p.replicated_shared_experts else COLUMN if kind == SHARED_COLUMN else ROW
     if kind == REPLICATED:
         return [()]
     if kind == COLUMN:

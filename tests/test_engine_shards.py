@@ -168,8 +168,24 @@ def test_stacked_gate_up_2x8x24_vllm_tp2_interleaved_columns():
 
 # ------------------------------------------------------------------------------------------------- every architecture
 
+def test_shared_experts_12x8_tp2_split_or_replicated():
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    assert engine_regions(name, (H, INTER), DIMS, EnginePlacement("sglang", 1, 2)) == [((1, 6, 6),)]
+    assert engine_regions(name, (H, INTER), DIMS,
+                          EnginePlacement("vllm", 1, 2, replicated_shared_experts=True)) == [()]
+
+
+def test_mask_to_engine_normal_mode_writes_regions_kv_8x8_tp4():
+    full = torch.randn(KV * HD, H)
+    regions = engine_regions("model.layers.0.self_attn.v_proj.weight", full.shape, DIMS, EnginePlacement("vllm", 3, 4))
+    out = mask_to_engine(full, regions)
+    assert regions == [((0, 4, 4),)] and torch.equal(out[4:], full[4:]) and out.shape == full.shape
+
+
 def _expected_multiplicity(kind: str, p: EnginePlacement, dims: ModelDims) -> int:
     """How many ranks of one engine load each element of a tensor of `kind`."""
+    if kind in ("shared_column", "shared_row"):
+        kind = "replicated" if p.replicated_shared_experts else "column"
     if kind == "replicated":
         return p.tp_size
     if kind == "kv_heads" and p.tp_size > dims.num_query_groups:
