@@ -248,7 +248,10 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
 # (c) all-NaN tensors (the loader must read something: NaN reaches the parameters, or the case proves nothing).
 
 CASES = ("column", "row", "qkv", "merged_column", "vocab_embedding", "lm_head", "fused_moe", "minimax_qk_norm",
-         "gpt_oss_experts")
+         "gpt_oss_experts", "mla_fused_a", "vocab_tp3")
+#: engine TP sizes per case (vocab_tp3: 128 rows do not divide over 3: sglang pads to 192, vllm refuses)
+CASE_TPS = {"vocab_tp3": (3,)}
+Q_LORA, KV_LORA = 12, 6
 #: the architecture whose per-architecture rules a case exercises
 CASE_MODEL_TYPE = {"minimax_qk_norm": "minimax_m2", "gpt_oss_experts": "gpt_oss"}
 #: cases an engine's rules do not declare (engine_regions refuses them)
@@ -275,6 +278,11 @@ def _hf_tensors(case: str, seed: int = 0) -> dict[str, torch.Tensor]:
         return {"lm_head.weight": rnd(VOCAB, H)}
     if case == "minimax_qk_norm":
         return {f"{L}.self_attn.q_norm.weight": rnd(HEADS * HD), f"{L}.self_attn.k_norm.weight": rnd(KV * HD)}
+    if case == "vocab_tp3":
+        return {"model.embed_tokens.weight": rnd(VOCAB, H)}
+    if case == "mla_fused_a":
+        return {f"{L}.self_attn.q_a_proj.weight": rnd(Q_LORA, H),
+                f"{L}.self_attn.kv_a_proj_with_mqa.weight": rnd(KV_LORA, H)}
     if case == "gpt_oss_experts":  # transformers 5.23 GptOssExperts: stacked, gate/up interleaved by column
         x = f"{L}.mlp.experts"
         return {f"{x}.gate_up_proj": rnd(E, H, 2 * INTER), f"{x}.gate_up_proj_bias": rnd(E, 2 * INTER),
@@ -329,10 +337,15 @@ def _sglang_engine():
             m = lin.MergedColumnParallelLinear(H, [INTER, INTER], bias=False, **f32)
             m.weight.weight_loader(m.weight, k("gate_proj.weight"), 0)
             m.weight.weight_loader(m.weight, k("up_proj.weight"), 1)
-        elif case in ("vocab_embedding", "lm_head"):
-            cls = vpe.VocabParallelEmbedding if case == "vocab_embedding" else vpe.ParallelLMHead
+        elif case in ("vocab_embedding", "lm_head", "vocab_tp3"):
+            cls = vpe.ParallelLMHead if case == "lm_head" else vpe.VocabParallelEmbedding
             m = cls(VOCAB, H, **f32)
             m.weight.weight_loader(m.weight, next(iter(t.values())))
+        elif case == "mla_fused_a":
+            # models/deepseek_v2.py fused_qkv_a_proj_with_mqa; deepseek_common/deepseek_weight_loader.py
+            # concatenates q_a_proj and kv_a_proj_with_mqa (dim 0) before its weight_loader
+            m = lin.ReplicatedLinear(H, Q_LORA + KV_LORA, bias=False, **f32)
+            m.weight.weight_loader(m.weight, torch.cat([k("q_a_proj.weight"), k("kv_a_proj_with_mqa.weight")]))
         elif case == "minimax_qk_norm":
             import sglang.srt.models.minimax_m2 as mm
 
@@ -401,10 +414,16 @@ def _vllm_engine():
             m = lin.MergedColumnParallelLinear(H, [INTER, INTER], bias=False, **f32)
             m.weight.weight_loader(m.weight, k("gate_proj.weight"), 0)
             m.weight.weight_loader(m.weight, k("up_proj.weight"), 1)
-        elif case in ("vocab_embedding", "lm_head"):
-            cls = vpe.VocabParallelEmbedding if case == "vocab_embedding" else vpe.ParallelLMHead
+        elif case in ("vocab_embedding", "lm_head", "vocab_tp3"):
+            cls = vpe.ParallelLMHead if case == "lm_head" else vpe.VocabParallelEmbedding
             m = cls(VOCAB, H, **f32)
             m.weight.weight_loader(m.weight, next(iter(t.values())))
+        elif case == "mla_fused_a":
+            from vllm.model_executor.models.deepseek_v2 import DeepSeekV2FusedQkvAProjLinear
+
+            m = DeepSeekV2FusedQkvAProjLinear(H, [Q_LORA, KV_LORA])
+            m.weight.weight_loader(m.weight, k("q_a_proj.weight"), 0)
+            m.weight.weight_loader(m.weight, k("kv_a_proj_with_mqa.weight"), 1)
         elif case == "minimax_qk_norm":
             import vllm.model_executor.layers.minimax_rms_norm.rms_norm_tp as rn
             from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
@@ -504,7 +523,20 @@ def harness(engine: str, site: str, out: str) -> None:
         try:
             full = _hf_tensors(case)
             checked = 0
-            for tp in TPS:
+            if (engine, case) == ("vllm", "vocab_tp3"):  # both vllm's class and our rules refuse it
+                p = EnginePlacement(engine, 0, 3)
+                for attempt in ("engine", "rules"):
+                    try:
+                        if attempt == "engine":
+                            load(case, full, p)
+                        else:
+                            engine_regions("lm_head.weight", (VOCAB, H), DIMS, p)
+                    except (AssertionError, ValueError, EngineShardError):
+                        checked += 1
+                assert checked == 2, "vllm 0.33.0 refuses a padded vocab that does not divide over TP"
+                results[case] = "ok: refused by vllm's VocabParallelEmbedding and by engine_regions"
+                continue
+            for tp in CASE_TPS.get(case, TPS):
                 for p in placements(engine, tp, moe=case in ("fused_moe", "gpt_oss_experts")):
                     want = load(case, {n: v.clone() for n, v in full.items()}, p)
                     mt = CASE_MODEL_TYPE.get(case)
@@ -515,9 +547,13 @@ def harness(engine: str, site: str, out: str) -> None:
                     for n in want:
                         assert not got[n].isnan().any(), f"{p}: {n} has NaN: a region misses what the engine reads"
                         assert torch.equal(got[n], want[n]), f"{p}: {n} differs from loading the full tensor"
-                    assert any(v.isnan().any() for v in nan.values()), f"{p}: the loader read nothing"
-                    if tp > 1:  # another rank's regions must not do: the check can fail
-                        other = dataclasses.replace(p, tp_rank=(p.tp_rank + 1) % tp)
+                    mine = {n: engine_regions(n, v.shape, DIMS, p, mt) for n, v in full.items()}
+                    if any(mine.values()):  # a rank with no region (vocab rows past the real ones) reads nothing
+                        assert any(v.isnan().any() for v in nan.values()), f"{p}: the loader read nothing"
+                    other = dataclasses.replace(p, tp_rank=(p.tp_rank + 1) % tp)
+                    if any(mine.values()) and any(engine_regions(n, v.shape, DIMS, other, mt) != mine[n]
+                                                  for n, v in full.items()):
+                        # another rank's regions must not do: the check can fail
                         wrong = load(case, {n: mask_to_engine(v, engine_regions(n, v.shape, DIMS, other, mt), debug=True)
                                             for n, v in full.items()}, p)
                         assert any(v.isnan().any() for v in wrong.values()), f"{p}: rank {other.tp_rank}'s regions pass"
