@@ -24,9 +24,9 @@ Read from the engines' published code (the wheels mcore2hf.testing.wheels unpack
   models/minimax_m2.py + layers/minimax_rms_norm/rms_norm_tp.py, models/olmoe.py, models/gpt_oss.py
   (_load_weights_other: stacked bf16 experts, sinks).
 
-The two engines differ only in the vocab padding rule and in expert placement when E % ep != 0 (SGLang refuses
-it); gpt-oss's stacked experts are declared for vLLM only (SGLang 0.5.23 loads them through weight_loader_fused,
-not read yet). SGLang's shared-experts fusion (num_fused_shared_experts > 0, a server option) is not covered:
+The two engines differ only in the vocab padding rule, in expert placement when E % ep != 0 (SGLang refuses
+it) and in gpt-oss's stacked experts under EP (vLLM: whole experts per EP rank; SGLang 0.5.23's
+weight_loader_fused has no expert narrowing, so EP is refused there). SGLang's shared-experts fusion (num_fused_shared_experts > 0, a server option) is not covered:
 the rules describe the unfused shared MLP (column / row over TP, or replicated where the placement says so).
 
 A region is a tuple of (dim, offset, length) triples, one per narrowed dim (dims not named are whole); a rank
@@ -158,11 +158,6 @@ ARCH_KINDS: dict[str, list[tuple[str, str]]] = {
     "minimax_m2": [(rf"{_L}\.self_attn\.q_norm\.weight", COLUMN), (rf"{_L}\.self_attn\.k_norm\.weight", KV_HEADS)],
 }
 
-#: (engine, kind) pairs the rules do not cover: refused with an error instead of guessed
-NOT_COVERED = {("sglang", k): "sglang 0.5.23 loads gpt-oss's stacked experts through FusedMoE.weight_loader_fused, "
-               "whose slicing is not declared here yet"
-               for k in (STACKED_GATE_UP, STACKED_GATE_UP_BIAS, STACKED_DOWN, STACKED_DOWN_BIAS)}
-
 _COMPILED = [(regex.compile(p), k) for p, k in KINDS]
 _ARCH_COMPILED = {a: [(regex.compile(p), k) for p, k in t] for a, t in ARCH_KINDS.items()}
 
@@ -219,8 +214,6 @@ def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placemen
                    model_type: str | None = None) -> list[Region]:
     """The region(s) of the full HF tensor `hf_name` (of `shape`) that the engine rank `placement` loads."""
     kind, expert = sharding_kind(hf_name, model_type)
-    if (placement.engine, kind) in NOT_COVERED:
-        raise EngineShardError(f"{hf_name}: {NOT_COVERED[placement.engine, kind]}")
     shape = tuple(shape)
     p, tp, r = placement, placement.tp_size, placement.tp_rank
     if kind in (SHARED_COLUMN, SHARED_ROW):
@@ -258,13 +251,21 @@ def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placemen
 
 def _stacked(kind: str, hf_name: str, shape: tuple[int, ...], dims: ModelDims, p: EnginePlacement) -> list[Region]:
     # vllm 0.33.0 models/gpt_oss.py _load_weights_other: EP takes whole experts [ep*E/ep, ...); otherwise the
-    # intermediate dim is cut in cdiv(I, tp) pieces (gate/up interleaved by column: 2x that many columns)
+    # intermediate dim is cut in cdiv(I, tp) pieces (gate/up interleaved by column: 2x that many columns).
+    # sglang 0.5.23 models/gpt_oss.py _load_normal_weights -> FusedMoE.weight_loader_fused -> _load_w13/_load_w2:
+    # the same cut with I / moe_tp exact, and no expert narrowing at all (so no EP for bf16 stacked experts)
     if p.ep_size > 1:
+        if p.engine == "sglang":
+            raise EngineShardError(f"{hf_name}: not declared for sglang with ep_size {p.ep_size}: sglang 0.5.23's "
+                                   "FusedMoE.weight_loader_fused loads stacked bf16 experts without expert narrowing")
         n = shape[0] // p.ep_size
         return [((0, p.ep_rank * n, n),)]
     if kind == STACKED_DOWN_BIAS:  # rank 0 loads it whole, the others zero what they were given
         return [()] if p.tp_rank == 0 else []
     inter = shape[1] if kind == STACKED_DOWN else shape[-1] // 2
+    if p.engine == "sglang" and inter % p.tp_size:
+        raise EngineShardError(f"{hf_name}: expected the intermediate size {inter} divisible by expert TP "
+                               f"{p.tp_size} (sglang FusedMoE asserts it)")
     per = math.ceil(inter / p.tp_size)
     start, stop = p.tp_rank * per, min((p.tp_rank + 1) * per, inter)
     if stop <= start:
