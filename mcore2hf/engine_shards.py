@@ -26,8 +26,9 @@ Read from the engines' published code (the wheels mcore2hf.testing.wheels unpack
 
 The two engines differ only in the vocab padding rule, in expert placement when E % ep != 0 (SGLang refuses
 it) and in gpt-oss's stacked experts under EP (vLLM: whole experts per EP rank; SGLang 0.5.23's
-weight_loader_fused has no expert narrowing, so EP is refused there). SGLang's shared-experts fusion (num_fused_shared_experts > 0, a server option) is not covered:
-the rules describe the unfused shared MLP (column / row over TP, or replicated where the placement says so).
+weight_loader_fused has no expert narrowing, so EP is refused there). SGLang's shared-experts fusion
+(num_fused_shared_experts > 0, a server option) is not covered: the rules describe the unfused shared MLP
+(column / row over TP, or replicated where the placement says so).
 
 A region is a tuple of (dim, offset, length) triples, one per narrowed dim (dims not named are whole); a rank
 loads the union of its regions (an empty list: nothing). Regions of one rank never overlap.
@@ -238,6 +239,8 @@ def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placemen
         _, first, count = _even(heads, tp, r, hf_name, 0)
         return [((0, first * per_head, count * per_head),)]
     if kind == VOCAB:
+        if shape[0] != dims.vocab_size:  # the engines assert the checkpoint holds exactly org_vocab_size rows
+            raise EngineShardError(f"{hf_name}: expected {dims.vocab_size} rows (vocab_size), found {shape[0]}")
         per = padded_vocab(dims.vocab_size, p) // tp
         start, stop = r * per, min((r + 1) * per, shape[0])
         return [((0, start, stop - start),)] if stop > start else []

@@ -99,6 +99,15 @@ def test_vocab_regions_100x8_tp4_last_rank_4_real_rows():
         assert regions == [[((0, 0, 32),)], [((0, 32, 32),)], [((0, 64, 32),)], [((0, 96, 4),)]]
 
 
+def test_vocab_128x8_padded_rows_refused():
+    try:
+        engine_regions("model.embed_tokens.weight", (128, H), DIMS, EnginePlacement("sglang", 0, 2))
+    except EngineShardError as e:
+        assert "expected 100 rows" in str(e) and "found 128" in str(e)
+    else:
+        raise AssertionError("a padded embedding is not an HF tensor the engines load")
+
+
 def test_padded_vocab_100_tp3_sglang_multiplies_padding_by_tp_vllm_refuses():
     assert padded_vocab(100, EnginePlacement("sglang", 0, 4)) == 128 == padded_vocab(100, EnginePlacement("vllm", 0, 4))
     assert padded_vocab(100, EnginePlacement("sglang", 0, 3)) == 192  # 128 % 3 != 0: padding 64 * 3
