@@ -1,0 +1,328 @@
+"""Engine sharding rules: which part of each HF tensor an inference-engine rank loads (SGLang, vLLM).
+
+One table maps HF name patterns to a *sharding kind*; one function per kind turns (full shape, engine placement)
+into the region(s) that engine rank's `weight_loader` narrows the full HF tensor to. Why a table keyed by HF name
+and not a kind attached to the converters' rules: the engine side is a property of the HF tensor, not of the
+Megatron layout (Megatron splits OLMoE's full-width q_norm and MTP's eh_proj over TP, both engines replicate them;
+one Megatron fc1 becomes two HF tensors that both engines load as one merged column), and the converters stay
+untouched while other architectures are being added.
+
+Read from the engines' published code (the wheels mcore2hf.testing.wheels unpacks), per kind:
+
+* sglang 0.5.23: srt/layers/linear.py (ColumnParallelLinear / MergedColumnParallelLinear / QKVParallelLinear /
+  RowParallelLinear weight_loader), srt/layers/vocab_parallel_embedding.py (pad_vocab_size, padding_size *= tp
+  when the padded vocab does not divide, VocabParallelEmbedding.weight_loader), srt/layers/moe/fused_moe_triton/
+  layer.py (FusedMoE: moe_ep/moe_tp from distributed/parallel_state.py, _map_global_expert_id_to_local_expert_id,
+  _load_w13, _load_w2), models/deepseek_v2.py (fused_qkv_a_proj_with_mqa ReplicatedLinear, q_b/kv_b column),
+  models/deepseek_nextn.py and glm4_moe_nextn.py (eh_proj replicated), models/minimax_m2.py (MiniMaxM2RMSNormTP:
+  q_norm by heads, k_norm by kv heads with replicas), models/olmoe.py (full-width RMSNorm, replicated),
+  models/gpt_oss.py (sinks by heads).
+* vllm 0.33.0: model_executor/layers/linear.py (same narrowing, shard_rank = tp_rank // num_kv_head_replicas),
+  vocab_parallel_embedding.py (pad to 64, no TP multiplier), fused_moe/expert_map_manager.py (determine_expert_map,
+  "linear" placement: the first `E % ep` ranks own one more expert), fused_moe/routed_experts.py (_load_w13 /
+  _load_w2), fused_moe/config.py (EP: expert TP 1), models/deepseek_mtp.py / glm4_moe_mtp.py (eh_proj nn.Linear),
+  models/minimax_m2.py + layers/minimax_rms_norm/rms_norm_tp.py, models/olmoe.py, models/gpt_oss.py
+  (_load_weights_other: stacked bf16 experts, sinks).
+
+The two engines differ only in the vocab padding rule, in expert placement when E % ep != 0 (SGLang refuses
+it) and in gpt-oss's stacked experts under EP (vLLM: whole experts per EP rank; SGLang 0.5.23's
+weight_loader_fused has no expert narrowing, so EP is refused there). SGLang's shared-experts fusion
+(num_fused_shared_experts > 0, a server option) is not covered: the rules describe the unfused shared MLP
+(column / row over TP, or replicated where the placement says so).
+
+A region is a tuple of (dim, offset, length) triples, one per narrowed dim (dims not named are whole); a rank
+loads the union of its regions (an empty list: nothing). Regions of one rank never overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import regex
+import torch
+
+from .errors import Mcore2HFError
+from .mapping import ModelDims
+
+ENGINES = ("sglang", "vllm")
+
+Region = tuple[tuple[int, int, int], ...]
+
+
+class EngineShardError(Mcore2HFError):
+    """An HF tensor or engine placement the engine sharding rules do not cover (or cannot be right)."""
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """One engine rank: attention/dense TP rank of tp_size, experts over ep_size ranks with expert TP `moe_tp`
+    inside (default tp_size // ep_size). Ranks are laid out as SGLang's parallel_state does (moe_tp innermost:
+    ep_rank = tp_rank // moe_tp, moe_tp_rank = tp_rank % moe_tp); vLLM's EP (ep_size == tp_size, expert TP 1) and
+    no-EP (expert TP = tp_size) are the two ends of that layout."""
+
+    engine: str
+    tp_rank: int
+    tp_size: int
+    ep_size: int = 1
+    moe_tp: int | None = None
+    #: shared experts replicated on every rank instead of split over TP: sglang with a DeepEP-class
+    #: moe_a2a_backend (models/deepseek_v2.py _shared_expert_use_tp1, glm4_moe.py parallel_group="replicated"),
+    #: vllm with use_sequence_parallel_moe (models/deepseek_v2.py DeepseekV2MLP disable_tp)
+    replicated_shared_experts: bool = False
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise EngineShardError(f"engine: expected one of {ENGINES}, found {self.engine!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise EngineShardError(f"tp_rank: expected 0 <= tp_rank < tp_size={self.tp_size}, found {self.tp_rank}")
+        if self.tp_size % self.ep_size:
+            raise EngineShardError(f"ep_size: expected a divisor of tp_size={self.tp_size}, found {self.ep_size}")
+        if self.moe_tp is None:
+            object.__setattr__(self, "moe_tp", self.tp_size // self.ep_size)
+        if self.moe_tp * self.ep_size != self.tp_size:
+            raise EngineShardError(f"moe_tp: expected tp_size / ep_size = {self.tp_size // self.ep_size} "
+                                   f"(no expert data parallelism), found {self.moe_tp}")
+        if self.engine == "vllm" and self.ep_size not in (1, self.tp_size):
+            # vllm 0.33.0 fused_moe/config.py FusedMoEParallelConfig.make: EP spans all of TP x DP, expert TP 1
+            raise EngineShardError(f"vllm expert parallelism: expected ep_size 1 or tp_size={self.tp_size}, "
+                                   f"found {self.ep_size}")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank // self.moe_tp
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank % self.moe_tp
+
+
+# ------------------------------------------------------------------------------------------------- the table
+
+REPLICATED = "replicated"      # every rank loads the whole tensor (norms, routers, latent down-projections)
+COLUMN = "column"              # dim 0 split evenly over TP (q, q_b, kv_b, gate/up, sinks, q/k/v biases of q)
+KV_HEADS = "kv_heads"          # dim 0 split by kv heads; tp > kv heads: rank r gets head r // (tp / kv heads)
+ROW = "row"                    # dim 1 split evenly over TP (o_proj, down_proj)
+VOCAB = "vocab"                # dim 0 rows of the engine's padded vocab shard, real rows only
+SHARED_COLUMN = "shared_column"  # shared experts' gate/up: COLUMN, or REPLICATED (replicated_shared_experts)
+SHARED_ROW = "shared_row"        # shared experts' down: ROW, or REPLICATED
+EXPERT_COLUMN = "expert_column"  # routed expert gate/up (w1/w3): owner rank under EP, dim 0 split over expert TP
+EXPERT_ROW = "expert_row"        # routed expert down (w2): owner rank under EP, dim 1 split over expert TP
+STACKED_GATE_UP = "stacked_gate_up"  # gpt-oss experts.gate_up_proj [E, H, 2I] (vllm)
+STACKED_GATE_UP_BIAS = "stacked_gate_up_bias"  # [E, 2I]
+STACKED_DOWN = "stacked_down"  # experts.down_proj [E, I, H]
+STACKED_DOWN_BIAS = "stacked_down_bias"  # [E, H]
+
+_L = r"model\.layers\.\d+"
+_MOE = rf"{_L}\.(?:mlp|block_sparse_moe)"
+
+#: HF name pattern -> kind, first full match wins; a name no pattern matches is refused
+KINDS: list[tuple[str, str]] = [
+    # embeddings and heads, also MTP layers' copies (vocab_parallel_embedding.py)
+    (rf"model\.embed_tokens\.weight|lm_head\.weight|{_L}\.embed_tokens\.weight|{_L}\.shared_head\.head\.weight",
+     VOCAB),
+    # attention: QKVParallelLinear (q column, k/v by kv heads), MLA's ColumnParallelLinear q_proj / q_b / kv_b
+    (rf"{_L}\.self_attn\.q_proj\.(?:weight|bias)", COLUMN),
+    (rf"{_L}\.self_attn\.[kv]_proj\.(?:weight|bias)", KV_HEADS),
+    (rf"{_L}\.self_attn\.(?:q_b_proj|kv_b_proj)\.weight", COLUMN),
+    (rf"{_L}\.self_attn\.o_proj\.weight", ROW),
+    (rf"{_L}\.self_attn\.sinks", COLUMN),  # gpt-oss: one per query head, the rank's heads
+    # MLA's latent down-projections: SGLang fused_qkv_a_proj_with_mqa / vLLM MergedReplicatedLinear
+    (rf"{_L}\.self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.weight", REPLICATED),
+    (rf"{_L}\.self_attn\.o_proj\.bias", REPLICATED),  # RowParallelLinear bias: no input_dim, loaded whole
+    # norms (q_norm / k_norm: per-head or full-width replicated; MiniMax-M2 overrides below)
+    (rf"{_L}\.(?:input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight"
+     rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight|model\.norm\.weight", REPLICATED),
+    (rf"{_L}\.eh_proj\.weight", REPLICATED),  # MTP: nn.Linear in both engines' MTP models
+    # dense and shared-expert MLPs: MergedColumnParallelLinear gate_up_proj, RowParallelLinear down_proj
+    (rf"{_L}\.mlp\.shared_experts\.(?:gate_proj|up_proj)\.weight", SHARED_COLUMN),
+    (rf"{_L}\.mlp\.shared_experts\.down_proj\.weight", SHARED_ROW),
+    (rf"{_L}\.mlp\.(?:gate_proj|up_proj)\.weight", COLUMN),
+    (rf"{_L}\.mlp\.down_proj\.weight", ROW),
+    # MoE routers (ReplicatedLinear) and the expert score bias
+    (rf"{_MOE}\.gate\.weight|{_MOE}\.e_score_correction_bias|{_MOE}\.gate\.e_score_correction_bias"
+     rf"|{_L}\.mlp\.router\.(?:weight|bias)", REPLICATED),
+    # routed experts (FusedMoE expert_params_mapping: gate/w1 and up/w3 -> w13, down/w2 -> w2)
+    (rf"{_MOE}\.experts\.(?P<E>\d+)\.(?:gate_proj|up_proj|w1|w3)\.weight", EXPERT_COLUMN),
+    (rf"{_MOE}\.experts\.(?P<E>\d+)\.(?:down_proj|w2)\.weight", EXPERT_ROW),
+    # gpt-oss stacked experts (vllm models/gpt_oss.py _load_weights_other)
+    (rf"{_L}\.mlp\.experts\.gate_up_proj", STACKED_GATE_UP),
+    (rf"{_L}\.mlp\.experts\.gate_up_proj_bias", STACKED_GATE_UP_BIAS),
+    (rf"{_L}\.mlp\.experts\.down_proj", STACKED_DOWN),
+    (rf"{_L}\.mlp\.experts\.down_proj_bias", STACKED_DOWN_BIAS),
+]
+
+#: per-architecture entries, checked before KINDS: MiniMax-M2's full-width q/k norms are split by heads in both
+#: engines (sglang MiniMaxM2RMSNormTP, vllm MiniMaxText01RMSNormTP with weight_shard_rank = tp_rank // replicas)
+ARCH_KINDS: dict[str, list[tuple[str, str]]] = {
+    "minimax_m2": [(rf"{_L}\.self_attn\.q_norm\.weight", COLUMN), (rf"{_L}\.self_attn\.k_norm\.weight", KV_HEADS)],
+}
+
+_COMPILED = [(regex.compile(p), k) for p, k in KINDS]
+_ARCH_COMPILED = {a: [(regex.compile(p), k) for p, k in t] for a, t in ARCH_KINDS.items()}
+
+
+def sharding_kind(hf_name: str, model_type: str | None = None) -> tuple[str, int | None]:
+    """The engine-sharding kind of an HF tensor, and its routed-expert index (None for non-expert tensors)."""
+    for pattern, kind in _ARCH_COMPILED.get(model_type, []) + _COMPILED:
+        m = pattern.fullmatch(hf_name)
+        if m is not None:
+            e = m.groupdict().get("E")
+            return kind, None if e is None else int(e)
+    raise EngineShardError(f"{hf_name}: expected an HF tensor name of the engine sharding table "
+                           f"(mcore2hf.engine_shards.KINDS), found none that matches")
+
+
+# ------------------------------------------------------------------------------------------------- regions
+
+def _even(size: int, parts: int, rank: int, name: str, dim: int) -> tuple[int, int, int]:
+    if size % parts:
+        raise EngineShardError(f"{name}: expected dim {dim} ({size}) divisible by {parts} engine ranks")
+    n = size // parts
+    return (dim, rank * n, n)
+
+
+def padded_vocab(vocab_size: int, placement: EnginePlacement, padding: int = 64) -> int:
+    """The engine's padded vocabulary (DEFAULT_VOCAB_PADDING_SIZE 64 in both; SGLang multiplies the padding by
+    tp_size when the padded vocab does not divide over TP, vLLM asserts it divides)."""
+    pad = lambda v, p: (v + p - 1) // p * p  # noqa: E731
+    if placement.engine == "sglang" and pad(vocab_size, padding) % placement.tp_size:
+        padding *= placement.tp_size
+    padded = pad(vocab_size, padding)
+    if padded % placement.tp_size:
+        raise EngineShardError(f"vocab: expected the padded vocab {padded} divisible by tp_size "
+                               f"{placement.tp_size} ({placement.engine} refuses it)")
+    return padded
+
+
+def expert_owner_range(num_experts: int, placement: EnginePlacement) -> range:
+    """The routed experts this rank's EP rank owns (sglang: E / ep each, E must divide; vllm "linear": the first
+    E % ep ranks own one more)."""
+    ep, r = placement.ep_size, placement.ep_rank
+    if placement.engine == "sglang":
+        if num_experts % ep:
+            raise EngineShardError(f"experts: expected num_experts {num_experts} divisible by ep_size {ep} "
+                                   "(sglang FusedMoE asserts it)")
+        n = num_experts // ep
+        return range(r * n, (r + 1) * n)
+    base, rem = divmod(num_experts, ep)
+    start = r * base + min(r, rem)
+    return range(start, start + base + (r < rem))
+
+
+def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placement: EnginePlacement,
+                   model_type: str | None = None) -> list[Region]:
+    """The region(s) of the full HF tensor `hf_name` (of `shape`) that the engine rank `placement` loads."""
+    kind, expert = sharding_kind(hf_name, model_type)
+    shape = tuple(shape)
+    p, tp, r = placement, placement.tp_size, placement.tp_rank
+    if kind in (SHARED_COLUMN, SHARED_ROW):
+        kind = REPLICATED if p.replicated_shared_experts else COLUMN if kind == SHARED_COLUMN else ROW
+    if kind == REPLICATED:
+        return [()]
+    if kind == COLUMN:
+        return [(_even(shape[0], tp, r, hf_name, 0),)]
+    if kind == ROW:
+        if len(shape) != 2:
+            raise EngineShardError(f"{hf_name}: expected a 2-D row-parallel weight, found shape {shape}")
+        return [(_even(shape[1], tp, r, hf_name, 1),)]
+    if kind == KV_HEADS:
+        heads = dims.num_query_groups
+        if shape[0] % heads:
+            raise EngineShardError(f"{hf_name}: expected dim 0 ({shape[0]}) a multiple of {heads} kv heads")
+        per_head = shape[0] // heads
+        if tp >= heads:
+            if tp % heads:
+                raise EngineShardError(f"{hf_name}: expected tp_size {tp} a multiple of {heads} kv heads")
+            return [((0, r // (tp // heads) * per_head, per_head),)]
+        _, first, count = _even(heads, tp, r, hf_name, 0)
+        return [((0, first * per_head, count * per_head),)]
+    if kind == VOCAB:
+        if shape[0] != dims.vocab_size:  # the engines assert the checkpoint holds exactly org_vocab_size rows
+            raise EngineShardError(f"{hf_name}: expected {dims.vocab_size} rows (vocab_size), found {shape[0]}")
+        per = padded_vocab(dims.vocab_size, p) // tp
+        start, stop = r * per, min((r + 1) * per, shape[0])
+        return [((0, start, stop - start),)] if stop > start else []
+    if kind in (EXPERT_COLUMN, EXPERT_ROW):
+        if expert not in expert_owner_range(dims.num_experts, p):
+            return []
+        dim = 0 if kind == EXPERT_COLUMN else 1
+        return [(_even(shape[dim], p.moe_tp, p.moe_tp_rank, hf_name, dim),)]
+    return _stacked(kind, hf_name, shape, dims, p)
+
+
+def _stacked(kind: str, hf_name: str, shape: tuple[int, ...], dims: ModelDims, p: EnginePlacement) -> list[Region]:
+    # vllm 0.33.0 models/gpt_oss.py _load_weights_other: EP takes whole experts [ep*E/ep, ...); otherwise the
+    # intermediate dim is cut in cdiv(I, tp) pieces (gate/up interleaved by column: 2x that many columns).
+    # sglang 0.5.23 models/gpt_oss.py _load_normal_weights -> FusedMoE.weight_loader_fused -> _load_w13/_load_w2:
+    # the same cut with I / moe_tp exact, and no expert narrowing at all (so no EP for bf16 stacked experts)
+    if p.ep_size > 1:
+        if p.engine == "sglang":
+            raise EngineShardError(f"{hf_name}: not declared for sglang with ep_size {p.ep_size}: sglang 0.5.23's "
+                                   "FusedMoE.weight_loader_fused loads stacked bf16 experts without expert narrowing")
+        n = shape[0] // p.ep_size
+        return [((0, p.ep_rank * n, n),)]
+    if kind == STACKED_DOWN_BIAS:  # rank 0 loads it whole, the others zero what they were given
+        return [()] if p.tp_rank == 0 else []
+    inter = shape[1] if kind == STACKED_DOWN else shape[-1] // 2
+    if p.engine == "sglang" and inter % p.tp_size:
+        raise EngineShardError(f"{hf_name}: expected the intermediate size {inter} divisible by expert TP "
+                               f"{p.tp_size} (sglang FusedMoE asserts it)")
+    per = math.ceil(inter / p.tp_size)
+    start, stop = p.tp_rank * per, min((p.tp_rank + 1) * per, inter)
+    if stop <= start:
+        return []
+    if kind == STACKED_DOWN:
+        return [((1, start, stop - start),)]
+    return [((len(shape) - 1, 2 * start, 2 * (stop - start)),)]
+
+
+# ------------------------------------------------------------------------------------------------- tensors
+
+def region_slices(region: Region) -> tuple:
+    """The region as an index for `tensor[...]`."""
+    dims = {d: slice(o, o + n) for d, o, n in region}
+    return tuple(dims.get(d, slice(None)) for d in range(max(dims, default=-1) + 1))
+
+
+def region_numel(region: Region, shape: Sequence[int]) -> int:
+    lengths = {d: n for d, _, n in region}
+    return math.prod(lengths.get(d, s) for d, s in enumerate(shape))
+
+
+def regions_bytes(regions: Sequence[Region], shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes an engine rank needs of a tensor: the sum over its (disjoint) regions."""
+    return sum(region_numel(r, shape) for r in regions) * dtype.itemsize
+
+
+def mask_to_engine(full: torch.Tensor, regions: Sequence[Region], debug: bool = False) -> torch.Tensor:
+    """A full-shaped tensor holding `full` in `regions` only, as an unmodified engine's load_weights is fed: the
+    rest is NaN when `debug` (so a read outside the regions shows), else left uninitialized (never read)."""
+    if debug and not full.is_floating_point():
+        raise EngineShardError(f"debug NaN fill: expected a floating-point tensor, found {full.dtype}")
+    out = torch.full_like(full, float("nan")) if debug else torch.empty_like(full)
+    for region in regions:
+        index = region_slices(region)
+        out[index] = full[index]
+    return out
+
+
+@dataclass(frozen=True)
+class EngineSlice:
+    """One raw slice for a custom engine: the (dim, offset, length) triples of the full tensor it covers."""
+
+    region: Region
+    tensor: torch.Tensor
+
+
+def engine_slices(full: torch.Tensor, regions: Sequence[Region]) -> list[EngineSlice]:
+    """The raw slices (views of `full`) an engine rank loads, with their (dim, offset, length) metadata."""
+    return [EngineSlice(region, full[region_slices(region)]) for region in regions]
+
+
+def place_slices(slices: Sequence[EngineSlice], out: torch.Tensor) -> torch.Tensor:
+    """The inverse of engine_slices: writes each slice back at its region of `out` (full-shaped)."""
+    for s in slices:
+        out[region_slices(s.region)] = s.tensor
+    return out
