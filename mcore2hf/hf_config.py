@@ -50,6 +50,13 @@ def _canonical(model_type: str) -> str:
     return canonical_model_type(model_type)
 
 
+def text_config(cfg: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: a multimodal config's nested `text_config` (Qwen3.5: transformers 5.23
+    Qwen3_5Config / Qwen3_5MoeConfig), else the config itself. The Megatron model is built from it."""
+    sub = getattr(cfg, "text_config", None)
+    return sub if isinstance(sub, PretrainedConfig) else cfg
+
+
 def get(cfg: PretrainedConfig, *names: str, default: Any = _MISSING) -> Any:
     """The first of `names` that the config has (field names moved between transformers versions)."""
     for name in names:

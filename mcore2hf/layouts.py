@@ -406,6 +406,54 @@ class RowTransposed(LayoutOp):
         return _take(hf[0], 0, index * c, (index + 1) * c).t().contiguous()
 
 
+class ShardSegments(LayoutOp):
+    """A column-parallel tensor whose every TP shard is the concatenation of segments of the full row counts
+    `sizes` / TP (megatron-core 0.16.1 GatedDeltaNet splits its local in_proj output as [q, k, v, z, b, a] and its
+    conv1d channels as [q, k, v]); HF output j is the next `groups[j]` segments, each whole (Qwen3.5's
+    in_proj_qkv = [q; k; v], in_proj_z, in_proj_b, in_proj_a; conv1d = [q; k; v])."""
+
+    tp_dim = 0
+
+    def __init__(self, sizes: Sequence[int], groups: Sequence[int]):
+        if sum(groups) != len(sizes) or min(groups, default=0) < 1:
+            raise ShapeMismatchError(f"segment groups {list(groups)}: expected positive counts summing to "
+                                     f"{len(sizes)} (the segments {list(sizes)})")
+        self.sizes, self.groups, self.n_out = tuple(sizes), tuple(groups), len(groups)
+        # per segment: (output, first row in that output)
+        self._place, seg = [], 0
+        for out, n in enumerate(self.groups):
+            row = 0
+            for size in self.sizes[seg:seg + n]:
+                self._place.append((out, row))
+                row += size
+            seg += n
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[0] == sum(self.sizes), f"rows = segments {list(self.sizes)}", sum(self.sizes),
+               full_shape[0])
+        rest, out, seg = tuple(full_shape[1:]), [], 0
+        for n in self.groups:
+            out.append((sum(self.sizes[seg:seg + n]), *rest))
+            seg += n
+        return out
+
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        rest = _numel(shard_shape[1:])
+        out, src = [], 0
+        for size, (o, row) in zip(self.sizes, self._place, strict=True):
+            n = size // count * rest  # this segment's elements in one shard
+            out.append(StridedCopy(o, (count, n), (n, 1), (S, 1), dst_offset=row * rest, src_offset=src))
+            src += n
+        return out
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        parts = []
+        for size, (o, row) in zip(self.sizes, self._place, strict=True):
+            n = size // count
+            parts.append(_take(hf[o], 0, row + index * n, row + (index + 1) * n))
+        return torch.cat(parts, dim=0)
+
+
 class _Part:
     """Item `index` along dim 0 of a stacked HF tensor or safetensors slice, sliced lazily like one."""
 

@@ -1,0 +1,133 @@
+"""Qwen3.5 (text): completing an output directory from its (multimodal) base checkpoint, and loading that
+checkpoint into a text-only model. The oracle is transformers 5.23's Qwen3_5ForConditionalGeneration (the
+published checkpoints' class: `model.language_model.*`, `model.visual.*`, `lm_head.weight`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_senders import make_bucket
+
+import mcore2hf.senders.safetensors as st
+from mcore2hf.errors import Mcore2HFError, ShapeMismatchError
+from mcore2hf.hf_config import config_source
+from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo
+from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+
+VISUAL = "model.visual."
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> str:
+    """A tiny multimodal Qwen3.5 checkpoint written by transformers, with the files a published one carries."""
+    d = tmp_path_factory.mktemp("q35") / "base"
+    make_hf_checkpoint(tiny_config("qwen3_5"), d, seed=0)
+    with open(d / "preprocessor_config.json", "w") as f:
+        json.dump({"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}, f)
+    with open(d / "chat_template.jinja", "w") as f:
+        f.write("{{ messages }}")
+    return str(d)
+
+
+def _text_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """What a text-only export produces: the language model's tensors, here of another random model."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        make_hf_checkpoint(tiny_config("qwen3_5"), d, seed=seed)
+        return {n: t for n, t in read_hf_checkpoint(d).items() if not n.startswith(VISUAL)}
+
+
+def test_writer_completes_the_output_from_the_base_and_transformers_loads_it(base_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText
+
+    monkeypatch.setattr(st, "_COPY_CHUNK", 100)  # every base tensor copied in many chunks
+    model = _text_tensors(seed=1)
+    base = read_hf_checkpoint(base_dir)
+    out = tmp_path / "out"
+    w = SafetensorsWriter(out, [TensorInfo(n, tuple(t.shape), t.dtype) for n, t in model.items()],
+                          config_source(base_dir), max_shard_size="20KB", base=base_dir)
+    assert {b.name for b in w.base} == {n for n in base if n.startswith(VISUAL)}
+    w.send(make_bucket(model))
+    w.finish()
+
+    got = read_hf_checkpoint(out)
+    want = {**{n: t for n, t in base.items() if n.startswith(VISUAL)}, **model}
+    assert set(got) == set(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)  # the model's own tensors win, the rest is the base's
+    with open(out / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert set(index["weight_map"]) == set(want) and len(set(index["weight_map"].values())) > 1
+    for name in ("preprocessor_config.json", "chat_template.jinja", "generation_config.json"):
+        assert os.path.isfile(out / name), name
+    with open(out / "config.json") as f, open(os.path.join(base_dir, "config.json")) as g:
+        assert json.load(f) == json.load(g)
+
+    hf, info = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
+    assert type(hf).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+def test_base_errors_come_before_anything_is_written(base_dir, tmp_path):
+    model = _text_tensors(seed=1)
+    infos = [TensorInfo(n, tuple(t.shape), t.dtype) for n, t in model.items()]
+    out = tmp_path / "out"
+    with pytest.raises(Mcore2HFError, match="neither model.safetensors.index.json nor model.safetensors"):
+        SafetensorsWriter(out, infos, config_source(base_dir), base=tmp_path)
+    with pytest.raises(Mcore2HFError, match="is not a directory"):
+        SafetensorsWriter(out, infos, config_source(base_dir), base=tmp_path / "nope")
+    name = "model.language_model.norm.weight"
+    bad = [TensorInfo(i.name, (7,), i.dtype) if i.name == name else i for i in infos]
+    with pytest.raises(ShapeMismatchError, match=rf"{name}: the model gives \[7\], the base has \[64\]"):
+        SafetensorsWriter(out, bad, config_source(base_dir), base=base_dir)
+    with pytest.raises(Mcore2HFError, match="is a 'qwen3_5' checkpoint, the export is 'qwen3'"):
+        SafetensorsWriter(out, infos, config_source(tiny_config("qwen3")), base=base_dir)
+    with pytest.raises(Mcore2HFError, match="overlaps the input"):
+        SafetensorsWriter(os.path.join(base_dir, "sub"), infos, config_source(base_dir), base=base_dir)
+    assert sorted(os.listdir(tmp_path)) == []  # no output, no temporary directory
+
+
+# -- the layout op: GatedDeltaNet's per-shard segments <-> Qwen3.5's separate projections ---------------------------
+
+def _gdn_shards(parts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
+    """Megatron's layout, built independently: shard i = [part_0 rows of shard i; part_1 rows of shard i; ...]
+    (megatron-core 0.16.1 gated_delta_net.py: `torch.split(qkvzba, [qkv/tp, v/tp, nv/tp, nv/tp])`)."""
+    return [torch.cat([p.chunk(tp)[i] for p in parts]) for i in range(tp)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shard_segments_in_proj_q8_k8_v16_z16_b4_a4_h6(tp):
+    from mcore2hf.layouts import ShardSegments
+
+    q, k, v, z, b, a = (torch.randn(n, 6) for n in (8, 8, 16, 16, 4, 4))
+    op = ShardSegments((8, 8, 16, 16, 4, 4), (3, 1, 1, 1))
+    shards = _gdn_shards([q, k, v, z, b, a], tp)
+    hf = [torch.cat([q, k, v]), z, b, a]
+    out = op.hf_tensors(shards)
+    assert all(torch.equal(x, y) for x, y in zip(out, hf, strict=True))
+    assert all(torch.equal(op.shard_from_hf(hf, i, tp, (56, 6)), s) for i, s in enumerate(shards))
+    assert op.full_shape(op.hf_shapes((56, 6))) == (56, 6)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shard_segments_conv1d_q8_k8_v16_1x4(tp):
+    from mcore2hf.layouts import ShardSegments
+
+    q, k, v = (torch.randn(n, 1, 4) for n in (8, 8, 16))
+    op = ShardSegments((8, 8, 16), (3,))
+    shards = _gdn_shards([q, k, v], tp)
+    (out,) = op.hf_tensors(shards)
+    assert torch.equal(out, torch.cat([q, k, v]))
+    assert all(torch.equal(op.shard_from_hf([out], i, tp, (32, 1, 4)), s) for i, s in enumerate(shards))
+
+
+def test_shard_segments_rejects_wrong_rows_and_groups():
+    from mcore2hf.layouts import ShardSegments
+
+    with pytest.raises(ShapeMismatchError, match="expected 56, got 50"):
+        ShardSegments((8, 8, 16, 16, 4, 4), (3, 1, 1, 1)).hf_shapes((50, 6))
+    with pytest.raises(ShapeMismatchError, match="summing to 3"):
+        ShardSegments((8, 8, 16), (2, 2))
