@@ -14,4 +14,5 @@ from . import (  # noqa: F401
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )

@@ -41,6 +41,11 @@ class ModelDims:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # gated DeltaNet layers (Qwen3-Next)
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
 
 
 OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]

@@ -102,6 +102,18 @@ TINY_CONFIGS: dict[str, dict] = {
         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         sliding_window=None, max_position_embeddings=256, tie_word_embeddings=False,
     ),
+    # Qwen3-Next-80B-A3B scaled down: 3 gated DeltaNet layers then 1 gated attention layer (PP2 puts the boundary
+    # between stages), more value heads than key heads (r = 2) and key / value head dims that differ, so TP2
+    # splits both head counts and a mix-up of the grouping shows; partial rotary 0.25, gated shared expert
+    "qwen3_next": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
 }
 
 # Qwen3.5 (Qwen/Qwen3.5-27B, -35B-A3B config.json layout): a multimodal config whose text_config is the language
