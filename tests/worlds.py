@@ -679,3 +679,24 @@ def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor
 
         logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)
     return {"tensors": len(ref), "skipped": len(report.skipped), "logits": logits}
+
+
+def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
+    """fn(*args) at each layout in turn, in one world (one process start-up for all): Megatron's parallel state is
+    torn down and initialized again between layouts (each layout must fit this world's size)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore2hf.testing.world import init_megatron
+
+    out = {}
+    for i, layout in enumerate(layouts):
+        if i:
+            ps.destroy_model_parallel()
+            init_megatron(layout)
+        out[str(layout)] = fn(*args, layout)
+    return out
+
+
+def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, layout: Layout) -> dict:
+    """qwen3_5_suite for every architecture at `layout` (logits only where PP is 1)."""
+    return for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None)
