@@ -291,19 +291,17 @@ def test_cli_export_completes_the_output_from_a_base(saved, ckpts, tmp_path):
         (base / "preprocessor_config.json").write_text("{}")
         return str(base)
 
-    def export(base: str, out) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(root, "ckpt"), str(out),
-                               "--hf-config", ckpts["qwen3_moe"], "--base", base, "--quiet"],
-                              capture_output=True, text=True)
-
     extra = {"model.visual.proj.weight": torch.randn(3, 5).bfloat16()}
     out = tmp_path / "out"
-    r = export(base_with("base", extra), out)
+    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(root, "ckpt"), str(out),
+                        "--hf-config", ckpts["qwen3_moe"], "--base", base_with("base", extra), "--quiet"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     want = {**read_hf_checkpoint(ckpts["qwen3_moe"]), **extra}
     assert_same(read_hf_checkpoint(out), want, "completed from the base")
     assert (out / "preprocessor_config.json").is_file()
 
-    r = export(base_with("bad", {"model.norm.weight": torch.zeros(7)}), tmp_path / "refused")
-    assert r.returncode == 1 and "model.norm.weight: the model gives [64], the base has [7]" in r.stderr, r.stderr
+    with pytest.raises(ShapeMismatchError, match=r"model\.norm\.weight: the model gives \[64\], the base has \[7\]"):
+        export_checkpoint(os.path.join(root, "ckpt"), tmp_path / "refused", ckpts["qwen3_moe"], progress=False,
+                          base=base_with("bad", {"model.norm.weight": torch.zeros(7)}))
     assert not (tmp_path / "refused").exists() and not list(tmp_path.glob(".refused*"))
