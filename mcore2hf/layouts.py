@@ -551,6 +551,12 @@ class GDNInProj(LayoutOp):
     def _r(self) -> int:
         return self.nv // self.nk
 
+    def checkpoint_parts(self) -> list[tuple[str, int]]:
+        """(key suffix, rows) of the parts megatron-core saves it as (gated_delta_net.py sharded_state_dict,
+        `_split_tensor_factory`): each a whole component, rows in Megatron's TP-1 order."""
+        qk, vz = self.nk * self.dk, self.nv * self.dv
+        return [("query", qk), ("key", qk), ("value", vz), ("z", vz), ("beta", self.nv), ("alpha", self.nv)]
+
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         qkvz = 2 * self.nk * self.dk + 2 * self.nv * self.dv
         _check(full_shape[0] == qkvz + 2 * self.nv,
@@ -598,8 +604,8 @@ class ColumnParts(LayoutOp):
 
     tp_dim = 0
 
-    def __init__(self, parts: tuple[int, ...], groups: tuple[int, ...] | None = None):
-        self.parts = tuple(parts)
+    def __init__(self, parts: tuple[int, ...], names: tuple[str, ...] = (), groups: tuple[int, ...] | None = None):
+        self.parts, self.names = tuple(parts), tuple(names)
         self.groups = (len(self.parts),) if groups is None else tuple(groups)
         if sum(self.groups) != len(self.parts) or min(self.groups, default=0) < 1:
             raise ShapeMismatchError(f"part groups {list(self.groups)}: expected positive counts summing to "
@@ -617,14 +623,19 @@ class ColumnParts(LayoutOp):
     @classmethod
     def gdn_conv(cls, dims) -> ColumnParts:
         qk = dims.linear_num_key_heads * dims.linear_key_head_dim
-        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim))
+        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim), ("query", "key", "value"))
+
+    def checkpoint_parts(self) -> list[tuple[str, int]]:
+        """(key suffix, rows) of the parts megatron-core saves (conv1d: query, key, value); none without names."""
+        return list(zip(self.names, self.parts))
 
     @classmethod
     def gdn_in_proj(cls, dims) -> ColumnParts:
         """Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a."""
         qk = dims.linear_num_key_heads * dims.linear_key_head_dim
         v, nv = dims.linear_num_value_heads * dims.linear_value_head_dim, dims.linear_num_value_heads
-        return cls((qk, qk, v, v, nv, nv), (3, 1, 1, 1))
+        # megatron-core saves in_proj under these part keys, as GDNInProj.checkpoint_parts
+        return cls((qk, qk, v, v, nv, nv), ("query", "key", "value", "z", "beta", "alpha"), groups=(3, 1, 1, 1))
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         _check(full_shape[0] == sum(self.parts), f"rows of parts {self.parts}", sum(self.parts), full_shape[0])

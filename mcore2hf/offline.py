@@ -307,6 +307,12 @@ class CkptSource:
     keep_dtype: bool = False
 
 
+#: megatron-core 0.16.1 gated_delta_net.py sharded_state_dict: in_proj saved as .query .key .value .z .beta .alpha,
+#: conv1d as .query .key .value (each component whole); read back in this order they make the TP-1 tensor
+_SPLIT_PART = regex.compile(r"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.(query|key|value|z|beta|alpha)")
+PART_ORDER = ("", "w", "v", "query", "key", "value", "z", "beta", "alpha")
+
+
 def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[list[CkptSource], list[str]]:
     """Canonical sources of every model tensor of the checkpoint; also the keys that are not model weights.
 
@@ -335,6 +341,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
         base, part = key, ""
         if key[-2:] in ("_w", "_v"):  # GLU fc1 halves saved with singleton_local_shards
             base, part = key[:-2], key[-1]
+        elif (split := _SPLIT_PART.fullmatch(key)) is not None:  # gated DeltaNet in_proj / conv1d components
+            base, part = split.group(1), split.group(2)
         m = _LAYER_KEY.fullmatch(base)
         if m is not None:
             add(m.group(1), int(m.group(2)), m.group(3), key, (), part)
@@ -346,7 +354,7 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
 
     sources = []
     for name, parts in found.items():
-        order = [parts[p] for p in ("", "w", "v") if p in parts]  # gate (_w) before up (_v)
+        order = [parts[p] for p in PART_ORDER if p in parts]  # gate (_w) before up (_v); GDN: Megatron's order
         key, lead = order[0]
         shape = list(reader.shape(key))[len(lead):]
         for k, ld in order[1:]:

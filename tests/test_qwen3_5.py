@@ -104,7 +104,7 @@ def _gdn_shards(parts: list[torch.Tensor], tp: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_column_parts_in_proj_q8_k8_v16_z16_b4_a4_h6(tp):
     q, k, v, z, b, a = (torch.randn(n, 6) for n in (8, 8, 16, 16, 4, 4))
-    op = ColumnParts((8, 8, 16, 16, 4, 4), (3, 1, 1, 1))
+    op = ColumnParts((8, 8, 16, 16, 4, 4), groups=(3, 1, 1, 1))
     shards = _gdn_shards([q, k, v, z, b, a], tp)
     hf = [torch.cat([q, k, v]), z, b, a]
     out = op.hf_tensors(shards)
@@ -116,7 +116,7 @@ def test_column_parts_in_proj_q8_k8_v16_z16_b4_a4_h6(tp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_column_parts_conv1d_q8_k8_v16_1x4(tp):
     q, k, v = (torch.randn(n, 1, 4) for n in (8, 8, 16))
-    op = ColumnParts((8, 8, 16), (3,))
+    op = ColumnParts((8, 8, 16), groups=(3,))
     shards = _gdn_shards([q, k, v], tp)
     (out,) = op.hf_tensors(shards)
     assert torch.equal(out, torch.cat([q, k, v]))
@@ -125,9 +125,9 @@ def test_column_parts_conv1d_q8_k8_v16_1x4(tp):
 
 def test_column_parts_rejects_wrong_rows_and_groups():
     with pytest.raises(ShapeMismatchError, match="expected 56, got 50"):
-        ColumnParts((8, 8, 16, 16, 4, 4), (3, 1, 1, 1)).hf_shapes((50, 6))
+        ColumnParts((8, 8, 16, 16, 4, 4), groups=(3, 1, 1, 1)).hf_shapes((50, 6))
     with pytest.raises(ShapeMismatchError, match="summing to 3"):
-        ColumnParts((8, 8, 16), (2, 2))
+        ColumnParts((8, 8, 16), groups=(2, 2))
 
 
 # -- real megatron-core models (qwen3_next's hybrid spec) from the multimodal checkpoints ------------------------
