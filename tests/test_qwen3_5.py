@@ -17,6 +17,7 @@ from mcore2hf.errors import Mcore2HFError, ShapeMismatchError
 from mcore2hf.hf_config import config_source
 from mcore2hf.layouts import ColumnParts
 from mcore2hf.model_specs.qwen3_next import LOGIT_TOL
+from mcore2hf.offline import export_checkpoint
 from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo
 from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
@@ -168,12 +169,22 @@ LAYOUTS = [Layout(tp=2, ep=2, etp=1), Layout(pp=2), Layout(world_size=2)]
 def test_layouts_base_completion_and_parity(q35_ckpts, tmp_path):
     """Bit-identical exports at TP2 x EP2, PP2 and TP1; the output completed from the multimodal checkpoint
     equals it tensor for tensor and loads in transformers with no missing or unexpected keys; logits at TP1 and
-    TP2 x EP2."""
+    TP2 x EP2; the offline export of a torch_dist checkpoint saved at TP2 x EP2, completed from the same base,
+    equals the whole multimodal checkpoint."""
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     by_layout = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.qwen3_5_archs, dict(q35_ckpts),
-                          str(tmp_path), tokens, timeout=600)[0]
+                          str(tmp_path), tokens, LAYOUTS[0], timeout=600)[0]
     for layout in LAYOUTS:
-        results = by_layout[str(layout)]
+        results = dict(by_layout[str(layout)])
+        saved = results.pop("dist", {})
+        failed = {mt: r for mt, r in saved.items() if isinstance(r, Exception)}
+        assert not failed, "\n".join(f"--- {mt} torch_dist at {layout}:\n{r}" for mt, r in failed.items())
+        for mt, root in saved.items():
+            # offline: megatron-core's GDN part keys at TP2 x EP2 -> HF, completed from the multimodal checkpoint
+            out = tmp_path / "offline" / mt
+            export_checkpoint(os.path.join(root, "ckpt"), out, q35_ckpts[mt], progress=False, base=q35_ckpts[mt])
+            got, want = read_hf_checkpoint(out), read_hf_checkpoint(q35_ckpts[mt])
+            assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), mt
         failed = {mt: r for mt, r in results.items() if isinstance(r, Exception)}
         assert not failed, "\n".join(f"--- {mt} at {layout}:\n{r}" for mt, r in failed.items())
         for mt, r in results.items():

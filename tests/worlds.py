@@ -697,6 +697,11 @@ def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
     return out
 
 
-def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, layout: Layout) -> dict:
-    """qwen3_5_suite for every architecture at `layout` (logits only where PP is 1)."""
-    return for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None)
+def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, dist_layout: Layout,
+                  layout: Layout) -> dict:
+    """qwen3_5_suite for every architecture at `layout` (logits only where PP is 1); at `dist_layout` also a
+    torch_dist checkpoint under out_root/dist/<arch>/ckpt."""
+    out = for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None)
+    if layout == dist_layout:
+        out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
+    return out
