@@ -14,8 +14,12 @@ def transformer_engine_available() -> bool:
 
 
 def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_vocab_size_divisible_by: int = 128,
-                **overrides) -> list[torch.nn.Module]:
+                model_class: str = "gpt", **overrides) -> list[torch.nn.Module]:
     """Megatron GPTModel chunks (one per virtual-PP stage of this rank) for the HF model `hf_config`.
+
+    `model_class="hybrid"`: megatron-core's HybridModel (0.19; MambaModel on 0.16-0.18) instead, whose stack
+    holds each HF layer as two Megatron layers, attention then MLP/MoE (pattern "*-*E..." from the HF config;
+    with PP on 0.19 one '|' segment per stage). It exports and loads like the GPTModel.
 
     Needs an initialized Megatron parallel state (parallel sizes are read from it). `hf_config`: whatever
     HFExporter accepts (PretrainedConfig, dict, config.json or an HF directory). `overrides`: TransformerConfig
@@ -24,16 +28,23 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
     The vocabulary is padded as Megatron pads it (a multiple of make_vocab_size_divisible_by x TP)."""
     from megatron.core import parallel_state as ps
 
-    from .errors import ParallelStateError
+    from .errors import ParallelStateError, UsageError
     from .model_specs.common import padded_vocab_size
     from .registry import get_model_spec
 
     if not ps.model_parallel_is_initialized():
         raise ParallelStateError("build_model needs Megatron's parallel state: call "
                                  "megatron.core.parallel_state.initialize_model_parallel(...) first")
+    if model_class not in ("gpt", "hybrid"):
+        raise UsageError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
     cfg = load_hf_config(hf_config)
     spec = get_model_spec(cfg.model_type)
     if use_te is None:
         use_te = transformer_engine_available()
-    vocab = padded_vocab_size(text_config(cfg).vocab_size, ps.get_tensor_model_parallel_world_size(), make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(text_config(cfg).vocab_size, ps.get_tensor_model_parallel_world_size(),
+                              make_vocab_size_divisible_by)
+    if model_class == "hybrid":
+        from .model_specs.common import build_hybrid_model
+
+        return build_hybrid_model(spec, cfg, vocab_size=vocab, use_te=use_te, **overrides)
     return spec.build_model(cfg, vocab_size=vocab, use_te=use_te, **overrides)

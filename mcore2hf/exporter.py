@@ -16,7 +16,7 @@ from .errors import ConfigMismatchError, Mcore2HFError
 from .gather import Executor
 from .hf_config import HFConfigLike, config_source
 from .mapping import Converter
-from .naming import LocalTensor, local_tensors, unwrap_model
+from .naming import LocalTensor, local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
 from .plan import (
     ExportPlan,
@@ -68,7 +68,7 @@ class HFExporter:
 
         self.spec = import_module(self.converter.spec)
         self.ctx = ParallelContext.from_megatron()
-        self.dims = model_dims(self.spec, self.hf_config, self.chunks[0].config)
+        self.dims = model_dims(self.spec, self.hf_config, model_config(self.chunks))
         self._local: dict[str, LocalTensor] | None = None
         self._sources: dict[str, Source] | None = None
         self._records = None
@@ -80,7 +80,7 @@ class HFExporter:
     # -- planning --------------------------------------------------------------------------------------------
     def _build_sources(self) -> dict[str, Source]:
         if self._sources is None:
-            check_model_config(self.chunks[0].config, self.spec, self.hf_config)
+            check_model_config(model_config(self.chunks), self.spec, self.hf_config)
             local = local_tensors(self.chunks, self.ctx)
             self._local = {t.name: t for t in local}
             self._records = gather_records(local, self.ctx)
@@ -270,6 +270,10 @@ def check_model_config(model_config, spec, hf_config) -> None:
         have = getattr(model_config, name, None)
         if have != want:
             diffs.append(f"{name}: HF config implies {want!r}, the Megatron model has {have!r}")
+    if getattr(model_config, "hybrid_layout", None) is not None:  # a hybrid model (naming.model_config)
+        from .model_specs.common import hybrid_pattern_problems
+
+        diffs += hybrid_pattern_problems(model_config.hybrid_layout, spec, hf_config)
     if diffs:
         raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
                                   + "\n  ".join(diffs))

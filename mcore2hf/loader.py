@@ -18,7 +18,7 @@ from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
 from .layouts import shape_of
 from .mapping import Converter
-from .naming import local_tensors, unwrap_model
+from .naming import local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
 from .plan import _shard_split
 
@@ -97,9 +97,9 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     converter = converter or get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     ctx = ParallelContext.from_megatron()
-    dims = model_dims(spec, cfg, chunks[0].config)
+    dims = model_dims(spec, cfg, model_config(chunks))
     hf_mtp = spec.dims(cfg).num_mtp_layers
-    check_model_config(chunks[0].config, spec, cfg)
+    check_model_config(model_config(chunks), spec, cfg)
     reader = HFReader(source)
     local = local_tensors(chunks, ctx)
 

@@ -10,17 +10,22 @@ Canonical names are local-spec names with global indices, whatever the layout an
 * TE's fused norms are renamed to the local spec's modules (`TE_RENAMES`);
 * MTP layer m: `mtp.layers.{m}.{enorm,hnorm,eh_proj,final_layernorm}` and its inner transformer layer as decoder
   layer `num_layers + m` (where HF checkpoints put it);
-* the last stage's copy of a tied embedding (and the MTP stage's) is the embedding itself, a replica.
+* the last stage's copy of a tied embedding (and the MTP stage's) is the embedding itself, a replica;
+* hybrid models (megatron-core 0.16's MambaModel, 0.19's HybridModel), whose stack holds a mixer (attention) and
+  an MLP as separate Megatron layers: Megatron layer i belongs to HF layer `HybridLayout.hf_layer[i]`, read from
+  the model's own layer pattern, so their names are the names a GPTModel of the same weights has.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import regex
 import torch
 
+from .errors import ConfigMismatchError
 from .parallel import ParallelContext
 
 # TE spec name -> local spec name (suffix inside a decoder layer)
@@ -45,6 +50,133 @@ _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
 # `linear_fc{1,2}.weight` of TEGroupedLinear (extensions/transformer_engine.py, _split_grouped_checkpoint_tensor:
 # item i is tensor[i] when dim 0 is num_gemms, else chunk i of dim 0); each item is named like TE's weight{i}
 _SINGLE_GROUPED = regex.compile(r"(.+\.mlp\.experts\.linear_fc[12])\.(weight|bias)")
+# layer symbols of hybrid patterns (megatron-core 0.19.2 models/hybrid/hybrid_layer_allocation.py `Symbols`;
+# 0.16.1 ssm/mamba_hybrid_layer_allocation.py has M * - E): mamba, gated delta net, attention, DSA, MLA | MLP, MoE
+HYBRID_MIXERS = frozenset("MG*D+")
+HYBRID_MLPS = frozenset("-E")
+_HYBRID_MTP_INNER = regex.compile(r"mtp_model_layer\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """A hybrid model's layer pattern in HF layers: each HF decoder layer is one mixer symbol followed by at most
+    one MLP symbol."""
+
+    pattern: str  # main decoder pattern, pipeline separators ('|') removed
+    mtp_pattern: str | None  # one MTP depth's pattern (0.19: after '/')
+    mtp_depths: int
+    hf_layer: tuple[int, ...]  # HF layer of each Megatron layer of `pattern`
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_layer[-1] + 1 if self.hf_layer else 0
+
+    def hf_layers(self) -> list[str]:
+        """The symbols of each HF layer, e.g. ['*-', '*E']."""
+        out: list[str] = []
+        for symbol, layer in zip(self.pattern, self.hf_layer):
+            if layer == len(out):
+                out.append("")
+            out[layer] += symbol
+        return out
+
+    @classmethod
+    def parse(cls, full_pattern: str) -> HybridLayout:
+        main, *mtp = full_pattern.split("/")
+        main = main.replace("|", "")
+        mtp = [p for p in mtp if p]
+        if len(set(mtp)) > 1:
+            raise ConfigMismatchError(f"hybrid layer pattern {full_pattern!r}: MTP depths with different patterns")
+        hf_layer = _hf_layers(main, full_pattern)
+        if mtp and set(_hf_layers(mtp[0], full_pattern)) != {0}:
+            raise ConfigMismatchError(f"hybrid layer pattern {full_pattern!r}: an MTP depth must be one HF decoder "
+                                      f"layer (one mixer and at most one MLP), found {mtp[0]!r}")
+        return cls(main, mtp[0] if mtp else None, len(mtp), hf_layer)
+
+
+def _hf_layers(pattern: str, full_pattern: str) -> tuple[int, ...]:
+    out, layer, has_mlp = [], -1, False
+    for i, symbol in enumerate(pattern):
+        if symbol in HYBRID_MIXERS:
+            layer, has_mlp = layer + 1, False
+        elif symbol in HYBRID_MLPS and layer >= 0 and not has_mlp:
+            has_mlp = True
+        else:
+            raise ConfigMismatchError(
+                f"hybrid layer pattern {full_pattern!r}: symbol {i} ({symbol!r}) does not fit an HF decoder layer; "
+                f"each HF layer is one mixer ({''.join(sorted(HYBRID_MIXERS))}) followed by at most one MLP "
+                f"({''.join(sorted(HYBRID_MLPS))})")
+        out.append(layer)
+    return tuple(out)
+
+
+def hybrid_pattern_of(chunk: torch.nn.Module) -> str | None:
+    """The full layer pattern a hybrid model chunk was built with (None for a GPTModel), read from the model:
+    0.19 HybridModel.hybrid_layer_pattern (also set when built from the deprecated arguments), 0.16
+    MambaModel.hybrid_override_pattern, else the allocation 0.16 computes from its ratios."""
+    if not hasattr(chunk.decoder, "layer_type_list"):
+        return None
+    for attr in ("hybrid_layer_pattern", "hybrid_override_pattern"):
+        pattern = getattr(chunk, attr, None)
+        if pattern:
+            return pattern
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
+
+    return "".join(allocate_layers(chunk.config.num_layers, chunk.hybrid_attention_ratio, chunk.hybrid_mlp_ratio))
+
+
+def hybrid_layout(chunk: torch.nn.Module) -> HybridLayout | None:
+    pattern = hybrid_pattern_of(chunk)
+    return None if pattern is None else HybridLayout.parse(pattern)
+
+
+_MIXER_PARTS = ("input_layernorm.", "self_attention.")
+_MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")
+
+
+def checkpoint_hybrid_layout(keys, pattern: str) -> HybridLayout | None:
+    """The hybrid layout of a torch_dist checkpoint (None when it is a GPTModel's): a hybrid stack saves
+    `decoder.final_norm.weight` and its layers under their Megatron index (0.16.1 mamba_block.py,
+    0.19.2 hybrid_block.py `sharded_state_dict`). The pattern is not saved; `pattern` (the HF config's) must
+    agree with what each checkpoint layer holds: attention parts in mixer layers, MLP parts in MLP layers."""
+    keys = list(keys)
+    if "decoder.final_norm.weight" not in keys:
+        return None
+    layout = HybridLayout.parse(pattern)
+    held: dict[int, set[str]] = {}
+    for key in keys:
+        m = _LAYER.fullmatch(key)
+        if m is not None and m.group(1) == "decoder":
+            held.setdefault(int(m.group(2)), set()).add(m.group(3))
+    problems = []
+    if set(held) != set(range(len(layout.pattern))):
+        problems.append(f"the HF config implies {len(layout.pattern)} Megatron layers ({layout.pattern!r}), the "
+                        f"checkpoint has layers {sorted(held)}")
+    for i, rests in sorted(held.items()):
+        if i >= len(layout.pattern):
+            continue
+        mixer = layout.pattern[i] in HYBRID_MIXERS
+        wrong = sorted(r for r in rests if r.startswith(_MLP_PARTS if mixer else _MIXER_PARTS))
+        if wrong:
+            problems.append(f"checkpoint layer {i} holds {wrong[0]}, the HF config's pattern {layout.pattern!r} has "
+                            f"{layout.pattern[i]!r} there")
+    if problems:
+        raise ConfigMismatchError("hybrid-model checkpoint:\n  " + "\n  ".join(problems))
+    return layout
+
+
+def model_config(chunks: list[torch.nn.Module]):
+    """The chunks' TransformerConfig as an HF model has it: for a hybrid model a copy with `num_layers` in HF
+    layers, `mtp_num_layers` in MTP depths and `hybrid_layout` set (None for other models)."""
+    config = chunks[0].config
+    layout = hybrid_layout(chunks[0])
+    if layout is None:
+        return config
+    view = copy.copy(config)  # not dataclasses.replace: that re-runs TransformerConfig's validation
+    view.num_layers = layout.num_layers
+    view.mtp_num_layers = layout.mtp_depths or None
+    view.hybrid_layout = layout
+    return view
 
 
 @dataclass
@@ -131,13 +263,21 @@ def canonical_layer_name(kind: str, number: int, rest: str, num_layers: int, exp
 
 
 def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_local_experts: int,
-                   num_layers: int) -> str:
-    """Canonical global name of `name` (a name in `chunk.named_parameters()`)."""
+                   num_layers: int, hybrid: HybridLayout | None = None) -> str:
+    """Canonical global name of `name` (a name in `chunk.named_parameters()`); `num_layers` counts HF layers."""
     m = _LAYER.fullmatch(name)
     if m is None:
-        return name
+        # the hybrid stack's final norm (0.16 mamba_block.py, 0.19 hybrid_block.py: `final_norm`)
+        return "decoder.final_layernorm.weight" if hybrid and name == "decoder.final_norm.weight" else name
     kind, idx, rest = m.group(1), int(m.group(2)), m.group(3)
     number = getattr(chunk, kind).layers[idx].layer_number - 1
+    if hybrid is not None:
+        if kind == "decoder":  # layer_number: the global Megatron layer (0.16 TransformerLayer adds the PP offset)
+            number = hybrid.hf_layer[number]
+        else:  # 0.19 hybrid MTP: each depth's inner HybridStack is one HF layer (HybridLayout.parse checks)
+            inner = _HYBRID_MTP_INNER.fullmatch(rest)
+            if inner is not None:
+                rest = f"transformer_layer.{inner.group(2)}"
     return canonical_layer_name(kind, number, rest, num_layers, ctx_ep_rank * num_local_experts)
 
 
@@ -147,6 +287,8 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
     seen: set[str] = set()
     for vp, chunk in enumerate(chunks):
         cfg = chunk.config
+        hybrid = hybrid_layout(chunk)
+        num_layers = hybrid.num_layers if hybrid is not None else cfg.num_layers
         num_experts = getattr(cfg, "num_moe_experts", None) or 0
         num_local = num_experts // ctx.ep.size if num_experts else 0
         prefix = f"chunk{vp}." if len(chunks) > 1 else ""
@@ -166,7 +308,7 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
                 owner, _, attr = name.rpartition(".")
                 items.append((name, b, _buffer_getter(_submodule(chunk, owner), attr), True))
         for name, t, getter, is_buffer in items:
-            canon = canonical_name(name, chunk, ctx.ep.rank, num_local, cfg.num_layers)
+            canon = canonical_name(name, chunk, ctx.ep.rank, num_local, num_layers, hybrid)
             if canon == "output_layer.weight" and getattr(t, "shared_embedding", False):
                 canon = "embedding.word_embeddings.weight"  # the last (or MTP) stage's copy of a tied embedding
             if canon in seen:

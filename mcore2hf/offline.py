@@ -10,6 +10,9 @@ Checkpoint keys are global already (layer and expert indices), in Megatron's sha
 fused norms, experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...] (SequentialMLP and TE grouped
 experts save the same format), or per expert with `singleton_local_shards`, whose GLU fc1 is split into
 `..._w` (gate) and `..._v` (up). They are mapped to the canonical names the converter tables use.
+
+Megatron-LM's legacy `torch` format (`iter_N/mp_rank_*/model_optim_rng.pt`, per-rank local shards) is read by
+`mcore2hf.legacy` into the same sources, whose reads are then the TP shards the layout ops take.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ import regex
 import torch
 
 from .buckets import Bucket
-from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
+from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError, UsageError
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .layouts import Stacked
-from .naming import canonical_layer_name, filter_outputs, mtp_inner
+from .layouts import Stacked, full_shape_of_shard
+from .naming import HybridLayout, canonical_layer_name, checkpoint_hybrid_layout, filter_outputs, mtp_inner
 from .plan import align, natural_key, pack_tight, stack_units
 from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
@@ -74,10 +77,12 @@ def resolve_iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | None = N
         if not os.path.isdir(path):
             raise CheckpointError(f"{tracker} names iteration {text!r}, but {path} does not exist")
         return path
-    if os.path.isfile(os.path.join(root, ".metadata")):
+    from .legacy import is_legacy_dir
+
+    if os.path.isfile(os.path.join(root, ".metadata")) or is_legacy_dir(root):
         return root
     raise CheckpointError(f"{root} is not a Megatron checkpoint: no latest_checkpointed_iteration.txt, "
-                          "no iter_* directory given, no .metadata")
+                          "no iter_* directory given, no .metadata, no mp_rank_*/model_optim_rng.pt")
 
 
 class DistCheckpointReader:
@@ -117,6 +122,17 @@ class DistCheckpointReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
+
+    def sources(self, num_layers: int, tied: bool, hybrid: HybridLayout | None = None
+                ) -> tuple[list[CkptSource], list[str]]:
+        return checkpoint_sources(self, num_layers, hybrid)  # a tied output layer is not saved apart from the embedding
+
+    def tp_of(self, source: CkptSource) -> int:
+        """TP of the checkpoint's chunking of this tensor along dim 0 (vocab-parallel tensors)."""
+        return len({c.offsets[0] for c in self.tensors[source.key].chunks})
+
+    def checkpoint_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path) if f.endswith(".distcp"))
 
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
@@ -298,7 +314,9 @@ class CkptSource:
 
     name: str
     key: str
-    reads: list[tuple[str, tuple[int, ...]]]  # (key, leading indices), concatenated along dim 0 (GLU _w/_v)
+    # TP shards in rank order (one: the whole tensor), each read as (key, leading indices) parts concatenated
+    # along dim 0 (GLU _w/_v); shape: of a shard until prepare_sources resolves the op, then the whole tensor's
+    reads: list[list[tuple[str, tuple[int, ...]]]]
     shape: tuple[int, ...]
     dtype: torch.dtype
     hf: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
@@ -313,8 +331,10 @@ _SPLIT_PART = regex.compile(r"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.
 PART_ORDER = ("", "w", "v", "query", "key", "value", "z", "beta", "alpha")
 
 
-def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[list[CkptSource], list[str]]:
+def checkpoint_sources(reader: DistCheckpointReader, num_layers: int,
+                       hybrid: HybridLayout | None = None) -> tuple[list[CkptSource], list[str]]:
     """Canonical sources of every model tensor of the checkpoint; also the keys that are not model weights.
+    `hybrid`: a hybrid model's checkpoint (naming.checkpoint_hybrid_layout), its layers renumbered to HF layers.
 
     Homogeneous models stack all decoder layers in one key (`decoder.layers.<name>` with a leading layer dim);
     others, and MTP layers, have one key per layer. Experts may be stacked inside either."""
@@ -322,6 +342,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
     ignored = []
 
     def add(kind: str, number: int, rest: str, key: str, lead: tuple[int, ...], part: str) -> None:
+        if hybrid is not None and kind == "decoder":
+            number = hybrid.hf_layer[number]
         kind, number, rest = mtp_inner(kind, number, rest, num_layers)
         stacked = _STACKED_EXPERTS.fullmatch(rest)
         if stacked is not None:
@@ -350,6 +372,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
             for layer in range(reader.shape(key)[0]):
                 add("decoder", layer, base[len(_STACKED_LAYERS):], key, (layer,), part)
         else:
+            if hybrid is not None and base == "decoder.final_norm.weight":
+                base = "decoder.final_layernorm.weight"
             found.setdefault(base, {})[part] = (key, ())
 
     sources = []
@@ -359,7 +383,7 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
         shape = list(reader.shape(key))[len(lead):]
         for k, ld in order[1:]:
             shape[0] += reader.shape(k)[len(ld)]
-        sources.append(CkptSource(name, key, list(order), tuple(shape), reader.dtype(key)))
+        sources.append(CkptSource(name, key, [list(order)], tuple(shape), reader.dtype(key)))
     return sources, ignored
 
 
@@ -379,7 +403,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: HFConfigLike, *,
+def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: HFConfigLike | None, *,
                       iteration: int | None = None, dtype: torch.dtype | str | None = None,
                       max_shard_size: int | str = "5GB", bucket_bytes: int | str = "1GiB",
                       overwrite: bool = False, progress: bool = True, name_filter=None,
@@ -395,6 +419,10 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy. `base` (an HF
     directory) completes the output with the base tensors the checkpoint does not produce (`SafetensorsWriter`)."""
     t0 = time.perf_counter()
+    if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.legacy)
+        from .legacy import missing_hf_config
+
+        raise UsageError(missing_hf_config(resolve_iteration_dir(ckpt_dir, iteration)))
     budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
     parse_size(max_shard_size, "max_shard_size")
     cast = _parse_dtype(dtype)
@@ -451,9 +479,17 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     finally:
         if bar is not None:
             bar.close()
-    return ExportReport(out_dir, len(infos), written, sum(os.path.getsize(os.path.join(it_dir, f))
-                                                          for f in os.listdir(it_dir) if f.endswith(".distcp")),
+    return ExportReport(out_dir, len(infos), written, reader.checkpoint_bytes(),
                         len(ignored), time.perf_counter() - t0, _peak_rss(), writer.notes)
+
+
+def open_checkpoint(it_dir: str):
+    """The reader for what the iteration directory holds: torch_dist (.metadata) or legacy (mp_rank_*)."""
+    from .legacy import LegacyCheckpointReader, is_legacy_dir
+
+    if not os.path.isfile(os.path.join(it_dir, ".metadata")) and is_legacy_dir(it_dir):
+        return LegacyCheckpointReader(it_dir)
+    return DistCheckpointReader(it_dir)
 
 
 def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
@@ -463,9 +499,14 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
-    reader = DistCheckpointReader(it_dir)
-    sources, ignored = checkpoint_sources(reader, dims.num_layers)
-    reader.check_files({key for s in sources for key, _ in s.reads})
+    reader = open_checkpoint(it_dir)
+    hybrid = None
+    if "decoder.final_norm.weight" in reader.tensors:  # a hybrid model's: its pattern from the HF config
+        from .model_specs.common import hybrid_pattern
+
+        hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
+    sources, ignored = reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)), hybrid)
+    reader.check_files({key for s in sources for shard in s.reads for key, _ in shard})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
 
@@ -479,10 +520,15 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     if unknown:
         raise UnknownParametersError(converter.model_type, [f"{n}  (checkpoint key {next(s.key for s in sources if s.name == n)})"
                                                             for n in unknown])
-    problems = vocab_padding_problems(reader, dims.vocab_size, make_vocab_size_divisible_by)
     for s in sources:
         r = converter.resolve(s.name, dims)
         s.op, s.n_out, s.keep_dtype = r.op, r.op.n_out, r.rule.keep_dtype
+        count, dim = r.op.split(s.shape, len(s.reads))  # as the live plan splits a rank's shard (plan._shard_split)
+        s.reads, s.shape = s.reads[:count], full_shape_of_shard(s.shape, dim, count)
+    problems = vocab_padding_problems([(s.key, s.shape[0], reader.tp_of(s)) for s in sources if s.name in VOCAB_KEYS],
+                                      dims.vocab_size, make_vocab_size_divisible_by)
+    for s in sources:
+        r = converter.resolve(s.name, dims)
         try:
             shapes = r.op.hf_shapes(s.shape)
         except ShapeMismatchError as e:
@@ -517,16 +563,13 @@ def checkpoint_tensors(ckpt_dir: str | os.PathLike, hf_config: HFConfigLike, *, 
         yield from _convert(reader, group, same, index)
 
 
-def vocab_padding_problems(reader: DistCheckpointReader, vocab_size: int, divisible_by: int) -> list[str]:
+def vocab_padding_problems(vocab: list[tuple[str, int, int]], vocab_size: int, divisible_by: int) -> list[str]:
     """Rows beyond `vocab_size` may only be Megatron's padding: up to the next multiple of divisible_by x TP, TP
-    read from the checkpoint's own chunking of the vocab-parallel tensor. A larger surplus means the HF config's
-    vocab_size is too small, and dropping those rows would silently lose real vocabulary."""
+    read from the checkpoint's own sharding of the vocab-parallel tensor (`vocab`: (key, rows, TP) each). A larger
+    surplus means the HF config's vocab_size is too small, and dropping those rows would silently lose real
+    vocabulary."""
     problems = []
-    for key in VOCAB_KEYS:
-        if key not in reader.tensors:
-            continue
-        rows = reader.shape(key)[0]
-        tp = len({c.offsets[0] for c in reader.tensors[key].chunks})
+    for key, rows, tp in vocab:
         m = divisible_by * tp
         padded = (vocab_size + m - 1) // m * m
         if rows not in (vocab_size, padded):
@@ -583,10 +626,12 @@ def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, i
     flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
     views = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
     for s in group:
-        parts = [reader.read(key, lead) for key, lead in s.reads]
-        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        shards = []
+        for shard in s.reads:
+            parts = [reader.read(key, lead) for key, lead in shard]
+            shards.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
         outs = [views[name] for name, _ in s.hf]
-        s.op.to_hf([full], outs[:s.n_out])  # copy_ casts when a dtype was asked for
+        s.op.to_hf(shards, outs[:s.n_out])  # copy_ casts when a dtype was asked for
         for out in outs[s.n_out:]:
             out.copy_(outs[0])
     return Bucket(index, flat, entries)

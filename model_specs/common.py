@@ -293,3 +293,168 @@ def full_width_layer_spec(config, cfg, *, vp_stage=None, use_te=False):
         get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te, normalization="RMSNorm",
         vp_stage=vp_stage))
     return full_width_qk_norm(block, config)
+
+
+# --- hybrid models: megatron-core 0.19's HybridModel (0.16: MambaModel) holding a registered architecture -----------
+
+
+def hybrid_layer_symbols(spec: ModuleType, cfg, layer: int) -> str:
+    """The hybrid-pattern symbols of HF layer `layer` (megatron-core 0.19.2 hybrid_layer_allocation.py `Symbols`):
+    the spec's own `hybrid_layer_symbols(cfg, layer)` where it has one (e.g. linear-attention layers), else
+    attention ('*', MLA '+') followed by an MLP ('-') or MoE ('E')."""
+    if hasattr(spec, "hybrid_layer_symbols"):
+        return spec.hybrid_layer_symbols(cfg, layer)
+    mixer = "+" if getattr(spec.dims(cfg), "kv_lora_rank", None) else "*"
+    return mixer + ("E" if spec.is_moe_layer(cfg, layer) else "-")
+
+
+def hybrid_pattern(spec: ModuleType, cfg, segments: int = 1) -> str:
+    """The hybrid layer pattern of the HF model, split into `segments` pipeline segments ('|') of whole HF layers."""
+    from mcore2hf.errors import ConfigMismatchError
+
+    layers = [hybrid_layer_symbols(spec, cfg, i) for i in range(cfg.num_hidden_layers)]
+    if len(layers) % segments:
+        raise ConfigMismatchError(f"a hybrid pattern of {len(layers)} HF layers cannot be split into {segments} "
+                                  "equal pipeline segments")
+    n = len(layers) // segments
+    return "|".join("".join(layers[s * n:(s + 1) * n]) for s in range(segments))
+
+
+def hybrid_pattern_problems(layout, spec: ModuleType, cfg) -> list[str]:
+    """How a hybrid model's pattern (naming.HybridLayout) differs from what the HF config implies, per HF layer."""
+    want = hybrid_pattern(spec, cfg)
+    have = layout.hf_layers()
+    if layout.pattern == want:
+        return []
+    want_layers = [hybrid_layer_symbols(spec, cfg, i) for i in range(cfg.num_hidden_layers)]
+    if len(have) != len(want_layers):
+        return [f"hybrid layer pattern: HF config implies {want!r} ({len(want_layers)} layers), the model has "
+                f"{layout.pattern!r} ({len(have)} layers)"]
+    return [f"hybrid layer pattern, HF layer {i}: HF config implies {w!r}, the model has {h!r}"
+            for i, (w, h) in enumerate(zip(want_layers, have)) if w != h]
+
+
+_LOCAL_NORM_STACKS: dict[type, type] = {}
+
+
+def _local_norm_stack(base: type) -> type:
+    """`base` (MambaStack / HybridStack) with the GPT block's final norm: both build Transformer Engine's TENorm,
+    which raises without TE; built without it (post_layer_norm=False), then given `final_norm`."""
+    if base not in _LOCAL_NORM_STACKS:
+        def __init__(self, config, submodules, *args, final_norm=None, post_process=True, **kwargs):
+            from megatron.core.transformer.spec_utils import build_module
+
+            kwargs["post_layer_norm"] = False
+            base.__init__(self, config, submodules, *args, post_process=post_process, **kwargs)
+            self.post_layer_norm = True  # forward applies final_norm when post_process and post_layer_norm
+            if post_process:
+                self.final_norm = build_module(final_norm, config=config, hidden_size=config.hidden_size,
+                                               eps=config.layernorm_epsilon)
+
+        _LOCAL_NORM_STACKS[base] = type(f"Local{base.__name__}", (base,), {"__init__": __init__})
+    return _LOCAL_NORM_STACKS[base]
+
+
+def hybrid_stack_spec(block, is_moe: list[bool], stack: type, submodules_cls: type):
+    """A hybrid stack spec whose layers are the GPT block spec's layers cut in two: the attention layer keeps the
+    input norm and attention, the MLP / MoE layer the pre-MLP norm and MLP (the same modules, so the same names)."""
+    import dataclasses
+
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    empty = TransformerLayerSubmodules()
+
+    def attention_part(layer):
+        return ModuleSpec(module=layer.module, params=layer.params, submodules=dataclasses.replace(
+            layer.submodules, pre_mlp_layernorm=empty.pre_mlp_layernorm, mlp=empty.mlp, mlp_bda=empty.mlp_bda))
+
+    def mlp_part(layer, module):
+        return ModuleSpec(module=module, params=layer.params, submodules=dataclasses.replace(
+            layer.submodules, input_layernorm=empty.input_layernorm, self_attention=empty.self_attention,
+            self_attn_bda=empty.self_attn_bda))
+
+    specs = list(block.layer_specs)
+    dense = next((s for s, m in zip(specs, is_moe) if not m), None)
+    moe = next((s for s, m in zip(specs, is_moe) if m), None)
+    parts = dict(attention_layer=attention_part(specs[0]))
+    if dense is not None:
+        parts["mlp_layer"] = mlp_part(dense, MLPLayer)
+    if moe is not None:
+        parts["moe_layer"] = mlp_part(moe, moe.module)
+    return ModuleSpec(module=_local_norm_stack(stack), submodules=submodules_cls(**parts),
+                      params={"final_norm": block.layer_norm})
+
+
+def _hybrid_classes():
+    """(model class, stack class, stack submodules class, pattern argument) of this megatron-core release."""
+    try:  # 0.19: models/hybrid
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        return HybridModel, HybridStack, HybridStackSubmodules, "hybrid_layer_pattern"
+    except ImportError:  # 0.16: the MambaModel predecessor
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+
+        return MambaModel, MambaStack, MambaStackSubmodules, "hybrid_override_pattern"
+
+
+def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
+                       **overrides) -> list[torch.nn.Module]:
+    """Hybrid-model chunks (megatron-core 0.19 HybridModel, 0.16 MambaModel; one per virtual-PP stage of this
+    rank) for `hf_config`, with the pattern `hybrid_pattern` derives from it: each HF layer is an attention layer
+    followed by an MLP or MoE layer, the layers of the architecture's GPT block spec. Needs an initialized
+    Megatron parallel state."""
+    import copy
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from mcore2hf.errors import ConfigMismatchError
+
+    model_cls, stack, submodules_cls, pattern_arg = _hybrid_classes()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if getattr(hf_config, "num_nextn_predict_layers", None) and overrides.get("mtp_num_layers", 1):
+        raise ConfigMismatchError("hybrid models with MTP layers are not built by mcore2hf (pass mtp_num_layers=None)")
+    uneven = overrides.get("num_layers_in_first_pipeline_stage") or overrides.get("num_layers_in_last_pipeline_stage")
+    if pattern_arg == "hybrid_override_pattern":
+        if vpp > 1:
+            raise ConfigMismatchError("megatron-core < 0.19 MambaModel has no virtual pipeline parallelism")
+        pattern = hybrid_pattern(spec, hf_config)  # 0.16 splits the Megatron layers evenly over PP itself
+    else:  # 0.19: one '|'-separated segment per pipeline stage (uneven stages: its own split, no separators)
+        pattern = hybrid_pattern(spec, hf_config, 1 if uneven else pp * vpp)
+    gpt_config = spec.transformer_config(hf_config, **overrides)
+    # the GPT block spec of every layer (one pipeline stage holding all), to take each layer type's modules from
+    whole = copy.copy(gpt_config)
+    for name, value in dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                            num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+                            pipeline_model_parallel_layout=None).items():
+        if hasattr(whole, name):
+            setattr(whole, name, value)
+    if hasattr(spec, "layer_spec"):
+        block = spec.layer_spec(whole, hf_config, vp_stage=None, use_te=use_te)
+    else:
+        block = get_gpt_decoder_block_spec(**supported_kwargs(
+            get_gpt_decoder_block_spec, config=whole, use_transformer_engine=use_te, normalization="RMSNorm",
+            vp_stage=None, pp_rank=0))
+    is_moe = [spec.is_moe_layer(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+    stack_spec = hybrid_stack_spec(block, is_moe, stack, submodules_cls)
+    num_layers = len(pattern.replace("|", ""))
+    config = spec.transformer_config(hf_config, **{**overrides, "num_layers": num_layers, "moe_layer_freq": 1,
+                                                   "is_hybrid_model": True})
+    chunks = []
+    for vp in range(vpp):
+        vp_stage = vp if vpp > 1 else None
+        pre = ps.is_pipeline_first_stage(**supported_kwargs(ps.is_pipeline_first_stage, ignore_virtual=False,
+                                                            vp_stage=vp_stage))
+        post = ps.is_pipeline_last_stage(**supported_kwargs(ps.is_pipeline_last_stage, ignore_virtual=False,
+                                                            vp_stage=vp_stage))
+        kwargs = dict(spec.gpt_kwargs(hf_config))
+        chunks.append(model_cls(**supported_kwargs(
+            model_cls.__init__, config=config, mamba_stack_spec=stack_spec, hybrid_stack_spec=stack_spec,
+            vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
+            vp_stage=vp_stage, **{pattern_arg: pattern}, **kwargs)))
+    return chunks

@@ -17,14 +17,14 @@ from mcore2hf.testing.tiny import read_hf_checkpoint
 from mcore2hf.testing.world import Layout
 
 
-def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True):
+def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True, model_class: str = "gpt"):
     cfg = load_hf_config(ckpt)
     overrides = dict(layout.config_overrides())
     if not mtp:
         overrides["mtp_num_layers"] = None
     if dtype != torch.float32:
         overrides.update(params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    chunks = build_model(ckpt, use_te=False, **overrides)  # gloo CPU workers: the local spec, even where TE exists
+    chunks = build_model(ckpt, use_te=False, model_class=model_class, **overrides)  # gloo CPU workers: the local spec, even where TE exists
     if dtype != torch.float32:
         chunks = [c.to(dtype) for c in chunks]  # what Megatron's Float16Module does in training
     return cfg, chunks
@@ -343,7 +343,8 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     return {"pp_padding": padded / real_bytes, "buckets": len(plan.buckets)}
 
 
-def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False) -> str:
+def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False,
+                         model_class: str = "gpt") -> str:
     """Megatron training output at `layout`: a torch_dist checkpoint with model and Adam state under
     root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live."""
     from megatron.core import dist_checkpointing
@@ -359,7 +360,7 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
             self._scale = torch.tensor([1.0])
             self.is_stub_optimizer = optimizer is None
 
-    cfg, chunks = build(ckpt, layout)
+    cfg, chunks = build(ckpt, layout, model_class=model_class)
     load_hf_weights(chunks, ckpt)
     base = os.path.join(root, cfg.model_type)
     HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
@@ -705,3 +706,53 @@ def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, di
     if layout == dist_layout:
         out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out
+
+
+def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, dist_root: str | None = None) -> dict:
+    """The HF weights in a hybrid model (megatron-core 0.16 MambaModel / 0.19 HybridModel, attention and MLP as
+    separate Megatron layers) and in a GPTModel at `layout`: both export exactly the HF source; the hybrid model
+    also loads the GPTModel's export, under Transformer Engine's names too; a pattern the HF config contradicts
+    is refused; (with `tokens`) both forwards give the same logits; (with `dist_root`) the hybrid model's
+    torch_dist checkpoint is saved under dist_root/<arch>/ckpt for the offline export."""
+    from mcore2hf.errors import ConfigMismatchError
+    from mcore2hf.naming import hybrid_layout, model_config
+
+    cfg, gpt = build(ckpt, layout, mtp=False)
+    load_hf_weights(gpt, ckpt)
+    ref = read_hf_checkpoint(ckpt)
+    gpt_export = {n: t.clone() for n, t in HFExporter(gpt, cfg).state_dict().items()}
+    assert_same(gpt_export, ref, f"{layout} GPTModel")
+
+    hybrid = build_model(ckpt, use_te=False, model_class="hybrid", **layout.config_overrides())
+    layout_ = hybrid_layout(hybrid[0])
+    assert layout_ is not None and model_config(hybrid).num_layers == cfg.num_hidden_layers
+    megatron_layers = sum(len(c.decoder.layers) for c in hybrid)
+    load_hf_weights(hybrid, gpt_export, cfg)  # the GPTModel's export, not the file
+    got = HFExporter(hybrid, cfg).state_dict()
+    assert_same(got, gpt_export, f"{layout} hybrid vs GPTModel")
+    assert_same(got, ref, f"{layout} hybrid vs HF source")
+    logits = None
+    if tokens is not None:
+        a, b = megatron_logits(gpt, tokens, cfg.vocab_size), megatron_logits(hybrid, tokens, cfg.vocab_size)
+        logits = float((a - b).abs().max())
+
+    to_te_names(hybrid)  # the same hybrid model under TE's names and attributes, reloaded from the file
+    zero_(hybrid)
+    load_hf_weights(hybrid, ckpt)
+    assert_same(HFExporter(hybrid, cfg).state_dict(), ref, f"{layout} hybrid, TE names")
+
+    # a pattern the HF config contradicts: HF layer 0 dense where the model has MoE (or the reverse)
+    moe = bool(get_model_spec(cfg.model_type).dims(cfg).num_experts)
+    wrong = load_hf_config({**cfg.to_dict(), "mlp_only_layers": [0]} if moe else
+                           {**cfg.to_dict(), "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [1, 2, 3]})
+    try:
+        HFExporter(hybrid, wrong).state_dict()
+        error = None
+    except ConfigMismatchError as e:
+        error = str(e)
+    assert error and "hybrid layer pattern, HF layer 0" in error, error
+    if dist_root is not None:
+        save_dist_checkpoint(ckpt, layout, dist_root, model_class="hybrid")
+    return {"pattern": layout_.pattern, "megatron_layers_here": megatron_layers, "tensors": len(ref),
+            "model_class": type(hybrid[0]).__name__, "logits_max_diff": logits, "error": error}
