@@ -596,14 +596,29 @@ class GDNInProj(LayoutOp):
 
 class ColumnParts(LayoutOp):
     """A column-parallel tensor made of parts (full row counts `parts`), each split over TP on its own: shard i is
-    [part_0 rows of shard i; part_1 rows of shard i; ...], HF holds [part_0; part_1; ...] (gated DeltaNet's
-    depthwise conv1d over [q; k; v]: megatron-core 0.16.1 gated_delta_net.py `conv1d`, whose sharded_state_dict
-    splits it into query / key / value the same way; HF `linear_attn.conv1d.weight`)."""
+    [part_0 rows of shard i; part_1 rows of shard i; ...]. HF output j holds the next `groups[j]` parts, whole
+    (default: one output [part_0; part_1; ...]). Gated DeltaNet (megatron-core 0.16.1 gated_delta_net.py): the
+    depthwise conv1d over [q; k; v] (its sharded_state_dict splits it the same way; HF `linear_attn.conv1d`),
+    and Qwen3.5's in_proj: the local output split as [q, k, v, z, b, a] is HF's in_proj_qkv = [q; k; v],
+    in_proj_z, in_proj_b, in_proj_a (transformers 5.23 modeling_qwen3_5.py Qwen3_5GatedDeltaNet)."""
 
     tp_dim = 0
 
-    def __init__(self, parts: tuple[int, ...], names: tuple[str, ...] = ()):
+    def __init__(self, parts: tuple[int, ...], names: tuple[str, ...] = (), groups: tuple[int, ...] | None = None):
         self.parts, self.names = tuple(parts), tuple(names)
+        self.groups = (len(self.parts),) if groups is None else tuple(groups)
+        if sum(self.groups) != len(self.parts) or min(self.groups, default=0) < 1:
+            raise ShapeMismatchError(f"part groups {list(self.groups)}: expected positive counts summing to "
+                                     f"{len(self.parts)} (the parts {list(self.parts)})")
+        self.n_out = len(self.groups)
+        self._place = []  # per part: (output, first row in that output)
+        first = 0
+        for out, n in enumerate(self.groups):
+            row = 0
+            for rows in self.parts[first:first + n]:
+                self._place.append((out, row))
+                row += rows
+            first += n
 
     @classmethod
     def gdn_conv(cls, dims) -> ColumnParts:
@@ -614,23 +629,34 @@ class ColumnParts(LayoutOp):
         """(key suffix, rows) of the parts megatron-core saves (conv1d: query, key, value); none without names."""
         return list(zip(self.names, self.parts))
 
+    @classmethod
+    def gdn_in_proj(cls, dims) -> ColumnParts:
+        """Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a."""
+        qk = dims.linear_num_key_heads * dims.linear_key_head_dim
+        v, nv = dims.linear_num_value_heads * dims.linear_value_head_dim, dims.linear_num_value_heads
+        # megatron-core saves in_proj under these part keys, as GDNInProj.checkpoint_parts
+        return cls((qk, qk, v, v, nv, nv), ("query", "key", "value", "z", "beta", "alpha"), groups=(3, 1, 1, 1))
+
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         _check(full_shape[0] == sum(self.parts), f"rows of parts {self.parts}", sum(self.parts), full_shape[0])
-        return [tuple(full_shape)]
+        rest, out, first = tuple(full_shape[1:]), [], 0
+        for n in self.groups:
+            out.append((sum(self.parts[first:first + n]), *rest))
+            first += n
+        return out
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
         c = _numel(shard_shape[1:])
-        out, dst, src = [], 0, 0
-        for rows in self.parts:
+        out, src = [], 0
+        for rows, (o, row) in zip(self.parts, self._place, strict=True):
             n = rows // count * c
-            out.append(StridedCopy(0, (count, n), (n, 1), (S, 1), dst_offset=dst, src_offset=src))
-            dst, src = dst + rows * c, src + n
+            out.append(StridedCopy(o, (count, n), (n, 1), (S, 1), dst_offset=row * c, src_offset=src))
+            src += n
         return out
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
-        pieces, start = [], 0
-        for rows in self.parts:
+        pieces = []
+        for rows, (o, row) in zip(self.parts, self._place, strict=True):
             n = rows // count
-            pieces.append(_take(hf[0], 0, start + index * n, start + (index + 1) * n))
-            start += rows
+            pieces.append(_take(hf[o], 0, row + index * n, row + (index + 1) * n))
         return torch.cat(pieces, dim=0)
