@@ -13,5 +13,8 @@ from . import (  # noqa: F401
     olmoe,
     qwen2,
     qwen3,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )

@@ -22,15 +22,16 @@ def embeddings(mtp_copies: bool = False) -> list[Rule]:
     ]
 
 
-def gqa_attention(qk_norm: type[LayoutOp] = Replicated) -> list[Rule]:
+def gqa_attention(qk_norm: type[LayoutOp] = Replicated, qkv: type[LayoutOp] = QKV) -> list[Rule]:
     """Fused QKV (weights and biases), output projection, optional q/k norms, the layer's two norms.
 
-    `qk_norm=Column`: full-width q/k norms (MiniMax-M2, OLMoE), whose weight Megatron splits by heads over TP."""
+    `qk_norm=Column`: full-width q/k norms (MiniMax-M2, OLMoE), whose weight Megatron splits by heads over TP.
+    `qkv=GatedQKV`: gated attention (Qwen3-Next), the output gate packed with the query."""
     a, h = f"{L}.self_attention", f"{HL}.self_attn"
     return [
         Rule(f"{L}.input_layernorm.weight", f"{HL}.input_layernorm.weight"),
-        Rule(f"{a}.linear_qkv.weight", [f"{h}.q_proj.weight", f"{h}.k_proj.weight", f"{h}.v_proj.weight"], QKV),
-        Rule(f"{a}.linear_qkv.bias", [f"{h}.q_proj.bias", f"{h}.k_proj.bias", f"{h}.v_proj.bias"], QKV),
+        Rule(f"{a}.linear_qkv.weight", [f"{h}.q_proj.weight", f"{h}.k_proj.weight", f"{h}.v_proj.weight"], qkv),
+        Rule(f"{a}.linear_qkv.bias", [f"{h}.q_proj.bias", f"{h}.k_proj.bias", f"{h}.v_proj.bias"], qkv),
         Rule(f"{a}.linear_proj.weight", f"{h}.o_proj.weight", Row),
         Rule(f"{a}.q_layernorm.weight", f"{h}.q_norm.weight", qk_norm),
         Rule(f"{a}.k_layernorm.weight", f"{h}.k_norm.weight", qk_norm),

@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from .hf_config import HFConfigLike, load_hf_config
+from .hf_config import HFConfigLike, load_hf_config, text_config
 
 
 def transformer_engine_available() -> bool:
@@ -35,5 +35,5 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
     spec = get_model_spec(cfg.model_type)
     if use_te is None:
         use_te = transformer_engine_available()
-    vocab = padded_vocab_size(cfg.vocab_size, ps.get_tensor_model_parallel_world_size(), make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(text_config(cfg).vocab_size, ps.get_tensor_model_parallel_world_size(), make_vocab_size_divisible_by)
     return spec.build_model(cfg, vocab_size=vocab, use_te=use_te, **overrides)

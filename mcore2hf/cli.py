@@ -136,7 +136,8 @@ def cmd_export(a) -> int:
     r = export_checkpoint(a.ckpt_dir, a.out_dir, a.hf_config, iteration=a.iteration, dtype=a.dtype,
                           max_shard_size=a.shard_size, bucket_bytes=a.bucket_size, overwrite=a.overwrite,
                           progress=not a.quiet, name_filter=_name_filter(a),
-                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, quantize=a.quantize)
+                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, quantize=a.quantize,
+                          base=a.base)
     if not a.quiet:
         print(f"wrote {r.tensors} HF tensors ({format_size(r.bytes_written)}) to {r.out_dir} in {r.seconds:.1f} s; "
               f"checkpoint {format_size(r.checkpoint_bytes)}, {r.ignored_keys} non-model keys skipped; "
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="write a block-FP8 checkpoint (DeepSeek-V3 / Qwen3-FP8 format: float8_e4m3fn weights + "
                          "float32 weight_scale_inv per 128x128 block; fp8-ue8m0: power-of-two scales)")
+    ex.add_argument("--base", default=None, metavar="HF_DIR",
+                    help="complete the output from this HF directory: copy every tensor the checkpoint does not "
+                         "produce (e.g. the vision tower of a text-only model) and its tokenizer/preprocessor files")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     ex.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     _filters(ex)

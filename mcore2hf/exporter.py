@@ -180,14 +180,18 @@ class HFExporter:
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer_rank: int = 0,
                         overwrite: bool = False, extra_files: Sequence[str] | None = None,
-                        name_filter: NameFilterLike = None, progress: bool = True, quantize: Quantize = None) -> str:
+                        name_filter: NameFilterLike = None, progress: bool = True, quantize: Quantize = None,
+                        base: str | os.PathLike | None = None) -> str:
         """Write config.json, sharded *.safetensors and model.safetensors.index.json (from writer_rank only).
 
         Collective. The directory appears only when complete; on failure every rank raises and nothing is left.
         config.json is the user's file as given (only the dtype value changes, a quantization_config of the
         source is dropped); tokenizer and generation files of an HF directory given as config are copied
         (`extra_files` replaces that list). `progress` shows a progress bar on the writer rank (on a terminal).
-        `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint with its `quantization_config`."""
+        `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint with its `quantization_config`.
+        `base` (an HF directory, e.g. the published checkpoint) completes the output with every base tensor the
+        export does not produce (a vision tower a text-only Megatron model lacks), copied in bounded chunks,
+        and the base's tokenizer/preprocessor files; config.json stays the export's (see SafetensorsWriter)."""
         scheme = get_scheme(quantize)
         plan = self.plan(bucket_bytes, name_filter, scheme)
         quantization = None
@@ -199,12 +203,12 @@ class HFExporter:
         src = self.config_source
         if self.ctx.rank == writer_rank:
             try:
-                inputs = [src.directory] if src.directory else []
+                inputs = ([src.directory] if src.directory else []) + ([base] if base is not None else [])
                 check_target(out_dir, overwrite, inputs)
                 infos = [TensorInfo(e.name, e.shape, e.dtype) for e in plan.hf_entries()]
                 writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size, overwrite=overwrite,
                                            extra_files=src.companion_files if extra_files is None else extra_files,
-                                           inputs=inputs, quantization=quantization)
+                                           inputs=inputs, quantization=quantization, base=base)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         error = self._agree(error, writer_rank)

@@ -245,6 +245,7 @@ class Copy:
     src_strides: tuple[int, ...] = ()
     src_offset: int = 0
     tag: tuple = ()  # (op, index in its copies()): gate and up halves never merge with each other
+    add: float = 0.0  # added after the copy (StridedCopy.add)
 
 
 @dataclass
@@ -437,12 +438,12 @@ class Executor:
                 for c in specs:
                     strides, off = c.resolve(0)
                     raw.append(Copy(s.dtype, c.sizes, c.dst_strides, outs[c.out].start // isz + c.dst_offset,
-                                    None, self._src(s), strides, off))
+                                    None, self._src(s), strides, off, add=c.add))
             else:
                 base = region_base[0 if loc.region == "mixed" else loc.region]
                 for j, c in enumerate(specs):
                     for copy in self._placed(s, c, outs, loc.offsets, base, a):
-                        copy.tag = (type(s.resolved.op).__name__, j)
+                        copy.tag, copy.add = (type(s.resolved.op).__name__, j), c.add
                         raw.append(copy)
             for name in s.resolved.copies:  # duplicates of the first output (MTP's embedding / head copies)
                 e, first = entries[name], outs[0]
@@ -623,6 +624,8 @@ class Executor:
                 if not p.is_contiguous():
                     p = p.contiguous()
                 dst.copy_(p.as_strided(c.sizes, c.src_strides, p.storage_offset() + c.src_offset))
+            if c.add:
+                dst.add_(c.add)
 
     def run(self, on_bucket: Callable[[int], None] | None = None, timing: bool = False) -> Iterator[Bucket]:
         """Yield the buckets in order. `timing` synchronizes the device around phases so `stats` split exactly.
@@ -668,7 +671,7 @@ def _merge(raw: list[Copy], typed_arena, a: int) -> list[Copy]:
     groups: dict[tuple, list[Copy]] = {}
     for c in raw:
         if isinstance(c.local, tuple) and c.local[0] == "arena":
-            groups.setdefault((c.dtype, c.sizes, c.dst_strides, c.src_strides, c.local, c.tag), []).append(c)
+            groups.setdefault((c.dtype, c.sizes, c.dst_strides, c.src_strides, c.local, c.tag, c.add), []).append(c)
         elif isinstance(c.local, tuple):
             duplicates.append(c)
         else:
@@ -696,5 +699,5 @@ def _finalize(c: Copy, count: int, dstep, sstep, typed_arena) -> Copy:
         sizes, dstr, sstr = (count, *sizes), (dstep, *dstr), (sstep, *sstr)
     if isinstance(c.local, tuple) and c.local[0] == "arena":
         src = typed_arena(c.local[1], c.dtype).as_strided(sizes, sstr, c.src_offset)
-        return Copy(c.dtype, sizes, dstr, c.dst_offset, src)
-    return Copy(c.dtype, sizes, dstr, c.dst_offset, None, c.local, sstr, c.src_offset)
+        return Copy(c.dtype, sizes, dstr, c.dst_offset, src, add=c.add)
+    return Copy(c.dtype, sizes, dstr, c.dst_offset, None, c.local, sstr, c.src_offset, add=c.add)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,13 @@ def _canonical(model_type: str) -> str:
     from .registry import canonical_model_type
 
     return canonical_model_type(model_type)
+
+
+def text_config(cfg: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: a multimodal config's nested `text_config` (Qwen3.5: transformers 5.23
+    Qwen3_5Config / Qwen3_5MoeConfig), else the config itself. The Megatron model is built from it."""
+    sub = getattr(cfg, "text_config", None)
+    return sub if isinstance(sub, PretrainedConfig) else cfg
 
 
 def get(cfg: PretrainedConfig, *names: str, default: Any = _MISSING) -> Any:
@@ -168,16 +176,20 @@ def output_config(source: ConfigSource, dtype, quantization: dict | None = None)
     return text, notes
 
 
-def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0) -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
+                     not_held: Callable[[str], bool] | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of `cfg` holds, with its shape, as transformers itself defines it: the model
     built on the meta device (no memory), in checkpoint format (`revert_weight_conversion` undoes transformers
     5's in-memory fusions, e.g. of experts). MTP layers, which transformers does not build, are the last decoder
-    layer's tensors plus DeepSeek-V3's published MTP extras."""
+    layer's tensors plus DeepSeek-V3's published MTP extras. A multimodal config (Qwen3.5) is built as its
+    published class (AutoModelForImageTextToText); `not_held` drops the tensors a converter declares the
+    Megatron model never holds (its vision tower)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     sd = model.state_dict()
     try:
         from transformers.core_model_loading import revert_weight_conversion
@@ -185,10 +197,12 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0) -> dict[str
         pass
     else:
         sd = revert_weight_conversion(model, sd)
+    if not_held is not None:
+        sd = {k: v for k, v in sd.items() if not not_held(k)}
     shapes = {k: tuple(v.shape) for k, v in sd.items()}
     if getattr(cfg, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)  # tied: checkpoints hold the embedding only
-    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    n, h = text_config(cfg).num_hidden_layers, text_config(cfg).hidden_size
     last = f"model.layers.{n - 1}."
     embed = shapes.get("model.embed_tokens.weight")
     for m in range(num_mtp_layers):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
 
 import torch
@@ -20,6 +21,8 @@ from .mapping import Converter
 from .naming import local_tensors, unwrap_model
 from .parallel import ParallelContext
 from .plan import _shard_split
+
+log = logging.getLogger("mcore2hf")
 
 
 class HFReader:
@@ -71,6 +74,8 @@ class HFReader:
 class LoadReport:
     loaded: int  # local tensors filled on this rank
     hf_tensors_read: int  # distinct HF tensors this rank read from
+    #: HF tensors of parts the Megatron model does not hold by design (converter's `not_held`), not loaded
+    skipped: list[str] = field(default_factory=list)
 
 
 def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor],
@@ -115,14 +120,19 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
         raise MissingWeightsError(missing, reader.where)
     if problems:
         raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
+    # declared by the converter (e.g. a text-only model's vision tower): skipped by design, never an error
+    skipped = sorted(n for n in reader_names - all_used if converter.not_held_by_model(n))
+    if skipped and ctx.rank == 0:
+        log.info("load_hf_weights: skipped %d HF tensor(s) the %s model does not hold by design, e.g. %s",
+                 len(skipped), converter.model_type, skipped[:3])
     if strict:
         ignored = {n for n in reader_names
                    if converter.ignored_on_load(n, dims) or _skipped_mtp_layer(n, dims, hf_mtp)}
-        unused = sorted(reader_names - all_used - ignored)
+        unused = sorted(reader_names - all_used - ignored - set(skipped))
         if unused:
             raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.where} match no Megatron parameter "
                                 f"(pass strict=False to ignore):\n  " + "\n  ".join(unused[:50]))
-    return LoadReport(loaded=len(local), hf_tensors_read=len(used))
+    return LoadReport(loaded=len(local), hf_tensors_read=len(used), skipped=skipped)
 
 
 def _load_local(local, converter, dims, ctx, reader, used: set[str]) -> list[str]:

@@ -41,6 +41,11 @@ class ModelDims:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # gated DeltaNet layers (Qwen3-Next)
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
 
 
 OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]
@@ -110,14 +115,23 @@ class Converter:
     ignore_on_load: tuple[str, ...] = ()
     #: which HF tensors stay unquantized in an FP8 export (None: FP8 export not supported for this architecture)
     fp8: FP8Policy | None = None
+    #: regexes (full match) of HF tensors the published checkpoints hold and the Megatron model never holds by
+    #: design (a text-only model's vision tower): loading skips and reports them; `save_pretrained(base=...)`
+    #: copies them from the base checkpoint
+    not_held: tuple[str, ...] = ()
 
     def __post_init__(self):
         templates = [t for rule in self.rules for t in rule.copies] + list(self.ignore_on_load)
         self._ignored = [_compile(t) for t in templates]
+        self._not_held = [regex.compile(p) for p in self.not_held]
 
     def ignored_on_load(self, hf_name: str, dims: ModelDims) -> bool:
         """HF tensors that have no Megatron counterpart to load into (copies the export writes, etc.)."""
         return any(p.fullmatch(hf_name) for p in self._ignored)
+
+    def not_held_by_model(self, hf_name: str) -> bool:
+        """An HF tensor of a part of the published model the Megatron model does not have (e.g. `model.visual.*`)."""
+        return any(p.fullmatch(hf_name) for p in self._not_held)
 
     def resolve(self, name: str, dims: ModelDims) -> Resolved | None:
         for rule in self.rules:

@@ -33,6 +33,8 @@ TE_RENAMES: dict[str, str] = {
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
     # MLA without q_lora_rank: the input norm fused into the q and kv down projections' first linear
     "self_attention.linear_q_proj.layer_norm_weight": "input_layernorm.weight",
+    # gated DeltaNet (megatron-core 0.16.1 experimental spec): the input norm fused into in_proj
+    "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",
 }
 
 _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")

@@ -375,7 +375,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
                       iteration: int | None = None, dtype: torch.dtype | str | None = None,
                       max_shard_size: int | str = "5GB", bucket_bytes: int | str = "1GiB",
                       overwrite: bool = False, progress: bool = True, name_filter=None,
-                      make_vocab_size_divisible_by: int = 128, quantize: str | None = None) -> ExportReport:
+                      make_vocab_size_divisible_by: int = 128, quantize: str | None = None,
+                      base: str | os.PathLike | None = None) -> ExportReport:
     """Write an HF directory from a Megatron torch_dist checkpoint (no GPU, no torch.distributed).
 
     `dtype` casts floating tensors (tensors HF keeps in fp32, like e_score_correction_bias, stay fp32).
@@ -383,7 +384,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     dropped as padding must be exactly Megatron's padding (`make_vocab_size_divisible_by` x the checkpoint's
     TP); all problems are reported at once, before anything is written. `name_filter(hf_name) -> bool` selects
     tensors. `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint (see `mcore2hf.quantize`): each
-    bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy."""
+    bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy. `base` (an HF
+    directory) completes the output with the base tensors the checkpoint does not produce (`SafetensorsWriter`)."""
     t0 = time.perf_counter()
     budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
     parse_size(max_shard_size, "max_shard_size")
@@ -414,7 +416,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     infos = [TensorInfo(name, shape, dt) for name, shape, dt in tensors]
     writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
                                extra_files=source.companion_files, inputs=inputs + [it_dir],
-                               quantization=quantization)
+                               quantization=quantization, base=base)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -482,7 +484,7 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     structural = structure_problems({s.name: s for s in sources}, spec, cfg, dims)
     if not problems:  # every tensor against the model transformers builds from this config
         problems = shape_problems({name: shape for s in sources for name, shape in s.hf},
-                                  hf_tensor_shapes(cfg, ckpt_mtp))
+                                  hf_tensor_shapes(cfg, ckpt_mtp, converter.not_held_by_model))
     if structural or problems:
         error = ConfigMismatchError if structural else ShapeMismatchError
         raise error(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "

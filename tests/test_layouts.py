@@ -9,13 +9,17 @@ from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.layouts import (
     QKV,
     Column,
+    ColumnParts,
     GatedColumn,
     GatedInterleaved,
+    GatedQKV,
+    GDNInProj,
     Replicated,
     Row,
     RowTransposed,
     Stacked,
     VocabRows,
+    ZeroCentered,
 )
 
 g = torch.Generator().manual_seed(0)
@@ -164,7 +168,130 @@ def test_to_hf_writes_into_views_of_one_flat_buffer_qkv_tp2():
     (Replicated(), (16,)), (Column(), (12, 8)), (Row(), (8, 12)), (GatedColumn(), (16, 8)),
     (QKV(8, 2, 4), (48, 16)), (VocabRows(100), (100, 8)), (GatedInterleaved(), (16, 6)), (GatedInterleaved(), (16,)),
     (RowTransposed(), (6, 8)), (Stacked(GatedInterleaved(), 1, 3), (16, 6)), (Stacked(RowTransposed(), 2, 3), (6, 8)),
+    (GatedQKV(8, 2, 4), (80, 16)), (GDNInProj(2, 4, 4, 3), (48, 8)), (ColumnParts((8, 8, 12)), (28, 1, 4)),
+    (ZeroCentered(), (12,)),
 ], ids=lambda x: type(x).__name__ if not isinstance(x, tuple) else "x".join(map(str, x)))
 def test_full_shape_inverts_hf_shapes(op, full):
     """What the offline import rebuilds a Megatron tensor's shape with (unpadded vocab: VocabRows gives vocab_size)."""
     assert op.full_shape(op.hf_shapes(full)) == full
+
+
+# Qwen3-Next: gated attention, gated DeltaNet in_proj / conv1d, the zero-centred GDN output norm
+
+
+def megatron_gated_qkv(q_proj, k, v, heads, groups, d):
+    """Megatron's gated linear_qkv from HF's: per query group [q heads; gate heads; k; v], where HF's q_proj holds
+    [q_h; gate_h] per head (loops, no reshapes)."""
+    hpg = heads // groups
+    rows = []
+    for grp in range(groups):
+        hs = range(grp * hpg, (grp + 1) * hpg)
+        rows += [q_proj[2 * h * d:(2 * h + 1) * d] for h in hs]  # queries
+        rows += [q_proj[(2 * h + 1) * d:(2 * h + 2) * d] for h in hs]  # gates
+        rows += [k[grp * d:(grp + 1) * d], v[grp * d:(grp + 1) * d]]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("heads,groups", [(8, 2), (4, 4), (4, 1)])
+def test_gated_qkv_weight_heads_groups_d4_h16(tp, heads, groups):
+    d = 4
+    if groups % tp:
+        pytest.skip("TP must divide the query groups")
+    q, k, v = rand(2 * heads * d, 16), rand(groups * d, 16), rand(groups * d, 16)
+    fused = megatron_gated_qkv(q, k, v, heads, groups, d)
+    roundtrip(GatedQKV(heads, groups, d), list(fused.chunk(tp, 0)), [q, k, v])
+
+
+def test_gated_qkv_rejects_ungated_rows_heads8_groups2_d4():
+    with pytest.raises(ShapeMismatchError, match=r"gated linear_qkv rows .*expected 80, got 48"):
+        GatedQKV(8, 2, 4).hf_shapes((48, 16))
+
+
+def megatron_gdn_in_proj(qkvz, ba, nk, nv, dk, dv, tp):
+    """megatron-core 0.16.1 GatedDeltaNet.in_proj shards from HF's in_proj_qkvz / in_proj_ba: shard i is
+    [q; k; v; z; b; a] of its key heads (HF: per key head h, [q_h; k_h; v_h; z_h] and [b_h; a_h])."""
+    r = nv // nk
+    w = 2 * dk + 2 * r * dv
+    shards = []
+    for i in range(tp):
+        heads = range(i * nk // tp, (i + 1) * nk // tp)
+        parts = {n: [] for n in "qkvzba"}
+        for h in heads:
+            base = h * w
+            parts["q"].append(qkvz[base:base + dk])
+            parts["k"].append(qkvz[base + dk:base + 2 * dk])
+            parts["v"].append(qkvz[base + 2 * dk:base + 2 * dk + r * dv])
+            parts["z"].append(qkvz[base + 2 * dk + r * dv:base + w])
+            parts["b"].append(ba[2 * r * h:2 * r * h + r])
+            parts["a"].append(ba[2 * r * h + r:2 * r * (h + 1)])
+        shards.append(torch.cat([t for n in "qkvzba" for t in parts[n]]))
+    return shards
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("nk,nv", [(4, 8), (4, 4), (4, 12)])
+def test_gdn_in_proj_nk_nv_dk4_dv3_h8(tp, nk, nv):
+    dk, dv = 4, 3
+    qkvz, ba = rand(2 * nk * dk + 2 * nv * dv, 8), rand(2 * nv, 8)
+    roundtrip(GDNInProj(nk, nv, dk, dv), megatron_gdn_in_proj(qkvz, ba, nk, nv, dk, dv, tp), [qkvz, ba])
+
+
+def test_gdn_in_proj_matches_megatron_and_hf_splits_of_an_activation_nk2_nv4_dk4_dv3_tp2():
+    """The semantics, not only the permutation: Megatron's forward split of each TP shard's projection
+    (gated_delta_net.py) gives the heads HF's fix_query_key_value_ordering gives (modeling_qwen3_next.py)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    nk, nv, dk, dv, hidden, tp = 2, 4, 4, 3, 8, 2
+    cfg = AutoConfig.for_model("qwen3_next", hidden_size=hidden, linear_num_key_heads=nk, linear_num_value_heads=nv,
+                               linear_key_head_dim=dk, linear_value_head_dim=dv, num_hidden_layers=1,
+                               layer_types=["linear_attention"])
+    hf = Qwen3NextGatedDeltaNet(cfg, 0)
+    qkvz, ba = rand(*hf.in_proj_qkvz.weight.shape), rand(*hf.in_proj_ba.weight.shape)
+    x = rand(1, 3, hidden)
+    q, k, v, z, b, a = hf.fix_query_key_value_ordering(x @ qkvz.t(), x @ ba.t())
+    shards = GDNInProj(nk, nv, dk, dv).shards_from_hf([qkvz, ba], tp, (2 * nk * dk + 2 * nv * dv + 2 * nv, hidden))
+    for i, shard in enumerate(shards):  # Megatron: split [qkv | z | b | a], then qkv into [q | k | v]
+        y = x @ shard.t()
+        qkv, zi, bi, ai = torch.split(y, [(2 * nk * dk + nv * dv) // tp, nv * dv // tp, nv // tp, nv // tp], -1)
+        qi, ki, vi = torch.split(qkv, [nk * dk // tp, nk * dk // tp, nv * dv // tp], -1)
+        kh, vh = slice(i * nk // tp, (i + 1) * nk // tp), slice(i * nv // tp, (i + 1) * nv // tp)
+        assert torch.equal(qi.reshape(1, 3, -1, dk), q[:, :, kh]) and torch.equal(ki.reshape(1, 3, -1, dk), k[:, :, kh])
+        assert torch.equal(vi.reshape(1, 3, -1, dv), v[:, :, vh]) and torch.equal(zi.reshape(1, 3, -1, dv), z[:, :, vh])
+        assert torch.equal(bi, b[:, :, vh]) and torch.equal(ai, a[:, :, vh])
+
+
+def test_gdn_in_proj_rejects_rows_nk2_nv4_dk4_dv3():
+    with pytest.raises(ShapeMismatchError, match=r"GDN in_proj rows .*expected 48, got 40"):
+        GDNInProj(2, 4, 4, 3).hf_shapes((40, 8))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_column_parts_conv1d_q8_k8_v12_k4(tp):
+    """GDN conv1d [conv_dim, 1, kernel]: each TP shard holds its rows of q, of k and of v."""
+    q, k, v = rand(8, 1, 4), rand(8, 1, 4), rand(12, 1, 4)
+    shards = [torch.cat([t.chunk(tp, 0)[i] for t in (q, k, v)]) for i in range(tp)]
+    roundtrip(ColumnParts((8, 8, 12)), shards, [torch.cat([q, k, v])])
+
+
+def test_zero_centered_norm_12_fp32_and_bf16():
+    """w_hf = w + 1, rounded in the tensor's dtype; HF -> Megatron -> HF is bit-exact for 0.5 <= w_hf <= 2."""
+    op = ZeroCentered()
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = (1.0 + 0.1 * rand(12)).to(dtype)
+        w = op.shard_from_hf([hf], 0, 1, (12,))
+        assert w.dtype == dtype and torch.equal(op.hf_tensors([w])[0], hf)
+        w = (0.1 * rand(12)).to(dtype)
+        assert torch.equal(op.hf_tensors([w])[0], w + 1)
+
+
+def test_zero_centered_megatron_round_trip_loses_low_bits_in_bf16_4096():
+    """Megatron -> HF -> Megatron is not exact: w + 1 drops the bits of w below the precision of 1 + w.
+    Measured for w ~ 0.1 * N(0, 1): fp32 round trip error <= 2^-24 (half an ulp of 1), bf16 <= 2^-8."""
+    op = ZeroCentered()
+    for dtype, bound in ((torch.float32, 2.0 ** -24), (torch.bfloat16, 2.0 ** -8)):
+        w = (0.1 * rand(4096)).to(dtype)
+        back = op.shard_from_hf(op.hf_tensors([w]), 0, 1, (4096,))
+        err = (back.double() - w.double()).abs().max().item()
+        assert 0 < err <= bound, (dtype, err)

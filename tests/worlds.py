@@ -635,3 +635,68 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
         dist.barrier()
         dist_checkpointing.save(sharded(), out)
     return len(ref)
+
+
+def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor | None) -> dict:
+    """Qwen3.5 (text model) from its multimodal checkpoint: loading skips what the converter declares not held
+    (vision tower, MTP), every export mode is bit-identical to the language model's tensors, save_pretrained
+    completed from the checkpoint as base equals the whole checkpoint; with `tokens` (PP 1), the logits."""
+    from mcore2hf.registry import get_converter
+
+    rank = dist.get_rank()
+    cfg, chunks = build(ckpt, layout)
+    report = load_hf_weights(chunks, ckpt)
+    full = read_hf_checkpoint(ckpt)
+    conv = get_converter(cfg.model_type)
+    ref = {n: t for n, t in full.items() if not conv.not_held_by_model(n)}
+    assert report.skipped == sorted(set(full) - set(ref)) and any(n.startswith("model.visual.") for n in report.skipped)
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), ref, f"{layout} all ranks")
+    assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}, ref, f"{layout} 4 KiB buckets")
+    got0 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0) for n, t in b}
+    agree(checked(lambda: assert_same(got0, ref, f"{layout} receivers=[0] 4 KiB") if rank == 0 else None)
+          or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
+
+    out = os.path.join(out_root, cfg.model_type, str(layout))
+    ex.save_pretrained(out, max_shard_size=20_000, base=ckpt)
+    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained(base=)"))
+          if rank == 0 else None)
+
+    # an unknown tensor of the language model is still an error, named alone (the vision tower is skipped)
+    bad = dict(full, **{"model.language_model.layers.0.foo": torch.zeros(2)})
+    zero_(chunks)
+    try:
+        load_hf_weights(chunks, bad, ckpt)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        assert "1 HF tensor(s)" in msg and "model.language_model.layers.0.foo" in msg and "visual" not in msg, msg
+    else:
+        raise AssertionError("an unknown language-model tensor was accepted")
+    load_hf_weights(chunks, ckpt)
+    logits = None
+    if tokens is not None:
+        from mcore2hf.hf_config import text_config
+
+        logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)
+    return {"tensors": len(ref), "skipped": len(report.skipped), "logits": logits}
+
+
+def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
+    """fn(*args) at each layout in turn, in one world (one process start-up for all): Megatron's parallel state is
+    torn down and initialized again between layouts (each layout must fit this world's size)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore2hf.testing.world import init_megatron
+
+    out = {}
+    for i, layout in enumerate(layouts):
+        if i:
+            ps.destroy_model_parallel()
+            init_megatron(layout)
+        out[str(layout)] = fn(*args, layout)
+    return out
+
+
+def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, layout: Layout) -> dict:
+    """qwen3_5_suite for every architecture at `layout` (logits only where PP is 1)."""
+    return for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None)

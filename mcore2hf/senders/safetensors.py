@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..buckets import Bucket
-from ..errors import Mcore2HFError
+from ..errors import Mcore2HFError, ShapeMismatchError
 from ..hf_config import ConfigSource, output_config
 from ..sizes import parse_size
 
@@ -36,6 +36,10 @@ SAFETENSORS_DTYPES = {
 }
 
 
+_COPY_CHUNK = 64 * 2**20  # base tensors are copied in chunks of this many bytes: memory stays bounded
+_TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -48,6 +52,67 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+
+@dataclass(frozen=True)
+class BaseTensor:
+    """A tensor of a base checkpoint, located by byte range in its file (read straight from the header)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    path: str
+    offset: int  # absolute byte offset in `path`
+    nbytes: int
+
+
+def read_base(base_dir: str | os.PathLike) -> dict[str, BaseTensor]:
+    """Every tensor of an HF directory (sharded with model.safetensors.index.json, or model.safetensors), from
+    the safetensors headers only (the format: 8-byte little-endian header length, JSON header, data; safetensors
+    0.8 `safetensors/src/tensor.rs`): nothing is loaded."""
+    root = os.fspath(base_dir)
+    if not os.path.isdir(root):
+        raise Mcore2HFError(f"base checkpoint {root} is not a directory")
+    index = os.path.join(root, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(root, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise Mcore2HFError(f"base checkpoint {root} has neither model.safetensors.index.json nor model.safetensors")
+    out: dict[str, BaseTensor] = {}
+    for fname in files:
+        path = os.path.join(root, fname)
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError) as e:
+            raise Mcore2HFError(f"base checkpoint file {path} is not a readable safetensors file: {e}") from e
+        for name, h in header.items():
+            if name == "__metadata__":
+                continue
+            if h["dtype"] not in _TORCH_DTYPES:
+                raise Mcore2HFError(f"base tensor {name} in {path} has dtype {h['dtype']}, expected one of "
+                                    f"{sorted(_TORCH_DTYPES)}")
+            begin, end = h["data_offsets"]
+            out[name] = BaseTensor(name, tuple(h["shape"]), _TORCH_DTYPES[h["dtype"]], path, 8 + n + begin,
+                                   end - begin)
+    return out
+
+
+def base_completion(produced: Sequence[TensorInfo], base: dict[str, BaseTensor]) -> list[BaseTensor]:
+    """The base tensors the export does not produce. A produced name wins over the base's (it is the trained
+    value, also in another dtype); a produced tensor whose shape differs from the base's is an error, since
+    then the base is not a checkpoint of this model. Every conflict is listed at once."""
+    names = {t.name: t for t in produced}
+    bad = [f"{n}: the model gives {list(names[n].shape)}, the base has {list(b.shape)}"
+           for n, b in base.items() if n in names and tuple(names[n].shape) != tuple(b.shape)]
+    if bad:
+        raise ShapeMismatchError(f"{len(bad)} tensor(s) of the base checkpoint conflict with the model's:\n  "
+                                 + "\n  ".join(bad[:50]))
+    return [b for n, b in base.items() if n not in names]
 
 
 def _overlap(a: str, b: str) -> bool:
@@ -112,18 +177,51 @@ def remove_stale_temp_dirs(out_dir: str) -> list[str]:
     return removed
 
 
+def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_config) -> list[str]:
+    """The export's companion files, plus the base's of other names (the export's win: they come with the config
+    the model was built from). The base's config.json must have the export config's model_type."""
+    from ..hf_config import COMPANION_FILES
+
+    root = os.fspath(base)
+    base_config = os.path.join(root, "config.json")
+    if hf_config is not None and os.path.isfile(base_config):
+        with open(base_config) as f:
+            base_type = json.load(f).get("model_type")
+        if isinstance(hf_config, ConfigSource):  # the type as the user's file spells it (aliases included)
+            ours = (hf_config.raw or {}).get("model_type") or hf_config.config.model_type
+        else:
+            ours = getattr(hf_config, "model_type", None)
+        if base_type != ours:
+            raise Mcore2HFError(f"base checkpoint {root} is a {base_type!r} checkpoint, the export is {ours!r}")
+    have = {os.path.basename(p) for p in extra_files}
+    return [*extra_files, *(os.path.join(root, f) for f in COMPANION_FILES
+                            if f not in have and os.path.isfile(os.path.join(root, f)))]
+
+
 class SafetensorsWriter:
     """Sender that writes an HF directory. `finish()` moves it into place; `abort()` removes every trace.
 
     `hf_config` is a `ConfigSource` (config.json written as the user's file has it), a `PretrainedConfig`
     (written as transformers writes it) or None (no config.json). `inputs` are paths the output must not overlap.
-    The directory gets the permissions the umask allows, as any directory the user creates."""
+    The directory gets the permissions the umask allows, as any directory the user creates.
+
+    `base` (an HF directory) completes the output: every base tensor the export does not produce (a vision
+    tower the Megatron model lacks) is copied byte for byte, in bounded chunks, into the output's shards and
+    index, and the base's companion files (tokenizer, preprocessor, chat template...) are copied where the
+    export brings none of that name. config.json stays the export's (the config the model was checked
+    against), which must have the base's model_type."""
 
     def __init__(self, out_dir: str | os.PathLike, tensors: Sequence[TensorInfo], hf_config=None, *,
                  max_shard_size: int | str = "5GB", overwrite: bool = False, extra_files: Sequence[str] = (),
-                 inputs: Sequence[str | os.PathLike] = (), quantization: dict | None = None):
+                 inputs: Sequence[str | os.PathLike] = (), quantization: dict | None = None,
+                 base: str | os.PathLike | None = None):
         limit = parse_size(max_shard_size, "max_shard_size")  # before anything is created
         self.out_dir = os.path.abspath(os.fspath(out_dir))
+        self.base: list[BaseTensor] = []
+        if base is not None:
+            inputs = [*inputs, base]
+            self.base = base_completion(tensors, read_base(base))
+            extra_files = _with_base_files(extra_files, base, hf_config)
         check_target(self.out_dir, overwrite, inputs)
         parent = os.path.dirname(self.out_dir)
         os.makedirs(parent, exist_ok=True)
@@ -141,17 +239,17 @@ class SafetensorsWriter:
             os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700: a server of another user could not read it
             with open(os.path.join(self.tmp, _MARKER), "w") as f:
                 f.write(f"{socket.gethostname()} {os.getpid()}\n")
-            self._plan_files(list(tensors), limit)
+            self._plan_files(list(tensors), limit, [TensorInfo(b.name, b.shape, b.dtype) for b in self.base])
             for fname, infos in self.files.items():
                 self._write_header(fname, infos)
         except BaseException:
             self.abort()
             raise
 
-    def _plan_files(self, tensors: list[TensorInfo], limit: int) -> None:
+    def _plan_files(self, tensors: list[TensorInfo], limit: int, base: Sequence[TensorInfo] = ()) -> None:
         groups: list[list[TensorInfo]] = [[]]
         size = 0
-        for t in tensors:
+        for t in [*tensors, *base]:  # base tensors after the model's: the config's dtype is the model's
             if groups[-1] and size + t.nbytes > limit:
                 groups.append([])
                 size = 0
@@ -208,7 +306,37 @@ class SafetensorsWriter:
             f.write(memoryview(data[e.start:e.start + e.nbytes]))
             self._written.add(e.name)
 
+    def _copy_base(self) -> None:
+        """Each base tensor's bytes, copied in chunks of at most _COPY_CHUNK: one chunk in memory at a time."""
+        sources: dict[str, object] = {}
+        try:
+            for b in self.base:
+                fname, offset, nbytes = self.location[b.name]
+                src = sources.get(b.path)
+                if src is None:
+                    src = sources[b.path] = open(b.path, "rb")  # noqa: SIM115 - closed below
+                dst = self._handles[fname]
+                src.seek(b.offset)
+                dst.seek(offset)
+                left = nbytes
+                while left:
+                    chunk = src.read(min(left, _COPY_CHUNK))
+                    if not chunk:
+                        raise Mcore2HFError(f"base tensor {b.name}: {b.path} ends {left} bytes early")
+                    dst.write(chunk)
+                    left -= len(chunk)
+                self._written.add(b.name)
+        finally:
+            for f in sources.values():
+                f.close()
+
     def finish(self) -> str:
+        if self.base:
+            try:
+                self._copy_base()
+            except BaseException:
+                self.abort()
+                raise
         missing = [n for n in self.location if n not in self._written]
         if missing:
             self.abort()

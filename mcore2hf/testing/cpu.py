@@ -13,6 +13,11 @@ The one place for them (measured with megatron-core 0.16.1, torch 2.13 CPU); eac
    MLA does `isinstance(linear_proj, TELinear)`; give that module (and multi_latent_attention, which imported
    the name) a plain `TELinear` class and HAVE_TE=False.
 7. the sliding-window causal mask (gpt-oss) is built with device="cuda": built on the CPU instead.
+8. gated DeltaNet (Qwen3-Next, megatron-core 0.16.1 megatron/core/ssm/gated_delta_net.py) refuses to build without
+   flash-linear-attention (HAVE_FLA) and calls fla's `l2norm` and `chunk_gated_delta_rule`: torch references
+   instead (`l2norm` as fla computes it, megatron's own `torch_chunk_gated_delta_rule`, which it uses in
+   deterministic mode); causal_conv1d is absent, so megatron runs its nn.Conv1d path. The `jit_fuser`
+   (torch.compile) methods of GatedDeltaNet and Attention (the gated norm, the attention output gate) run eagerly.
 
 Not a shim but a module: `SDPACoreAttention`, the core attention the local-spec MLA layer needs (Megatron's
 `DotProductAttention` rejects MLA's `k_channels` / `v_channels` / `softmax_scale`); model_specs.deepseek_v3
@@ -54,6 +59,8 @@ def apply_cpu_shims() -> None:
 
     fused_softmax.get_sliding_window_causal_mask = window_mask_cpu
 
+    _gdn_without_fla()
+
     try:
         from megatron.core.extensions import transformer_engine as te_ext
     except Exception:  # noqa: BLE001 - absent in some releases: nothing to patch
@@ -68,6 +75,34 @@ def apply_cpu_shims() -> None:
 
         mla.TELinear = TELinear
         mla.HAVE_TE = False
+
+
+def fla_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla.modules.l2norm's l2norm: x / sqrt(sum(x^2) + eps) over the last dim, in fp32, cast back."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _eager(cls, name: str) -> None:
+    fn = cls.__dict__.get(name)
+    orig = getattr(fn, "_torchdynamo_orig_callable", None)
+    if orig is not None:
+        setattr(cls, name, orig)
+
+
+def _gdn_without_fla() -> None:
+    try:
+        from megatron.core.ssm import gated_delta_net as gdn
+    except ImportError:  # releases without gated DeltaNet
+        return
+    from megatron.core.transformer.attention import Attention
+
+    if not gdn.HAVE_FLA:
+        gdn.HAVE_FLA = True
+        gdn.l2norm = fla_l2norm
+        gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    _eager(gdn.GatedDeltaNet, "_apply_gated_norm")
+    _eager(Attention, "_apply_output_gate")
 
 
 class SDPACoreAttention(torch.nn.Module):

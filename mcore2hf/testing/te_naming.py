@@ -7,7 +7,7 @@ Parameter objects (so values are unchanged):
 * fused norms: `input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`; for dense MLPs
   `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight` (MoE layers keep a separate
   `pre_mlp_layernorm`, as with TE); MLA: `q_layernorm`/`kv_layernorm` -> `linear_q_up_proj`/`linear_kv_up_proj`
-  `.layer_norm_weight`;
+  `.layer_norm_weight`; gated DeltaNet: `input_layernorm.weight` -> `self_attention.in_proj.layer_norm_weight`;
 * grouped experts: `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` -> `mlp.experts.linear_fc{1,2}.weight{i}`;
 * TE's attributes on expert weights: under explicit expert communication (expert-TP > 1 or EP > 1) TE gets
   no parallel_mode, so every expert weight is marked `partition_dim=0`, `partition_stride=1` - also the
@@ -60,6 +60,9 @@ def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool
             _move(layer.input_layernorm, "weight", attn.linear_qkv, "layer_norm_weight")
         if "bias" in layer.input_layernorm._parameters:
             _move(layer.input_layernorm, "bias", attn.linear_qkv, "layer_norm_bias")
+    elif hasattr(attn, "in_proj"):  # gated DeltaNet: the input norm fused into in_proj
+        if "weight" in layer.input_layernorm._parameters:
+            _move(layer.input_layernorm, "weight", attn.in_proj, "layer_norm_weight")
     else:  # MLA: separate input norm, q/kv norms fused into the up projections
         for norm, proj in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
             if hasattr(attn, norm) and hasattr(attn, proj) and "weight" in getattr(attn, norm)._parameters:

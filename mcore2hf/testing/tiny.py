@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 TINY_CONFIGS: dict[str, dict] = {
     # vocab 100 (Megatron pads it), 4 layers so PP2 x VPP2 has a layer per chunk, 8 experts for EP4
@@ -102,7 +102,38 @@ TINY_CONFIGS: dict[str, dict] = {
         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         sliding_window=None, max_position_embeddings=256, tie_word_embeddings=False,
     ),
+    # Qwen3-Next-80B-A3B scaled down: 3 gated DeltaNet layers then 1 gated attention layer (PP2 puts the boundary
+    # between stages), more value heads than key heads (r = 2) and key / value head dims that differ, so TP2
+    # splits both head counts and a mix-up of the grouping shows; partial rotary 0.25, gated shared expert
+    "qwen3_next": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
 }
+
+# Qwen3.5 (Qwen/Qwen3.5-27B, -35B-A3B config.json layout): a multimodal config whose text_config is the language
+# model mcore2hf converts; the small vision tower makes the tiny checkpoint a real base for `save_pretrained(base=)`.
+# 4 layers, full attention every 2nd (published: every 4th), so PP2 stages both hold both layer kinds.
+_QWEN3_5_TEXT = dict(
+    vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, full_attention_interval=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+_QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                       num_position_embeddings=16, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+TINY_CONFIGS.update({
+    "qwen3_5": dict(text_config=dict(_QWEN3_5_TEXT, intermediate_size=96), vision_config=_QWEN3_5_VISION,
+                    tie_word_embeddings=False),
+    "qwen3_5_moe": dict(text_config=dict(_QWEN3_5_TEXT, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                         num_experts=8, num_experts_per_tok=2),
+                        vision_config=_QWEN3_5_VISION, tie_word_embeddings=False),
+})
 
 # Members of a registered family whose config.json is the family's format with other values (not an
 # architecture of their own: tests run them where the values matter, logit parity). Scaled-down published values.
@@ -180,7 +211,9 @@ def make_hf_checkpoint(cfg: PretrainedConfig, out_dir: str | os.PathLike, *, see
     transformers builds no MTP layers, so for configs with `num_nextn_predict_layers` the MTP tensors are added
     in the published layout (decoder layer, enorm, hnorm, eh_proj, shared_head, embedding/head copies)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # a multimodal config (Qwen3.5) is saved as its published checkpoints are: the whole model, vision tower too
+    auto = AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None else AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=torch.float32)
     randomize_(model, seed)
     model = model.to(dtype)
     out = os.fspath(out_dir)

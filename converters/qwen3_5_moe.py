@@ -1,0 +1,20 @@
+"""Qwen3.5-MoE (HF `qwen3_5_moe`: Qwen3.5-35B-A3B, -397B-A17B), the text model: Qwen3.5's layers (see
+converters/qwen3_5.py) with Qwen3-Next's MoE in every layer (router `mlp.gate`, experts `mlp.experts.{E}.*` in
+checkpoint format, `mlp.shared_expert` and its sigmoid `mlp.shared_expert_gate`), read in transformers 5.23.0
+models/qwen3_5_moe/modeling_qwen3_5_moe.py."""
+
+from mcore2hf.layouts import GatedQKV
+from mcore2hf.mapping import Converter
+from mcore2hf.registry import register
+
+from . import qwen3_next
+from .common import embeddings, gqa_attention, moe
+from .qwen3_5 import NOT_HELD, gated_delta_net, language_model
+
+QWEN3_5_MOE = register(Converter(
+    model_type="qwen3_5_moe",
+    spec="mcore2hf.model_specs.qwen3_5",
+    rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe()
+                         + qwen3_next.gated_shared_expert()),
+    not_held=NOT_HELD,
+))

@@ -1,0 +1,43 @@
+"""Qwen3-Next (HF `qwen3_next`: Qwen3-Next-80B-A3B): per layer a gated DeltaNet (`linear_attn.*`) or gated
+attention (`self_attn.*`, q_proj packs [q_h; gate_h] per head), MoE with a shared expert and its sigmoid gate.
+
+Names: what transformers 5.23.0 saves (models/qwen3_next/modeling_qwen3_next.py; experts in checkpoint format
+`mlp.experts.{E}.{gate,up,down}_proj`). Megatron: megatron-core 0.16.1 GatedDeltaNet (`self_attention.in_proj`,
+`conv1d`, `A_log`, `dt_bias`, `out_norm`, `out_proj`) and SharedExpertMLP's `gate_weight`. Every norm but
+`linear_attn.norm` is zero-centred on both sides (the same values); `linear_attn.norm` is `ZeroCentered` (+1).
+The published checkpoints' MTP tensors (`mtp.*`, which transformers ignores) are not mapped. No FP8 table: the
+published FP8 checkpoint's list of unquantized modules was not available to check against."""
+
+from mcore2hf.layouts import Column, ColumnParts, GatedQKV, GDNInProj, Replicated, Row, ZeroCentered
+from mcore2hf.mapping import Converter, Rule
+from mcore2hf.registry import register
+
+from .common import HL, L, dense_mlp, embeddings, glu_mlp, gqa_attention, moe
+
+
+def gated_delta_net() -> list[Rule]:
+    """A gated DeltaNet layer's own tensors (the input / post-attention norms are gqa_attention's rules)."""
+    a, h = f"{L}.self_attention", f"{HL}.linear_attn"
+    return [
+        Rule(f"{a}.in_proj.weight", [f"{h}.in_proj_qkvz.weight", f"{h}.in_proj_ba.weight"], GDNInProj),
+        Rule(f"{a}.conv1d.weight", f"{h}.conv1d.weight", ColumnParts.gdn_conv),
+        Rule(f"{a}.A_log", f"{h}.A_log", Column),
+        Rule(f"{a}.dt_bias", f"{h}.dt_bias", Column),
+        Rule(f"{a}.out_norm.weight", f"{h}.norm.weight", ZeroCentered),
+        Rule(f"{a}.out_proj.weight", f"{h}.out_proj.weight", Row),
+    ]
+
+
+def gated_shared_expert() -> list[Rule]:
+    """Qwen2-MoE-style shared expert (`mlp.shared_expert`, singular) and its sigmoid gate [1, hidden]."""
+    return glu_mlp(f"{L}.mlp.shared_experts", f"{HL}.mlp.shared_expert") + [
+        Rule(f"{L}.mlp.shared_experts.gate_weight", f"{HL}.mlp.shared_expert_gate.weight", Replicated)]
+
+
+QWEN3_NEXT = register(Converter(
+    model_type="qwen3_next",
+    spec="mcore2hf.model_specs.qwen3_next",
+    # dense_mlp: layers listed in mlp_only_layers / skipped by decoder_sparse_step
+    rules=embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe() + gated_shared_expert()
+    + dense_mlp(),
+))

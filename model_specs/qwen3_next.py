@@ -1,0 +1,215 @@
+"""Qwen3-Next: HF Qwen3NextConfig <-> Megatron TransformerConfig + a hybrid layer spec (gated DeltaNet layers and
+gated full-attention layers, MoE with a gated shared expert).
+
+Read in transformers 5.23.0 models/qwen3_next/{modeling,configuration}_qwen3_next.py and megatron-core 0.16.1
+megatron/core/ssm/gated_delta_net.py, megatron/core/models/gpt/experimental_attention_variant_module_specs.py:
+
+* `layer_types[i]` ("linear_attention" / "full_attention") is Megatron's `linear_attention_freq` list (1 = GDN);
+* every Qwen3NextRMSNorm computes x_hat * (1 + w) (zero-centred gamma, initialized to 0): Megatron's
+  `layernorm_zero_centered_gamma=True`, the same stored value; megatron-core's local norm refuses it (torch_norm.py),
+  so the local spec uses `ZeroCenteredRMSNorm` (what TE's RMSNorm(zero_centered_gamma=True) computes);
+* the GDN output norm: transformers' Qwen3NextRMSNormGated stores gamma itself (initialized to 1), while
+  megatron-core 0.16.1 builds GatedDeltaNet.out_norm from the config like every norm, so it is zero-centred too
+  (gamma = 1 + w): the converter maps it with `ZeroCentered` (w_hf = w + 1);
+* gated attention: `attention_output_gate=True` (q_proj holds [q_h; gate_h] per head, output * sigmoid(gate));
+* MoE: softmax top-k (renormalized iff norm_topk_prob), a shared expert scaled by sigmoid(shared_expert_gate(x)):
+  Megatron's `moe_shared_expert_gate=True`.
+
+`hybrid_block_spec` and `ZeroCenteredRMSNorm` are shared with Qwen3.5 (same blocks, other HF projections).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore2hf.errors import ConfigMismatchError
+from mcore2hf.hf_config import get
+
+from .common import (
+    base_dims,
+    base_structural,
+    default_gpt_kwargs,
+    llama_like_fields,
+    make_config,
+    moe_fields,
+    spec_builder,
+    supported_kwargs,
+)
+
+HF_ARCHITECTURE = "Qwen3NextForCausalLM"
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm with zero-centred gamma: y = x / rms(x) * (1 + w), in fp32, cast back to the input dtype (TE's
+    RMSNorm with zero_centered_gamma=True; transformers' Qwen3NextRMSNorm). Megatron's local norm lacks it."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        # Megatron all-reduces the gradients of sequence-parallel norms over TP
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def gdn_module_spec():
+    """Local-spec GatedDeltaNet (megatron-core 0.16.1's TE spec fuses the input norm into in_proj; here it stays
+    the layer's input_layernorm, the same parameter under its local name)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear))
+
+
+def _local_layer(config, moe: bool, linear: bool):
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(**supported_kwargs(
+        get_gpt_layer_local_spec, num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm, normalization="RMSNorm")))
+    sub = spec.submodules
+    sub.input_layernorm = ZeroCenteredRMSNorm
+    sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    if linear:
+        sub.self_attention = gdn_module_spec()
+    elif config.qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+        sub.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+    return spec
+
+
+def _stage_layer_ids(config, vp_stage) -> list[int]:
+    """Global indices of the layers this (virtual) pipeline stage builds, as Megatron's block specs slice them."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if getattr(config, "pipeline_model_parallel_layout", None) is not None:
+        return list(config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
+                                                                            vp_stage=vp_stage))
+    offset = get_transformer_layer_offset(**supported_kwargs(get_transformer_layer_offset, config=config,
+                                                             vp_stage=vp_stage))
+    n = get_num_layers_to_build(**supported_kwargs(get_num_layers_to_build, config=config, vp_stage=vp_stage))
+    return list(range(offset, offset + n))
+
+
+def hybrid_block_spec(config, *, vp_stage=None, use_te: bool = False):
+    """Decoder block spec of a GDN / full-attention hybrid from `config.linear_attention_freq` (a list: 1 = GDN)
+    and `config.moe_layer_freq`. With Transformer Engine: megatron-core's experimental spec itself."""
+    if use_te:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    linear = list(config.linear_attention_freq)
+    freq = config.moe_layer_freq
+    moe = list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    if config.num_moe_experts is None:
+        moe = [0] * config.num_layers
+    layers = [_local_layer(config, bool(moe[i]), bool(linear[i])) for i in _stage_layer_ids(config, vp_stage)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredRMSNorm)
+
+
+def linear_pattern(cfg) -> list[int]:
+    """1 where HF builds a gated DeltaNet layer (layer_types), 0 for full attention."""
+    types = list(cfg.layer_types)
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown or len(types) != cfg.num_hidden_layers:
+        raise ConfigMismatchError(f"{cfg.model_type} layer_types: expected {cfg.num_hidden_layers} entries of "
+                                  f"linear_attention / full_attention, got {types}")
+    return [int(t == "linear_attention") for t in types]
+
+
+def gdn_fields(cfg) -> dict:
+    """TransformerConfig fields of the gated DeltaNet layers (megatron-core 0.16.1 transformer_config.py)."""
+    return dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=linear_pattern(cfg),
+                linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, linear_key_head_dim=cfg.linear_key_head_dim,
+                linear_value_head_dim=cfg.linear_value_head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
+                linear_num_value_heads=cfg.linear_num_value_heads)
+
+
+def num_experts(cfg) -> int:
+    return int(get(cfg, "num_experts", default=0) or 0)
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (num_experts(cfg) > 0 and layer not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and (layer + 1) % step == 0)
+
+
+def gdn_dims(cfg) -> dict:
+    """ModelDims fields of the gated DeltaNet layout ops."""
+    return dict(linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+                linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim)
+
+
+def dims(cfg):
+    return base_dims(cfg, num_experts=num_experts(cfg), **gdn_dims(cfg))
+
+
+def _checks(cfg) -> None:
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ConfigMismatchError(f"{cfg.model_type} hidden_act: expected silu (GatedDeltaNet's conv activation and "
+                                  f"output gate are the config's activation), got {cfg.hidden_act}")
+    if getattr(cfg, "attention_bias", False):
+        raise ConfigMismatchError(f"{cfg.model_type} attention_bias: expected False, got True")
+    if num_experts(cfg) and not int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0):
+        raise ConfigMismatchError(f"{cfg.model_type} shared_expert_intermediate_size: transformers always builds a "
+                                  "gated shared expert; expected > 0, got 0")
+
+
+def moe_part(cfg) -> dict:
+    """MoE fields: softmax top-k, the gated shared expert."""
+    n = num_experts(cfg)
+    if not n:
+        return {}
+    pattern = [int(is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)]
+    fields = moe_fields(cfg, n, cfg.num_experts_per_tok, cfg.moe_intermediate_size, pattern)
+    fields.update(moe_router_score_function="softmax", moe_router_pre_softmax=not cfg.norm_topk_prob,
+                  moe_shared_expert_intermediate_size=int(cfg.shared_expert_intermediate_size),
+                  moe_shared_expert_gate=True)
+    return fields
+
+
+def transformer_config(cfg, **overrides):
+    _checks(cfg)
+    fields = llama_like_fields(cfg)
+    fields.update(qk_layernorm=True, layernorm_zero_centered_gamma=True, attention_output_gate=True)
+    fields.update(gdn_fields(cfg))
+    fields.update(moe_part(cfg))
+    return make_config(fields, overrides)
+
+
+def structural_fields(cfg) -> dict:
+    out = base_structural(cfg, qk_layernorm=True, add_qkv_bias=False, layernorm_zero_centered_gamma=True,
+                          attention_output_gate=True, **gdn_fields(cfg))
+    out.update(num_moe_experts=num_experts(cfg) or None)
+    if num_experts(cfg):
+        out.update(moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                   moe_shared_expert_intermediate_size=int(cfg.shared_expert_intermediate_size))
+    if not all(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)):
+        out["ffn_hidden_size"] = cfg.intermediate_size
+    return out
+
+
+def gpt_kwargs(cfg) -> dict:
+    return default_gpt_kwargs(cfg)
+
+
+def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
+    return hybrid_block_spec(config, vp_stage=vp_stage, use_te=use_te)
+
+
+build_model = spec_builder(__name__)
