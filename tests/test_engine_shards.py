@@ -46,8 +46,12 @@ TPS = (1, 2, 4)
 # the oracle's shapes: 4 query heads and 2 kv heads (so TP 4 replicates kv heads), head_dim 4, hidden 8, vocab 100
 # (padded to 128: TP 4's last rank holds 4 real rows), 8 experts of intermediate 12 (3 per rank at expert TP 4)
 H, HEADS, KV, HD, VOCAB, E, INTER = 8, 4, 2, 4, 100, 8, 12
+# gated DeltaNet: 4 key heads, 8 value heads (2 per key head), head dims 4, conv kernel 4: TP 1/2/4 all split heads
+NK, NV, DK, DV, CK = 4, 8, 4, 4, 4
+KD, VD = NK * DK, NV * DV
 DIMS = ModelDims(hidden_size=H, num_layers=1, vocab_size=VOCAB, num_attention_heads=HEADS, num_query_groups=KV,
-                 head_dim=HD, num_experts=E)
+                 head_dim=HD, num_experts=E, linear_num_key_heads=NK, linear_num_value_heads=NV,
+                 linear_key_head_dim=DK, linear_value_head_dim=DV)
 
 
 def placements(engine: str, tp: int, moe: bool = False) -> list[EnginePlacement]:
@@ -191,6 +195,51 @@ def test_mask_to_engine_normal_mode_writes_regions_kv_8x8_tp4():
     assert regions == [((0, 4, 4),)] and torch.equal(out[4:], full[4:]) and out.shape == full.shape
 
 
+def test_linear_qkv_parts_conv1d_64x1x4_tp2_three_boxes_per_rank():
+    name = "model.layers.0.linear_attn.conv1d.weight"
+    got = [engine_regions(name, (2 * KD + VD, 1, CK), DIMS, EnginePlacement("sglang", r, 2)) for r in range(2)]
+    assert got == [[((0, 0, 8),), ((0, 16, 8),), ((0, 32, 16),)], [((0, 8, 8),), ((0, 24, 8),), ((0, 48, 16),)]]
+    assert engine_regions(name, (2 * KD + VD, 1, CK), DIMS, EnginePlacement("vllm", 0, 1)) == [()]
+
+
+def test_linear_heads_96x8_tp8_refused_when_tp_does_not_divide_key_heads():
+    for name, shape in (("model.layers.0.linear_attn.in_proj_qkvz.weight", (2 * KD + 2 * VD, H)),
+                        ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", (2 * KD + VD, H))):
+        try:
+            engine_regions(name, shape, DIMS, EnginePlacement("vllm", 0, 8))
+        except EngineShardError as e:
+            assert "tp_size 8" in str(e) and "4 linear key heads" in str(e)
+        else:
+            raise AssertionError(f"{name}: 8 ranks cannot split 4 key heads")
+
+
+def test_linear_qkv_parts_72x8_wrong_part_sizes_refused():
+    try:
+        engine_regions("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", (72, H), DIMS,
+                       EnginePlacement("sglang", 0, 2))
+    except EngineShardError as e:
+        assert "16 + 16 + 32" in str(e) and "found 72" in str(e)
+    else:
+        raise AssertionError("accepted")
+
+
+def test_qwen3_5_language_model_names_and_qwen2_style_shared_expert_kinds():
+    lm = "model.language_model"
+    assert sharding_kind(f"{lm}.embed_tokens.weight") == ("vocab", None)
+    assert sharding_kind(f"{lm}.norm.weight") == ("replicated", None)
+    assert sharding_kind(f"{lm}.layers.3.self_attn.q_proj.weight") == ("column", None)  # [q_h; gate_h] per head
+    assert sharding_kind(f"{lm}.layers.0.mlp.experts.7.down_proj.weight") == ("expert_row", 7)
+    assert sharding_kind("model.layers.0.mlp.shared_expert.up_proj.weight") == ("shared_column", None)
+    assert sharding_kind("model.layers.0.mlp.shared_expert_gate.weight") == ("replicated", None)
+    assert sharding_kind(f"{lm}.layers.0.linear_attn.norm.weight") == ("replicated", None)
+    for bad in ("model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"):  # not held, not sent
+        try:
+            sharding_kind(bad)
+        except EngineShardError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+
+
 def _expected_multiplicity(kind: str, p: EnginePlacement, dims: ModelDims) -> int:
     """How many ranks of one engine load each element of a tensor of `kind`."""
     if kind in ("shared_column", "shared_row"):
@@ -208,18 +257,26 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
     every rank; kv heads under replication: tp / kv heads ranks; everything else: exactly one rank), and the
     bytes each rank needs are printed against the full model's bytes."""
     from mcore2hf.hf_config import hf_tensor_shapes
-    from mcore2hf.registry import get_model_spec
+    from mcore2hf.registry import get_converter, get_model_spec
     from mcore2hf.testing.tiny import TINY_CONFIGS, tiny_config
 
     report, skipped = [], set()
     for model_type in TINY_CONFIGS:
         cfg = tiny_config(model_type)
         dims = get_model_spec(model_type).dims(cfg)
-        shapes = hf_tensor_shapes(cfg, dims.num_mtp_layers)
+        # what the export sends: Qwen3.5's vision tower is not held by the Megatron model (never sent)
+        shapes = hf_tensor_shapes(cfg, dims.num_mtp_layers, get_converter(model_type).not_held_by_model)
         full_bytes = sum(torch.Size(s).numel() for s in shapes.values()) * 4
         for engine in ("sglang", "vllm"):
             for tp in TPS:
                 if dims.num_attention_heads % tp:
+                    continue
+                if dims.linear_num_key_heads and dims.linear_num_key_heads % tp:  # both engines: heads / tp
+                    gdn = next(n for n in shapes if ".linear_attn.in_proj" in n)
+                    with pytest.raises(EngineShardError, match="linear key heads"):
+                        engine_regions(gdn, shapes[gdn], dims, EnginePlacement(engine, 0, tp), model_type)
+                    report.append(f"{model_type:14s} {engine:6s} tp{tp}: refused ({dims.linear_num_key_heads} "
+                                  "linear key heads)")
                     continue
                 for ep in sorted({ps.ep_size for ps in placements(engine, tp, dims.num_experts > 0)}):
                     ranks = [p for p in placements(engine, tp, dims.num_experts > 0) if p.ep_size == ep]
@@ -244,6 +301,8 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
                     report.append(f"{model_type:14s} {engine:6s} tp{tp} ep{ep}: full {full_bytes:8d} B, per rank "
                                   + " ".join(f"{b:8d}" for b in need)
                                   + f" (max {max(need) / full_bytes:.2f} of full)")
+    covered = {line.split()[0] for line in report}
+    assert {"qwen3_next", "qwen3_5", "qwen3_5_moe"} <= covered, covered  # the gated DeltaNet architectures
     with capsys.disabled():
         print("\nengine-rank bytes needed (fp32, tiny configs):\n" + "\n".join(report))
         print("not declared (refused):", sorted(skipped))
