@@ -41,7 +41,13 @@ The two engines differ only in the vocab padding rule, in expert placement when 
 it) and in gpt-oss's stacked experts under EP (vLLM: whole experts per EP rank; SGLang 0.5.23's
 weight_loader_fused has no expert narrowing, so EP is refused there). SGLang's shared-experts fusion
 (num_fused_shared_experts > 0, a server option) is not covered: the rules describe the unfused shared MLP
-(column / row over TP, or replicated where the placement says so).
+(column / row over TP, or replicated where the placement says so); the same for Qwen3-Next / Qwen3.5-MoE's
+shared expert (sglang enable_shared_expert_fusion, vllm fuse_shared_experts: not covered). Qwen3.5-MoE's fused
+checkpoint experts (`mlp.experts.gate_up_proj` [E, 2I, H], which sglang's models/qwen3_5.py also reads) are not in
+the table: mcore2hf exports per-expert names. Both engines support Qwen3-Next, Qwen3.5 and Qwen3.5-MoE in these
+versions (sglang EntryClass Qwen3NextForCausalLM, Qwen3_5[Moe]ForConditionalGeneration; vllm the same classes);
+gated DeltaNet heads must divide over TP (refused otherwise, as the engines fail), DP attention / SGLang's
+cp-tp group sharing (linear attention over "tp" instead of "attn_tp") are not covered.
 
 A region is a tuple of (dim, offset, length) triples, one per narrowed dim (dims not named are whole); a rank
 loads the union of its regions (an empty list: nothing). Regions of one rank never overlap.
@@ -82,7 +88,8 @@ class EnginePlacement:
     moe_tp: int | None = None
     #: shared experts replicated on every rank instead of split over TP: sglang with a DeepEP-class
     #: moe_a2a_backend (models/deepseek_v2.py _shared_expert_use_tp1, glm4_moe.py parallel_group="replicated"),
-    #: vllm with use_sequence_parallel_moe (models/deepseek_v2.py DeepseekV2MLP disable_tp)
+    #: vllm with use_sequence_parallel_moe (models/deepseek_v2.py DeepseekV2MLP disable_tp); the same for the
+    #: Qwen2-style shared_expert (sglang models/qwen2_moe.py parallel_group="replicated", vllm Qwen2MoeMLP)
     replicated_shared_experts: bool = False
 
     def __post_init__(self):
