@@ -84,7 +84,8 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     """Fill a Megatron model (any TP/PP/VPP/EP/ETP layout) from HF weights: a directory or a state dict.
 
     `hf_config` defaults to the directory's config.json. With `strict`, HF tensors that no rank used are an
-    error (collective: every rank of the world must call it)."""
+    error (collective: every rank of the world must call it), except those the converter declares the model does
+    not hold (`Converter.not_held`, e.g. a text-only model's vision tower): skipped and listed in `skipped`."""
     chunks = unwrap_model(model)
     if hf_config is None:
         if isinstance(source, Mapping):

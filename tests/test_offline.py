@@ -270,3 +270,40 @@ def test_offline_fp8_export_equals_the_reference_quantizer(case, saved, ckpts, t
     with pytest.raises(ValueError, match=r"quantize must be one of \['fp8', 'fp8-ue8m0'\] or None, got 'int4'"):
         export_checkpoint(os.path.join(base, "ckpt"), tmp_path / "bad", ckpts[mt], quantize="int4", progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_cli_export_completes_the_output_from_a_base(saved, ckpts, tmp_path):
+    """--base: every base tensor the checkpoint does not produce is copied byte for byte (here a bf16 tensor in a
+    shard of its own, as a vision tower would be), with the base's companion files; a base tensor of another shape
+    than the model's is refused before anything is written."""
+    from safetensors.torch import save_file
+
+    root = saved[(str(CASES[0][0]), False)]["qwen3_moe"]
+
+    def base_with(name: str, extra: dict) -> str:
+        base = tmp_path / name
+        shutil.copytree(ckpts["qwen3_moe"], base)
+        save_file(extra, base / "extra.safetensors", metadata={"format": "pt"})
+        names = read_hf_checkpoint(base)  # model.safetensors only: no index yet
+        index = {"metadata": {}, "weight_map": {**dict.fromkeys(names, "model.safetensors"),
+                                                **dict.fromkeys(extra, "extra.safetensors")}}
+        (base / "model.safetensors.index.json").write_text(json.dumps(index))
+        (base / "preprocessor_config.json").write_text("{}")
+        return str(base)
+
+    def export(base: str, out) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(root, "ckpt"), str(out),
+                               "--hf-config", ckpts["qwen3_moe"], "--base", base, "--quiet"],
+                              capture_output=True, text=True)
+
+    extra = {"model.visual.proj.weight": torch.randn(3, 5).bfloat16()}
+    out = tmp_path / "out"
+    r = export(base_with("base", extra), out)
+    assert r.returncode == 0, r.stderr
+    want = {**read_hf_checkpoint(ckpts["qwen3_moe"]), **extra}
+    assert_same(read_hf_checkpoint(out), want, "completed from the base")
+    assert (out / "preprocessor_config.json").is_file()
+
+    r = export(base_with("bad", {"model.norm.weight": torch.zeros(7)}), tmp_path / "refused")
+    assert r.returncode == 1 and "model.norm.weight: the model gives [64], the base has [7]" in r.stderr, r.stderr
+    assert not (tmp_path / "refused").exists() and not list(tmp_path.glob(".refused*"))

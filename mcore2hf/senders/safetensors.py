@@ -74,9 +74,11 @@ def read_base(base_dir: str | os.PathLike) -> dict[str, BaseTensor]:
     if not os.path.isdir(root):
         raise Mcore2HFError(f"base checkpoint {root} is not a directory")
     index = os.path.join(root, "model.safetensors.index.json")
+    weight_map = None  # the index is authoritative: a name in two files is read from the file it names
     if os.path.isfile(index):
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(root, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -91,7 +93,7 @@ def read_base(base_dir: str | os.PathLike) -> dict[str, BaseTensor]:
         except (OSError, ValueError) as e:
             raise Mcore2HFError(f"base checkpoint file {path} is not a readable safetensors file: {e}") from e
         for name, h in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or (weight_map is not None and weight_map.get(name) != fname):
                 continue
             if h["dtype"] not in _TORCH_DTYPES:
                 raise Mcore2HFError(f"base tensor {name} in {path} has dtype {h['dtype']}, expected one of "
