@@ -148,8 +148,8 @@ _MOE = rf"{_L}\.(?:mlp|block_sparse_moe)"
 #: HF name pattern -> kind, first full match wins; a name no pattern matches is refused
 KINDS: list[tuple[str, str]] = [
     # embeddings and heads, also MTP layers' copies (vocab_parallel_embedding.py)
-    (rf"model\.(?:language_model\.)?embed_tokens\.weight|lm_head\.weight|{_L}\.embed_tokens\.weight|{_L}\.shared_head\.head\.weight",
-     VOCAB),
+    (rf"model\.(?:language_model\.)?embed_tokens\.weight|lm_head\.weight|{_L}\.embed_tokens\.weight"
+     rf"|{_L}\.shared_head\.head\.weight", VOCAB),
     # attention: QKVParallelLinear (q column, k/v by kv heads), MLA's ColumnParallelLinear q_proj / q_b / kv_b
     (rf"{_L}\.self_attn\.q_proj\.(?:weight|bias)", COLUMN),
     (rf"{_L}\.self_attn\.[kv]_proj\.(?:weight|bias)", KV_HEADS),
@@ -161,7 +161,8 @@ KINDS: list[tuple[str, str]] = [
     (rf"{_L}\.self_attn\.o_proj\.bias", REPLICATED),  # RowParallelLinear bias: no input_dim, loaded whole
     # norms (q_norm / k_norm: per-head or full-width replicated; MiniMax-M2 overrides below)
     (rf"{_L}\.(?:input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight"
-     rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight|model\.(?:language_model\.)?norm\.weight", REPLICATED),
+     rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight"
+     rf"|model\.(?:language_model\.)?norm\.weight", REPLICATED),
     (rf"{_L}\.eh_proj\.weight", REPLICATED),  # MTP: nn.Linear in both engines' MTP models
     # dense and shared-expert MLPs: MergedColumnParallelLinear gate_up_proj, RowParallelLinear down_proj
     (rf"{_L}\.mlp\.shared_experts\.(?:gate_proj|up_proj)\.weight", SHARED_COLUMN),
