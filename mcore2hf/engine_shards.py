@@ -16,19 +16,38 @@ Read from the engines' published code (the wheels mcore2hf.testing.wheels unpack
   _load_w13, _load_w2), models/deepseek_v2.py (fused_qkv_a_proj_with_mqa ReplicatedLinear, q_b/kv_b column),
   models/deepseek_nextn.py and glm4_moe_nextn.py (eh_proj replicated), models/minimax_m2.py (MiniMaxM2RMSNormTP:
   q_norm by heads, k_norm by kv heads with replicas), models/olmoe.py (full-width RMSNorm, replicated),
-  models/gpt_oss.py (sinks by heads).
+  models/gpt_oss.py (sinks by heads); gated DeltaNet (Qwen3-Next, Qwen3.5): models/qwen3_next.py
+  Qwen3GatedDeltaNet (in_proj_qkvz / in_proj_ba: _make_packed_weight_loader, a contiguous slice of the packed
+  per-key-head groups; conv1d: layers/attention/mamba/mamba.py mamba_v2_sharded_weight_loader over the parts
+  [q; k; v]; A_log / dt_bias: model_loader/weight_utils.py sharded_weight_loader(0); out_proj RowParallelLinear;
+  norm RMSNormGated over head_v_dim, whole), models/qwen3_5.py Qwen3_5GatedDeltaNet (in_proj_qkv with shard
+  ids (0, 1, 2) split into q, k, v and each narrowed; in_proj_z / in_proj_b / in_proj_a shard 3 / 0 / 1),
+  Qwen3HybridAttentionDecoderLayer (QKVParallelLinear with 2 * heads query heads: q_proj is [q_h; gate_h] per
+  head), models/qwen2_moe.py Qwen2MoeSparseMoeBlock (shared_expert MLP, shared_expert_gate replicated).
 * vllm 0.33.0: model_executor/layers/linear.py (same narrowing, shard_rank = tp_rank // num_kv_head_replicas),
   vocab_parallel_embedding.py (pad to 64, no TP multiplier), fused_moe/expert_map_manager.py (determine_expert_map,
   "linear" placement: the first `E % ep` ranks own one more expert), fused_moe/routed_experts.py (_load_w13 /
   _load_w2), fused_moe/config.py (EP: expert TP 1), models/deepseek_mtp.py / glm4_moe_mtp.py (eh_proj nn.Linear),
   models/minimax_m2.py + layers/minimax_rms_norm/rms_norm_tp.py, models/olmoe.py, models/gpt_oss.py
-  (_load_weights_other: stacked bf16 experts, sinks).
+  (_load_weights_other: stacked bf16 experts, sinks); gated DeltaNet: layers/mamba/gdn/qwen_gdn_linear_attn.py
+  QwenGatedDeltaNetAttention (Qwen3-Next gqa_interleaved_layout: in_proj_qkvz / in_proj_ba one output size each,
+  a contiguous column slice; Qwen3.5 flat: output sizes [k, k, v, v] / [nv, nv], models/qwen3_5.py's
+  orig_to_new_stacked in_proj_qkv -> shard ids (0, 1, 2); conv1d layers/mamba/mamba_mixer2.py
+  mamba_v2_sharded_weight_loader; A_log / dt_bias sharded_weight_loader(0)), models/qwen3_next.py
+  (Qwen3NextAttention QKVParallelLinear with gated heads, Qwen3NextSparseMoeBlock shared_expert_gate
+  ReplicatedLinear).
 
 The two engines differ only in the vocab padding rule, in expert placement when E % ep != 0 (SGLang refuses
 it) and in gpt-oss's stacked experts under EP (vLLM: whole experts per EP rank; SGLang 0.5.23's
 weight_loader_fused has no expert narrowing, so EP is refused there). SGLang's shared-experts fusion
 (num_fused_shared_experts > 0, a server option) is not covered: the rules describe the unfused shared MLP
-(column / row over TP, or replicated where the placement says so).
+(column / row over TP, or replicated where the placement says so); the same for Qwen3-Next / Qwen3.5-MoE's
+shared expert (sglang enable_shared_expert_fusion, vllm fuse_shared_experts: not covered). Qwen3.5-MoE's fused
+checkpoint experts (`mlp.experts.gate_up_proj` [E, 2I, H], which sglang's models/qwen3_5.py also reads) are not in
+the table: mcore2hf exports per-expert names. Both engines support Qwen3-Next, Qwen3.5 and Qwen3.5-MoE in these
+versions (sglang EntryClass Qwen3NextForCausalLM, Qwen3_5[Moe]ForConditionalGeneration; vllm the same classes);
+gated DeltaNet heads must divide over TP (refused otherwise, as the engines fail), DP attention / SGLang's
+cp-tp group sharing (linear attention over "tp" instead of "attn_tp") are not covered.
 
 A region is a tuple of (dim, offset, length) triples, one per narrowed dim (dims not named are whole); a rank
 loads the union of its regions (an empty list: nothing). Regions of one rank never overlap.
@@ -69,7 +88,8 @@ class EnginePlacement:
     moe_tp: int | None = None
     #: shared experts replicated on every rank instead of split over TP: sglang with a DeepEP-class
     #: moe_a2a_backend (models/deepseek_v2.py _shared_expert_use_tp1, glm4_moe.py parallel_group="replicated"),
-    #: vllm with use_sequence_parallel_moe (models/deepseek_v2.py DeepseekV2MLP disable_tp)
+    #: vllm with use_sequence_parallel_moe (models/deepseek_v2.py DeepseekV2MLP disable_tp); the same for the
+    #: Qwen2-style shared_expert (sglang models/qwen2_moe.py parallel_group="replicated", vllm Qwen2MoeMLP)
     replicated_shared_experts: bool = False
 
     def __post_init__(self):
@@ -113,15 +133,23 @@ STACKED_GATE_UP = "stacked_gate_up"  # gpt-oss experts.gate_up_proj [E, H, 2I] (
 STACKED_GATE_UP_BIAS = "stacked_gate_up_bias"  # [E, 2I]
 STACKED_DOWN = "stacked_down"  # experts.down_proj [E, I, H]
 STACKED_DOWN_BIAS = "stacked_down_bias"  # [E, H]
+#: gated DeltaNet tensors split by linear-attention heads: COLUMN, after checking that TP divides the key and
+#: value head counts (both engines view each rank's slice as num_k_heads / tp head groups)
+LINEAR_HEADS = "linear_heads"
+#: dim 0 is [q; k; v] of all linear heads (conv1d, Qwen3.5's in_proj_qkv): each part split over TP, so a rank's
+#: region is three boxes (mamba_v2_sharded_weight_loader; MergedColumnParallelLinear shard ids 0, 1, 2)
+LINEAR_QKV_PARTS = "linear_qkv_parts"
 
-_L = r"model\.layers\.\d+"
+# Qwen3.5 (multimodal checkpoints) keeps the decoder under model.language_model.
+_L = r"model\.(?:language_model\.)?layers\.\d+"
+_LA = rf"{_L}\.linear_attn"
 _MOE = rf"{_L}\.(?:mlp|block_sparse_moe)"
 
 #: HF name pattern -> kind, first full match wins; a name no pattern matches is refused
 KINDS: list[tuple[str, str]] = [
     # embeddings and heads, also MTP layers' copies (vocab_parallel_embedding.py)
-    (rf"model\.embed_tokens\.weight|lm_head\.weight|{_L}\.embed_tokens\.weight|{_L}\.shared_head\.head\.weight",
-     VOCAB),
+    (rf"model\.(?:language_model\.)?embed_tokens\.weight|lm_head\.weight|{_L}\.embed_tokens\.weight"
+     rf"|{_L}\.shared_head\.head\.weight", VOCAB),
     # attention: QKVParallelLinear (q column, k/v by kv heads), MLA's ColumnParallelLinear q_proj / q_b / kv_b
     (rf"{_L}\.self_attn\.q_proj\.(?:weight|bias)", COLUMN),
     (rf"{_L}\.self_attn\.[kv]_proj\.(?:weight|bias)", KV_HEADS),
@@ -133,11 +161,23 @@ KINDS: list[tuple[str, str]] = [
     (rf"{_L}\.self_attn\.o_proj\.bias", REPLICATED),  # RowParallelLinear bias: no input_dim, loaded whole
     # norms (q_norm / k_norm: per-head or full-width replicated; MiniMax-M2 overrides below)
     (rf"{_L}\.(?:input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight"
-     rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight|model\.norm\.weight", REPLICATED),
+     rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight"
+     rf"|model\.(?:language_model\.)?norm\.weight", REPLICATED),
     (rf"{_L}\.eh_proj\.weight", REPLICATED),  # MTP: nn.Linear in both engines' MTP models
     # dense and shared-expert MLPs: MergedColumnParallelLinear gate_up_proj, RowParallelLinear down_proj
     (rf"{_L}\.mlp\.shared_experts\.(?:gate_proj|up_proj)\.weight", SHARED_COLUMN),
     (rf"{_L}\.mlp\.shared_experts\.down_proj\.weight", SHARED_ROW),
+    # Qwen2-MoE-style shared expert (Qwen3-Next, Qwen3.5-MoE) and its sigmoid gate [1, hidden] (ReplicatedLinear)
+    (rf"{_L}\.mlp\.shared_expert\.(?:gate_proj|up_proj)\.weight", SHARED_COLUMN),
+    (rf"{_L}\.mlp\.shared_expert\.down_proj\.weight", SHARED_ROW),
+    (rf"{_L}\.mlp\.shared_expert_gate\.weight", REPLICATED),
+    # gated DeltaNet (linear attention): packed per-key-head in_proj_qkvz / in_proj_ba (Qwen3-Next), flat
+    # in_proj_z / in_proj_b / in_proj_a (Qwen3.5), per-value-head A_log / dt_bias, [q; k; v] parts, out_proj
+    (rf"{_LA}\.(?:in_proj_qkvz|in_proj_ba|in_proj_z|in_proj_b|in_proj_a)\.weight|{_LA}\.(?:A_log|dt_bias)",
+     LINEAR_HEADS),
+    (rf"{_LA}\.(?:conv1d|in_proj_qkv)\.weight", LINEAR_QKV_PARTS),
+    (rf"{_LA}\.out_proj\.weight", ROW),
+    (rf"{_LA}\.norm\.weight", REPLICATED),  # RMSNormGated over head_v_dim, shared by all heads
     (rf"{_L}\.mlp\.(?:gate_proj|up_proj)\.weight", COLUMN),
     (rf"{_L}\.mlp\.down_proj\.weight", ROW),
     # MoE routers (ReplicatedLinear) and the expert score bias
@@ -244,12 +284,36 @@ def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placemen
         per = padded_vocab(dims.vocab_size, p) // tp
         start, stop = r * per, min((r + 1) * per, shape[0])
         return [((0, start, stop - start),)] if stop > start else []
+    if kind in (LINEAR_HEADS, LINEAR_QKV_PARTS):
+        return _linear(kind, hf_name, shape, dims, p)
     if kind in (EXPERT_COLUMN, EXPERT_ROW):
         if expert not in expert_owner_range(dims.num_experts, p):
             return []
         dim = 0 if kind == EXPERT_COLUMN else 1
         return [(_even(shape[dim], p.moe_tp, p.moe_tp_rank, hf_name, dim),)]
     return _stacked(kind, hf_name, shape, dims, p)
+
+
+def _linear(kind: str, hf_name: str, shape: tuple[int, ...], dims: ModelDims, p: EnginePlacement) -> list[Region]:
+    # both engines build the gated DeltaNet with num_k_heads / tp and num_v_heads / tp heads per rank
+    nk, nv = dims.linear_num_key_heads, dims.linear_num_value_heads
+    if nk is None or nv is None:
+        raise EngineShardError(f"{hf_name}: expected ModelDims with linear_num_key_heads / linear_num_value_heads "
+                               f"(a gated DeltaNet model), found {nk} / {nv}")
+    tp, r = p.tp_size, p.tp_rank
+    if nk % tp or nv % tp:
+        raise EngineShardError(f"{hf_name}: expected tp_size {tp} dividing the {nk} linear key heads and {nv} value "
+                               f"heads ({p.engine} splits the gated DeltaNet by heads)")
+    if kind == LINEAR_HEADS:
+        return [(_even(shape[0], tp, r, hf_name, 0),)]
+    parts = (nk * dims.linear_key_head_dim,) * 2 + (nv * dims.linear_value_head_dim,)
+    if shape[0] != sum(parts):
+        raise EngineShardError(f"{hf_name}: expected dim 0 = q + k + v = {' + '.join(map(str, parts))}, "
+                               f"found {shape[0]}")
+    if tp == 1:
+        return [()]
+    starts = (0, parts[0], 2 * parts[0])
+    return [((0, start + r * n // tp, n // tp),) for start, n in zip(starts, parts)]
 
 
 def _stacked(kind: str, hf_name: str, shape: tuple[int, ...], dims: ModelDims, p: EnginePlacement) -> list[Region]:

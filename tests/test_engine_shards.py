@@ -46,8 +46,12 @@ TPS = (1, 2, 4)
 # the oracle's shapes: 4 query heads and 2 kv heads (so TP 4 replicates kv heads), head_dim 4, hidden 8, vocab 100
 # (padded to 128: TP 4's last rank holds 4 real rows), 8 experts of intermediate 12 (3 per rank at expert TP 4)
 H, HEADS, KV, HD, VOCAB, E, INTER = 8, 4, 2, 4, 100, 8, 12
+# gated DeltaNet: 4 key heads, 8 value heads (2 per key head), head dims 4, conv kernel 4: TP 1/2/4 all split heads
+NK, NV, DK, DV, CK = 4, 8, 4, 4, 4
+KD, VD = NK * DK, NV * DV
 DIMS = ModelDims(hidden_size=H, num_layers=1, vocab_size=VOCAB, num_attention_heads=HEADS, num_query_groups=KV,
-                 head_dim=HD, num_experts=E)
+                 head_dim=HD, num_experts=E, linear_num_key_heads=NK, linear_num_value_heads=NV,
+                 linear_key_head_dim=DK, linear_value_head_dim=DV)
 
 
 def placements(engine: str, tp: int, moe: bool = False) -> list[EnginePlacement]:
@@ -191,6 +195,51 @@ def test_mask_to_engine_normal_mode_writes_regions_kv_8x8_tp4():
     assert regions == [((0, 4, 4),)] and torch.equal(out[4:], full[4:]) and out.shape == full.shape
 
 
+def test_linear_qkv_parts_conv1d_64x1x4_tp2_three_boxes_per_rank():
+    name = "model.layers.0.linear_attn.conv1d.weight"
+    got = [engine_regions(name, (2 * KD + VD, 1, CK), DIMS, EnginePlacement("sglang", r, 2)) for r in range(2)]
+    assert got == [[((0, 0, 8),), ((0, 16, 8),), ((0, 32, 16),)], [((0, 8, 8),), ((0, 24, 8),), ((0, 48, 16),)]]
+    assert engine_regions(name, (2 * KD + VD, 1, CK), DIMS, EnginePlacement("vllm", 0, 1)) == [()]
+
+
+def test_linear_heads_96x8_tp8_refused_when_tp_does_not_divide_key_heads():
+    for name, shape in (("model.layers.0.linear_attn.in_proj_qkvz.weight", (2 * KD + 2 * VD, H)),
+                        ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", (2 * KD + VD, H))):
+        try:
+            engine_regions(name, shape, DIMS, EnginePlacement("vllm", 0, 8))
+        except EngineShardError as e:
+            assert "tp_size 8" in str(e) and "4 linear key heads" in str(e)
+        else:
+            raise AssertionError(f"{name}: 8 ranks cannot split 4 key heads")
+
+
+def test_linear_qkv_parts_72x8_wrong_part_sizes_refused():
+    try:
+        engine_regions("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", (72, H), DIMS,
+                       EnginePlacement("sglang", 0, 2))
+    except EngineShardError as e:
+        assert "16 + 16 + 32" in str(e) and "found 72" in str(e)
+    else:
+        raise AssertionError("accepted")
+
+
+def test_qwen3_5_language_model_names_and_qwen2_style_shared_expert_kinds():
+    lm = "model.language_model"
+    assert sharding_kind(f"{lm}.embed_tokens.weight") == ("vocab", None)
+    assert sharding_kind(f"{lm}.norm.weight") == ("replicated", None)
+    assert sharding_kind(f"{lm}.layers.3.self_attn.q_proj.weight") == ("column", None)  # [q_h; gate_h] per head
+    assert sharding_kind(f"{lm}.layers.0.mlp.experts.7.down_proj.weight") == ("expert_row", 7)
+    assert sharding_kind("model.layers.0.mlp.shared_expert.up_proj.weight") == ("shared_column", None)
+    assert sharding_kind("model.layers.0.mlp.shared_expert_gate.weight") == ("replicated", None)
+    assert sharding_kind(f"{lm}.layers.0.linear_attn.norm.weight") == ("replicated", None)
+    for bad in ("model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"):  # not held, not sent
+        try:
+            sharding_kind(bad)
+        except EngineShardError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+
+
 def _expected_multiplicity(kind: str, p: EnginePlacement, dims: ModelDims) -> int:
     """How many ranks of one engine load each element of a tensor of `kind`."""
     if kind in ("shared_column", "shared_row"):
@@ -208,18 +257,26 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
     every rank; kv heads under replication: tp / kv heads ranks; everything else: exactly one rank), and the
     bytes each rank needs are printed against the full model's bytes."""
     from mcore2hf.hf_config import hf_tensor_shapes
-    from mcore2hf.registry import get_model_spec
+    from mcore2hf.registry import get_converter, get_model_spec
     from mcore2hf.testing.tiny import TINY_CONFIGS, tiny_config
 
     report, skipped = [], set()
     for model_type in TINY_CONFIGS:
         cfg = tiny_config(model_type)
         dims = get_model_spec(model_type).dims(cfg)
-        shapes = hf_tensor_shapes(cfg, dims.num_mtp_layers)
+        # what the export sends: Qwen3.5's vision tower is not held by the Megatron model (never sent)
+        shapes = hf_tensor_shapes(cfg, dims.num_mtp_layers, get_converter(model_type).not_held_by_model)
         full_bytes = sum(torch.Size(s).numel() for s in shapes.values()) * 4
         for engine in ("sglang", "vllm"):
             for tp in TPS:
                 if dims.num_attention_heads % tp:
+                    continue
+                if dims.linear_num_key_heads and dims.linear_num_key_heads % tp:  # both engines: heads / tp
+                    gdn = next(n for n in shapes if ".linear_attn.in_proj" in n)
+                    with pytest.raises(EngineShardError, match="linear key heads"):
+                        engine_regions(gdn, shapes[gdn], dims, EnginePlacement(engine, 0, tp), model_type)
+                    report.append(f"{model_type:14s} {engine:6s} tp{tp}: refused ({dims.linear_num_key_heads} "
+                                  "linear key heads)")
                     continue
                 for ep in sorted({ps.ep_size for ps in placements(engine, tp, dims.num_experts > 0)}):
                     ranks = [p for p in placements(engine, tp, dims.num_experts > 0) if p.ep_size == ep]
@@ -244,6 +301,8 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
                     report.append(f"{model_type:14s} {engine:6s} tp{tp} ep{ep}: full {full_bytes:8d} B, per rank "
                                   + " ".join(f"{b:8d}" for b in need)
                                   + f" (max {max(need) / full_bytes:.2f} of full)")
+    covered = {line.split()[0] for line in report}
+    assert {"qwen3_next", "qwen3_5", "qwen3_5_moe"} <= covered, covered  # the gated DeltaNet architectures
     with capsys.disabled():
         print("\nengine-rank bytes needed (fp32, tiny configs):\n" + "\n".join(report))
         print("not declared (refused):", sorted(skipped))
@@ -257,12 +316,18 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
 # (c) all-NaN tensors (the loader must read something: NaN reaches the parameters, or the case proves nothing).
 
 CASES = ("column", "row", "qkv", "merged_column", "vocab_embedding", "lm_head", "fused_moe", "minimax_qk_norm",
-         "gpt_oss_experts", "mla_fused_a", "vocab_tp3")
+         "gpt_oss_experts", "mla_fused_a", "vocab_tp3", "gdn_qwen3_next", "gdn_qwen3_5", "gated_qkv")
 #: engine TP sizes per case (vocab_tp3: 128 rows do not divide over 3: sglang pads to 192, vllm refuses)
 CASE_TPS = {"vocab_tp3": (3,)}
 Q_LORA, KV_LORA = 12, 6
 #: the architecture whose per-architecture rules a case exercises
-CASE_MODEL_TYPE = {"minimax_qk_norm": "minimax_m2", "gpt_oss_experts": "gpt_oss"}
+CASE_MODEL_TYPE = {"minimax_qk_norm": "minimax_m2", "gpt_oss_experts": "gpt_oss", "gdn_qwen3_next": "qwen3_next",
+                   "gdn_qwen3_5": "qwen3_5", "gated_qkv": "qwen3_5"}
+#: Qwen3.5's split DeltaNet inputs -> (packed engine parameter, shard id): sglang 0.5.23 models/qwen3_5.py
+#: stacked_params_mapping, vllm 0.33.0 models/qwen3_5.py Qwen3_5Model.hf_to_vllm_mapper orig_to_new_stacked
+#: (the vllm harness checks its table equals this one)
+QWEN3_5_STACKED = {"in_proj_qkv": ("in_proj_qkvz", (0, 1, 2)), "in_proj_z": ("in_proj_qkvz", 3),
+                   "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
 #: (engine, case): EP sizes the engine's rules do not declare for the case (engine_regions refuses them)
 NOT_DECLARED_EP = {("sglang", "gpt_oss_experts")}
 
@@ -292,6 +357,21 @@ def _hf_tensors(case: str, seed: int = 0) -> dict[str, torch.Tensor]:
     if case == "mla_fused_a":
         return {f"{L}.self_attn.q_a_proj.weight": rnd(Q_LORA, H),
                 f"{L}.self_attn.kv_a_proj_with_mqa.weight": rnd(KV_LORA, H)}
+    if case == "gdn_qwen3_next":  # transformers 5.23 Qwen3NextGatedDeltaNet: packed per key head, conv [q; k; v]
+        a = f"{L}.linear_attn"
+        return {f"{a}.in_proj_qkvz.weight": rnd(2 * KD + 2 * VD, H), f"{a}.in_proj_ba.weight": rnd(2 * NV, H),
+                f"{a}.conv1d.weight": rnd(2 * KD + VD, 1, CK), f"{a}.A_log": rnd(NV), f"{a}.dt_bias": rnd(NV),
+                f"{a}.norm.weight": rnd(DV), f"{a}.out_proj.weight": rnd(H, VD)}
+    if case == "gdn_qwen3_5":  # transformers 5.23 Qwen3_5GatedDeltaNet: in_proj_qkv = [q; k; v], z, b, a apart
+        a = "model.language_model.layers.0.linear_attn"
+        return {f"{a}.in_proj_qkv.weight": rnd(2 * KD + VD, H), f"{a}.in_proj_z.weight": rnd(VD, H),
+                f"{a}.in_proj_b.weight": rnd(NV, H), f"{a}.in_proj_a.weight": rnd(NV, H),
+                f"{a}.conv1d.weight": rnd(2 * KD + VD, 1, CK), f"{a}.A_log": rnd(NV), f"{a}.dt_bias": rnd(NV),
+                f"{a}.norm.weight": rnd(DV), f"{a}.out_proj.weight": rnd(H, VD)}
+    if case == "gated_qkv":  # gated attention: q_proj is [q_h; gate_h] per head (2 * heads * head_dim rows)
+        a = "model.language_model.layers.3.self_attn"
+        return {f"{a}.q_proj.weight": rnd(2 * HEADS * HD, H), f"{a}.k_proj.weight": rnd(KV * HD, H),
+                f"{a}.v_proj.weight": rnd(KV * HD, H)}
     if case == "gpt_oss_experts":  # transformers 5.23 GptOssExperts: stacked, gate/up interleaved by column
         x = f"{L}.mlp.experts"
         return {f"{x}.gate_up_proj": rnd(E, H, 2 * INTER), f"{x}.gate_up_proj_bias": rnd(E, 2 * INTER),
@@ -357,6 +437,12 @@ def _sglang_engine():
             m.weight.weight_loader(m.weight, torch.cat([k("q_a_proj.weight"), k("kv_a_proj_with_mqa.weight")]))
         elif case == "gpt_oss_experts":
             return _sglang_gpt_oss(fm, t, p)
+        elif case in ("gdn_qwen3_next", "gdn_qwen3_5"):
+            return _sglang_gdn(lin, case, t, p)
+        elif case == "gated_qkv":  # models/qwen3_next.py Qwen3HybridAttentionDecoderLayer: heads * (1 + gate)
+            m = lin.QKVParallelLinear(H, HD, 2 * HEADS, KV, bias=False, **f32)
+            for s in "qkv":
+                m.weight.weight_loader(m.weight, k(f"{s}_proj.weight"), s)
         elif case == "minimax_qk_norm":
             import sglang.srt.models.minimax_m2 as mm
 
@@ -371,6 +457,86 @@ def _sglang_engine():
         return {n: v.detach().clone() for n, v in m.named_parameters()}
 
     return load
+
+
+def _engine_methods(path: str, cls_name: str, names: tuple[str, ...], namespace: dict) -> type:
+    """The methods `names` of class `cls_name` compiled from the engine's own source file, for model modules that
+    cannot be imported on CPU (their import pulls kernels and CUDA custom ops); `namespace` gives the module
+    globals they read."""
+    import ast
+
+    tree = ast.parse(Path(path).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    body = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {n.name for n in body} == set(names), (cls_name, [n.name for n in body])
+    module = ast.Module(body=[ast.ClassDef(name=cls_name, bases=[], keywords=[], body=body, decorator_list=[],
+                                           type_params=[])], type_ignores=[])
+    exec(compile(ast.fix_missing_locations(module), path, "exec"), namespace)  # noqa: S102
+    return namespace[cls_name]
+
+
+def _load_gdn(m: torch.nn.Module, t: dict[str, torch.Tensor], default_loader) -> dict[str, torch.Tensor]:
+    """Each HF DeltaNet tensor into its engine parameter through the parameter's weight_loader (Qwen3.5's split
+    inputs with their shard ids), as the models' load_weights do; the parameters after loading."""
+    params = dict(m.named_parameters())
+    for name, w in t.items():
+        short = name.split(".linear_attn.")[1].removesuffix(".weight")
+        target, shard = QWEN3_5_STACKED.get(short, (short, None))
+        param = params[target if target in ("A_log", "dt_bias") else f"{target}.weight"]
+        loader = getattr(param, "weight_loader", default_loader)
+        loader(param, w) if shard is None else loader(param, w, shard)
+    return {n: v.detach().clone() for n, v in m.named_parameters()}
+
+
+def _sglang_gdn(lin, case: str, t: dict[str, torch.Tensor], p: EnginePlacement) -> dict[str, torch.Tensor]:
+    """sglang 0.5.23's gated DeltaNet parameters as Qwen3GatedDeltaNet (models/qwen3_next.py) / Qwen3_5GatedDeltaNet
+    (models/qwen3_5.py) __init__ builds them (same layer classes, sizes, parallel group "attn_tp"), with the
+    classes' own packed-checkpoint loaders (compiled from the wheel's source: the model modules do not import on
+    CPU), mamba_v2_sharded_weight_loader for conv1d and sharded_weight_loader(0) for A_log / dt_bias; loaded as
+    their load_weights does (Qwen3-Next: no shard id; Qwen3.5: QWEN3_5_STACKED shard ids)."""
+    import sglang.srt.layers.attention.mamba.mamba as mb
+    import sglang.srt.layers.parameter as par
+    import sglang.srt.model_loader.weight_utils as wu
+    from sglang.srt.utils import set_weight_attrs
+
+    mb.is_cpu = wu.is_cpu = lambda: False  # the GPU path (the CPU one pads for odd TP)
+    g, tp = "attn_tp", p.tp_size
+    m = torch.nn.Module()
+    m.conv1d = lin.ColumnParallelLinear(CK, 2 * KD + VD, bias=False, parallel_group=g)
+    m.conv1d.weight.data = m.conv1d.weight.data.unsqueeze(1)
+    m.in_proj_qkvz = lin.MergedColumnParallelLinear(H, [KD, KD, VD, VD], bias=False, parallel_group=g)
+    m.in_proj_ba = lin.MergedColumnParallelLinear(H, [NV, NV], bias=False, parallel_group=g)
+    m.dt_bias = torch.nn.Parameter(torch.zeros(NV // tp))
+    m.A_log = torch.nn.Parameter(torch.zeros(NV // tp))
+    m.norm = torch.nn.Module()
+    m.norm.weight = torch.nn.Parameter(torch.zeros(DV))  # RMSNormGated(head_v_dim): default_weight_loader
+    m.out_proj = lin.RowParallelLinear(VD, H, bias=False, input_is_parallel=True, reduce_results=False,
+                                       parallel_group=g)
+    conv_loader = mb.mamba_v2_sharded_weight_loader([(KD, 0, False), (KD, 0, False), (VD, 0, False)], tp,
+                                                    p.tp_rank)
+    src = Path(lin.__file__).parents[1] / "models"  # the wheel's sglang/srt/models (a namespace package)
+    if case == "gdn_qwen3_next":
+        ns = dict(torch=torch, _is_cpu=False, _is_amx_available=False)
+        cls = _engine_methods(str(src / "qwen3_next.py"), "Qwen3GatedDeltaNet",
+                              ("_override_weight_loader", "_make_packed_weight_loader"), ns)
+        cls._override_weight_loader(m.in_proj_qkvz, cls._make_packed_weight_loader(m.in_proj_qkvz))
+        cls._override_weight_loader(m.in_proj_ba, cls._make_packed_weight_loader(m.in_proj_ba))
+        delattr(m.conv1d.weight, "weight_loader")
+        set_weight_attrs(m.conv1d.weight, {"weight_loader": conv_loader})
+    else:
+        ns = dict(torch=torch, _is_cpu=False, set_weight_attrs=set_weight_attrs,
+                  BlockQuantScaleParameter=par.BlockQuantScaleParameter,
+                  PerTensorScaleParameter=par.PerTensorScaleParameter)
+        cls = _engine_methods(str(src / "qwen3_5.py"), "Qwen3_5GatedDeltaNet",
+                              ("_override_weight_loader", "_bind_packed_weight_loaders", "_get_split_sizes_for_param",
+                               "_make_packed_weight_loader"), ns)
+        gdn = cls()
+        gdn._bind_packed_weight_loaders(m.in_proj_qkvz)
+        gdn._bind_packed_weight_loaders(m.in_proj_ba)
+        gdn._override_weight_loader(m.conv1d.weight, conv_loader)
+    for param in (m.A_log, m.dt_bias):
+        set_weight_attrs(param, {"weight_loader": wu.sharded_weight_loader(0, parallel_group=g)})
+    return _load_gdn(m, t, wu.default_weight_loader)
 
 
 def _sglang_moe(fm, t, p):
@@ -451,6 +617,12 @@ def _vllm_engine():
             m.k_norm.weight.weight_loader(m.k_norm.weight, k("k_norm.weight"))
         elif case == "gpt_oss_experts":
             return _vllm_gpt_oss(t, p)
+        elif case in ("gdn_qwen3_next", "gdn_qwen3_5"):
+            return _vllm_gdn(lin, case, t, p)
+        elif case == "gated_qkv":  # models/qwen3_next.py Qwen3NextAttention: heads * (1 + attn_output_gate)
+            m = lin.QKVParallelLinear(H, HD, 2 * HEADS, KV, bias=False, **f32)
+            for s in "qkv":
+                m.weight.weight_loader(m.weight, k(f"{s}_proj.weight"), s)
         else:
             # RoutedExperts' ownership (determine_expert_map, "linear") and TP narrowing (_load_w13, _load_w2) on an
             # object with the attributes they read, as _weight_loader_impl calls them (param.data[local], dims 0/1)
@@ -477,6 +649,40 @@ def _vllm_engine():
         return {n: v.detach().clone() for n, v in m.named_parameters()}
 
     return load
+
+
+def _vllm_gdn(lin, case: str, t: dict[str, torch.Tensor], p: EnginePlacement) -> dict[str, torch.Tensor]:
+    """vllm 0.33.0's gated DeltaNet parameters as QwenGatedDeltaNetAttention.__init__ (layers/mamba/gdn/
+    qwen_gdn_linear_attn.py) builds them: its own create_qkvz_proj / create_ba_proj (gqa_interleaved_layout True
+    for Qwen3-Next, False for Qwen3.5), mamba_v2_sharded_weight_loader for conv1d, sharded_weight_loader(0) for
+    A_log / dt_bias; Qwen3.5's split inputs loaded with the shard ids of Qwen3_5Model.hf_to_vllm_mapper."""
+    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as gdn
+    import vllm.model_executor.models.qwen3_5 as q35
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
+    from vllm.model_executor.utils import set_weight_attrs
+
+    stacked = {k.removeprefix("."): v for k, v in q35.Qwen3_5Model.hf_to_vllm_mapper.orig_to_new_stacked.items()
+               if k.startswith(".in_proj")}
+    assert stacked == {k: ("." + n, s) for k, (n, s) in QWEN3_5_STACKED.items()}, stacked
+    cls, tp = gdn.QwenGatedDeltaNetAttention, p.tp_size
+    me = types.SimpleNamespace(gqa_interleaved_layout=case == "gdn_qwen3_next")
+    me.maybe_disable_tp = lambda quant_config: cls.maybe_disable_tp(me, quant_config)
+    m = torch.nn.Module()
+    m.conv1d = lin.ColumnParallelLinear(CK, 2 * KD + VD, bias=False)
+    m.conv1d.weight.data = m.conv1d.weight.data.unsqueeze(1)
+    m.in_proj_qkvz = cls.create_qkvz_proj(me, H, KD, VD, None, "in_proj_qkvz")
+    m.in_proj_ba = cls.create_ba_proj(me, H, NV, None, "in_proj_ba")
+    m.conv1d.weight.weight_loader = mamba_v2_sharded_weight_loader([(KD, 0, False), (KD, 0, False), (VD, 0, False)],
+                                                                   tp, p.tp_rank)
+    m.dt_bias = torch.nn.Parameter(torch.zeros(NV // tp))
+    m.A_log = torch.nn.Parameter(torch.zeros(NV // tp))
+    set_weight_attrs(m.A_log, {"weight_loader": sharded_weight_loader(0)})
+    set_weight_attrs(m.dt_bias, {"weight_loader": sharded_weight_loader(0)})
+    m.norm = torch.nn.Module()
+    m.norm.weight = torch.nn.Parameter(torch.zeros(DV))  # RMSNormGated(head_v_dim): default_weight_loader
+    m.out_proj = lin.RowParallelLinear(VD, H, bias=False, input_is_parallel=True)
+    return _load_gdn(m, t, default_weight_loader)
 
 
 def _sglang_gpt_oss(fm, t: dict[str, torch.Tensor], p: EnginePlacement) -> dict[str, torch.Tensor]:
@@ -545,6 +751,28 @@ def _vllm_gpt_oss(t: dict[str, torch.Tensor], p: EnginePlacement) -> dict[str, t
     return {n: v.detach().clone() for n, v in m.named_parameters()}
 
 
+def _even_rows(rows: int, p: EnginePlacement) -> tuple[int, int, int]:
+    n = rows // p.tp_size
+    return (0, p.tp_rank * n, n)
+
+
+def _stub_modules(top: tuple[str, ...]) -> None:
+    """Permissive stub modules (mcore2hf.testing.sglang_real's) for packages not installed here that vllm's
+    quantization / vision imports name at import time; nothing of them runs in the loaders under test."""
+    import importlib.abc
+    import importlib.machinery
+
+    from mcore2hf.testing.sglang_real import _StubLoader
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname.split(".")[0] in top:
+                return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
+            return None
+
+    sys.meta_path.insert(0, Finder())
+
+
 def harness(engine: str, site: str, out: str) -> None:
     t0 = time.time()
     if engine == "sglang":
@@ -556,6 +784,7 @@ def harness(engine: str, site: str, out: str) -> None:
     else:
         from mcore2hf.testing.vllm_real import install_gpu_stubs
 
+        _stub_modules(("compressed_tensors", "torchvision"))  # imported by the gated DeltaNet / Qwen3.5 modules
         install_gpu_stubs()
         load = _vllm_engine()
         import vllm as mod
@@ -600,6 +829,12 @@ def harness(engine: str, site: str, out: str) -> None:
                         wrong = load(case, {n: mask_to_engine(v, engine_regions(n, v.shape, DIMS, other, mt), debug=True)
                                             for n, v in full.items()}, p)
                         assert any(v.isnan().any() for v in wrong.values()), f"{p}: rank {other.tp_rank}'s regions pass"
+                    if tp > 1 and case.startswith("gdn_"):
+                        # the [q; k; v] parts rule is needed: a plain contiguous column slice of them leaves NaN
+                        col = {n: [(_even_rows(v.shape[0], p),)] if sharding_kind(n, mt)[0] == "linear_qkv_parts"
+                               else engine_regions(n, v.shape, DIMS, p, mt) for n, v in full.items()}
+                        wrong = load(case, {n: mask_to_engine(v, col[n], debug=True) for n, v in full.items()}, p)
+                        assert any(v.isnan().any() for v in wrong.values()), f"{p}: a column slice of q/k/v passes"
                     checked += 1
             results[case] = f"ok {checked}"
         except BaseException:  # noqa: BLE001
