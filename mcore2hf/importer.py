@@ -193,7 +193,9 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
     its `_extra_state` object keys; every problem is reported at once, before anything is written."""
     from .model_specs.common import padded_vocab_size
 
-    resolved, unexplained = megatron_names(converter, dims, reader.names())
+    # what the Megatron model does not hold by design (a text model's vision tower) is not imported
+    held = {n for n in reader.names() if not converter.not_held_by_model(n)}
+    resolved, unexplained = megatron_names(converter, dims, held)
     if unexplained:
         raise UnknownParametersError(converter.model_type, [f"{n} (an HF tensor no rule of the "
                                                             f"{converter.model_type} table produces)"
@@ -269,8 +271,8 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
                         f"{'.'.join(map(str, glob or (1,)))}")
         sources.append(src)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
-        problems = shape_problems({n: shape_of(reader.slice(n)) for n in reader.names()},
-                                  hf_tensor_shapes(cfg, dims.num_mtp_layers))
+        problems = shape_problems({n: shape_of(reader.slice(n)) for n in held},
+                                  hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
     if problems:
         raise ShapeMismatchError(f"the HF checkpoint {reader.where} cannot become a Megatron checkpoint "
                                  f"({converter.model_type}):\n  " + "\n  ".join(problems))
@@ -399,8 +401,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
 
     `dtype` casts floating tensors (ones HF keeps in fp32, like e_score_correction_bias, stay fp32).
     `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name);
-    `stacked_layers` (default: dense models stack, MoE ones do not, as Megatron decides for the registered
-    specs) picks stacked `decoder.layers.<name>` keys. The iteration directory is written under a temporary
+    `stacked_layers` (default: dense models stack, MoE and linear-attention hybrids do not, as Megatron
+    decides for the registered specs) picks stacked `decoder.layers.<name>` keys. The iteration directory is written under a temporary
     name and renamed when complete; the tracker file is replaced last."""
     t0 = time.perf_counter()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
@@ -424,7 +426,10 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         reader.close()
         raise LayoutError("stacked_layers=True with singleton_local_shards=True: Megatron's singleton keys are "
                           "per layer (transformer_block.py); choose one")
-    stacked = (not dims.num_experts) if stacked_layers is None else stacked_layers
+    # megatron-core 0.16.1 transformer_block.py sharded_state_dict: MoE layer patterns and linear-attention patterns
+    # (linear_attention_freq) make the layers non-homogeneous, saved per layer
+    mixed = bool(dims.num_experts) or dims.linear_num_key_heads is not None
+    stacked = not mixed if stacked_layers is None else stacked_layers
     stacked = stacked and not singleton_local_shards  # transformer_block.py: singleton forces per-layer keys
     try:
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
