@@ -200,10 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
 
-    ex = sub.add_parser("export", help="Megatron torch_dist checkpoint -> HF directory, offline (CPU, bounded memory)")
+    ex = sub.add_parser("export", help="Megatron checkpoint (torch_dist, or legacy torch: mp_rank_*/model_optim_rng.pt) "
+                                       "-> HF directory, offline (CPU, bounded memory)")
     ex.add_argument("ckpt_dir", help="checkpoint directory (with latest_checkpointed_iteration.txt) or an iter_* dir")
     ex.add_argument("out_dir", help="the HF directory to write (must not overlap the inputs)")
-    ex.add_argument("--hf-config", required=True, help="config.json or an HF directory (its tokenizer files are copied)")
+    ex.add_argument("--hf-config", default=None, help="config.json or an HF directory (its tokenizer files are copied); "
+                                                      "without it, the error says what the checkpoint's args lack")
     ex.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the latest)")
     ex.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
     ex.add_argument("--shard-size", type=_size("--shard-size"), default="5GB",
@@ -246,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
                                        "tensor by tensor (exit 1 on any difference)")
     ve.add_argument("a", help="an HF directory")
-    ve.add_argument("b", help="an HF directory or a Megatron torch_dist checkpoint")
+    ve.add_argument("b", help="an HF directory or a Megatron checkpoint (torch_dist or legacy torch)")
     ve.add_argument("--hf-config", default=None, help="HF config for a Megatron checkpoint (default: A's)")
     ve.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
     ve.add_argument("--atol", type=float, default=0.0, help="largest absolute difference accepted (default 0: exact)")

@@ -66,10 +66,12 @@ from .sizes import parse_size
 #: `_extra_state` that their sharded state dict saves as a ShardedObject
 LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
                             "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
-                            "eh_proj"})
+                            "eh_proj", "in_proj", "out_proj"})
 #: gpt_layer_specs.py (megatron-core 0.16.1) get_gpt_layer_local_spec, non-MLA: norms saved under TE's fused names
 LOCAL_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                   "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+#: gated DeltaNet layers: the input norm under in_proj (megatron-core 0.16.1 experimental spec, TE's fused norm)
+GDN_KEYS_MAP = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
 _EXPERT = regex.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
 _LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
@@ -150,16 +152,24 @@ def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tupl
     return op.full_shape(hf_shapes)
 
 
-def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool) -> tuple[str, tuple[int, ...],
-                                                                                          tuple[int, ...]]:
+def _gdn_layer(name: str, resolved: dict) -> bool:
+    """Whether the decoder layer of `name` is a gated DeltaNet layer (it has self_attention.in_proj)."""
+    layer = _LAYER.fullmatch(name).group(1)
+    return f"decoder.layers.{layer}.self_attention.in_proj.weight" in resolved
+
+
+def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool,
+                   fused_into_in_proj: bool = False) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(key, leading offsets, leading global dims) of a canonical Megatron name in Megatron's sharded state
-    dict: the inverse of `offline.checkpoint_sources`."""
+    dict: the inverse of `offline.checkpoint_sources`. `fused_into_in_proj`: a gated DeltaNet layer, whose input
+    norm is saved under in_proj (TE's spec; model_specs/qwen3_next.py keeps that key for the local spec)."""
     m = _LAYER.fullmatch(name)
     if m is None:
         return name, (), ()
     layer, rest = int(m.group(1)), m.group(2)
     if dims.kv_lora_rank is None:
-        for local, key in LOCAL_KEYS_MAP.items():
+        keys_map = {**LOCAL_KEYS_MAP, **GDN_KEYS_MAP} if fused_into_in_proj else LOCAL_KEYS_MAP
+        for local, key in keys_map.items():
             if rest.startswith(local):
                 rest = key + rest[len(local):]
     lead, glob = (), ()
@@ -225,9 +235,20 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             continue
         dtype = hf[0].dtype if isinstance(hf[0], torch.Tensor) else _slice_dtype(hf[0])
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
-        key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton)
+        key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton,
+                                         fused_into_in_proj=_LAYER.fullmatch(name) is not None
+                                         and _gdn_layer(name, resolved))
         zeros = (0,) * len(full)
-        if singleton and isinstance(getattr(r.op, "inner", r.op), GLU_FC1):  # apply_swiglu_sharded_factory: _w, _v
+        split = r.op.checkpoint_parts() if hasattr(r.op, "checkpoint_parts") else []
+        if split:  # gated DeltaNet in_proj / conv1d: one key per component (gated_delta_net.py sharded_state_dict)
+            src.parts, shapes, row = [], {}, 0
+            for suffix, rows in split:
+                shape = (*glob, rows, *full[1:])
+                src.parts.append(Part(f"{key}.{suffix}", (*lead, *zeros), (*(1,) * len(lead), rows, *full[1:]),
+                                      row, rows))
+                shapes[f"{key}.{suffix}"] = shape
+                row += rows
+        elif singleton and isinstance(getattr(r.op, "inner", r.op), GLU_FC1):  # apply_swiglu_sharded_factory: _w, _v
             half = (full[0] // 2, *full[1:])
             src.parts = [Part(key + "_w", zeros, half, 0, half[0]), Part(key + "_v", zeros, half, half[0], half[0])]
             shapes = {key + "_w": half, key + "_v": half}
@@ -258,6 +279,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
 
 #: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one
 GLU_FC1 = (GatedColumn, GatedInterleaved)
+
 
 _FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 

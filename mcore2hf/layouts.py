@@ -551,6 +551,12 @@ class GDNInProj(LayoutOp):
     def _r(self) -> int:
         return self.nv // self.nk
 
+    def checkpoint_parts(self) -> list[tuple[str, int]]:
+        """(key suffix, rows) of the parts megatron-core saves it as (gated_delta_net.py sharded_state_dict,
+        `_split_tensor_factory`): each a whole component, rows in Megatron's TP-1 order."""
+        qk, vz = self.nk * self.dk, self.nv * self.dv
+        return [("query", qk), ("key", qk), ("value", vz), ("z", vz), ("beta", self.nv), ("alpha", self.nv)]
+
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         qkvz = 2 * self.nk * self.dk + 2 * self.nv * self.dv
         _check(full_shape[0] == qkvz + 2 * self.nv,
@@ -598,8 +604,8 @@ class ColumnParts(LayoutOp):
 
     tp_dim = 0
 
-    def __init__(self, parts: tuple[int, ...], groups: tuple[int, ...] | None = None):
-        self.parts = tuple(parts)
+    def __init__(self, parts: tuple[int, ...], groups: tuple[int, ...] | None = None, names: tuple[str, ...] = ()):
+        self.parts, self.names = tuple(parts), tuple(names)
         self.groups = (len(self.parts),) if groups is None else tuple(groups)
         if sum(self.groups) != len(self.parts) or min(self.groups, default=0) < 1:
             raise ShapeMismatchError(f"part groups {list(self.groups)}: expected positive counts summing to "
@@ -617,7 +623,11 @@ class ColumnParts(LayoutOp):
     @classmethod
     def gdn_conv(cls, dims) -> ColumnParts:
         qk = dims.linear_num_key_heads * dims.linear_key_head_dim
-        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim))
+        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim), names=("query", "key", "value"))
+
+    def checkpoint_parts(self) -> list[tuple[str, int]]:
+        """(key suffix, rows) of the parts megatron-core saves (conv1d: query, key, value); none without names."""
+        return list(zip(self.names, self.parts))
 
     @classmethod
     def gdn_in_proj(cls, dims) -> ColumnParts:

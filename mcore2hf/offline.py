@@ -10,6 +10,9 @@ Checkpoint keys are global already (layer and expert indices), in Megatron's sha
 fused norms, experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...] (SequentialMLP and TE grouped
 experts save the same format), or per expert with `singleton_local_shards`, whose GLU fc1 is split into
 `..._w` (gate) and `..._v` (up). They are mapped to the canonical names the converter tables use.
+
+Megatron-LM's legacy `torch` format (`iter_N/mp_rank_*/model_optim_rng.pt`, per-rank local shards) is read by
+`mcore2hf.legacy` into the same sources, whose reads are then the TP shards the layout ops take.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ import regex
 import torch
 
 from .buckets import Bucket
-from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError
+from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError, UsageError
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .layouts import Stacked
+from .layouts import Stacked, full_shape_of_shard
 from .naming import canonical_layer_name, filter_outputs, mtp_inner
 from .plan import align, natural_key, pack_tight, stack_units
 from .quantize import get_scheme, quantize_flat, quantized_tensors
@@ -74,10 +77,12 @@ def resolve_iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | None = N
         if not os.path.isdir(path):
             raise CheckpointError(f"{tracker} names iteration {text!r}, but {path} does not exist")
         return path
-    if os.path.isfile(os.path.join(root, ".metadata")):
+    from .legacy import is_legacy_dir
+
+    if os.path.isfile(os.path.join(root, ".metadata")) or is_legacy_dir(root):
         return root
     raise CheckpointError(f"{root} is not a Megatron checkpoint: no latest_checkpointed_iteration.txt, "
-                          "no iter_* directory given, no .metadata")
+                          "no iter_* directory given, no .metadata, no mp_rank_*/model_optim_rng.pt")
 
 
 class DistCheckpointReader:
@@ -117,6 +122,16 @@ class DistCheckpointReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
+
+    def sources(self, num_layers: int, tied: bool) -> tuple[list[CkptSource], list[str]]:
+        return checkpoint_sources(self, num_layers)  # a tied output layer is not saved apart from the embedding
+
+    def tp_of(self, source: CkptSource) -> int:
+        """TP of the checkpoint's chunking of this tensor along dim 0 (vocab-parallel tensors)."""
+        return len({c.offsets[0] for c in self.tensors[source.key].chunks})
+
+    def checkpoint_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path) if f.endswith(".distcp"))
 
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
@@ -298,13 +313,21 @@ class CkptSource:
 
     name: str
     key: str
-    reads: list[tuple[str, tuple[int, ...]]]  # (key, leading indices), concatenated along dim 0 (GLU _w/_v)
+    # TP shards in rank order (one: the whole tensor), each read as (key, leading indices) parts concatenated
+    # along dim 0 (GLU _w/_v); shape: of a shard until prepare_sources resolves the op, then the whole tensor's
+    reads: list[list[tuple[str, tuple[int, ...]]]]
     shape: tuple[int, ...]
     dtype: torch.dtype
     hf: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     op: object = None
     n_out: int = 1
     keep_dtype: bool = False
+
+
+#: megatron-core 0.16.1 gated_delta_net.py sharded_state_dict: in_proj saved as .query .key .value .z .beta .alpha,
+#: conv1d as .query .key .value (each component whole); read back in this order they make the TP-1 tensor
+_SPLIT_PART = regex.compile(r"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.(query|key|value|z|beta|alpha)")
+PART_ORDER = ("", "w", "v", "query", "key", "value", "z", "beta", "alpha")
 
 
 def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[list[CkptSource], list[str]]:
@@ -335,6 +358,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
         base, part = key, ""
         if key[-2:] in ("_w", "_v"):  # GLU fc1 halves saved with singleton_local_shards
             base, part = key[:-2], key[-1]
+        elif (split := _SPLIT_PART.fullmatch(key)) is not None:  # gated DeltaNet in_proj / conv1d components
+            base, part = split.group(1), split.group(2)
         m = _LAYER_KEY.fullmatch(base)
         if m is not None:
             add(m.group(1), int(m.group(2)), m.group(3), key, (), part)
@@ -346,12 +371,12 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int) -> tuple[l
 
     sources = []
     for name, parts in found.items():
-        order = [parts[p] for p in ("", "w", "v") if p in parts]  # gate (_w) before up (_v)
+        order = [parts[p] for p in PART_ORDER if p in parts]  # gate (_w) before up (_v); GDN: Megatron's order
         key, lead = order[0]
         shape = list(reader.shape(key))[len(lead):]
         for k, ld in order[1:]:
             shape[0] += reader.shape(k)[len(ld)]
-        sources.append(CkptSource(name, key, list(order), tuple(shape), reader.dtype(key)))
+        sources.append(CkptSource(name, key, [list(order)], tuple(shape), reader.dtype(key)))
     return sources, ignored
 
 
@@ -371,7 +396,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: HFConfigLike, *,
+def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: HFConfigLike | None, *,
                       iteration: int | None = None, dtype: torch.dtype | str | None = None,
                       max_shard_size: int | str = "5GB", bucket_bytes: int | str = "1GiB",
                       overwrite: bool = False, progress: bool = True, name_filter=None,
@@ -387,6 +412,10 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy. `base` (an HF
     directory) completes the output with the base tensors the checkpoint does not produce (`SafetensorsWriter`)."""
     t0 = time.perf_counter()
+    if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.legacy)
+        from .legacy import missing_hf_config
+
+        raise UsageError(missing_hf_config(resolve_iteration_dir(ckpt_dir, iteration)))
     budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
     parse_size(max_shard_size, "max_shard_size")
     cast = _parse_dtype(dtype)
@@ -443,9 +472,17 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     finally:
         if bar is not None:
             bar.close()
-    return ExportReport(out_dir, len(infos), written, sum(os.path.getsize(os.path.join(it_dir, f))
-                                                          for f in os.listdir(it_dir) if f.endswith(".distcp")),
+    return ExportReport(out_dir, len(infos), written, reader.checkpoint_bytes(),
                         len(ignored), time.perf_counter() - t0, _peak_rss(), writer.notes)
+
+
+def open_checkpoint(it_dir: str):
+    """The reader for what the iteration directory holds: torch_dist (.metadata) or legacy (mp_rank_*)."""
+    from .legacy import LegacyCheckpointReader, is_legacy_dir
+
+    if not os.path.isfile(os.path.join(it_dir, ".metadata")) and is_legacy_dir(it_dir):
+        return LegacyCheckpointReader(it_dir)
+    return DistCheckpointReader(it_dir)
 
 
 def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
@@ -455,9 +492,9 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
-    reader = DistCheckpointReader(it_dir)
-    sources, ignored = checkpoint_sources(reader, dims.num_layers)
-    reader.check_files({key for s in sources for key, _ in s.reads})
+    reader = open_checkpoint(it_dir)
+    sources, ignored = reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)))
+    reader.check_files({key for s in sources for shard in s.reads for key, _ in shard})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
 
@@ -471,10 +508,15 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     if unknown:
         raise UnknownParametersError(converter.model_type, [f"{n}  (checkpoint key {next(s.key for s in sources if s.name == n)})"
                                                             for n in unknown])
-    problems = vocab_padding_problems(reader, dims.vocab_size, make_vocab_size_divisible_by)
     for s in sources:
         r = converter.resolve(s.name, dims)
         s.op, s.n_out, s.keep_dtype = r.op, r.op.n_out, r.rule.keep_dtype
+        count, dim = r.op.split(s.shape, len(s.reads))  # as the live plan splits a rank's shard (plan._shard_split)
+        s.reads, s.shape = s.reads[:count], full_shape_of_shard(s.shape, dim, count)
+    problems = vocab_padding_problems([(s.key, s.shape[0], reader.tp_of(s)) for s in sources if s.name in VOCAB_KEYS],
+                                      dims.vocab_size, make_vocab_size_divisible_by)
+    for s in sources:
+        r = converter.resolve(s.name, dims)
         try:
             shapes = r.op.hf_shapes(s.shape)
         except ShapeMismatchError as e:
@@ -509,16 +551,13 @@ def checkpoint_tensors(ckpt_dir: str | os.PathLike, hf_config: HFConfigLike, *, 
         yield from _convert(reader, group, same, index)
 
 
-def vocab_padding_problems(reader: DistCheckpointReader, vocab_size: int, divisible_by: int) -> list[str]:
+def vocab_padding_problems(vocab: list[tuple[str, int, int]], vocab_size: int, divisible_by: int) -> list[str]:
     """Rows beyond `vocab_size` may only be Megatron's padding: up to the next multiple of divisible_by x TP, TP
-    read from the checkpoint's own chunking of the vocab-parallel tensor. A larger surplus means the HF config's
-    vocab_size is too small, and dropping those rows would silently lose real vocabulary."""
+    read from the checkpoint's own sharding of the vocab-parallel tensor (`vocab`: (key, rows, TP) each). A larger
+    surplus means the HF config's vocab_size is too small, and dropping those rows would silently lose real
+    vocabulary."""
     problems = []
-    for key in VOCAB_KEYS:
-        if key not in reader.tensors:
-            continue
-        rows = reader.shape(key)[0]
-        tp = len({c.offsets[0] for c in reader.tensors[key].chunks})
+    for key, rows, tp in vocab:
         m = divisible_by * tp
         padded = (vocab_size + m - 1) // m * m
         if rows not in (vocab_size, padded):
@@ -575,10 +614,12 @@ def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, i
     flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
     views = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
     for s in group:
-        parts = [reader.read(key, lead) for key, lead in s.reads]
-        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        shards = []
+        for shard in s.reads:
+            parts = [reader.read(key, lead) for key, lead in shard]
+            shards.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
         outs = [views[name] for name, _ in s.hf]
-        s.op.to_hf([full], outs[:s.n_out])  # copy_ casts when a dtype was asked for
+        s.op.to_hf(shards, outs[:s.n_out])  # copy_ casts when a dtype was asked for
         for out in outs[s.n_out:]:
             out.copy_(outs[0])
     return Bucket(index, flat, entries)

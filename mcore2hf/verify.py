@@ -29,7 +29,10 @@ class Comparison:
 
 
 def is_megatron_checkpoint(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, f)) for f in ("latest_checkpointed_iteration.txt", ".metadata"))
+    from .legacy import is_legacy_dir
+
+    return (any(os.path.exists(os.path.join(path, f)) for f in ("latest_checkpointed_iteration.txt", ".metadata"))
+            or is_legacy_dir(path))
 
 
 class HFDirectory:

@@ -185,7 +185,8 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random values everywhere, norms included, so a swapped or misplaced tensor cannot go unnoticed.
+    """Random values everywhere, norms included, so a swapped or misplaced tensor cannot go unnoticed. Norms
+    initialized to zeros are zero-centred (gamma = 1 + w) and get w around 0, the others gamma around 1.
 
     Scales keep a few-layer fp32 forward well conditioned (for logit parity)."""
     g = torch.Generator().manual_seed(seed)
@@ -194,8 +195,8 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
             if not t.is_floating_point() or "inv_freq" in name:
                 continue
             r = torch.randn(t.shape, generator=g, dtype=torch.float32)
-            if "norm" in name:
-                t.copy_(1.0 + 0.1 * r)
+            if "norm" in name:  # around the norm's own identity: gamma 1, or w 0 where gamma = 1 + w (Qwen3-Next)
+                t.copy_((0.0 if bool((t == 0).all()) else 1.0) + 0.1 * r)
             elif "bias" in name:
                 t.copy_(0.1 * r)
             elif "embed" in name or "lm_head" in name:
