@@ -700,3 +700,59 @@ def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
 def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, layout: Layout) -> dict:
     """qwen3_5_suite for every architecture at `layout` (logits only where PP is 1)."""
     return for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None)
+
+
+#: ops whose Megatron TP split equals the engines' at equal TP (the engines replicate some tensors Megatron
+#: splits, e.g. MTP's eh_proj, and pad the vocabulary differently: those may cross the wire)
+TP_ALIGNED_OPS = {"Column", "Row", "QKV", "GatedQKV", "GatedColumn", "GDNInProj", "ColumnParts"}
+
+
+def engine_plan_suite(model_types: list[str], layout: Layout, bucket_bytes: int) -> dict:
+    """Issue 15 step 2: real ExportPlans (meta-device models at `layout`), engine-shard plans for engine TP 1/2/4
+    (with and without engine EP for MoE), sglang and vllm, colocated by default. Rank 0 returns per
+    (model, engine, tp, ep) the per-receiver bytes and checks them against engine_regions computed directly."""
+    from mcore2hf.engine_shards import EngineShardError, engine_regions, regions_bytes, sharding_kind
+    from mcore2hf.plan import colocated_ranks, plan_engine_shards
+    from mcore2hf.testing.tiny import tiny_config
+
+    out = {}
+    for model_type in model_types:
+        cfg = tiny_config(model_type)
+        with torch.device("meta"):  # names and shapes are all a plan needs
+            chunks = build_model(cfg, use_te=False, perform_initialization=False, **layout.config_overrides())
+        plan = HFExporter(chunks, cfg).plan(bucket_bytes)
+        if dist.get_rank():
+            continue
+        dims = get_model_spec(model_type).dims(cfg)
+        for engine in ("sglang", "vllm"):
+            for tp in (1, 2, 4):
+                eps = [1] + ([tp] if dims.num_experts and tp > 1 else []) \
+                    + ([2] if dims.num_experts and engine == "sglang" and tp == 4 else [])
+                for ep in eps:
+                    key = f"{model_type} {engine} tp{tp} ep{ep}"
+                    ranks = colocated_ranks(layout.size, engine, tp, ep)
+                    try:
+                        eplan = plan_engine_shards(plan, ranks, dims)
+                    except EngineShardError as e:
+                        out[key] = f"refused: {e}"
+                        continue
+                    got = eplan.bytes_by_receiver()
+                    for er in ranks:  # independent: what engine_regions says the rank loads, over every tensor
+                        need = sum(regions_bytes(engine_regions(e.name, e.shape, dims, er.placement, model_type),
+                                                 e.shape, e.dtype) for e in plan.hf_entries())
+                        g = got[er.rank]
+                        assert g["needed"] == need == g["wire"] + g["local"], (key, er, g, need)
+                    # TP-aligned (engine TP == Megatron TP, colocated): the column / row / QKV pieces of the
+                    # layers a receiver's stage holds never cross the wire (vocab rows may straddle)
+                    aligned = []
+                    if tp == layout.tp and ep == 1:
+                        for routes in eplan.routes:
+                            for r in routes:
+                                src = plan.sources[r.source]
+                                held = any(r.receiver in hs for hs in src.holders.values())
+                                split = sharding_kind(src.hf_names[0], model_type)[0] != "replicated"
+                                if held and split and not r.local and src.count == tp and \
+                                        type(src.resolved.op).__name__ in TP_ALIGNED_OPS:
+                                    aligned.append(r.source)
+                    out[key] = dict(bytes=got, total=plan.total_bytes, aligned_wire=sorted(set(aligned)))
+    return out
