@@ -199,30 +199,35 @@ def test_pieces_refuse_a_copy_that_does_not_factor_5_elements_of_5x2():
         pieces(Odd(), (10,), 1, [(5, 2)])
 
 
-# ------------------------------------------------------------------------------------------------- plans (gloo)
+# ------------------------------------------------------------------------------------------------- export (gloo)
 
-#: dense and MLA (+ MTP) over pipeline stages, MoE and gated DeltaNet (+ MoE) over expert ranks
-PLAN_WORLDS = [(Layout(tp=2, pp=2), ["qwen3", "deepseek_v3"]), (Layout(tp=2, ep=2, etp=1, world_size=4), ["qwen3_moe", "qwen3_next"])]
+#: dense, MoE, MLA (+ MTP) and gated DeltaNet (+ MoE), in one world that has TP, PP and EP (expert TP 1 != TP)
+EXPORT_MODELS = ["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next"]
 
 
-@pytest.mark.parametrize("layout,models", PLAN_WORLDS, ids=["tp2pp2", "tp2ep2"])
-def test_engine_shard_plans_from_real_export_plans_4_ranks(layout, models, capsys):
-    """plan_engine_shards on the real ExportPlans of a 4-rank world (meta-device megatron-core models): every
-    receiver gets exactly the bytes engine_regions names (wire + local, tiling checked at build), engine TP
-    1/2/4 with and without EP, TP > KV heads (2 kv heads at TP 4); TP-aligned pieces never cross the wire."""
+def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4_ranks(tmp_path, capsys):
+    """End to end on CPU (real megatron-core models with weights, 4 gloo ranks at TP2 x PP2 x EP2, expert TP 1),
+    plan_engine_shards + EngineExecutor for sglang and vllm at engine TP 1/2/4 (with engine EP for MoE; 2 kv
+    heads, so TP 4 > kv heads): every rank's slices equal the engine's slices of the full export
+    (torch.equal) and are exactly its engine_regions, masked debug tensors are NaN outside them, bytes received
+    = the plan's wire bytes = regions bytes - locally held bytes, the world sends what it receives, and at
+    engine TP == Megatron TP no TP-aligned piece a rank holds crosses the wire."""
     import worlds
 
-    res = run_world(worlds.engine_plan_suite, layout, models, layout, 4096)[0]
+    layout, models = Layout(tp=2, pp=2, ep=2, etp=1), EXPORT_MODELS
+
+    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+
+    ckpts = {m: str(make_hf_checkpoint(tiny_config(m), tmp_path / m)) for m in models}
+    res = run_world(worlds.engine_export_suite, layout, ckpts, layout, 64 * 1024)
     lines = []
-    for key, r in res.items():
-        if isinstance(r, str):
-            lines.append(f"{key}: {r[:90]}")
+    for key in res[0]:
+        if isinstance(res[0][key], str):
+            lines.append(f"{key}: {res[0][key]}")
             continue
-        assert not r["aligned_wire"], (key, r["aligned_wire"])
-        per = " ".join(f"r{k}:{v['wire']}/{v['needed']}" for k, v in sorted(r["bytes"].items()))
-        lines.append(f"{key}: wire/needed per rank {per} (full {r['total']})")
-    refused = [k for k, r in res.items() if isinstance(r, str)]
-    # only gated DeltaNet's 2 linear key heads at TP 4 and gpt-oss-style sglang stacked EP may be refused
+        lines.append(f"{key}: wire/local/needed per rank "
+                     + " ".join(f"{r[key]['wire']}/{r[key]['local']}/{r[key]['needed']}" for r in res))
+    refused = [k for k, r in res[0].items() if isinstance(r, str)]
     assert all(k.startswith("qwen3_next") and " tp4 " in k for k in refused), refused
     with capsys.disabled():
-        print(f"\n{layout}:\n" + "\n".join(lines))
+        print(f"\n{layout} engine-sharded export:\n" + "\n".join(lines))
