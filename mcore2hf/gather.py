@@ -753,7 +753,8 @@ class EngineExecutor:
 
     def _shard(self, s: Source) -> torch.Tensor:
         t = _source_of(self.local[s.name])
-        return t if isinstance(t, torch.Tensor) else t()
+        t = t if isinstance(t, torch.Tensor) else t()  # a buffer getter
+        return t if t.is_contiguous() else t.contiguous()  # pieces address the shard as contiguous
 
     def _src_view(self, s: Source, piece) -> torch.Tensor:
         t = self._shard(s).detach()
