@@ -231,3 +231,19 @@ def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4
     assert all(k.startswith("qwen3_next") and " tp4 " in k for k in refused), refused
     with capsys.disabled():
         print(f"\n{layout} engine-sharded export:\n" + "\n".join(lines))
+
+
+def test_engine_plan_refusals_quantized_plan_and_bad_colocated_groups():
+    """A quantized export plan, an engine TP that does not divide the world, overlapping groups: clear errors
+    before anything is planned or sent."""
+    from mcore2hf.plan import ExportPlan, colocated_ranks, plan_engine_shards
+
+    with pytest.raises(EngineShardError, match=r"quantized \(fp8\) plan: not supported"):
+        plan_engine_shards(ExportPlan("qwen3", {}, [], 1, [], 4, quantize="fp8"), colocated_ranks(4, "vllm", 2), None)
+    with pytest.raises(EngineShardError, match="engine TP 4 to divide the world size 6"):
+        colocated_ranks(6, "sglang", 4)
+    with pytest.raises(EngineShardError, match="groups of 2 distinct ranks"):
+        colocated_ranks(4, "sglang", 2, groups=[[0, 1], [1, 2]])
+    ranks = colocated_ranks(4, "sglang", 2, groups=[[2, 3], [0, 1]])  # configurable: instance 0 on ranks 2, 3
+    assert [(er.instance, er.placement.tp_rank, er.rank) for er in ranks] == [(0, 0, 2), (0, 1, 3), (1, 0, 0),
+                                                                               (1, 1, 1)]
