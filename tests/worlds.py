@@ -722,7 +722,7 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
         ref = ex.state_dict()
         dims = ex.dims
         for engine in ("sglang", "vllm"):
-            for tp in (1, 2, 4):
+            for tp in (1, 2, 4) if engine == "sglang" else (2, 4):  # at TP 1 both engines load everything
                 eps = [1] + ([tp] if dims.num_experts and tp > 1 else []) \
                     + ([2] if dims.num_experts and engine == "sglang" and tp == 4 else [])
                 for ep in eps:
