@@ -57,12 +57,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import regex
 import torch
 
 from .errors import Mcore2HFError
+from .layouts import Piece
 from .mapping import ModelDims
 
 ENGINES = ("sglang", "vllm")
@@ -390,3 +391,20 @@ def place_slices(slices: Sequence[EngineSlice], out: torch.Tensor) -> torch.Tens
     for s in slices:
         out[region_slices(s.region)] = s.tensor
     return out
+
+
+# ------------------------------------------------------------------------------------------------- pieces
+
+def clip(piece: Piece, region: Region) -> Piece | None:
+    """The part of `piece` inside the box `region` (None when they do not meet): per narrowed dim the
+    progression is cut to the interval, and the source offset moves with it."""
+    start, count, src = list(piece.start), list(piece.count), piece.src_offset
+    for d, lo, n in region:
+        a, q, k = start[d], piece.step[d], count[d]
+        first = max(0, -((a - lo) // q))          # ceil((lo - a) / q)
+        stop = min(k, -((a - lo - n) // q))       # ceil((lo + n - a) / q)
+        if stop <= first:
+            return None
+        start[d], count[d] = a + first * q, stop - first
+        src += first * piece.src_strides[d]
+    return replace(piece, start=tuple(start), count=tuple(count), src_offset=src)

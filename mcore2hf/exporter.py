@@ -12,19 +12,23 @@ import torch
 import torch.distributed as dist
 
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
+from .engine_shards import EngineShardError
 from .errors import ConfigMismatchError, Mcore2HFError
-from .gather import Executor
+from .gather import EngineBucket, EngineExecutor, Executor
 from .hf_config import HFConfigLike, config_source
 from .mapping import Converter
 from .naming import LocalTensor, local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
 from .plan import (
+    EngineRank,
+    EngineShardPlan,
     ExportPlan,
     Source,
     assign_buckets,
     build_sources,
     filter_sources,
     gather_records,
+    plan_engine_shards,
     quantized_plan,
 )
 from .quantize import FP8Scheme, get_scheme
@@ -164,6 +168,29 @@ class HFExporter:
         `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`). `quantize="fp8"` /
         `"fp8-ue8m0"`: block-FP8 weights and their `weight_scale_inv` tensors, ordinary entries of the bucket."""
         yield from self.executor(bucket_bytes, receivers, overlap, name_filter, quantize).run()
+
+    def engine_plan(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    name_filter: NameFilterLike = None) -> EngineShardPlan:
+        """The engine-shard plan (routes from holders to engine ranks), built once per settings, no communication
+        beyond the export plan's. `engine_ranks`: e.g. `colocated_ranks(world_size, "sglang", tp_size)`."""
+        key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter)
+        if key not in self._plans:
+            self._plans[key] = plan_engine_shards(self.plan(bucket_bytes, name_filter), list(engine_ranks), self.dims)
+        return self._plans[key]
+
+    def engine_buckets(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       name_filter: NameFilterLike = None, quantize: Quantize = None) -> Iterator[EngineBucket]:
+        """Engine-sharded export (collective: every rank iterates): each rank's bucket holds only the regions its
+        engine rank loads (`bucket.slices()` raw, `bucket.masked(debug)` full-shaped); a rank that feeds no
+        engine rank gets empty buckets. No byte is received that the engine rank does not load."""
+        if quantize is not None:
+            raise EngineShardError(f"quantize={quantize!r} with engine sharding: not supported yet (FP8 blocks need "
+                                   "128-aligned regions); export unquantized or with buckets()")
+        key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter)
+        if key not in self._executors:
+            self._executors[key] = EngineExecutor(self.engine_plan(engine_ranks, bucket_bytes, name_filter),
+                                                  self.ctx, self._local, self.device)
+        return self._executors[key].run()
 
     def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
                       name_filter: NameFilterLike = None,

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket
+from .engine_shards import EngineSlice, place_slices
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
@@ -701,3 +702,151 @@ def _finalize(c: Copy, count: int, dstep, sstep, typed_arena) -> Copy:
         src = typed_arena(c.local[1], c.dtype).as_strided(sizes, sstr, c.src_offset)
         return Copy(c.dtype, sizes, dstr, c.dst_offset, src, add=c.add)
     return Copy(c.dtype, sizes, dstr, c.dst_offset, None, c.local, sstr, c.src_offset, add=c.add)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# engine-sharded export (issue 15): each rank receives only the regions its engine rank loads. A separate program
+# beside receivers_program for now (design 3.3 folds receivers_program onto the same view-based P2P round): one
+# batched point-to-point round per bucket, sends packed from strided views of the local shards, local pieces
+# copied straight from the shards.
+
+
+@dataclass
+class _EngineBucketProgram:
+    entries: list  # SliceEntry of this rank
+    nbytes: int
+    sends: list  # (peer, nbytes, [(source, piece)])
+    recvs: list  # (peer, nbytes, [(entry index, piece)])
+    local: list  # (entry index, source, piece)
+
+
+class EngineExecutor:
+    """Runs an EngineShardPlan on this rank; every rank of the world runs it in step (collective)."""
+
+    def __init__(self, eplan, ctx: ParallelContext, local: dict[str, LocalTensor], device: torch.device):
+        self.eplan, self.ctx, self.local, self.device = eplan, ctx, local, device
+        self.programs = [self._program(k) for k in range(len(eplan.routes))]
+        self.stats = {"sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
+
+    def _program(self, k: int) -> _EngineBucketProgram:
+        me, plan = self.ctx.rank, self.eplan.export
+        entries = self.eplan.outputs[k].get(me, [])
+        sends: dict[int, list] = {}
+        recvs: dict[int, list] = {}
+        local = []
+        for r in self.eplan.routes[k]:  # the same order on every rank: sender and receiver agree on offsets
+            src = plan.sources[r.source]
+            if r.local:
+                if r.receiver == me:
+                    local.append((r.entry, src, r.piece))
+            elif r.sender == me:
+                sends.setdefault(r.receiver, []).append((src, r.piece))
+            elif r.receiver == me:
+                recvs.setdefault(r.sender, []).append((r.entry, src, r.piece))
+        nbytes = max((e.start + e.nbytes for e in entries), default=0)
+        return _EngineBucketProgram(entries, nbytes,
+                                    [(p, _packed_bytes([(s, c) for s, c in items]), items)
+                                     for p, items in sorted(sends.items())],
+                                    [(p, _packed_bytes([(s, c) for _, s, c in items]), items)
+                                     for p, items in sorted(recvs.items())],
+                                    local)
+
+    def _shard(self, s: Source) -> torch.Tensor:
+        t = _source_of(self.local[s.name])
+        t = t if isinstance(t, torch.Tensor) else t()  # a buffer getter
+        return t if t.is_contiguous() else t.contiguous()  # pieces address the shard as contiguous
+
+    def _src_view(self, s: Source, piece) -> torch.Tensor:
+        t = self._shard(s).detach()
+        sizes, strides, off = piece.src_view()
+        return t.as_strided(sizes, strides, t.storage_offset() + off)
+
+    def run(self) -> Iterator:
+        for k, prog in enumerate(self.programs):
+            flat = torch.empty(prog.nbytes, dtype=torch.uint8, device=self.device)
+            slices = [flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.slice_shape) for e in prog.entries]
+            ops, bufs = [], []
+            for peer, n, items in prog.sends:
+                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+                dsts, srcs = [], []
+                for (s, c), off in zip(items, _offsets([(s, c) for s, c in items])):
+                    dsts.append(buf[off:off + c.numel * s.dtype.itemsize].view(s.dtype).view(c.count))
+                    srcs.append(self._src_view(s, c))
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
+                ops.append(dist.P2POp(dist.isend, buf, peer))
+                self.stats["sent_bytes"] += n
+            for peer, n, items in prog.recvs:
+                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+                bufs.append((buf, items))
+                ops.append(dist.P2POp(dist.irecv, buf, peer))
+            works = dist.batch_isend_irecv(ops) if ops else []
+            for entry, s, c in prog.local:  # overlaps the transfers
+                _place(slices[entry], prog.entries[entry], c, self._src_view(s, c))
+                self.stats["local_bytes"] += c.numel * s.dtype.itemsize
+            for w in works:
+                w.wait()
+            for buf, items in bufs:
+                for (entry, s, c), off in zip(items, _offsets([(s, c) for _, s, c in items])):
+                    n = c.numel * s.dtype.itemsize
+                    _place(slices[entry], prog.entries[entry], c, buf[off:off + n].view(s.dtype).view(c.count))
+                    self.stats["received_bytes"] += n
+            yield EngineBucket(k, flat, prog.entries)
+
+
+class EngineBucket:
+    """One rank's slices of a bucket's HF tensors (the regions its engine rank loads) in one flat byte buffer:
+    raw slices with their (dim, offset, length) metadata for custom engines, masked full tensors for stock ones."""
+
+    def __init__(self, index: int, flat: torch.Tensor, entries: list):
+        self.index, self.flat, self.entries = index, flat, entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def slices(self) -> list[tuple[str, EngineSlice]]:
+        """(HF name, EngineSlice) per region, views of `flat` (a tensor with several regions appears once each)."""
+        return [(e.name, EngineSlice(e.region, self.flat[e.start:e.start + e.nbytes].view(e.dtype)
+                                     .view(e.slice_shape))) for e in self.entries]
+
+    def masked(self, debug: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, full-shaped tensor) as a stock `load_weights` takes them: only this rank's regions written;
+        the rest NaN when `debug` (a read outside the regions shows), else uninitialized (never read)."""
+        out: dict[str, torch.Tensor] = {}
+        for e, (name, s) in zip(self.entries, self.slices()):
+            if name not in out:
+                out[name] = (torch.full(e.shape, float("nan"), dtype=e.dtype, device=self.flat.device) if debug
+                             else torch.empty(e.shape, dtype=e.dtype, device=self.flat.device))
+            place_slices([s], out[name])
+        return list(out.items())
+
+    def __repr__(self) -> str:
+        return f"EngineBucket(index={self.index}, slices={len(self)}, bytes={self.flat.numel()})"
+
+
+def _offsets(items: list) -> list[int]:
+    """Byte offsets of pieces packed in order, each aligned for its dtype (sender and receiver agree)."""
+    out, off = [], 0
+    for s, c in items:
+        isz = s.dtype.itemsize
+        off = -(-off // isz) * isz
+        out.append(off)
+        off += c.numel * isz
+    return out
+
+
+def _packed_bytes(items: list) -> int:
+    offs = _offsets(items)
+    return (offs[-1] + items[-1][1].numel * items[-1][0].dtype.itemsize) if items else 0
+
+
+def _place(slice_: torch.Tensor, entry, piece, src: torch.Tensor) -> None:
+    """Write a piece (its elements as `src`, shaped piece.count) into the receiver's slice of its HF tensor."""
+    lo = {d: o for d, o, _ in entry.region}
+    strides = slice_.stride()
+    start = sum((a - lo.get(d, 0)) * st for d, (a, st) in enumerate(zip(piece.start, strides)))
+    dst = slice_.as_strided(piece.count, tuple(q * st for q, st in zip(piece.step, strides)),
+                            slice_.storage_offset() + start)
+    dst.copy_(src)
+    if piece.add:
+        dst.add_(piece.add)
