@@ -19,7 +19,8 @@ strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `comm
   `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_` (not for MLA);
 * routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
   `singleton_local_shards` one key per expert (`experts.experts.<e>.`) and every GLU fc1 split into `_w`/`_v`;
-* every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold);
+* every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold; a hybrid
+  model's output layer too, which GPTModel drops);
 * the vocab-parallel tensors (embedding, output layer; MTP shares their keys) with exactly vocab_size rows: they
   are `allow_shape_mismatch` ShardedTensors (tensor_parallel/layers.py VocabParallelEmbedding
   `sharded_state_dict`, language_module.py, multi_token_prediction.py), which the torch_dist load strategy
@@ -282,6 +283,8 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             objects.add(f"{module}._extra_state/shard_{'.'.join(map(str, offsets))}_"
                         f"{'.'.join(map(str, glob or (1,)))}")
         sources.append(src)
+    if hybrid is not None:  # GPTModel.sharded_state_dict drops it; MambaModel / HybridModel keep LanguageModule's
+        objects.add("output_layer._extra_state/shard_0_1")  # (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
         problems = shape_problems({n: shape_of(reader.slice(n)) for n in reader.names()},
                                   hf_tensor_shapes(cfg, dims.num_mtp_layers))

@@ -110,6 +110,7 @@ def test_hybrid_import_keys_follow_the_pattern(ckpts, tmp_path):
     import_checkpoint(ckpts["qwen3"], tmp_path / "q", model_class="hybrid", progress=False)
     keys = set(open_checkpoint(str(tmp_path / "q" / "iter_0000000")).tensors)
     assert "decoder.final_norm.weight" in keys and "decoder.final_layernorm.weight" not in keys
+    assert "output_layer._extra_state/shard_0_1" in open_checkpoint(str(tmp_path / "q" / "iter_0000000")).meta.state_dict_metadata
     assert {"decoder.layers.6.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.6.self_attention.linear_qkv.weight",
             "decoder.layers.7.mlp.linear_fc1.layer_norm_weight", "decoder.layers.7.mlp.linear_fc2.weight"} <= keys
     assert not any(k.startswith("decoder.layers.7.self_attention") or k.startswith("decoder.layers.6.mlp") or
