@@ -59,7 +59,7 @@ def main() -> int:
     for mt, ckpt in ckpts.items():
         import_checkpoint(ckpt, os.path.join(imports, mt), model_class="hybrid", progress=False)
         back = os.path.join(root, "reexport", mt)
-        export_checkpoint(os.path.join(imports, mt), back, ckpt)
+        export_checkpoint(os.path.join(imports, mt), back, ckpt, progress=False)
         got, ref = read_hf_checkpoint(back), read_hf_checkpoint(ckpt)
         ok = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
         failures += not ok
