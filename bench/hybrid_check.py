@@ -3,7 +3,10 @@ and loads like the GPTModel of the same HF weights (issue 14). For qwen3 (patter
 ("*E*E*E*E"), at each layout: the GPTModel and the HybridModel are built with `mcore2hf.build_model` (the latter
 with model_class="hybrid": one '|' segment per pipeline stage), loaded with the same tiny random HF weights, and
 both exports must equal the HF source bit for bit; the HybridModel also loads the GPTModel's export and, at PP1,
-gives the GPTModel's logits exactly (tests/worlds.py `hybrid_suite`). Prints a table; exit status 1 if anything
+gives the GPTModel's logits exactly (tests/worlds.py `hybrid_suite`). The offline import for hybrid models
+(`import_checkpoint(..., model_class="hybrid")`, written once per architecture) is loaded at every layout by
+Megatron's own `dist_checkpointing.load` (strict) into the HybridModel and exported: bit for bit the HF source; and
+the import is exported back offline (no Megatron) to the HF source. Prints a table; exit status 1 if anything
 failed.
 
 On the GPU machine (Python 3.12, megatron-core 0.19.2 carried in .whl/ with an mcore2hf wheel of this checkout):
@@ -42,7 +45,9 @@ def main() -> int:
     import transformers
     import worlds
 
-    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.offline import export_checkpoint
+    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
     from mcore2hf.testing.world import Layout, run_world
 
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
@@ -50,6 +55,15 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="hybrid_check_")
     ckpts = {mt: make_hf_checkpoint(tiny_config(mt), os.path.join(root, mt)) for mt in ("qwen3", "qwen3_moe")}
     rows, failures = [], 0
+    imports = os.path.join(root, "import")  # the hybrid model's checkpoint keys, loaded at every layout below
+    for mt, ckpt in ckpts.items():
+        import_checkpoint(ckpt, os.path.join(imports, mt), model_class="hybrid", progress=False)
+        back = os.path.join(root, "reexport", mt)
+        export_checkpoint(os.path.join(imports, mt), back, ckpt, progress=False)
+        got, ref = read_hf_checkpoint(back), read_hf_checkpoint(ckpt)
+        ok = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+        failures += not ok
+        rows.append(("import -> offline export", mt, "-", "-", "-", f"{len(ref)}", "PASS" if ok else "FAIL", "-"))
     for name in args.layouts.split(","):
         kwargs, archs = LAYOUTS[name]
         layout = Layout(**kwargs)
@@ -66,7 +80,7 @@ def main() -> int:
         t = time.perf_counter()
         try:
             results = run_world(worlds.for_each_arch, layout, worlds.hybrid_suite, {mt: ckpts[mt] for mt in archs},
-                                layout, tokens, backend=args.backend)
+                                layout, tokens, None, imports, backend=args.backend)
         except Exception as e:  # noqa: BLE001 - a world that fails to start is one row, the others still run
             rows.append((name, ",".join(archs), "-", "-", "-", "-", f"FAIL: {type(e).__name__}: {e}"[:300], "-"))
             failures += 1
@@ -82,12 +96,14 @@ def main() -> int:
             layers = sum(x[mt]["megatron_layers_here"] for x in results) * layout.pp // layout.size
             logits = "-" if r["logits_max_diff"] is None else f"{r['logits_max_diff']:.1e}"
             # one replica holds every Megatron layer of the pattern once (pipeline stages and VPP chunks together)
-            ok = layers == len(r["pattern"]) and r["logits_max_diff"] in (None, 0.0)
+            ok = (layers == len(r["pattern"]) and r["logits_max_diff"] in (None, 0.0)
+                  and r["imported_tensors"] == r["tensors"])
             failures += not ok
             rows.append((name, mt, r["model_class"], r["pattern"], f"{layers}", f"{r['tensors']}",
-                         ("PASS" if ok else "FAIL") + f" (logits max abs diff {logits})", f"{seconds:.0f}"))
+                         ("PASS" if ok else "FAIL") + f" (logits max abs diff {logits}; import loaded: "
+                         f"{r['imported_tensors']} tensors)", f"{seconds:.0f}"))
     head = ("layout", "arch", "model", "pattern", "Megatron layers", "HF tensors",
-            "hybrid == GPTModel == HF source, bit for bit; pattern mismatch refused", "world s")
+            "hybrid == GPTModel == HF source, bit for bit; pattern mismatch refused; import loaded", "world s")
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for row in rows:
         print("| " + " | ".join(row) + " |")

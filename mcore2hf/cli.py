@@ -154,7 +154,7 @@ def cmd_import(a) -> int:
     r = import_checkpoint(a.hf_dir, a.ckpt_dir, iteration=a.iteration, dtype=a.dtype, tp=a.tp,
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
                           singleton_local_shards=a.singleton_local_shards, file_size=a.file_size,
-                          overwrite=a.overwrite, progress=not a.quiet)
+                          overwrite=a.overwrite, progress=not a.quiet, model_class=a.model_class)
     if not a.quiet:
         print(f"wrote {r.tensors} Megatron tensors ({r.keys} keys, {format_size(r.bytes_written)}) to "
               f"{r.ckpt_dir}/iter_{r.iteration:07d} in {r.seconds:.1f} s; peak RSS {format_size(r.peak_rss_bytes)}")
@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Megatron's vocab padding divisor, with --tp (default 128)")
     im.add_argument("--singleton-local-shards", action="store_true",
                     help="per-expert keys and GLU fc1 as _w/_v (for training with singleton_local_shards)")
+    im.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt",
+                    help="the Megatron model that will load it: GPTModel (default) or hybrid (megatron-core 0.19 "
+                         "HybridModel / 0.16 MambaModel, as build_model(..., model_class='hybrid') builds it)")
     im.add_argument("--file-size", type=_size("--file-size"), default="5GB",
                     help="largest .distcp file, e.g. 5GB (default 5GB)")
     im.add_argument("--overwrite", action="store_true", help="replace an existing iter_NNNNNNN of this iteration")

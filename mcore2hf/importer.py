@@ -19,14 +19,19 @@ strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `comm
   `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_` (not for MLA);
 * routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
   `singleton_local_shards` one key per expert (`experts.experts.<e>.`) and every GLU fc1 split into `_w`/`_v`;
-* every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold);
+* every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold; a hybrid
+  model's output layer too, which GPTModel drops);
 * the vocab-parallel tensors (embedding, output layer; MTP shares their keys) with exactly vocab_size rows: they
   are `allow_shape_mismatch` ShardedTensors (tensor_parallel/layers.py VocabParallelEmbedding
   `sharded_state_dict`, language_module.py, multi_token_prediction.py), which the torch_dist load strategy
   (strategies/torch.py `_mcore_to_dcp_compatible_tensor`: zero-initialized; `MCoreLoadPlanner
   ._temporarily_bypass_shape_validation`: only the overlap read) loads at any padded vocab, so at any TP. With
   `tp`, they are padded to a multiple of make_vocab_size_divisible_by x TP and chunked by that TP instead, as
-  training at that TP saves them.
+  training at that TP saves them;
+* hybrid models (`model_class="hybrid"`: 0.16.1 MambaModel ssm/mamba_block.py, 0.19.2 HybridModel
+  models/hybrid/hybrid_block.py `sharded_state_dict`, identical there): every layer under its own Megatron index
+  (`decoder.layers.<i>.`, never stacked), the mixer and the MLP of an HF layer as two layers of the pattern
+  `naming.HybridLayout` parses, each keeping its layer spec's key map, and the final norm as `decoder.final_norm.`.
 """
 
 from __future__ import annotations
@@ -52,11 +57,13 @@ from .errors import (
     MissingWeightsError,
     ShapeMismatchError,
     UnknownParametersError,
+    UsageError,
 )
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
 from .loader import HFReader
 from .mapping import Converter, ModelDims, _compile
+from .naming import HybridLayout
 from .offline import _parse_dtype, _peak_rss
 from .registry import get_converter
 from .senders.safetensors import SAFETENSORS_DTYPES, _overlap, _umask
@@ -159,14 +166,21 @@ def _gdn_layer(name: str, resolved: dict) -> bool:
 
 
 def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool,
-                   fused_into_in_proj: bool = False) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+                   fused_into_in_proj: bool = False,
+                   hybrid: HybridLayout | None = None) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(key, leading offsets, leading global dims) of a canonical Megatron name in Megatron's sharded state
     dict: the inverse of `offline.checkpoint_sources`. `fused_into_in_proj`: a gated DeltaNet layer, whose input
-    norm is saved under in_proj (TE's spec; model_specs/qwen3_next.py keeps that key for the local spec)."""
+    norm is saved under in_proj (TE's spec; model_specs/qwen3_next.py keeps that key for the local spec).
+    `hybrid`: a hybrid model's keys, each HF layer's parts under its mixer's or MLP's Megatron layer."""
     m = _LAYER.fullmatch(name)
     if m is None:
+        if hybrid is not None and name == "decoder.final_layernorm.weight":
+            return "decoder.final_norm.weight", (), ()  # mamba_block.py / hybrid_block.py `final_norm`
         return name, (), ()
     layer, rest = int(m.group(1)), m.group(2)
+    mtp = layer >= dims.num_layers
+    if hybrid is not None and not mtp:
+        layer = hybrid.megatron_layer(layer, rest)
     if dims.kv_lora_rank is None:
         keys_map = {**LOCAL_KEYS_MAP, **GDN_KEYS_MAP} if fused_into_in_proj else LOCAL_KEYS_MAP
         for local, key in keys_map.items():
@@ -180,7 +194,7 @@ def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool
         else:
             rest = f"mlp.experts.experts.{e.group(2)}"
             lead, glob = (int(e.group(1)),), (dims.num_experts,)
-    if layer >= dims.num_layers:
+    if mtp:
         return f"mtp.layers.{layer - dims.num_layers}.transformer_layer.{rest}", lead, glob
     if stacked:
         return f"decoder.layers.{rest}", (layer, *lead), (dims.num_layers, *glob)
@@ -188,7 +202,8 @@ def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool
 
 
 def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
-                singleton: bool, stacked: bool) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
+                singleton: bool, stacked: bool,
+                hybrid: HybridLayout | None = None) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
     """Every Megatron tensor to write with its chunks, the checkpoint's keys {key: (global shape, dtype)}, and
     its `_extra_state` object keys; every problem is reported at once, before anything is written."""
     from .model_specs.common import padded_vocab_size
@@ -239,7 +254,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
         key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton,
                                          fused_into_in_proj=_LAYER.fullmatch(name) is not None
-                                         and _gdn_layer(name, resolved))
+                                         and _gdn_layer(name, resolved), hybrid=hybrid)
         zeros = (0,) * len(full)
         split = r.op.checkpoint_parts() if hasattr(r.op, "checkpoint_parts") else []
         if split:  # gated DeltaNet in_proj / conv1d: one key per component (gated_delta_net.py sharded_state_dict)
@@ -270,6 +285,8 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             objects.add(f"{module}._extra_state/shard_{'.'.join(map(str, offsets))}_"
                         f"{'.'.join(map(str, glob or (1,)))}")
         sources.append(src)
+    if hybrid is not None:  # GPTModel.sharded_state_dict drops it; MambaModel / HybridModel keep LanguageModule's
+        objects.add("output_layer._extra_state/shard_0_1")  # (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
         problems = shape_problems({n: shape_of(reader.slice(n)) for n in held},
                                   hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
@@ -392,7 +409,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                       dtype: torch.dtype | str | None = None, tp: int | None = None,
                       make_vocab_size_divisible_by: int = 128,
                       singleton_local_shards: bool = False, stacked_layers: bool | None = None,
-                      file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True) -> ImportReport:
+                      file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
+                      model_class: str = "gpt") -> ImportReport:
     """Write a Megatron torch_dist checkpoint (`ckpt_dir/iter_NNNNNNN` + latest_checkpointed_iteration.txt)
     from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout and any
     vocab padding: the vocab-parallel tensors hold exactly vocab_size rows and Megatron loads them with
@@ -402,13 +420,17 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     `dtype` casts floating tensors (ones HF keeps in fp32, like e_score_correction_bias, stay fp32).
     `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name);
     `stacked_layers` (default: dense models stack, MoE and linear-attention hybrids do not, as Megatron
-    decides for the registered specs) picks stacked `decoder.layers.<name>` keys. The iteration directory is written under a temporary
-    name and renamed when complete; the tracker file is replaced last."""
+    decides for the registered specs) picks stacked `decoder.layers.<name>` keys. `model_class="hybrid"` writes the
+    keys of the hybrid model `build_model(..., model_class="hybrid")` builds (megatron-core 0.19 HybridModel, 0.16
+    MambaModel), its layer pattern derived from the HF config as build_model derives it. The iteration directory is
+    written under a temporary name and renamed when complete; the tracker file is replaced last."""
     t0 = time.perf_counter()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     cast = _parse_dtype(dtype)
     limit = parse_size(file_size, "file_size")
+    if model_class not in ("gpt", "hybrid"):
+        raise UsageError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
     if (tp is not None and tp < 1) or make_vocab_size_divisible_by < 1 or iteration < 0:
         raise ValueError(f"tp ({tp}) and make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be "
                          f">= 1 and iteration ({iteration}) >= 0")
@@ -417,7 +439,19 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     inputs = [hf_dir] + ([source.directory] if source.directory else [])
     check_import_target(ckpt_dir, iteration, overwrite, inputs)
     converter = get_converter(cfg.model_type)
-    dims = import_module(converter.spec).dims(cfg)
+    spec = import_module(converter.spec)
+    dims = spec.dims(cfg)
+    hybrid = None
+    if model_class == "hybrid":
+        from .model_specs.common import hybrid_pattern
+
+        if dims.num_mtp_layers:  # build_model refuses them too: nothing could load such keys
+            raise LayoutError(f"model_class='hybrid' with {dims.num_mtp_layers} MTP layer(s) in the HF config: hybrid "
+                              "models with MTP are not supported (import as model_class='gpt')")
+        if stacked_layers:
+            raise LayoutError("stacked_layers=True with model_class='hybrid': hybrid stacks save every layer under "
+                              "its own key (mamba_block.py / hybrid_block.py); choose one")
+        hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
     try:
         reader = HFReader(hf_dir)
     except FileNotFoundError as e:
@@ -427,13 +461,14 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         raise LayoutError("stacked_layers=True with singleton_local_shards=True: Megatron's singleton keys are "
                           "per layer (transformer_block.py); choose one")
     # megatron-core 0.16.1 transformer_block.py sharded_state_dict: MoE layer patterns and linear-attention patterns
-    # (linear_attention_freq) make the layers non-homogeneous, saved per layer
+    # (linear_attention_freq) make the layers non-homogeneous, saved per layer; hybrid stacks are always per layer
     mixed = bool(dims.num_experts) or dims.linear_num_key_heads is not None
     stacked = not mixed if stacked_layers is None else stacked_layers
-    stacked = stacked and not singleton_local_shards  # transformer_block.py: singleton forces per-layer keys
+    stacked = stacked and not singleton_local_shards and hybrid is None  # singleton forces per-layer keys
     try:
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
-                                             divisible_by=make_vocab_size_divisible_by, stacked=stacked)
+                                             divisible_by=make_vocab_size_divisible_by, stacked=stacked,
+                                             hybrid=hybrid)
     except BaseException:
         reader.close()
         raise

@@ -80,6 +80,20 @@ class HybridLayout:
             out[layer] += symbol
         return out
 
+    def megatron_layer(self, layer: int, rest: str) -> int:
+        """The Megatron layer that holds `rest` (a name inside HF layer `layer`): the MLP layer for MLP parts, else
+        the mixer layer (the inverse of `hf_layer`, used by the offline import)."""
+        if layer not in self.hf_layer:
+            raise ConfigMismatchError(f"hybrid layer pattern {self.pattern!r} has {self.num_layers} HF layers, "
+                                      f"found a tensor of HF layer {layer} ({rest})")
+        first = self.hf_layer.index(layer)
+        if not rest.startswith(_MLP_PARTS):
+            return first
+        if first + 1 == len(self.hf_layer) or self.hf_layer[first + 1] != layer:
+            raise ConfigMismatchError(f"hybrid layer pattern {self.pattern!r}: HF layer {layer} has no MLP layer "
+                                      f"({self.hf_layers()[layer]!r}), found {rest}")
+        return first + 1
+
     @classmethod
     def parse(cls, full_pattern: str) -> HybridLayout:
         main, *mtp = full_pattern.split("/")

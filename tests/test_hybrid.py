@@ -10,7 +10,8 @@ import pytest
 import torch
 import worlds
 
-from mcore2hf.errors import ConfigMismatchError
+from mcore2hf.errors import ConfigMismatchError, LayoutError
+from mcore2hf.importer import import_checkpoint
 from mcore2hf.naming import HybridLayout
 from mcore2hf.offline import export_checkpoint
 from mcore2hf.testing.tiny import read_hf_checkpoint
@@ -59,8 +60,13 @@ if os.environ.get("MCORE2HF_HYBRID_ALL"):
 def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout, archs, tmp_path):
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0)) if layout.pp == 1 else None
     dist_root = str(tmp_path / "dist") if layout.pp > 1 else None  # the hybrid model's torch_dist checkpoint
+    import_root = None
+    if layout.pp > 1:  # `mcore2hf import --model-class hybrid`, loaded into the hybrid model by Megatron
+        import_root = tmp_path / "import"
+        for mt in archs:
+            import_checkpoint(ckpts[mt], import_root / mt, model_class="hybrid", progress=False)
     results = run_world(worlds.for_each_arch, layout, worlds.hybrid_suite, {mt: ckpts[mt] for mt in archs},
-                        layout, tokens, dist_root)
+                        layout, tokens, dist_root, None if import_root is None else str(import_root))
     failed = {mt: r for mt, r in results[0].items() if isinstance(r, Exception)}
     assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
     for mt in archs:
@@ -75,6 +81,11 @@ def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout, archs, tmp
             out = tmp_path / "offline" / mt
             export_checkpoint(os.path.join(dist_root, mt, "ckpt"), out, ckpts[mt])
             worlds.assert_same(read_hf_checkpoint(out), read_hf_checkpoint(ckpts[mt]), f"{layout} offline {mt}")
+        if import_root is not None:  # the import, loaded strictly by Megatron, and exported back offline
+            assert r["imported_tensors"] == len(read_hf_checkpoint(ckpts[mt]))
+            out = tmp_path / "reexport" / mt
+            export_checkpoint(import_root / mt, out, ckpts[mt])
+            worlds.assert_same(read_hf_checkpoint(out), read_hf_checkpoint(ckpts[mt]), f"import -> offline {mt}")
 
 
 def test_offline_export_refuses_hybrid_checkpoint_pattern_mismatch():
@@ -89,3 +100,31 @@ def test_offline_export_refuses_hybrid_checkpoint_pattern_mismatch():
         checkpoint_hybrid_layout(keys, "*-*-*-")
     assert checkpoint_hybrid_layout(keys[1:], "*-*-") is None  # a GPTModel's checkpoint
     assert checkpoint_hybrid_layout(keys[:3], "*-").hf_layer == (0, 0)
+
+
+def test_hybrid_import_keys_follow_the_pattern(ckpts, tmp_path):
+    """The import's keys for a hybrid model: each HF layer's attention under its mixer layer, its MLP / MoE under the
+    next Megatron layer, never stacked, `decoder.final_norm` (0.16.1 mamba_block.py, 0.19.2 hybrid_block.py)."""
+    from mcore2hf.offline import open_checkpoint
+
+    import_checkpoint(ckpts["qwen3"], tmp_path / "q", model_class="hybrid", progress=False)
+    keys = set(open_checkpoint(str(tmp_path / "q" / "iter_0000000")).tensors)
+    assert "decoder.final_norm.weight" in keys and "decoder.final_layernorm.weight" not in keys
+    assert "output_layer._extra_state/shard_0_1" in open_checkpoint(str(tmp_path / "q" / "iter_0000000")).meta.state_dict_metadata
+    assert {"decoder.layers.6.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.6.self_attention.linear_qkv.weight",
+            "decoder.layers.7.mlp.linear_fc1.layer_norm_weight", "decoder.layers.7.mlp.linear_fc2.weight"} <= keys
+    assert not any(k.startswith("decoder.layers.7.self_attention") or k.startswith("decoder.layers.6.mlp") or
+                   k.startswith("decoder.layers.8.") for k in keys)
+    with pytest.raises(LayoutError, match="stacked_layers=True with model_class='hybrid'"):
+        import_checkpoint(ckpts["qwen3"], tmp_path / "s", model_class="hybrid", stacked_layers=True, progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+def test_hybrid_layout_megatron_layer_inverts_hf_layer():
+    layout = HybridLayout.parse("*-G*E")
+    assert [layout.megatron_layer(0, "self_attention.linear_qkv.weight"), layout.megatron_layer(0, "mlp.linear_fc1.weight"),
+            layout.megatron_layer(1, "input_layernorm.weight"), layout.megatron_layer(2, "pre_mlp_layernorm.weight")] == [0, 1, 2, 4]
+    with pytest.raises(ConfigMismatchError, match="HF layer 1 has no MLP layer"):
+        layout.megatron_layer(1, "mlp.linear_fc1.weight")
+    with pytest.raises(ConfigMismatchError, match="found a tensor of HF layer 3"):
+        layout.megatron_layer(3, "input_layernorm.weight")

@@ -604,7 +604,8 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
     return {"tensors": len(ref)}
 
 
-def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None) -> int:
+def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None,
+                  model_class: str = "gpt") -> int:
     """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
     checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
     builds), then exported live: bit-identical to the HF source. With `resave`, Megatron then saves the model
@@ -614,7 +615,7 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
 
     from mcore2hf.registry import get_converter
 
-    cfg, chunks = build(ckpt, layout)
+    cfg, chunks = build(ckpt, layout, model_class=model_class)
     zero_(chunks)
     md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
 
@@ -711,12 +712,15 @@ def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, di
     return out
 
 
-def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, dist_root: str | None = None) -> dict:
+def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, dist_root: str | None = None,
+                 import_root: str | None = None) -> dict:
     """The HF weights in a hybrid model (megatron-core 0.16 MambaModel / 0.19 HybridModel, attention and MLP as
     separate Megatron layers) and in a GPTModel at `layout`: both export exactly the HF source; the hybrid model
     also loads the GPTModel's export, under Transformer Engine's names too; a pattern the HF config contradicts
     is refused; (with `tokens`) both forwards give the same logits; (with `dist_root`) the hybrid model's
-    torch_dist checkpoint is saved under dist_root/<arch>/ckpt for the offline export."""
+    torch_dist checkpoint is saved under dist_root/<arch>/ckpt for the offline export; (with `import_root`) a
+    hybrid model loads what `mcore2hf import --model-class hybrid` wrote under import_root/<arch> with Megatron's
+    `dist_checkpointing.load` (strict) and exports the HF source."""
     from mcore2hf.errors import ConfigMismatchError
     from mcore2hf.naming import hybrid_layout, model_config
 
@@ -757,7 +761,8 @@ def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, 
     assert error and "hybrid layer pattern, HF layer 0" in error, error
     if dist_root is not None:
         save_dist_checkpoint(ckpt, layout, dist_root, model_class="hybrid")
-    return {"pattern": layout_.pattern, "megatron_layers_here": megatron_layers, "tensors": len(ref),
+    imported = load_imported(ckpt, layout, import_root, model_class="hybrid") if import_root is not None else None
+    return {"imported_tensors": imported, "pattern": layout_.pattern, "megatron_layers_here": megatron_layers, "tensors": len(ref),
             "model_class": type(hybrid[0]).__name__, "logits_max_diff": logits, "error": error}
 
 
