@@ -40,4 +40,6 @@ QWEN3_NEXT = register(Converter(
     # dense_mlp: layers listed in mlp_only_layers / skipped by decoder_sparse_step
     rules=embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe() + gated_shared_expert()
     + dense_mlp(),
+    # the published checkpoints' MTP layer (vLLM's qwen3_next_mtp.py loads it): not built by the Megatron spec
+    not_held=(r"mtp\..*",),
 ))

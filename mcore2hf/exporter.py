@@ -216,15 +216,15 @@ class HFExporter:
         source is dropped); tokenizer and generation files of an HF directory given as config are copied
         (`extra_files` replaces that list). `progress` shows a progress bar on the writer rank (on a terminal).
         `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint with its `quantization_config`.
-        `base` (an HF directory, e.g. the published checkpoint) completes the output with every base tensor the
-        export does not produce (a vision tower a text-only Megatron model lacks), copied in bounded chunks,
+        `base` (an HF directory, e.g. the published checkpoint) completes the output with the base tensors the
+        converter declares not held by the Megatron model (a text model's vision tower), copied in bounded chunks,
         and the base's tokenizer/preprocessor files; config.json stays the export's (see SafetensorsWriter)."""
         scheme = get_scheme(quantize)
         plan = self.plan(bucket_bytes, name_filter, scheme)
         quantization = None
         if scheme is not None:
-            base = self.plan(bucket_bytes, name_filter)
-            quantization = self.fp8_policy().config(scheme, [(e.name, e.shape) for e in base.hf_entries()])
+            unquantized = self.plan(bucket_bytes, name_filter)
+            quantization = self.fp8_policy().config(scheme, [(e.name, e.shape) for e in unquantized.hf_entries()])
         writer = None
         error = None
         src = self.config_source
@@ -235,7 +235,8 @@ class HFExporter:
                 infos = [TensorInfo(e.name, e.shape, e.dtype) for e in plan.hf_entries()]
                 writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size, overwrite=overwrite,
                                            extra_files=src.companion_files if extra_files is None else extra_files,
-                                           inputs=inputs, quantization=quantization, base=base)
+                                           inputs=inputs, quantization=quantization, base=base,
+                                           not_held=self.converter.not_held_by_model)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         error = self._agree(error, writer_rank)

@@ -429,9 +429,10 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     scheme = get_scheme(quantize)
     out_dir = os.path.abspath(os.fspath(out_dir))
     source = config_source(hf_config)
+    converter = get_converter(source.config.model_type)
     policy = None
     if scheme is not None:
-        policy = get_converter(source.config.model_type).fp8
+        policy = converter.fp8
         if policy is None:
             raise ValueError(f"FP8 export is not supported for model_type {source.config.model_type!r}: its "
                              "converter has no fp8 policy")
@@ -452,7 +453,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     infos = [TensorInfo(name, shape, dt) for name, shape, dt in tensors]
     writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
                                extra_files=source.companion_files, inputs=inputs + [it_dir],
-                               quantization=quantization, base=base)
+                               quantization=quantization, base=base, not_held=converter.not_held_by_model)
     bar = None
     if progress:
         from tqdm import tqdm

@@ -272,10 +272,11 @@ def test_offline_fp8_export_equals_the_reference_quantizer(case, saved, ckpts, t
     assert not (tmp_path / "bad").exists()
 
 
-def test_cli_export_completes_the_output_from_a_base(saved, ckpts, tmp_path):
-    """--base: every base tensor the checkpoint does not produce is copied byte for byte (here a bf16 tensor in a
-    shard of its own, as a vision tower would be), with the base's companion files; a base tensor of another shape
-    than the model's is refused before anything is written."""
+def test_cli_export_base_is_checked_before_anything_is_written(saved, ckpts, tmp_path):
+    """--base completes an output only with tensors the converter declares not held (tests/test_qwen3_5.py copies
+    Qwen3.5's vision tower byte for byte, by save_pretrained and by the offline export): a base tensor qwen3_moe's
+    converter does not explain, a base tensor of another shape than the model's, a quantized base and a quantized
+    export are refused before anything is written, on the command line in one line."""
     from safetensors.torch import save_file
 
     root = saved[(str(CASES[0][0]), False)]["qwen3_moe"]
@@ -296,10 +297,19 @@ def test_cli_export_completes_the_output_from_a_base(saved, ckpts, tmp_path):
     r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(root, "ckpt"), str(out),
                         "--hf-config", ckpts["qwen3_moe"], "--base", base_with("base", extra), "--quiet"],
                        capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    want = {**read_hf_checkpoint(ckpts["qwen3_moe"]), **extra}
-    assert_same(read_hf_checkpoint(out), want, "completed from the base")
-    assert (out / "preprocessor_config.json").is_file()
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "does not declare as not held" in r.stderr and "model.visual.proj.weight" in r.stderr, r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    plain = base_with("plain", {})
+    with pytest.raises(Mcore2HFError, match="quantized export cannot be completed from a base"):
+        export_checkpoint(os.path.join(root, "ckpt"), out, ckpts["qwen3_moe"], progress=False, base=plain,
+                          quantize="fp8")
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method":
+                                                                                                   "fp8"}}))
+    with pytest.raises(Mcore2HFError, match="is quantized"):
+        export_checkpoint(os.path.join(root, "ckpt"), out, ckpts["qwen3_moe"], progress=False, base=plain)
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
 
     with pytest.raises(ShapeMismatchError, match=r"model\.norm\.weight: the model gives \[64\], the base has \[7\]"):
         export_checkpoint(os.path.join(root, "ckpt"), tmp_path / "refused", ckpts["qwen3_moe"], progress=False,

@@ -18,6 +18,7 @@ from mcore2hf.hf_config import config_source
 from mcore2hf.layouts import ColumnParts
 from mcore2hf.model_specs.qwen3_next import LOGIT_TOL
 from mcore2hf.offline import export_checkpoint
+from mcore2hf.registry import get_converter
 from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo
 from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.testing.world import Layout, run_world
@@ -46,6 +47,9 @@ def _text_tensors(seed: int) -> dict[str, torch.Tensor]:
         return {n: t for n, t in read_hf_checkpoint(d).items() if not n.startswith(VISUAL)}
 
 
+NOT_HELD = get_converter("qwen3_5").not_held_by_model
+
+
 def test_writer_completes_the_output_from_the_base_and_transformers_loads_it(base_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForImageTextToText
 
@@ -54,7 +58,7 @@ def test_writer_completes_the_output_from_the_base_and_transformers_loads_it(bas
     base = read_hf_checkpoint(base_dir)
     out = tmp_path / "out"
     w = SafetensorsWriter(out, [TensorInfo(n, tuple(t.shape), t.dtype) for n, t in model.items()],
-                          config_source(base_dir), max_shard_size="20KB", base=base_dir)
+                          config_source(base_dir), max_shard_size="20KB", base=base_dir, not_held=NOT_HELD)
     assert {b.name for b in w.base} == {n for n in base if n.startswith(VISUAL)}
     w.send(make_bucket(model))
     w.finish()
@@ -81,17 +85,19 @@ def test_base_errors_come_before_anything_is_written(base_dir, tmp_path):
     infos = [TensorInfo(n, tuple(t.shape), t.dtype) for n, t in model.items()]
     out = tmp_path / "out"
     with pytest.raises(Mcore2HFError, match="neither model.safetensors.index.json nor model.safetensors"):
-        SafetensorsWriter(out, infos, config_source(base_dir), base=tmp_path)
+        SafetensorsWriter(out, infos, config_source(base_dir), base=tmp_path, not_held=NOT_HELD)
     with pytest.raises(Mcore2HFError, match="is not a directory"):
-        SafetensorsWriter(out, infos, config_source(base_dir), base=tmp_path / "nope")
+        SafetensorsWriter(out, infos, config_source(base_dir), base=tmp_path / "nope", not_held=NOT_HELD)
     name = "model.language_model.norm.weight"
     bad = [TensorInfo(i.name, (7,), i.dtype) if i.name == name else i for i in infos]
     with pytest.raises(ShapeMismatchError, match=rf"{name}: the model gives \[7\], the base has \[64\]"):
-        SafetensorsWriter(out, bad, config_source(base_dir), base=base_dir)
+        SafetensorsWriter(out, bad, config_source(base_dir), base=base_dir, not_held=NOT_HELD)
     with pytest.raises(Mcore2HFError, match="is a 'qwen3_5' checkpoint, the export is 'qwen3'"):
-        SafetensorsWriter(out, infos, config_source(tiny_config("qwen3")), base=base_dir)
+        SafetensorsWriter(out, infos, config_source(tiny_config("qwen3")), base=base_dir, not_held=NOT_HELD)
+    with pytest.raises(Mcore2HFError, match=r"does not declare as not held .*'model\.visual\."):
+        SafetensorsWriter(out, infos, config_source(base_dir), base=base_dir)  # a converter holding everything
     with pytest.raises(Mcore2HFError, match="overlaps the input"):
-        SafetensorsWriter(os.path.join(base_dir, "sub"), infos, config_source(base_dir), base=base_dir)
+        SafetensorsWriter(os.path.join(base_dir, "sub"), infos, config_source(base_dir), base=base_dir, not_held=NOT_HELD)
     assert sorted(os.listdir(tmp_path)) == []  # no output, no temporary directory
 
 

@@ -15,7 +15,7 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,16 +104,24 @@ def read_base(base_dir: str | os.PathLike) -> dict[str, BaseTensor]:
     return out
 
 
-def base_completion(produced: Sequence[TensorInfo], base: dict[str, BaseTensor]) -> list[BaseTensor]:
-    """The base tensors the export does not produce. A produced name wins over the base's (it is the trained
-    value, also in another dtype); a produced tensor whose shape differs from the base's is an error, since
-    then the base is not a checkpoint of this model. Every conflict is listed at once."""
+def base_completion(produced: Sequence[TensorInfo], base: dict[str, BaseTensor],
+                    not_held: Callable[[str], bool]) -> list[BaseTensor]:
+    """The base tensors the export does not produce, each one the converter declares not held by the Megatron
+    model (`not_held`: a text model's vision tower). A produced name wins over the base's (it is the trained
+    value, also in another dtype); a produced tensor whose shape differs from the base's is an error, since then
+    the base is not a checkpoint of this model; so is any other base tensor the export lacks (filtered out,
+    an FP8 base's scales, a model that should hold it): it would silently stand in for a trained one."""
     names = {t.name: t for t in produced}
     bad = [f"{n}: the model gives {list(names[n].shape)}, the base has {list(b.shape)}"
            for n, b in base.items() if n in names and tuple(names[n].shape) != tuple(b.shape)]
     if bad:
         raise ShapeMismatchError(f"{len(bad)} tensor(s) of the base checkpoint conflict with the model's:\n  "
                                  + "\n  ".join(bad[:50]))
+    missing = [n for n in base if n not in names and not not_held(n)]
+    if missing:
+        raise Mcore2HFError(f"the base checkpoint holds {len(missing)} tensor(s) the export does not produce and "
+                            f"the converter does not declare as not held by the Megatron model (expected only "
+                            f"such tensors, e.g. a text model's vision tower): {sorted(missing)[:8]}")
     return [b for n, b in base.items() if n not in names]
 
 
@@ -195,6 +203,11 @@ def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_con
             ours = getattr(hf_config, "model_type", None)
         if base_type != ours:
             raise Mcore2HFError(f"base checkpoint {root} is a {base_type!r} checkpoint, the export is {ours!r}")
+    if os.path.isfile(base_config):
+        with open(base_config) as f:
+            if json.load(f).get("quantization_config") is not None:  # its weights are not this export's dtype
+                raise Mcore2HFError(f"base checkpoint {root} is quantized (config.json has a quantization_config):"
+                                    " complete the output from an unquantized checkpoint")
     have = {os.path.basename(p) for p in extra_files}
     return [*extra_files, *(os.path.join(root, f) for f in COMPANION_FILES
                             if f not in have and os.path.isfile(os.path.join(root, f)))]
@@ -207,8 +220,8 @@ class SafetensorsWriter:
     (written as transformers writes it) or None (no config.json). `inputs` are paths the output must not overlap.
     The directory gets the permissions the umask allows, as any directory the user creates.
 
-    `base` (an HF directory) completes the output: every base tensor the export does not produce (a vision
-    tower the Megatron model lacks) is copied byte for byte, in bounded chunks, into the output's shards and
+    `base` (an HF directory) completes the output: every base tensor the export does not produce, which must be
+    one the converter declares not held (`not_held`: a vision tower the Megatron model lacks), is copied byte for byte, in bounded chunks, into the output's shards and
     index, and the base's companion files (tokenizer, preprocessor, chat template...) are copied where the
     export brings none of that name. config.json stays the export's (the config the model was checked
     against), which must have the base's model_type."""
@@ -216,14 +229,17 @@ class SafetensorsWriter:
     def __init__(self, out_dir: str | os.PathLike, tensors: Sequence[TensorInfo], hf_config=None, *,
                  max_shard_size: int | str = "5GB", overwrite: bool = False, extra_files: Sequence[str] = (),
                  inputs: Sequence[str | os.PathLike] = (), quantization: dict | None = None,
-                 base: str | os.PathLike | None = None):
+                 base: str | os.PathLike | None = None, not_held: Callable[[str], bool] = lambda name: False):
         limit = parse_size(max_shard_size, "max_shard_size")  # before anything is created
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         self.base: list[BaseTensor] = []
         if base is not None:
+            if quantization is not None:  # the base's tensors would be missing from modules_to_not_convert
+                raise Mcore2HFError("a quantized export cannot be completed from a base checkpoint: export "
+                                    "without quantize, or without base")
             inputs = [*inputs, base]
-            self.base = base_completion(tensors, read_base(base))
-            extra_files = _with_base_files(extra_files, base, hf_config)
+            extra_files = _with_base_files(extra_files, base, hf_config)  # first: is it this model's checkpoint
+            self.base = base_completion(tensors, read_base(base), not_held)
         check_target(self.out_dir, overwrite, inputs)
         parent = os.path.dirname(self.out_dir)
         os.makedirs(parent, exist_ok=True)

@@ -18,6 +18,8 @@ The one place for them (measured with megatron-core 0.16.1, torch 2.13 CPU); eac
    instead (`l2norm` as fla computes it, megatron's own `torch_chunk_gated_delta_rule`, which it uses in
    deterministic mode); causal_conv1d is absent, so megatron runs its nn.Conv1d path. The `jit_fuser`
    (torch.compile) methods of GatedDeltaNet and Attention (the gated norm, the attention output gate) run eagerly.
+   megatron-core 0.19.2 (ssm/gated_delta_net/{common,gdn}.py) also calls fla's causal_conv1d: a torch depthwise
+   conv1d as its deterministic mode computes it.
 
 Not a shim but a module: `SDPACoreAttention`, the core attention the local-spec MLA layer needs (Megatron's
 `DotProductAttention` rejects MLA's `k_channels` / `v_channels` / `softmax_scale`); model_specs.deepseek_v3
@@ -77,10 +79,30 @@ def apply_cpu_shims() -> None:
         mla.HAVE_TE = False
 
 
-def fla_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def fla_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     """fla.modules.l2norm's l2norm: x / sqrt(sum(x^2) + eps) over the last dim, in fp32, cast back."""
+    if dim not in (-1, x.dim() - 1):
+        raise NotImplementedError(f"fla's l2norm normalizes the last dim; asked for dim={dim}")
     y = x.float()
     return (y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      activation: str | None = None, initial_state=None, output_final_state: bool = False,
+                      cu_seqlens=None) -> tuple[torch.Tensor, None]:
+    """fla.modules.convolution's causal_conv1d for the call megatron-core 0.19.2's GatedDeltaNet makes
+    (ssm/gated_delta_net/gdn.py): x [b, s, d], depthwise weight [d, w], causal (left) padding, then the activation;
+    the same arithmetic as that module's own deterministic-mode F.conv1d path."""
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise NotImplementedError("causal_conv1d shim: no initial/final state, no packed sequences")
+    seq, width = x.shape[1], weight.shape[-1]
+    y = torch.nn.functional.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1,
+                                   groups=x.shape[-1])[..., :seq]
+    if activation in ("silu", "swish"):
+        y = torch.nn.functional.silu(y)
+    elif activation is not None:
+        raise NotImplementedError(f"causal_conv1d shim: activation {activation!r}")
+    return y.transpose(1, 2), None
 
 
 def _eager(cls, name: str) -> None:
@@ -97,11 +119,23 @@ def _gdn_without_fla() -> None:
         return
     from megatron.core.transformer.attention import Attention
 
-    if not gdn.HAVE_FLA:
-        gdn.HAVE_FLA = True
-        gdn.l2norm = fla_l2norm
-        gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
-    _eager(gdn.GatedDeltaNet, "_apply_gated_norm")
+    if hasattr(gdn, "__path__"):  # 0.19: a package; the layer (gdn.py) imported the kernels from common.py
+        from megatron.core.ssm.gated_delta_net import common
+        from megatron.core.ssm.gated_delta_net import gdn as layer
+
+        if not common.HAVE_FLA:
+            common.HAVE_FLA = True
+            common.l2norm = fla_l2norm
+            layer.causal_conv1d = fla_causal_conv1d
+            layer.chunk_gated_delta_rule = common.torch_chunk_gated_delta_rule
+        for name in ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta"):
+            _eager(common._GDNBase, name)
+    else:  # 0.16.1: one module
+        if not gdn.HAVE_FLA:
+            gdn.HAVE_FLA = True
+            gdn.l2norm = fla_l2norm
+            gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+        _eager(gdn.GatedDeltaNet, "_apply_gated_norm")
     _eager(Attention, "_apply_output_gate")
 
 
