@@ -756,8 +756,10 @@ class EngineExecutor:
         t = t if isinstance(t, torch.Tensor) else t()  # a buffer getter
         return t if t.is_contiguous() else t.contiguous()  # pieces address the shard as contiguous
 
-    def _src_view(self, s: Source, piece) -> torch.Tensor:
-        t = self._shard(s).detach()
+    def _src_view(self, s: Source, piece, shards: dict[str, torch.Tensor]) -> torch.Tensor:
+        t = shards.get(s.name)
+        if t is None:  # once per bucket: a non-contiguous shard is copied once, not once per piece
+            t = shards[s.name] = self._shard(s).detach()
         sizes, strides, off = piece.src_view()
         return t.as_strided(sizes, strides, t.storage_offset() + off)
 
@@ -765,13 +767,13 @@ class EngineExecutor:
         for k, prog in enumerate(self.programs):
             flat = torch.empty(prog.nbytes, dtype=torch.uint8, device=self.device)
             slices = [flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.slice_shape) for e in prog.entries]
-            ops, bufs = [], []
+            ops, bufs, shards = [], [], {}
             for peer, n, items in prog.sends:
                 buf = torch.empty(n, dtype=torch.uint8, device=self.device)
                 dsts, srcs = [], []
                 for (s, c), off in zip(items, _offsets([(s, c) for s, c in items])):
                     dsts.append(buf[off:off + c.numel * s.dtype.itemsize].view(s.dtype).view(c.count))
-                    srcs.append(self._src_view(s, c))
+                    srcs.append(self._src_view(s, c, shards))
                 if dsts:
                     torch._foreach_copy_(dsts, srcs)
                 ops.append(dist.P2POp(dist.isend, buf, peer))
@@ -782,7 +784,7 @@ class EngineExecutor:
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
             works = dist.batch_isend_irecv(ops) if ops else []
             for entry, s, c in prog.local:  # overlaps the transfers
-                _place(slices[entry], prog.entries[entry], c, self._src_view(s, c))
+                _place(slices[entry], prog.entries[entry], c, self._src_view(s, c, shards))
                 self.stats["local_bytes"] += c.numel * s.dtype.itemsize
             for w in works:
                 w.wait()

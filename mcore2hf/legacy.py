@@ -171,6 +171,9 @@ class LegacyCheckpointReader:
         if not_model:
             raise LegacyFormatError(f"{path}: model entries outside Megatron-Core's GPTModel names {MODEL_PREFIXES} "
                                     f"(a legacy megatron.legacy model?): {not_model[:5]}")
+        if any(k.endswith("/decoder.final_norm.weight") for k in self.tensors):  # MambaModel / HybridModel
+            raise LegacyFormatError(f"{path}: a hybrid model's legacy checkpoint (decoder.final_norm): not "
+                                    "supported; save it with --ckpt-format torch_dist")
         self.tp = 1 + max(r[0] for r in self.files.values())
         self.pp = 1 + max(r[1] for r in self.files.values())
         self.ep = 1 + max(r[2] for r in self.files.values())
@@ -237,8 +240,7 @@ class LegacyCheckpointReader:
 
     def sources(self, num_layers: int, tied: bool, hybrid=None):
         """CkptSources (reads = the TP or expert-TP shards in rank order) and the keys that are not weights."""
-        if hybrid is not None:  # never set: prepare_sources detects hybrid layouts by torch_dist keys only
-            raise LegacyFormatError(f"{self.path}: legacy checkpoints of hybrid models are not supported")
+        assert hybrid is None  # hybrid legacy checkpoints are refused when read (__init__)
         from .offline import CkptSource
 
         counts: dict[tuple[int, int], int] = {}  # (virtual stage, stage) -> decoder layers it holds

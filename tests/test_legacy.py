@@ -183,3 +183,15 @@ def test_without_hf_config_torch_dist_common_pt_args_or_none(tmp_path):
     with pytest.raises(UsageError, match=r"missing: model_type .*padded_vocab_size=128.*'num_hidden_layers': 2"):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "out", None, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_hybrid_model_legacy_checkpoint_is_refused(tmp_path):
+    it = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00"
+    it.mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1), "checkpoint_version": 3.0,
+                "model": {"embedding.word_embeddings.weight": torch.zeros(100, 64),
+                          "decoder.final_norm.weight": torch.ones(64)}}, it / "model_optim_rng.pt")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(LegacyFormatError, match="hybrid model's legacy checkpoint"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "out", tiny_config("llama"), progress=False)
+    assert not (tmp_path / "out").exists()
