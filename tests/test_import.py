@@ -32,9 +32,12 @@ LAYOUTS = [
 
 
 def model_keys(it_dir) -> dict:
+    """The checkpoint's model keys. Not compared: optimizer state, and megatron-core >= 0.19's `common_state`
+    object (0.19.2 dist_checkpointing/serialization.py saves the common state in the checkpoint instead of
+    common.pt, and still reads a common.pt as ours)."""
     md = FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata
     return {k: (tuple(v.size), v.properties.dtype) if hasattr(v, "size") else "object"
-            for k, v in md.items() if not k.startswith("optimizer")}
+            for k, v in md.items() if not k.startswith(("optimizer", "common_state"))}
 
 
 #: the gated-DeltaNet hybrids, whose other worlds live in their own test files (tests/test_qwen3_next.py,

@@ -104,7 +104,7 @@ def test_import_offline_export_and_megatron_load(ckpt, tmp_path):
     """`mcore2hf import` (in_proj / conv1d under megatron-core's suffixed part keys, linear_attn.norm - 1) ->
     offline export equals the source bit for bit without Megatron; Megatron's dist_checkpointing.load reads the
     import at TP2 x EP2 and the live export equals the source; Megatron re-saving writes exactly our keys."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from test_import import model_keys
 
     from mcore2hf.importer import import_checkpoint
     from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
@@ -118,12 +118,8 @@ def test_import_offline_export_and_megatron_load(ckpt, tmp_path):
     layout = Layout(tp=2, ep=2, etp=1)
     run_world(worlds.load_imported, layout, ckpt, layout, str(root), False, str(tmp_path / "resaved"))
 
-    def keys(d):
-        md = FileSystemReader(str(d)).read_metadata().state_dict_metadata
-        return {k: (tuple(v.size), v.properties.dtype) if hasattr(v, "size") else "object"
-                for k, v in md.items() if not k.startswith("optimizer")}
-
-    ours, megatron = keys(root / "qwen3_next" / "iter_0000005"), keys(tmp_path / "resaved" / "qwen3_next")
+    ours = model_keys(root / "qwen3_next" / "iter_0000005")
+    megatron = model_keys(tmp_path / "resaved" / "qwen3_next")
     assert "decoder.layers.0.self_attention.in_proj.weight.beta" in ours, sorted(ours)[:20]
     for k in VOCAB_KEYS:  # Megatron pads the vocab (128 x TP rows); ours has exactly vocab_size rows
         if k in megatron:
