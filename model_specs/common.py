@@ -110,6 +110,14 @@ def default_gpt_kwargs(cfg) -> dict:
     )
 
 
+def stage_ends(vp_stage: int | None) -> tuple[bool, bool]:
+    """Whether this rank's chunk `vp_stage` holds the model's first (embedding) and last (head) layers."""
+    from megatron.core import parallel_state as ps
+
+    return tuple(fn(**supported_kwargs(fn, ignore_virtual=False, vp_stage=vp_stage))
+                 for fn in (ps.is_pipeline_first_stage, ps.is_pipeline_last_stage))
+
+
 def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
                 **overrides) -> list[torch.nn.Module]:
     """GPTModel chunks (one per virtual-PP stage of this rank) for `hf_config`.
@@ -124,10 +132,7 @@ def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, u
     chunks = []
     for vp in range(vpp):
         vp_stage = vp if vpp > 1 else None
-        pre = ps.is_pipeline_first_stage(**supported_kwargs(ps.is_pipeline_first_stage, ignore_virtual=False,
-                                                            vp_stage=vp_stage))
-        post = ps.is_pipeline_last_stage(**supported_kwargs(ps.is_pipeline_last_stage, ignore_virtual=False,
-                                                            vp_stage=vp_stage))
+        pre, post = stage_ends(vp_stage)
         if hasattr(spec, "layer_spec"):
             block = spec.layer_spec(config, hf_config, vp_stage=vp_stage, use_te=use_te)
         else:
@@ -448,10 +453,7 @@ def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = 
     chunks = []
     for vp in range(vpp):
         vp_stage = vp if vpp > 1 else None
-        pre = ps.is_pipeline_first_stage(**supported_kwargs(ps.is_pipeline_first_stage, ignore_virtual=False,
-                                                            vp_stage=vp_stage))
-        post = ps.is_pipeline_last_stage(**supported_kwargs(ps.is_pipeline_last_stage, ignore_virtual=False,
-                                                            vp_stage=vp_stage))
+        pre, post = stage_ends(vp_stage)
         kwargs = dict(spec.gpt_kwargs(hf_config))
         chunks.append(model_cls(**supported_kwargs(
             model_cls.__init__, config=config, mamba_stack_spec=stack_spec, hybrid_stack_spec=stack_spec,
