@@ -393,6 +393,36 @@ class _Engine:
         raise NotImplementedError
 
 
+def _load_linear(lin, vpe, case: str, t: dict[str, torch.Tensor]) -> torch.nn.Module | None:
+    """The layer classes SGLang 0.5.23 and vLLM 0.33.0 define with the same names and signatures (layers/linear.py,
+    vocab_parallel_embedding.py), built and loaded as the engine's model code does; None for the other cases."""
+    k = lambda s: next(v for n, v in t.items() if n.endswith(s))  # noqa: E731
+    f32 = dict(params_dtype=torch.float32)
+    if case == "column":
+        m = lin.ColumnParallelLinear(H, 16, bias=False, **f32)
+        m.weight.weight_loader(m.weight, k("q_b_proj.weight"))
+    elif case == "row":
+        m = lin.RowParallelLinear(16, H, bias=False, **f32)
+        m.weight.weight_loader(m.weight, k("o_proj.weight"))
+    elif case in ("qkv", "gated_qkv"):  # gated: both engines' qwen3_next.py build heads * (1 + gate)
+        m = lin.QKVParallelLinear(H, HD, HEADS * (2 if case == "gated_qkv" else 1), KV, bias=case == "qkv", **f32)
+        for s in "qkv":
+            m.weight.weight_loader(m.weight, k(f"{s}_proj.weight"), s)
+            if case == "qkv":
+                m.bias.weight_loader(m.bias, k(f"{s}_proj.bias"), s)
+    elif case == "merged_column":
+        m = lin.MergedColumnParallelLinear(H, [INTER, INTER], bias=False, **f32)
+        m.weight.weight_loader(m.weight, k("gate_proj.weight"), 0)
+        m.weight.weight_loader(m.weight, k("up_proj.weight"), 1)
+    elif case in ("vocab_embedding", "lm_head", "vocab_tp3"):
+        cls = vpe.ParallelLMHead if case == "lm_head" else vpe.VocabParallelEmbedding
+        m = cls(VOCAB, H, **f32)
+        m.weight.weight_loader(m.weight, next(iter(t.values())))
+    else:
+        return None
+    return m
+
+
 def _sglang_engine():
     import sglang.srt.layers.linear as lin
     import sglang.srt.layers.moe.fused_moe_triton.layer as fm
@@ -411,25 +441,9 @@ def _sglang_engine():
         set_rank(p)
         k = lambda s: next(v for n, v in t.items() if n.endswith(s))  # noqa: E731
         f32 = dict(params_dtype=torch.float32)
-        if case == "column":
-            m = lin.ColumnParallelLinear(H, 16, bias=False, **f32)
-            m.weight.weight_loader(m.weight, k("q_b_proj.weight"))
-        elif case == "row":
-            m = lin.RowParallelLinear(16, H, bias=False, **f32)
-            m.weight.weight_loader(m.weight, k("o_proj.weight"))
-        elif case == "qkv":
-            m = lin.QKVParallelLinear(H, HD, HEADS, KV, bias=True, **f32)
-            for s in "qkv":
-                m.weight.weight_loader(m.weight, k(f"{s}_proj.weight"), s)
-                m.bias.weight_loader(m.bias, k(f"{s}_proj.bias"), s)
-        elif case == "merged_column":
-            m = lin.MergedColumnParallelLinear(H, [INTER, INTER], bias=False, **f32)
-            m.weight.weight_loader(m.weight, k("gate_proj.weight"), 0)
-            m.weight.weight_loader(m.weight, k("up_proj.weight"), 1)
-        elif case in ("vocab_embedding", "lm_head", "vocab_tp3"):
-            cls = vpe.ParallelLMHead if case == "lm_head" else vpe.VocabParallelEmbedding
-            m = cls(VOCAB, H, **f32)
-            m.weight.weight_loader(m.weight, next(iter(t.values())))
+        m = _load_linear(lin, vpe, case, t)
+        if m is not None:
+            pass  # a layer class both engines define alike
         elif case == "mla_fused_a":
             # models/deepseek_v2.py fused_qkv_a_proj_with_mqa; deepseek_common/deepseek_weight_loader.py
             # concatenates q_a_proj and kv_a_proj_with_mqa (dim 0) before its weight_loader
@@ -439,10 +453,6 @@ def _sglang_engine():
             return _sglang_gpt_oss(fm, t, p)
         elif case in ("gdn_qwen3_next", "gdn_qwen3_5"):
             return _sglang_gdn(lin, case, t, p)
-        elif case == "gated_qkv":  # models/qwen3_next.py Qwen3HybridAttentionDecoderLayer: heads * (1 + gate)
-            m = lin.QKVParallelLinear(H, HD, 2 * HEADS, KV, bias=False, **f32)
-            for s in "qkv":
-                m.weight.weight_loader(m.weight, k(f"{s}_proj.weight"), s)
         elif case == "minimax_qk_norm":
             import sglang.srt.models.minimax_m2 as mm
 
@@ -575,26 +585,9 @@ def _vllm_engine():
         # vllm.distributed.get_tensor_model_parallel_rank/world_size read get_tp_group().rank_in_group/world_size
         ps._TP = types.SimpleNamespace(rank_in_group=p.tp_rank, world_size=p.tp_size)
         k = lambda s: next(v for n, v in t.items() if n.endswith(s))  # noqa: E731
-        f32 = dict(params_dtype=torch.float32)
-        if case == "column":
-            m = lin.ColumnParallelLinear(H, 16, bias=False, **f32)
-            m.weight.weight_loader(m.weight, k("q_b_proj.weight"))
-        elif case == "row":
-            m = lin.RowParallelLinear(16, H, bias=False, **f32)
-            m.weight.weight_loader(m.weight, k("o_proj.weight"))
-        elif case == "qkv":
-            m = lin.QKVParallelLinear(H, HD, HEADS, KV, bias=True, **f32)
-            for s in "qkv":
-                m.weight.weight_loader(m.weight, k(f"{s}_proj.weight"), s)
-                m.bias.weight_loader(m.bias, k(f"{s}_proj.bias"), s)
-        elif case == "merged_column":
-            m = lin.MergedColumnParallelLinear(H, [INTER, INTER], bias=False, **f32)
-            m.weight.weight_loader(m.weight, k("gate_proj.weight"), 0)
-            m.weight.weight_loader(m.weight, k("up_proj.weight"), 1)
-        elif case in ("vocab_embedding", "lm_head", "vocab_tp3"):
-            cls = vpe.ParallelLMHead if case == "lm_head" else vpe.VocabParallelEmbedding
-            m = cls(VOCAB, H, **f32)
-            m.weight.weight_loader(m.weight, next(iter(t.values())))
+        m = _load_linear(lin, vpe, case, t)
+        if m is not None:
+            pass  # a layer class both engines define alike
         elif case == "mla_fused_a":
             from vllm.model_executor.models.deepseek_v2 import DeepSeekV2FusedQkvAProjLinear
 
@@ -619,10 +612,6 @@ def _vllm_engine():
             return _vllm_gpt_oss(t, p)
         elif case in ("gdn_qwen3_next", "gdn_qwen3_5"):
             return _vllm_gdn(lin, case, t, p)
-        elif case == "gated_qkv":  # models/qwen3_next.py Qwen3NextAttention: heads * (1 + attn_output_gate)
-            m = lin.QKVParallelLinear(H, HD, 2 * HEADS, KV, bias=False, **f32)
-            for s in "qkv":
-                m.weight.weight_loader(m.weight, k(f"{s}_proj.weight"), s)
         else:
             # RoutedExperts' ownership (determine_expert_map, "linear") and TP narrowing (_load_w13, _load_w2) on an
             # object with the attributes they read, as _weight_loader_impl calls them (param.data[local], dims 0/1)
