@@ -63,7 +63,7 @@ from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_prob
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
 from .loader import HFReader
 from .mapping import Converter, ModelDims, _compile
-from .naming import HybridLayout
+from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout
 from .offline import _parse_dtype, _peak_rss
 from .registry import get_converter
 from .senders.safetensors import SAFETENSORS_DTYPES, _overlap, _umask
@@ -174,8 +174,8 @@ def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool
     `hybrid`: a hybrid model's keys, each HF layer's parts under its mixer's or MLP's Megatron layer."""
     m = _LAYER.fullmatch(name)
     if m is None:
-        if hybrid is not None and name == "decoder.final_layernorm.weight":
-            return "decoder.final_norm.weight", (), ()  # mamba_block.py / hybrid_block.py `final_norm`
+        if hybrid is not None and name == FINAL_NORM:
+            return HYBRID_FINAL_NORM, (), ()  # mamba_block.py / hybrid_block.py `final_norm`
         return name, (), ()
     layer, rest = int(m.group(1)), m.group(2)
     mtp = layer >= dims.num_layers
@@ -256,7 +256,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
                                          fused_into_in_proj=_LAYER.fullmatch(name) is not None
                                          and _gdn_layer(name, resolved), hybrid=hybrid)
         zeros = (0,) * len(full)
-        split = r.op.checkpoint_parts() if hasattr(r.op, "checkpoint_parts") else []
+        split = r.op.checkpoint_parts()
         if split:  # gated DeltaNet in_proj / conv1d: one key per component (gated_delta_net.py sharded_state_dict)
             src.parts, shapes, row = [], {}, 0
             for suffix, rows in split:

@@ -83,6 +83,11 @@ def _check(cond: bool, what: str, expected, actual) -> None:
         raise ShapeMismatchError(f"{what}: expected {expected}, got {actual}")
 
 
+#: megatron-core 0.16.1 gated_delta_net.py sharded_state_dict: in_proj saved as these parts (conv1d: the first
+#: three), each a whole component, in Megatron's TP-1 order
+GDN_PARTS = ("query", "key", "value", "z", "beta", "alpha")
+
+
 class LayoutOp:
     """Base: a Megatron tensor <-> HF tensors. Subclasses set `tp_dim` and `n_out` and implement the three methods."""
 
@@ -94,6 +99,10 @@ class LayoutOp:
 
     #: whether the parameter's TP attributes may be cross-checked against this op (see LatentDown)
     check_attributes: bool = True
+
+    def checkpoint_parts(self) -> list[tuple[str, int]]:
+        """(key suffix, rows) of the parts megatron-core saves the tensor as in torch_dist; [] when saved whole."""
+        return []
 
     def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
         """(shard count, dim) of a tensor whose local shard has `shard_shape`, over a TP group of `group` ranks."""
@@ -556,7 +565,7 @@ class GDNInProj(LayoutOp):
         """(key suffix, rows) of the parts megatron-core saves it as (gated_delta_net.py sharded_state_dict,
         `_split_tensor_factory`): each a whole component, rows in Megatron's TP-1 order."""
         qk, vz = self.nk * self.dk, self.nv * self.dv
-        return [("query", qk), ("key", qk), ("value", vz), ("z", vz), ("beta", self.nv), ("alpha", self.nv)]
+        return list(zip(GDN_PARTS, (qk, qk, vz, vz, self.nv, self.nv)))
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         qkvz = 2 * self.nk * self.dk + 2 * self.nv * self.dv
@@ -624,7 +633,7 @@ class ColumnParts(LayoutOp):
     @classmethod
     def gdn_conv(cls, dims) -> ColumnParts:
         qk = dims.linear_num_key_heads * dims.linear_key_head_dim
-        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim), names=("query", "key", "value"))
+        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim), names=GDN_PARTS[:3])
 
     def checkpoint_parts(self) -> list[tuple[str, int]]:
         """(key suffix, rows) of the parts megatron-core saves (conv1d: query, key, value); none without names."""
@@ -636,7 +645,7 @@ class ColumnParts(LayoutOp):
         qk = dims.linear_num_key_heads * dims.linear_key_head_dim
         v, nv = dims.linear_num_value_heads * dims.linear_value_head_dim, dims.linear_num_value_heads
         # megatron-core saves in_proj under these part keys, as GDNInProj.checkpoint_parts
-        return cls((qk, qk, v, v, nv, nv), ("query", "key", "value", "z", "beta", "alpha"), groups=(3, 1, 1, 1))
+        return cls((qk, qk, v, v, nv, nv), GDN_PARTS, groups=(3, 1, 1, 1))
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         _check(full_shape[0] == sum(self.parts), f"rows of parts {self.parts}", sum(self.parts), full_shape[0])

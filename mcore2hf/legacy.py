@@ -37,7 +37,7 @@ import torch
 from torch import _weights_only_unpickler
 
 from .errors import ConfigMismatchError, LayoutError
-from .naming import canonical_layer_name, mtp_inner
+from .naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = regex.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
@@ -171,7 +171,7 @@ class LegacyCheckpointReader:
         if not_model:
             raise LegacyFormatError(f"{path}: model entries outside Megatron-Core's GPTModel names {MODEL_PREFIXES} "
                                     f"(a legacy megatron.legacy model?): {not_model[:5]}")
-        if any(k.endswith("/decoder.final_norm.weight") for k in self.tensors):  # MambaModel / HybridModel
+        if any(k.endswith("/" + HYBRID_FINAL_NORM) for k in self.tensors):  # MambaModel / HybridModel
             raise LegacyFormatError(f"{path}: a hybrid model's legacy checkpoint (decoder.final_norm): not "
                                     "supported; save it with --ckpt-format torch_dist")
         self.tp = 1 + max(r[0] for r in self.files.values())

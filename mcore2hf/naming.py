@@ -148,13 +148,17 @@ _MIXER_PARTS = ("input_layernorm.", "self_attention.")
 _MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")
 
 
+#: the hybrid stack's final norm (0.16.1 mamba_block.py, 0.19.2 hybrid_block.py `final_norm`), GPTModel's name
+HYBRID_FINAL_NORM, FINAL_NORM = "decoder.final_norm.weight", "decoder.final_layernorm.weight"
+
+
 def checkpoint_hybrid_layout(keys, pattern: str) -> HybridLayout | None:
     """The hybrid layout of a torch_dist checkpoint (None when it is a GPTModel's): a hybrid stack saves
     `decoder.final_norm.weight` and its layers under their Megatron index (0.16.1 mamba_block.py,
     0.19.2 hybrid_block.py `sharded_state_dict`). The pattern is not saved; `pattern` (the HF config's) must
     agree with what each checkpoint layer holds: attention parts in mixer layers, MLP parts in MLP layers."""
     keys = list(keys)
-    if "decoder.final_norm.weight" not in keys:
+    if HYBRID_FINAL_NORM not in keys:
         return None
     layout = HybridLayout.parse(pattern)
     held: dict[int, set[str]] = {}
@@ -281,8 +285,7 @@ def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_loca
     """Canonical global name of `name` (a name in `chunk.named_parameters()`); `num_layers` counts HF layers."""
     m = _LAYER.fullmatch(name)
     if m is None:
-        # the hybrid stack's final norm (0.16 mamba_block.py, 0.19 hybrid_block.py: `final_norm`)
-        return "decoder.final_layernorm.weight" if hybrid and name == "decoder.final_norm.weight" else name
+        return FINAL_NORM if hybrid and name == HYBRID_FINAL_NORM else name
     kind, idx, rest = m.group(1), int(m.group(2)), m.group(3)
     number = getattr(chunk, kind).layers[idx].layer_number - 1
     if hybrid is not None:

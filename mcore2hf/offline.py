@@ -35,8 +35,16 @@ from .buckets import Bucket
 from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError, UsageError
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .layouts import Stacked, full_shape_of_shard
-from .naming import HybridLayout, canonical_layer_name, checkpoint_hybrid_layout, filter_outputs, mtp_inner
+from .layouts import GDN_PARTS, Stacked, full_shape_of_shard
+from .naming import (
+    FINAL_NORM,
+    HYBRID_FINAL_NORM,
+    HybridLayout,
+    canonical_layer_name,
+    checkpoint_hybrid_layout,
+    filter_outputs,
+    mtp_inner,
+)
 from .plan import align, natural_key, pack_tight, stack_units
 from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
@@ -327,8 +335,8 @@ class CkptSource:
 
 #: megatron-core 0.16.1 gated_delta_net.py sharded_state_dict: in_proj saved as .query .key .value .z .beta .alpha,
 #: conv1d as .query .key .value (each component whole); read back in this order they make the TP-1 tensor
-_SPLIT_PART = regex.compile(r"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.(query|key|value|z|beta|alpha)")
-PART_ORDER = ("", "w", "v", "query", "key", "value", "z", "beta", "alpha")
+_SPLIT_PART = regex.compile(rf"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.({'|'.join(GDN_PARTS)})")
+PART_ORDER = ("", "w", "v", *GDN_PARTS)
 
 
 def checkpoint_sources(reader: DistCheckpointReader, num_layers: int,
@@ -372,8 +380,8 @@ def checkpoint_sources(reader: DistCheckpointReader, num_layers: int,
             for layer in range(reader.shape(key)[0]):
                 add("decoder", layer, base[len(_STACKED_LAYERS):], key, (layer,), part)
         else:
-            if hybrid is not None and base == "decoder.final_norm.weight":
-                base = "decoder.final_layernorm.weight"
+            if hybrid is not None and base == HYBRID_FINAL_NORM:
+                base = FINAL_NORM
             found.setdefault(base, {})[part] = (key, ())
 
     sources = []
@@ -502,7 +510,7 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     dims = spec.dims(cfg)
     reader = open_checkpoint(it_dir)
     hybrid = None
-    if "decoder.final_norm.weight" in reader.tensors:  # a hybrid model's: its pattern from the HF config
+    if HYBRID_FINAL_NORM in reader.tensors:  # a hybrid model's: its pattern from the HF config
         from .model_specs.common import hybrid_pattern
 
         hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
