@@ -117,11 +117,19 @@ def load_restricted(path: str) -> dict:
         raise LegacyFormatError(f"{path} refers to global(s) this reader does not allow: {refused}. Allowed beyond "
                                 f"tensors and plain containers: {sorted(ALLOWED)}. Nothing was unpickled.")
     globals_ = [(obj, name) for name, obj in ALLOWED.items() if name in named]
+    # torch's allow-list is one process-wide set that others fill too (importing megatron.core registers the real
+    # numpy _reconstruct, megatron-core 0.16.1 safe_globals.py), and a name in it twice resolves to either entry:
+    # while this file loads, the set holds ALLOWED's entries only.
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
     try:
-        with torch.serialization.safe_globals(globals_):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        torch.serialization.add_safe_globals(globals_)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001
         raise LegacyFormatError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
     if not isinstance(state, dict):
         raise LegacyFormatError(f"{path} holds a {type(state).__name__}, not a Megatron-LM checkpoint dict")
     return state

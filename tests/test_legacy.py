@@ -147,6 +147,28 @@ class _Evil:
         return os.system, (f"touch {self.marker}",)
 
 
+def test_globals_registered_by_others_are_not_used(saved):
+    """Importing megatron.core adds the real numpy _reconstruct to torch's process-wide allow-list; whichever entry
+    of a name comes last wins there, so a load must see ALLOWED's entries only, and leave the others registered."""
+    from mcore2hf.legacy import FILE, load_restricted
+
+    def bomb(*args):
+        raise AssertionError("a global registered by someone else was called")
+
+    others = [(lambda *a, i=i: bomb(i), name) for i in range(16)  # many, so that ours would rarely come last
+              for name in ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")]
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals(others)
+    try:
+        it_dir = os.path.join(saved[str(LAYOUTS[1])]["qwen3_moe"], "ckpt", "iter_0000009")
+        state = load_restricted(os.path.join(it_dir, "mp_rank_00_000", FILE))
+        assert "model" in state and "rng_state" in state
+        assert set(others) <= set(torch.serialization.get_safe_globals())
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
 def test_disallowed_global_is_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "executed"
     it = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00"
