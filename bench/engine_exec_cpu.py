@@ -1,7 +1,7 @@
 """Per-bucket host time of a later EngineExecutor run on CPU (issue 15, executor): the TP2 x PP2 x EP2 gloo world
 of tests/test_engine_plan.py, real tiny megatron-core models, sglang engine TP 2 (and TP 2 EP 2 for MoE).
 
-    python bench/engine_exec_cpu.py [--models qwen3_moe,deepseek_v3] [--runs 5]
+    python bench/engine_exec_cpu.py [--models qwen3_moe,deepseek_v3] [--runs 5] [--bucket-kib 64]
 
 Prints, per model and engine placement, rank 0's wall and CPU (process) time per bucket of the first run
 (compiles) and the median of the later runs. Runs against whichever mcore2hf is importable (PYTHONPATH=<other
@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
-def world(ckpts: dict, layout, runs: int) -> list:
+def world(ckpts: dict, layout, runs: int, bucket_bytes: int) -> list:
     import torch.distributed as dist
     import worlds
 
@@ -41,7 +41,7 @@ def world(ckpts: dict, layout, runs: int) -> list:
                 for _ in range(runs):
                     dist.barrier()
                     w0, c0, n = time.perf_counter(), time.process_time(), 0
-                    for _bucket in ex.engine_buckets(ranks, 64 * 1024, **kw):
+                    for _bucket in ex.engine_buckets(ranks, bucket_bytes, **kw):
                         n += 1
                     times.append(((time.perf_counter() - w0) / n, (time.process_time() - c0) / n))
                 later = times[1:]
@@ -54,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen3_moe,deepseek_v3")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--bucket-kib", type=int, default=64)
     args = ap.parse_args()
     import mcore2hf
     from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
@@ -62,7 +63,7 @@ def main() -> None:
     layout = Layout(tp=2, pp=2, ep=2, etp=1)
     with tempfile.TemporaryDirectory() as tmp:
         ckpts = {m: str(make_hf_checkpoint(tiny_config(m), os.path.join(tmp, m))) for m in args.models.split(",")}
-        rows = run_world(world, layout, ckpts, layout, args.runs)[0]
+        rows = run_world(world, layout, ckpts, layout, args.runs, args.bucket_kib * 1024)[0]
     print(f"{'model':12} {'engine':16} {'output':7} {'buckets':>7}  first run wall/cpu ms/bucket   "
           "later runs (median) wall/cpu ms/bucket")
     for m, e, o, n, first, later in rows:
