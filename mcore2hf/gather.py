@@ -747,8 +747,8 @@ class EngineExecutor:
 
     Transport: with `group` (any torch ProcessGroup, also one outside the default world, e.g. a weight-update
     group built from a TCPStore, see senders/process_group.py) the routes' ranks are ranks in `group` and `rank`
-    is this process's; pieces go through the group's own send/recv. Otherwise the default world's
-    batch_isend_irecv, with `rank` defaulting to `ctx.rank`. A process holding nothing (a disaggregated engine
+    is this process's: batch_isend_irecv on it where torch.distributed knows the group, else the group's own
+    send/recv (a bare backend). Otherwise the default world, with `rank` defaulting to `ctx.rank`. A process holding nothing (a disaggregated engine
     process) passes `ctx=None`, `local={}` and its `rank`: it runs the receive side only.
 
     Output: "slices" packs the raw regions tight (`EngineBucket.slices()`); "masked" lays the buffer out as the
@@ -771,6 +771,8 @@ class EngineExecutor:
             raise EngineShardError(f"engine-shard output: expected 'slices' or 'masked', found {output!r}")
         self.eplan, self.ctx, self.local, self.device = eplan, ctx, local, device
         self.group, self.rank, self.output, self.debug = group, rank, output, debug
+        # the default world, or a group registered with torch.distributed (new_group, join_weight_update_group)
+        self._batched = group is None or group in dist.distributed_c10d._world.pg_group_ranks
         self.programs = [self._program(k) for k in range(len(eplan.routes))]
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
         self._compiled: list[_EngineCompiled] | None = None
@@ -903,11 +905,12 @@ class EngineExecutor:
     # -- running -------------------------------------------------------------------------------------------------
     def _exchange(self, sends: list, recvs: list, tag: int) -> list:
         """Post every send and receive of a bucket at once ((peer, buffer) each); returns the works to wait on."""
-        if self.group is None:
-            ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in sends] + \
-                  [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recvs]
+        if self._batched:  # coalesced (NCCL launches the bucket's sends and receives as one group)
+            ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf in sends] + \
+                  [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf in recvs]
             return dist.batch_isend_irecv(ops) if ops else []
-        # the group's own send/recv take its ranks directly: it need not be registered in the default world
+        # a group torch.distributed does not know (a bare backend, e.g. ProcessGroupGloo(store, rank, size)): its
+        # own send/recv, which take its ranks directly
         works = [self.group.recv([buf], peer, tag) for peer, buf in recvs]
         return works + [self.group.send([buf], peer, tag) for peer, buf in sends]
 

@@ -892,10 +892,24 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
                      buckets=[replace(b, sources=[sources[s.name] for s in b.sources]) for b in export.buckets])
     ranks = [EngineRank(EnginePlacement("sglang", 0, 2), 0, 2), EngineRank(EnginePlacement("sglang", 1, 2), 0, 1)]
     eplan = plan_engine_shards(export, ranks, ex.dims)
-    if g == 2:
-        executor = EngineExecutor(eplan, None, {}, torch.device("cpu"), group=pg, rank=2)
-    else:
-        executor = EngineExecutor(eplan, ex.ctx, ex._local, torch.device("cpu"), group=pg, rank=g)
+    # the same plan over a group registered with torch.distributed (as the weight-update group is): batched P2P
+    from mcore2hf.senders.process_group import join_weight_update_group
+
+    registered = join_weight_update_group("", 0, g, 3, group_name="engine15", backend="gloo",
+                                          store=PrefixStore("registered", store), timeout=timedelta(seconds=60))
+    for group in (registered, pg):
+        if g == 2:
+            executor = EngineExecutor(eplan, None, {}, torch.device("cpu"), group=group, rank=2)
+        else:
+            executor = EngineExecutor(eplan, ex.ctx, ex._local, torch.device("cpu"), group=group, rank=g)
+        assert executor._batched == (group is registered)
+        got = {}
+        for bucket in executor.run():
+            for name, sl in bucket.slices():
+                got[(name, sl.region)] = sl.tensor.clone()
+        if group is registered:
+            first = got
+    assert set(first) == set(got) and all(torch.equal(first[k], got[k]) for k in got)
     for step in range(2):
         if step and g != 2:  # training swapped every parameter's storage (and the old one changed): views follow
             with torch.no_grad():
@@ -916,6 +930,6 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert not bad, (g, bad[:4])
     b = eplan.bytes_by_receiver().get(g, dict(wire=0, local=0))
-    stats = {k: v // 2 for k, v in executor.stats.items()}  # two runs
+    stats = {k: v // 3 for k, v in executor.stats.items()}  # three runs
     assert stats["received_bytes"] == b["wire"] and stats["local_bytes"] == b["local"], (g, stats, b)
     return dict(group_rank=g, **stats)
