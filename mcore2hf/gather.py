@@ -17,7 +17,11 @@ Compiled once (first export), reused by every later export:
   slot of the receive buffer), and packing is one `_foreach_copy_` per collective into precomputed views;
 * the final step is each layout op's strided copies (`LayoutOp.copies`) from the arena into the bucket's flat
   output buffer, with runs of same-shaped tensors (a layer's experts) merged into one batched copy, so the
-  host issues a few hundred copies per export instead of work per tensor.
+  host issues a few hundred copies per export instead of work per tensor;
+* where the plan allows (`BucketPlan.direct`: every member of the last grouped all-gather, EP ranks or PP stages,
+  contributes the same bytes), that all-gather lands in the output itself: each rank runs its sources' layout-op
+  copies into its slot of the output (member m's HF tensors are bytes [m * slot, (m + 1) * slot)) and gathers in
+  place, so the bulk of the bytes (the experts, at EP) is written once and never copied after the collective.
 
 Memory: one arena (about a bucket of staging) and the output buffer of the bucket being built; with
 `arenas=2` the next bucket's first collectives also overlap this bucket's conversion.

@@ -448,9 +448,9 @@ def direct_layout(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]],
 
 
 def _even_out(added: list[tuple], ep_size: int) -> list[int]:
-    """Indices of the last expert units taken (at most two) whose return to their queues leaves every EP rank
-    the same expert bytes in the bucket, so its EP all-gather can land in the output (`direct_layout`); [] if
-    none does (or it would empty the bucket)."""
+    """Indices of the last expert units taken (fewer than EP ranks: the rotation over EP ranks is at most that far
+    ahead) whose return to their queues leaves every EP rank the same expert bytes in the bucket, so its EP
+    all-gather can land in the output (`direct_layout`); [] if none does (or it would empty the bucket)."""
     per = defaultdict(int)
     for (_, ep), _, n in added:
         if ep >= 0:
@@ -458,9 +458,7 @@ def _even_out(added: list[tuple], ep_size: int) -> list[int]:
     back: list[int] = []
     kept: set[int] = set()  # EP ranks with a later unit staying: an earlier one of theirs cannot go back
     for k in range(len(added) - 1, -1, -1):
-        if len({per[m] for m in range(ep_size)}) == 1:
-            return back if len(back) < len(added) else []
-        if len(back) == 2:
+        if len({per[m] for m in range(ep_size)}) == 1 or len(back) == ep_size - 1:
             break
         (_, ep), _, n = added[k]
         if ep >= 0 and per[ep] == max(per.values()) and ep not in kept:
@@ -468,7 +466,8 @@ def _even_out(added: list[tuple], ep_size: int) -> list[int]:
             per[ep] -= n
         elif ep >= 0:
             kept.add(ep)
-    return []
+    even = len({per[m] for m in range(ep_size)}) == 1
+    return back if even and len(back) < len(added) else []
 
 
 def gather_rounds(pieces: list[Source], bucket_bytes: int) -> list[list[Source]] | None:
