@@ -29,6 +29,7 @@ Memory: one arena (about a bucket of staging) and the output buffer of the bucke
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket
 from .engine_shards import EngineSlice, place_slices
+from .layouts import Stacked
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
@@ -242,6 +244,9 @@ class CStage:
     dynamic: list[int]  # indices of srcs that are callables
     #: a direct stage: its layout-op copies of this rank's sources into its slot of the output, and the slot
     direct: tuple[list[Copy], int, int, int] | None = None  # (copies, members, member index, slot bytes)
+    #: a direct stage whose sources are all whole-shard copies filling the slot in order: one concatenation
+    #: (dtype, first and end element of the slot, sources) instead of the copies (a kernel, not one per tensor)
+    cat: tuple[torch.dtype, int, int, list] | None = None
 
 
 @dataclass
@@ -432,9 +437,10 @@ class Executor:
             base = stage_offs[j]
             region_base[j] = base
             if st.direct:
-                pre = self._compile_copies(prog, a, region_base, direct=j)
+                cat = self._whole_slot(prog, j)
+                pre = [] if cat else self._compile_copies(prog, a, region_base, direct=j)
                 cb.stages.append(CStage(st.axis.group, None, None, [], [], [],
-                                        direct=(pre, st.axis.size, st.axis.rank, st.slot)))
+                                        direct=(pre, st.axis.size, st.axis.rank, st.slot), cat=cat))
                 continue
             recv = arena[base:base + st.axis.size * st.slot]
             mine = recv[st.axis.rank * st.slot:(st.axis.rank + 1) * st.slot]
@@ -459,6 +465,23 @@ class Executor:
                                      key=str))
         cb.moved = _moved(prog, cb)
         return cb
+
+    def _whole_slot(self, prog: Program, j: int) -> tuple | None:
+        """The concatenation that fills this rank's slot of direct stage j, when its sources are local shards of one
+        dtype that their layout ops move unchanged (`_whole`) into outputs laid back to back over the slot."""
+        st = prog.stages[j]
+        srcs = [s for s, _ in st.packs]
+        entries = {e.name: e for e in prog.bucket.entries}
+        outs = [entries[n] for s in srcs for n in s.resolved.hf_names]
+        if not srcs or len({s.dtype for s in srcs} | {e.dtype for e in outs}) != 1:
+            return None
+        if not all(prog.before[j].get(s.name, Loc(LOCAL)).region == LOCAL and _whole(s) for s in srcs):
+            return None
+        lo, hi, isz = st.axis.rank * st.slot, (st.axis.rank + 1) * st.slot, srcs[0].dtype.itemsize
+        ends = [lo] + [e.start + e.nbytes for e in outs]
+        if any(e.start != end for e, end in zip(outs, ends)) or ends[-1] != hi or lo % isz:
+            return None
+        return srcs[0].dtype, lo // isz, hi // isz, [self._src(s) for s in srcs]
 
     def _compile_copies(self, prog: Program, a: int, region_base: dict, direct: int | None = None) -> list[Copy]:
         """The copies into the output buffer after the collectives, or with `direct` = j those of the sources
@@ -538,6 +561,10 @@ class Executor:
         st = cb.stages[j]
         if st.direct is not None:  # this rank's sources converted into its slot of the output, gathered in place
             copies, members, me, slot = st.direct
+            if st.cat is not None:
+                dtype, lo, hi, srcs = st.cat
+                typed = flat[:flat.numel() - flat.numel() % dtype.itemsize].view(dtype)
+                torch.cat([(p if isinstance(p, torch.Tensor) else p()).reshape(-1) for p in srcs], out=typed[lo:hi])
             self._copy_into(copies, cb.dtypes, flat)
             recv = flat[:members * slot]
             works.append(_all_gather(recv, recv[me * slot:(me + 1) * slot], group=st.group, async_op=True))
@@ -723,6 +750,31 @@ class Executor:
             pending = nxt
 
 
+def _whole(s: Source) -> bool:
+    """Its layout op moves the shard's elements unchanged and in order into its outputs laid back to back (an
+    expert's fc1 [gate; up] -> gate_proj, up_proj at expert-TP 1; fc2 -> down_proj): one contiguous copy."""
+    if s.count != 1 or isinstance(s.resolved.op, Stacked):
+        return False
+    base, n = [], 0
+    for shape in s.hf_shapes:
+        base.append(n)
+        n += math.prod(shape)
+    if n != math.prod(s.shard_shape):
+        return False
+    covered = 0
+    for c in s.resolved.op.copies(s.shard_shape, 1):
+        strides, off = c.resolve(0)
+        want, k = [], 1
+        for d in reversed(c.sizes):
+            want.insert(0, k)
+            k *= d
+        if c.add or off != base[c.out] + c.dst_offset or any(
+                d > 1 and not (a == b == w) for d, a, b, w in zip(c.sizes, strides, c.dst_strides, want)):
+            return False
+        covered += math.prod(c.sizes)
+    return covered == n
+
+
 def _copy_bytes(copies: list[Copy]) -> int:
     total = 0
     for c in copies:
@@ -736,8 +788,8 @@ def _copy_bytes(copies: list[Copy]) -> int:
 def _moved(prog: Program, cb: CBucket) -> tuple[int, int, int]:
     """(received, packed, copied after the collectives) bytes of one compiled bucket on this rank."""
     received = sum((st.axis.size - 1) * st.slot for st in prog.stages)
-    packed = sum(_copy_bytes(st.direct[0]) if st.direct else sum(d.numel() * d.element_size() for d in st.dsts)
-                 for st in cb.stages)
+    packed = sum(_copy_bytes(st.direct[0]) + (st.direct[3] if st.cat else 0) if st.direct else
+                 sum(d.numel() * d.element_size() for d in st.dsts) for st in cb.stages)
     if cb.p2p is not None:
         received += prog.p2p.recv_total
         packed += sum(d.numel() * d.element_size() for _, _, dsts, _, _ in cb.p2p.sends for d in dsts)

@@ -869,6 +869,8 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
                 got = {n: t.clone() for b in runner.run() for n, t in b}
                 assert_same(got, ref, f"{mt} {layout} {what} export {k}")
             stats[what] = {k: v // 2 for k, v in runner.stats.items() if k.endswith("_bytes")}
+            if what == "direct":  # slots filled by one concatenation (whole-shard layout ops), not per-tensor copies
+                stats["cat_slots"] = sum(st.cat is not None for cb in runner._compiled for st in cb.stages)
         out[mt] = dict(stats, direct_buckets=sum(b.direct is not None for b in plan.buckets),
                        buckets=len(plan.buckets))
     return out
