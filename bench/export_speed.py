@@ -250,6 +250,22 @@ def nccl_floor(ex, device, dtype) -> tuple[float, float]:
     return need, (world - 1) * per_rank / dt
 
 
+def bytes_moved(executor, exports: int) -> dict:
+    """Per export on this rank: bytes received by the collectives, packed before them, copied after them."""
+    return {k: v / exports for k, v in executor.stats.items() if k.endswith("_bytes")}
+
+
+def staged_executor(ex, bb, device):
+    """An executor of the same plan with no bucket's collective landing in its output (BucketPlan.direct off)."""
+    from dataclasses import replace
+
+    from mcore2hf.gather import Executor
+
+    plan = ex.plan(bb)
+    return Executor(replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets]), ex.ctx, ex._local,
+                    None, device)
+
+
 def wire_bytes(ex, bb, quantize=None) -> int:
     """Bytes this rank receives through the collectives of one all-ranks export (staging of every stage)."""
     prog = ex.executor(bb, quantize=quantize).programs
@@ -337,6 +353,15 @@ def job(a):
     for _ in range(a.repeat):
         later.append(timed(lambda: consume(ex.buckets(bb)), device))
     rows["mcore2hf (all ranks)"] = (min(t for t, _ in later), max(p for _, p in later))
+    moved = bytes_moved(ex.executor(bb), 1 + a.repeat)
+    # the same plan through staging (no collective landing in the output): what the direct layout saves
+    staged = staged_executor(ex, bb, device)
+    consume(staged.run())
+    runs = [timed(lambda: consume(staged.run()), device) for _ in range(a.repeat)]
+    rows["mcore2hf (all ranks, staged)"] = (min(t for t, _ in runs), max(p for _, p in runs))
+    moved_staged = bytes_moved(staged, 1 + a.repeat)
+    staged_same = compare(ours(ex, bb), checksums((n, t) for b in staged.run() for n, t in b))
+    staged = None  # free its arena before the other methods run
     consume(ex.buckets(bb, receivers=0))
     one = [timed(lambda: consume(ex.buckets(bb, receivers=0)), device) for _ in range(a.repeat)]
     rows["mcore2hf (rank 0 only)"] = (min(t for t, _ in one), max(p for _, p in one))
@@ -405,7 +430,9 @@ def job(a):
             mb = f"{type(e).__name__}: {str(e)[:300]}"
     return dict(rank=rank, rows=rows, first=first, peak_first=peak_first, hf_bytes=hf_bytes, params_gb=params_gb,
                 build_s=build_s, issue=issue, busy=busy, cpu=cpu, total=total, leak=leak, floor_need=floor_need, rate=rate,
-                buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb, fp8=fp8)
+                buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb, fp8=fp8, moved=moved,
+                moved_staged=moved_staged, staged_same=staged_same,
+                direct=sum(b.direct is not None for b in plan.buckets))
 
 
 def main():
@@ -452,6 +479,12 @@ def main():
         rate = gb / sec_max if sec_max == sec_max and sec_max > 0 else float("nan")
         print(f"{name:<34} {sec_max:>9.3f} {rate:>8.1f} {sec_max / ref:>11.1f}x "
               f"{(sec_max / floor if floor else float('nan')):>8.2f}x {peak_max / 2**30:>15.2f}")
+    for x in res[:1]:
+        m, ms = x["moved"], x["moved_staged"]
+        print(f"all ranks, bytes per export on rank {x['rank']}: received {m['received_bytes'] / 1e9:.2f} GB, packed "
+              f"{m['packed_bytes'] / 1e9:.2f} GB, copied after the collectives {m['copied_bytes'] / 1e9:.2f} GB "
+              f"(staged: {ms['packed_bytes'] / 1e9:.2f} GB packed, {ms['copied_bytes'] / 1e9:.2f} GB copied); "
+              f"{x['direct']}/{x['buckets']} buckets gathered into their output; staged export: {x['staged_same']}")
     print(f"first mcore2hf call (plan + compile + export): {max(x['first'] for x in res):.2f} s, "
           f"peak extra {max(x['peak_first'] for x in res) / 2**30:.2f} GiB")
     print(f"host: issuing a later export took {r0['issue'] * 1e3:.1f} ms of its {r0['total'] * 1e3:.1f} ms "

@@ -45,7 +45,24 @@ def job(cfg: dict, rounds: int, profile: bool):
         if prof:
             prof.disable()
         times.append(time.perf_counter() - t)
-    out = {"tensors": n, "buckets": len(plan.buckets), "plan_s": plan_s, "export_s": min(times)}
+    # the same plan with no collective landing in its output (the staged path), for comparison
+    from dataclasses import replace
+
+    from mcore2hf.gather import Executor
+
+    staged = Executor(replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets]), ex.ctx, ex._local,
+                      None, ex.device)
+    for _ in staged.run():
+        pass
+    staged_times = []
+    for _ in range(rounds):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in staged.run():
+            pass
+        staged_times.append(time.perf_counter() - t)
+    out = {"tensors": n, "buckets": len(plan.buckets), "plan_s": plan_s, "export_s": min(times),
+           "staged_s": min(staged_times), "direct": sum(b.direct is not None for b in plan.buckets)}
     if prof:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
@@ -67,7 +84,8 @@ def main():
                num_experts=a.experts, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256)
     r = run_world(job, Layout(ep=a.ep), cfg, a.rounds, a.profile)[0]
     print(f"{r['tensors']} HF tensors in {r['buckets']} buckets: plan {r['plan_s']:.2f} s, "
-          f"later export {r['export_s'] * 1e3:.0f} ms ({r['export_s'] / r['tensors'] * 1e6:.1f} us per tensor)")
+          f"later export {r['export_s'] * 1e3:.0f} ms ({r['export_s'] / r['tensors'] * 1e6:.1f} us per tensor); "
+          f"{r['direct']} buckets gathered into their output; staged (none) {r['staged_s'] * 1e3:.0f} ms")
     if "profile" in r:
         print(r["profile"])
 

@@ -17,7 +17,11 @@ Compiled once (first export), reused by every later export:
   slot of the receive buffer), and packing is one `_foreach_copy_` per collective into precomputed views;
 * the final step is each layout op's strided copies (`LayoutOp.copies`) from the arena into the bucket's flat
   output buffer, with runs of same-shaped tensors (a layer's experts) merged into one batched copy, so the
-  host issues a few hundred copies per export instead of work per tensor.
+  host issues a few hundred copies per export instead of work per tensor;
+* where the plan allows (`BucketPlan.direct`: every member of the last grouped all-gather, EP ranks or PP stages,
+  contributes the same bytes), that all-gather lands in the output itself: each rank runs its sources' layout-op
+  copies into its slot of the output (member m's HF tensors are bytes [m * slot, (m + 1) * slot)) and gathers in
+  place, so the bulk of the bytes (the experts, at EP) is written once and never copied after the collective.
 
 Memory: one arena (about a bucket of staging) and the output buffer of the bucket being built; with
 `arenas=2` the next bucket's first collectives also overlap this bucket's conversion.
@@ -25,6 +29,7 @@ Memory: one arena (about a bucket of staging) and the output buffer of the bucke
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -34,7 +39,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket
 from .engine_shards import EngineShardError, EngineSlice, place_slices, region_slices
-from .layouts import _row_strides
+from .layouts import Stacked, _row_strides
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align, pack_tight
@@ -50,6 +55,7 @@ from .quantize import (
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 LOCAL = "local"
+OUT = "out"  # in the bucket's output buffer already (a direct stage put it there)
 
 
 @dataclass
@@ -69,6 +75,8 @@ class Stage:
     packs: list[tuple[Source, int]]  # this rank's sources and their byte offset in its slot
     striped: bool  # TP stage: member i holds shard i of every source
     depends: bool = False  # packs read an earlier stage of this bucket
+    #: lands in the output buffer (BucketPlan.direct): each member converts its sources into its slot of it
+    direct: bool = False
 
 
 @dataclass
@@ -123,7 +131,14 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
         for s, o in packs:  # shard i is in member i's slot
             where[s.name] = Loc(k, tuple(i * slot + o for i in range(s.count)))
 
-    def grouped(axis: Axis, members: list[list[Source]], mine: int) -> None:
+    def grouped(axis: Axis, members: list[list[Source]], mine: int, last: bool) -> None:
+        if last and b.direct is not None:  # the plan laid member m's HF tensors out at [m * slot, (m + 1) * slot)
+            depends = any(where[s.name].region != LOCAL for s in members[mine])
+            prog.add(Stage(axis, b.direct, [(s, 0) for s in members[mine]], striped=False, depends=depends,
+                           direct=True))
+            for s in (s for srcs in members for s in srcs):
+                where[s.name] = Loc(OUT)
+            return
         layouts = []
         for srcs in members:
             offs, off = [], 0
@@ -147,9 +162,10 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
     if ctx.ep.size > 1:
         members = [[s for s in b.sources if s.is_expert and ctx.pp.rank in s.stages and s.ep == m]
                    for m in range(ctx.ep.size)]
-        grouped(ctx.ep, members, ctx.ep.rank)
+        grouped(ctx.ep, members, ctx.ep.rank, last=ctx.pp.size == 1)
     if ctx.pp.size > 1:
-        grouped(ctx.pp, [[s for s in b.sources if s.stage == st] for st in range(ctx.pp.size)], ctx.pp.rank)
+        grouped(ctx.pp, [[s for s in b.sources if s.stage == st] for st in range(ctx.pp.size)], ctx.pp.rank,
+                last=True)
     missing = [s.name for s in b.sources if s.name not in where]
     assert not missing, f"internal error: no route to {missing[:5]}"
     return prog
@@ -221,11 +237,16 @@ def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int,
 @dataclass
 class CStage:
     group: object
-    recv: torch.Tensor  # uint8 view of the arena: members * slot
-    mine: torch.Tensor  # this rank's slot (the in-place all-gather input)
+    recv: torch.Tensor | None  # uint8 view of the arena: members * slot (None: direct, the output's first bytes)
+    mine: torch.Tensor | None  # this rank's slot (the in-place all-gather input)
     dsts: list[torch.Tensor]  # pack destinations (typed views of `mine`)
     srcs: list  # pack sources: parameters / arena views, or callables for buffers
     dynamic: list[int]  # indices of srcs that are callables
+    #: a direct stage: its layout-op copies of this rank's sources into its slot of the output, and the slot
+    direct: tuple[list[Copy], int, int, int] | None = None  # (copies, members, member index, slot bytes)
+    #: a direct stage whose sources are all whole-shard copies filling the slot in order: one concatenation
+    #: (dtype, first and end element of the slot, sources) instead of the copies (a kernel, not one per tensor)
+    cat: tuple[torch.dtype, int, int, list] | None = None
 
 
 @dataclass
@@ -263,6 +284,8 @@ class CBucket:
     prequant: list[tuple[FP8RowSlices, list[tuple[str, object]]]] = field(default_factory=list)
     program: Program | None = None
     rounds: list[CBucket] | None = None  # a bucket gathered in rounds: each round's collectives and copies
+    #: bytes per export: received by its collectives, written packing them, copied into the output after them
+    moved: tuple[int, int, int] = (0, 0, 0)
 
 
 def _source_of(lt: LocalTensor):
@@ -285,7 +308,9 @@ class Executor:
         self._blobs: dict[str, torch.Tensor] = {}  # this export's shards quantized before the collectives
         self.receivers = receivers
         self.arenas_n = max(1, arenas)
-        self.stats = {"gather_s": 0.0, "convert_s": 0.0}
+        # bytes summed over exports: received by the collectives, packed before them (a direct stage's layout
+        # copies included), copied into the output after them (what a direct stage saves)
+        self.stats = {"gather_s": 0.0, "convert_s": 0.0, "received_bytes": 0, "packed_bytes": 0, "copied_bytes": 0}
         self._timing = False
         self.programs = [self._program(b) for b in plan.buckets]
         self._compiled: list[CBucket] | None = None
@@ -337,7 +362,8 @@ class Executor:
             return [0], align(total)
         for st in prog.stages:
             offs.append(total)
-            total += align(st.axis.size * st.slot)
+            if not st.direct:  # a direct stage gathers into the output, not the arena
+                total += align(st.axis.size * st.slot)
         return offs, total
 
     def memory_estimate(self) -> dict[str, int]:
@@ -348,7 +374,11 @@ class Executor:
         # a quantized export holds the gathered bucket and its quantized copy at once
         out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in self.plan.buckets
                    if self.receivers is None or me in self.receivers] or [0])
-        return {"arena_bytes": sum(arenas), "largest_bucket_bytes": out, "total_bytes": sum(arenas) + out}
+        # a bucket whose collective lands in its output allocates that output when it starts, while the consumer
+        # still holds the previous bucket
+        nxt = max([b.nbytes for b in self.plan.buckets if b.direct is not None and self.receivers is None] or [0])
+        return {"arena_bytes": sum(arenas), "largest_bucket_bytes": out, "next_bucket_bytes": nxt,
+                "total_bytes": sum(arenas) + out + nxt}
 
     def compile(self) -> None:
         if self._compiled is not None:
@@ -377,6 +407,7 @@ class Executor:
             cb = CBucket(prog.bucket, prog.receive, a, program=prog,
                          rounds=[self._compile_bucket(k, r) for r in prog.rounds])
             cb.dtypes = tuple(sorted({d for r in cb.rounds for d in r.dtypes}, key=str))
+            cb.moved = tuple(sum(r.moved[i] for r in cb.rounds) for i in range(3))
             return cb
         arena = self.arenas[a]
         stage_offs, _ = self._stage_bytes(prog)
@@ -405,6 +436,12 @@ class Executor:
         for j, st in enumerate(prog.stages):
             base = stage_offs[j]
             region_base[j] = base
+            if st.direct:
+                cat = self._whole_slot(prog, j)
+                pre = [] if cat else self._compile_copies(prog, a, region_base, direct=j)
+                cb.stages.append(CStage(st.axis.group, None, None, [], [], [],
+                                        direct=(pre, st.axis.size, st.axis.rank, st.slot), cat=cat))
+                continue
             recv = arena[base:base + st.axis.size * st.slot]
             mine = recv[st.axis.rank * st.slot:(st.axis.rank + 1) * st.slot]
             dsts, srcs = [], []
@@ -426,17 +463,47 @@ class Executor:
             cb.copies = self._compile_copies(prog, a, region_base)
             cb.dtypes = tuple(sorted({e.dtype for e in prog.bucket.entries} | {s.dtype for s in prog.bucket.sources},
                                      key=str))
+        cb.moved = _moved(prog, cb)
         return cb
 
-    def _compile_copies(self, prog: Program, a: int, region_base: dict) -> list[Copy]:
+    def _whole_slot(self, prog: Program, j: int) -> tuple | None:
+        """The concatenation that fills this rank's slot of direct stage j, when its sources are local shards of one
+        dtype that their layout ops move unchanged (`_whole`) into outputs laid back to back over the slot."""
+        st = prog.stages[j]
+        srcs = [s for s, _ in st.packs]
+        entries = {e.name: e for e in prog.bucket.entries}
+        outs = [entries[n] for s in srcs for n in s.resolved.hf_names]
+        if not srcs or len({s.dtype for s in srcs} | {e.dtype for e in outs}) != 1:
+            return None
+        if not all(prog.before[j].get(s.name, Loc(LOCAL)).region == LOCAL and _whole(s) for s in srcs):
+            return None
+        lo, hi, isz = st.axis.rank * st.slot, (st.axis.rank + 1) * st.slot, srcs[0].dtype.itemsize
+        ends = [lo] + [e.start + e.nbytes for e in outs]
+        if any(e.start != end for e, end in zip(outs, ends)) or ends[-1] != hi or lo % isz:
+            return None
+        return srcs[0].dtype, lo // isz, hi // isz, [self._src(s) for s in srcs]
+
+    def _compile_copies(self, prog: Program, a: int, region_base: dict, direct: int | None = None) -> list[Copy]:
+        """The copies into the output buffer after the collectives, or with `direct` = j those of the sources
+        this rank converts into its slot of direct stage j, before it (from where they were then)."""
         entries = {e.name: e for e in prog.bucket.entries}
         raw: list[Copy] = []
-        for s in prog.bucket.sources:
-            loc = prog.where[s.name]
+        if direct is not None:
+            st = prog.stages[direct]
+            lo, hi = st.axis.rank * st.slot, (st.axis.rank + 1) * st.slot
+            todo = [(s, prog.before[direct].get(s.name, Loc(LOCAL))) for s, _ in st.packs]
+            bad = [n for s, _ in todo for n in s.resolved.hf_names
+                   if not (lo <= entries[n].start and entries[n].start + entries[n].nbytes <= hi)]
+            assert not bad, f"internal error: {bad[:3]} outside this rank's slot [{lo}, {hi}) of the output"
+        else:
+            todo = [(s, prog.where[s.name]) for s in prog.bucket.sources]
+        for s, loc in todo:
             outs = [entries[n] for n in s.resolved.hf_names]
             isz = s.dtype.itemsize
             specs = s.resolved.op.copies(s.shard_shape, s.count)
-            if loc.region == LOCAL:
+            if loc.region == OUT:  # a direct stage delivered its outputs
+                pass
+            elif loc.region == LOCAL:
                 for c in specs:
                     strides, off = c.resolve(0)
                     raw.append(Copy(s.dtype, c.sizes, c.dst_strides, outs[c.out].start // isz + c.dst_offset,
@@ -447,7 +514,8 @@ class Executor:
                     for copy in self._placed(s, c, outs, loc.offsets, base, a):
                         copy.tag, copy.add = (type(s.resolved.op).__name__, j), c.add
                         raw.append(copy)
-            for name in s.resolved.copies:  # duplicates of the first output (MTP's embedding / head copies)
+            # duplicates of the first output (MTP's embedding / head copies), after the gather
+            for name in s.resolved.copies if direct is None else ():
                 e, first = entries[name], outs[0]
                 raw.append(Copy(s.dtype, (first.nbytes // isz,), (1,), e.start // isz, None, ("out", first.start // isz),
                                 (1,), 0))
@@ -489,8 +557,18 @@ class Executor:
                 srcs[i] = srcs[i]()
         torch._foreach_copy_(dsts, srcs)
 
-    def _launch(self, cb: CBucket, j: int, works: list) -> None:
+    def _launch(self, cb: CBucket, j: int, works: list, flat: torch.Tensor | None) -> None:
         st = cb.stages[j]
+        if st.direct is not None:  # this rank's sources converted into its slot of the output, gathered in place
+            copies, members, me, slot = st.direct
+            if st.cat is not None:
+                dtype, lo, hi, srcs = st.cat
+                typed = flat[:flat.numel() - flat.numel() % dtype.itemsize].view(dtype)
+                torch.cat([(p if isinstance(p, torch.Tensor) else p()).reshape(-1) for p in srcs], out=typed[lo:hi])
+            self._copy_into(copies, cb.dtypes, flat)
+            recv = flat[:members * slot]
+            works.append(_all_gather(recv, recv[me * slot:(me + 1) * slot], group=st.group, async_op=True))
+            return
         self._pack(st.dsts, st.srcs, st.dynamic)
         works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
 
@@ -513,16 +591,20 @@ class Executor:
             for k, (name, _) in enumerate(todo):
                 self._blobs[name] = blobs[k]
 
-    def start(self, index: int, first_only: bool = False) -> tuple[CBucket, list, int]:
+    def start(self, index: int, first_only: bool = False) -> tuple:
         """Issue the collectives of bucket `index` that depend on nothing of this bucket not yet done (of its
         first round, for a bucket gathered in rounds)."""
         cb = self._compiled[index]
         if cb.rounds:
-            _, works, j = self._start(cb.rounds[0], first_only)
-            return cb, works, j
+            _, works, j, _ = self._start(cb.rounds[0], first_only)
+            return cb, works, j, None
         return self._start(cb, first_only)
 
-    def _start(self, cb: CBucket, first_only: bool = False) -> tuple[CBucket, list, int]:
+    def _start(self, cb: CBucket, first_only: bool = False) -> tuple:
+        """(bucket, collectives in flight, next stage, output buffer: allocated here when a stage lands in it)"""
+        flat = None
+        if cb.receive and any(st.direct is not None for st in cb.stages):
+            flat = torch.empty(cb.plan.nbytes, dtype=torch.uint8, device=self.device)
         if cb.prequant:
             self._quantize_held(cb)
         works: list = []
@@ -535,36 +617,38 @@ class Executor:
                 ops.append(dist.P2POp(dist.irecv, buf, src_rank))
             if ops:
                 works.extend(dist.batch_isend_irecv(ops))
-            return cb, works, 0
+            return cb, works, 0, flat
         stages = cb.program.stages
         j = 0
         while j < len(stages) and not stages[j].depends and (not first_only or stages[j].striped):
-            self._launch(cb, j, works)
+            self._launch(cb, j, works, flat)
             j += 1
-        return cb, works, j
+        return cb, works, j, flat
 
     def _now(self) -> float:
         if self._timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def finish(self, run: tuple[CBucket, list, int]) -> Bucket:
-        cb, works, j = run
+    def finish(self, run: tuple) -> Bucket:
+        cb, works, j, flat = run
+        for key, n in zip(("received_bytes", "packed_bytes", "copied_bytes"), cb.moved):
+            self.stats[key] += n
         if cb.rounds:
             return self._finish_rounds(cb, works, j)
-        self._gather(cb, works, j)
+        self._gather(cb, works, j, flat)
         t1 = self._now()
-        bucket = self._convert(cb)
+        bucket = self._convert(cb, flat)
         self.stats["convert_s"] += self._now() - t1
         return bucket
 
-    def _gather(self, cb: CBucket, works: list, j: int) -> None:
+    def _gather(self, cb: CBucket, works: list, j: int, flat: torch.Tensor | None = None) -> None:
         t0 = self._now()
         for w in works:
             w.wait()
         while j < len(cb.stages):
             works = []
-            self._launch(cb, j, works)
+            self._launch(cb, j, works, flat)
             for w in works:
                 w.wait()
             j += 1
@@ -578,31 +662,32 @@ class Executor:
         try:
             for r, rcb in enumerate(cb.rounds):
                 if r:
-                    _, works, j = self._start(rcb)
+                    _, works, j, _ = self._start(rcb)
                 self._gather(rcb, works, j)
                 t1 = self._now()
                 if flat is not None:
-                    self._copy_into(rcb, flat)
+                    self._copy_into(rcb.copies, rcb.dtypes, flat)
                 self.stats["convert_s"] += self._now() - t1
         finally:
             for s in b.sources:
                 self._blobs.pop(s.name, None)
         return self._output(b, flat)
 
-    def _convert(self, cb: CBucket) -> Bucket:
+    def _convert(self, cb: CBucket, flat: torch.Tensor | None) -> Bucket:
         b = cb.plan
         try:
-            return self._build(cb)
+            return self._build(cb, flat)
         finally:
             for s in b.sources:  # this bucket's FP8 blobs are no longer needed
                 self._blobs.pop(s.name, None)
 
-    def _build(self, cb: CBucket) -> Bucket:
+    def _build(self, cb: CBucket, flat: torch.Tensor | None) -> Bucket:
         b = cb.plan
         if not cb.receive:
             return Bucket(b.index, None, b.output)
-        flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
-        self._copy_into(cb, flat)
+        if flat is None:
+            flat = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+        self._copy_into(cb.copies, cb.dtypes, flat)
         return self._output(b, flat)
 
     def _output(self, b, flat: torch.Tensor | None) -> Bucket:
@@ -611,11 +696,12 @@ class Executor:
             flat = quantize_flat(flat, b.entries, b.out_entries, self.scheme)
         return Bucket(b.index, flat, b.output)
 
-    def _copy_into(self, cb: CBucket, flat: torch.Tensor) -> None:
-        """The bucket's compiled copies (layout ops) from staging and parameters into the output buffer `flat`."""
+    @staticmethod
+    def _copy_into(copies: list[Copy], dtypes: tuple[torch.dtype, ...], flat: torch.Tensor) -> None:
+        """Compiled copies (layout ops) from staging and parameters into the output buffer `flat`."""
         n = flat.numel()
-        typed = {dt: flat[:n - n % dt.itemsize].view(dt) for dt in cb.dtypes}
-        for c in cb.copies:
+        typed = {dt: flat[:n - n % dt.itemsize].view(dt) for dt in dtypes}
+        for c in copies:
             dst = typed[c.dtype].as_strided(c.sizes, c.dst_strides, c.dst_offset)
             if c.src is not None:
                 dst.copy_(c.src)
@@ -662,6 +748,52 @@ class Executor:
             yield bucket
             del bucket  # a consumer that dropped it frees it before the next is built: one output bucket alive
             pending = nxt
+
+
+def _whole(s: Source) -> bool:
+    """Its layout op moves the shard's elements unchanged and in order into its outputs laid back to back (an
+    expert's fc1 [gate; up] -> gate_proj, up_proj at expert-TP 1; fc2 -> down_proj): one contiguous copy."""
+    if s.count != 1 or isinstance(s.resolved.op, Stacked):
+        return False
+    base, n = [], 0
+    for shape in s.hf_shapes:
+        base.append(n)
+        n += math.prod(shape)
+    if n != math.prod(s.shard_shape):
+        return False
+    covered = 0
+    for c in s.resolved.op.copies(s.shard_shape, 1):
+        strides, off = c.resolve(0)
+        want, k = [], 1
+        for d in reversed(c.sizes):
+            want.insert(0, k)
+            k *= d
+        if c.add or off != base[c.out] + c.dst_offset or any(
+                d > 1 and not (a == b == w) for d, a, b, w in zip(c.sizes, strides, c.dst_strides, want)):
+            return False
+        covered += math.prod(c.sizes)
+    return covered == n
+
+
+def _copy_bytes(copies: list[Copy]) -> int:
+    total = 0
+    for c in copies:
+        n = c.dtype.itemsize
+        for d in c.sizes:
+            n *= d
+        total += n
+    return total
+
+
+def _moved(prog: Program, cb: CBucket) -> tuple[int, int, int]:
+    """(received, packed, copied after the collectives) bytes of one compiled bucket on this rank."""
+    received = sum((st.axis.size - 1) * st.slot for st in prog.stages)
+    packed = sum(_copy_bytes(st.direct[0]) + (st.direct[3] if st.cat else 0) if st.direct else
+                 sum(d.numel() * d.element_size() for d in st.dsts) for st in cb.stages)
+    if cb.p2p is not None:
+        received += prog.p2p.recv_total
+        packed += sum(d.numel() * d.element_size() for _, _, dsts, _, _ in cb.p2p.sends for d in dsts)
+    return received, packed, _copy_bytes(cb.copies)
 
 
 def _merge(raw: list[Copy], typed_arena, a: int) -> list[Copy]:

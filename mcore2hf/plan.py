@@ -136,6 +136,9 @@ class BucketPlan:
     #: a stacked tensor larger than the budget: its pieces gathered in rounds of <= the budget (each round's
     #: staging reused by the next), all writing into the bucket's one output buffer; None: one round
     rounds: list[list[Source]] | None = None
+    #: its last grouped all-gather (PP stages when PP > 1, else EP ranks) lands in the output buffer: member m's HF
+    #: tensors, converted, are bytes [m * direct, (m + 1) * direct) of it (`direct_layout`); None: via staging
+    direct: int | None = None
 
     @property
     def output(self) -> list[HFEntry]:
@@ -357,6 +360,8 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
     per_stage: dict[int, int] = defaultdict(int)  # what the PP all-gather pads to
     per_class: dict[tuple[int, int], int] = defaultdict(int)  # what the EP all-gather pads to
     remaining = sum(len(q) for q in queues.values())
+    pp_size, ep_size = holder_sizes(sources)
+    added: list[tuple] = []  # (class, unit, bytes) of the current bucket, in the order taken
     while remaining:
         live = [c for c in queues if heads[c] < len(queues[c])]
         stage = min({c[0] for c in live}, key=lambda st: (per_stage[st], st))
@@ -364,10 +369,22 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
         unit = queues[cls][heads[cls]]
         size = sum(src.hf_nbytes for src in unit)
         if current.sources and current.nbytes + size > bucket_bytes:
+            back = _even_out(added, ep_size) if pp_size == 1 and ep_size > 1 else []
+            for k in back:  # back to their queues (each the last taken from its class), for the next bucket
+                c, _, n = added[k]
+                heads[c] -= 1
+                remaining += 1
+                current.nbytes -= n
+            drop = {id(s) for k in back for s in added[k][1]}
+            current.sources = [s for s in current.sources if id(s) not in drop]
             buckets.append(current)
             current = BucketPlan(len(buckets))
             per_stage.clear()
             per_class.clear()
+            added.clear()
+            if back:
+                continue  # the unit picked may no longer be its class's next
+        added.append((cls, unit, size))
         heads[cls] += 1
         remaining -= 1
         current.sources.extend(unit)
@@ -384,11 +401,73 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
         for src in b.sources:
             for name, shape in zip(src.hf_names, src.out_shapes()):
                 outputs.setdefault(name, (name, shape, src.dtype, src.name))
-        b.entries = pack_tight(list(outputs.values()))
+        b.entries, b.direct = direct_layout(list(outputs.values()), gather_members(b.sources, pp_size, ep_size))
         b.nbytes = sum(e.nbytes for e in b.entries)
         if b.nbytes > bucket_bytes and isinstance(b.sources[0].resolved.op, Stacked):
             b.rounds = gather_rounds(b.sources, bucket_bytes)
     return buckets
+
+
+def holder_sizes(sources: dict[str, Source]) -> tuple[int, int]:
+    """(PP stages, EP ranks) of the world, as the sources' holders show them."""
+    return (1 + max((st for s in sources.values() for st in s.stages), default=0),
+            1 + max((s.ep for s in sources.values()), default=0))
+
+
+def gather_members(sources: list[Source], pp_size: int, ep_size: int) -> list[list[Source]] | None:
+    """What each member of a bucket's last grouped all-gather contributes, grouped as `all_ranks_program` groups
+    it: the PP stages when PP > 1, else the EP ranks' experts; None without such a gather."""
+    if pp_size > 1:
+        return [[s for s in sources if s.stage == st] for st in range(pp_size)]
+    if ep_size > 1:
+        return [[s for s in sources if s.is_expert and s.ep == m] for m in range(ep_size)]
+    return None
+
+
+def direct_layout(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]],
+                  members: list[list[Source]] | None) -> tuple[list[HFEntry], int | None]:
+    """A bucket's entries (`pack_tight` tuples) and its `direct` slot: member m's HF tensors packed tight at
+    [m * slot, (m + 1) * slot), the rest after them, when every member's come to the same bytes and every tensor
+    stays aligned for its dtype; then the all-gather's output is the bucket's output (no copy after it).
+    Otherwise (uneven members, a stacked tensor shared by several members) `pack_tight` of all, slot None."""
+    if members and not any(isinstance(s.resolved.op, Stacked) for m in members for s in m):
+        owner = {s.name: k for k, m in enumerate(members) for s in m}
+        # a member's source writes its layout op's outputs; its published copies are duplicated after the gather
+        writes = {s.name: set(s.resolved.hf_names) for m in members for s in m}
+        own = [[t for t in tensors if owner.get(t[3]) == k and t[0] in writes[t[3]]] for k in range(len(members))]
+        parts = [pack_tight(ts) for ts in own]
+        slot = sum(e.nbytes for e in parts[0])
+        placed = {t[0] for ts in own for t in ts}
+        if slot and all(sum(e.nbytes for e in p) == slot for p in parts):
+            entries = [replace(e, start=e.start + k * slot) for k, p in enumerate(parts) for e in p]
+            entries += [replace(e, start=e.start + len(members) * slot)
+                        for e in pack_tight([t for t in tensors if t[0] not in placed])]
+            if all(e.start % e.dtype.itemsize == 0 for e in entries):
+                return entries, slot
+    return pack_tight(tensors), None
+
+
+def _even_out(added: list[tuple], ep_size: int) -> list[int]:
+    """Indices of the last expert units taken (fewer than EP ranks: the rotation over EP ranks is at most that far
+    ahead) whose return to their queues leaves every EP rank the same expert bytes in the bucket, so its EP
+    all-gather can land in the output (`direct_layout`); [] if none does (or it would empty the bucket)."""
+    per = defaultdict(int)
+    for (_, ep), _, n in added:
+        if ep >= 0:
+            per[ep] += n
+    back: list[int] = []
+    kept: set[int] = set()  # EP ranks with a later unit staying: an earlier one of theirs cannot go back
+    for k in range(len(added) - 1, -1, -1):
+        if len({per[m] for m in range(ep_size)}) == 1 or len(back) == ep_size - 1:
+            break
+        (_, ep), _, n = added[k]
+        if ep >= 0 and per[ep] == max(per.values()) and ep not in kept:
+            back.append(k)
+            per[ep] -= n
+        elif ep >= 0:
+            kept.add(ep)
+    even = len({per[m] for m in range(ep_size)}) == 1
+    return back if even and len(back) < len(added) else []
 
 
 def gather_rounds(pieces: list[Source], bucket_bytes: int) -> list[list[Source]] | None:
@@ -497,6 +576,7 @@ def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme, on_sh
     (the bucket's `out_entries`; None when the gather already delivers everything quantized)."""
     probes: dict = {}
     sources = dict(plan.sources)
+    pp_size, ep_size = holder_sizes(plan.sources)
     buckets = []
     for b in plan.buckets:
         srcs, gathered = [], []
@@ -509,11 +589,11 @@ def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme, on_sh
             else:
                 gathered += [(n, shape, s.dtype, s.name) for n, shape in zip(s.hf_names, s.out_shapes())]
             srcs.append(s)
-        entries = pack_tight(gathered)
+        entries, direct = direct_layout(gathered, gather_members(srcs, pp_size, ep_size))
         final = quantized_tensors(gathered, policy)
         out = None if [t[:3] for t in final] == [t[:3] for t in gathered] else pack_tight(final)
         buckets.append(replace(b, sources=srcs, entries=entries, nbytes=sum(e.nbytes for e in entries),
-                               out_entries=out))
+                               out_entries=out, direct=direct))
     return replace(plan, sources=sources, buckets=buckets, quantize=scheme.name)
 
 

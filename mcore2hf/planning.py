@@ -58,7 +58,9 @@ def plan_report(report: dict, limit: int | None = None) -> str:
     lines.append(f"extra memory per rank during an export (every rank receives): up to "
                  f"{format_size(worst['total_bytes'])} (rank {worst['rank']}: staging arena "
                  f"{format_size(worst['arena_bytes'])} + largest output bucket "
-                 f"{format_size(worst['largest_bucket_bytes'])}), plus any bucket your loop keeps")
+                 f"{format_size(worst['largest_bucket_bytes'])}"
+                 + (f" + the next one, gathered into while you hold it {format_size(worst['next_bucket_bytes'])}"
+                    if worst.get("next_bucket_bytes") else "") + "), plus any bucket your loop keeps")
     if report.get("quantize"):
         q, pre = report["quantized"], report["quantized_on_shards"]
         lines.append(f"quantized ({report['quantize']}, 128x128 blocks): {len(q)} weights -> float8_e4m3fn + float32 "

@@ -16,5 +16,6 @@ def test_export_speed_bench_runs_on_cpu():
     assert "DIFFER" not in out.stdout, out.stdout
     for row in ("mcore2hf (all ranks)", "mcore2hf (rank 0 only)", "mcore2hf (all ranks, overlap)",
                 "per-tensor async (slime-style)", "growth 0.0 MiB", "mcore2hf fp8 (all ranks)",
-                "mcore2hf fp8 (rank 0 only)", "weights quantized", "sampled tensors bit-identical"):
+                "mcore2hf fp8 (rank 0 only)", "weights quantized", "sampled tensors bit-identical",
+                "mcore2hf (all ranks, staged)", "buckets gathered into their output"):
         assert row in out.stdout, out.stdout

@@ -933,3 +933,32 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
     stats = {k: v // 3 for k, v in executor.stats.items()}  # three runs
     assert stats["received_bytes"] == b["wire"] and stats["local_bytes"] == b["local"], (g, stats, b)
     return dict(group_rank=g, **stats)
+
+
+def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int) -> dict:
+    """Per architecture: the all-ranks export with its last all-gather landing in the output (BucketPlan.direct)
+    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves."""
+    from dataclasses import replace
+
+    from mcore2hf.gather import Executor
+
+    out = {}
+    for mt, ckpt in ckpts.items():
+        cfg, chunks = build(ckpt, layout)
+        load_hf_weights(chunks, ckpt)
+        ref = read_hf_checkpoint(ckpt)
+        ex = HFExporter(chunks, cfg)
+        plan = ex.plan(bucket_bytes)
+        staged = replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets])
+        stats = {}
+        for what, p in (("direct", plan), ("staged", staged)):
+            runner = Executor(p, ex.ctx, ex._local, None, ex.device)
+            for k in range(2):  # plan once, run twice: the second run reuses the compiled copies and buffers
+                got = {n: t.clone() for b in runner.run() for n, t in b}
+                assert_same(got, ref, f"{mt} {layout} {what} export {k}")
+            stats[what] = {k: v // 2 for k, v in runner.stats.items() if k.endswith("_bytes")}
+            if what == "direct":  # slots filled by one concatenation (whole-shard layout ops), not per-tensor copies
+                stats["cat_slots"] = sum(st.cat is not None for cb in runner._compiled for st in cb.stages)
+        out[mt] = dict(stats, direct_buckets=sum(b.direct is not None for b in plan.buckets),
+                       buckets=len(plan.buckets))
+    return out
