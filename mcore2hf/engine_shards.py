@@ -55,9 +55,10 @@ loads the union of its regions (an empty list: nothing). Regions of one rank nev
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import regex
 import torch
@@ -204,6 +205,7 @@ _COMPILED = [(regex.compile(p), k) for p, k in KINDS]
 _ARCH_COMPILED = {a: [(regex.compile(p), k) for p, k in t] for a, t in ARCH_KINDS.items()}
 
 
+@functools.lru_cache(maxsize=1 << 18)  # plans ask per name and engine rank: one regex scan per name
 def sharding_kind(hf_name: str, model_type: str | None = None) -> tuple[str, int | None]:
     """The engine-sharding kind of an HF tensor, and its routed-expert index (None for non-expert tensors)."""
     for pattern, kind in _ARCH_COMPILED.get(model_type, []) + _COMPILED:
@@ -398,6 +400,8 @@ def place_slices(slices: Sequence[EngineSlice], out: torch.Tensor) -> torch.Tens
 def clip(piece: Piece, region: Region) -> Piece | None:
     """The part of `piece` inside the box `region` (None when they do not meet): per narrowed dim the
     progression is cut to the interval, and the source offset moves with it."""
+    if not region:  # the whole tensor (replicated): the piece as it is
+        return piece
     start, count, src = list(piece.start), list(piece.count), piece.src_offset
     for d, lo, n in region:
         a, q, k = start[d], piece.step[d], count[d]
@@ -407,4 +411,6 @@ def clip(piece: Piece, region: Region) -> Piece | None:
             return None
         start[d], count[d] = a + first * q, stop - first
         src += first * piece.src_strides[d]
-    return replace(piece, start=tuple(start), count=tuple(count), src_offset=src)
+    # the constructor, not dataclasses.replace: plans clip every piece for every engine rank (2x faster)
+    return Piece(piece.out, piece.shard, tuple(start), piece.step, tuple(count), piece.src_strides, src,
+                 piece.add)

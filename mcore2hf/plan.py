@@ -756,10 +756,28 @@ def _check_tiling(bucket: int, routes: list[Route], outputs: dict[int, list[Slic
         for k, e in enumerate(entries):
             ps = by_entry.get((rank, k), [])
             got = sum(p.numel for p in ps) * e.dtype.itemsize
-            overlap = next(((a, b) for i, a in enumerate(ps) for b in ps[i + 1:] if _meet(a, b)), None)
+            overlap = _first_overlap(ps)
             if got != e.nbytes or overlap:
                 raise AssertionError(f"internal error: bucket {bucket}, rank {rank}, {e.name} {e.region}: routed "
                                      f"{got} of {e.nbytes} bytes, overlap {overlap}")
+
+
+def _first_overlap(ps: list[Piece]) -> tuple[Piece, Piece] | None:
+    """A pair of pieces that may share an element, or None. Sort and sweep along the dim where the pieces' starts
+    differ most: only pieces whose intervals on that dim overlap are compared (others cannot meet), so a slice
+    tiled by many pieces costs ~n log n, not n^2."""
+    if len(ps) < 2:
+        return None
+    d = max(range(len(ps[0].start)), key=lambda k: len({p.start[k] for p in ps}))
+    active: list[tuple[int, Piece]] = []  # (last coordinate on dim d, piece) of pieces the sweep still meets
+    for p in sorted(ps, key=lambda q: q.start[d]):
+        lo = p.start[d]
+        active = [(hi, q) for hi, q in active if hi >= lo]
+        for _, q in active:
+            if _meet(q, p):
+                return q, p
+        active.append((lo + (p.count[d] - 1) * p.step[d], p))
+    return None
 
 
 def _meet(a: Piece, b: Piece) -> bool:

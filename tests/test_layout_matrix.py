@@ -2,7 +2,12 @@
 export bit-identical HF tensors (all-ranks and chosen-receiver modes, save_pretrained, TE names).
 
 Every architecture runs in each layout's world (format-mates in three: conftest.FORMAT_MATES); GLM-4.5 and DeepSeek-V3 include their MTP layer, so MTP
-tensors round-trip through load_hf_weights and export, names included."""
+tensors round-trip through load_hf_weights and export, names included.
+
+Engine-sharded export (issue 15) in every world: each architecture is exported to colocated SGLang / vLLM engine
+ranks (worlds.ENGINE_PLACEMENTS: engine TP 1/2/4, with and without engine EP, TP 4 > kv heads, spread over the
+worlds); every rank's slices equal the engine's slices of the full HF tensors bit for bit, and it receives exactly
+the bytes its engine rank loads minus those it holds."""
 
 import os
 
@@ -40,3 +45,6 @@ def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_
         # gpt-oss's stacked experts (16 KiB per expert) exceed 4 KiB buckets: gathered in rounds of one expert
         assert r["rounds_4k"] == (4 * 2 * 8 if mt == "gpt_oss" else 0), (mt, r)  # 4 layers x 2 weights x 8
         assert os.path.isdir(tmp_path / mt / str(layout))
+    # engine-sharded export (issue 15) at this world's engine placements (worlds.ENGINE_PLACEMENTS)
+    problems = [p for mt in results[0] for p in worlds.engine_problems(mt, [r[mt]["engine"] for r in results], layout)]
+    assert not problems, "\n".join(problems)

@@ -81,6 +81,7 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     # two arenas: the next bucket's first collectives run while this one converts (and gpt-oss's rounds)
     overlapped = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, overlap=True) for n, t in b}
     assert_same(overlapped, ref, f"{layout} 4 KiB buckets, overlap")
+    engine = engine_matrix(ex, ref, layout, cfg.model_type)
     plan = ex.plan(4096)
     for b in plan.buckets:  # byte bound: only a single oversized tensor (not with its MTP copies) may exceed it,
         # or the pieces of one stacked tensor (gpt-oss's experts.gate_up_proj), which fill one output together
@@ -123,7 +124,7 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     zero_(chunks)
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} TE names")
-    return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank,
+    return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank, "engine": engine,
             "rounds_4k": sum(len(b.rounds or ()) for b in plan.buckets)}  # stacked tensors gathered in rounds
 
 
@@ -678,12 +679,14 @@ def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor
     else:
         raise AssertionError("an unknown language-model tensor was accepted")
     load_hf_weights(chunks, ckpt)
+    # engine-sharded export (issue 15) where TP is 2: model.language_model.* names, the vision tower never sent
+    engine = engine_matrix(HFExporter(chunks, cfg), ref, layout, cfg.model_type) if layout.tp == 2 else None
     logits = None
     if tokens is not None:
         from mcore2hf.hf_config import text_config
 
         logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)
-    return {"tensors": len(ref), "skipped": len(report.skipped), "logits": logits}
+    return {"tensors": len(ref), "skipped": len(report.skipped), "logits": logits, "engine": engine}
 
 
 def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
@@ -962,3 +965,137 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
         out[mt] = dict(stats, direct_buckets=sum(b.direct is not None for b in plan.buckets),
                        buckets=len(plan.buckets))
     return out
+
+
+#: Engine placements (engine, TP, EP, expert TP) the layout matrix exports to, colocated, per world size: spread
+#: over the worlds (CI budget) so that every architecture meets engine TP 1 / 2 / 4, each engine with and without
+#: EP (SGLang EP = TP and EP 2 x expert TP 2, vLLM EP = TP), TP 4 > its kv heads (2 in most tiny configs), one
+#: bucket and many (64 KiB). The format-mates (conftest.FORMAT_MATES) run in the worlds of 4 ranks and the uneven
+#: pipeline's 2: those three lists alone cover all of it too. Per world: the layouts of test_layout_matrix.
+ENGINE_PLACEMENTS: dict[str, list[tuple[str, int, int, int | None]]] = {
+    "w1": [("sglang", 1, 1, None), ("vllm", 1, 1, None)],
+    # tp2-ep2-etp1 (engine TP == Megatron TP: the aligned check), ep2-etp2, uneven pp2 (engine TP 1: 2 instances)
+    "w2": [("sglang", 2, 2, None), ("vllm", 2, 1, None), ("sglang", 1, 1, None)],
+    "w2b": [("vllm", 2, 2, None), ("sglang", 2, 1, None), ("vllm", 1, 1, None)],
+    # tp2-pp2-ep2 and pp2-vpp2-ep2
+    "w4": [("sglang", 4, 1, None), ("vllm", 4, 4, None), ("sglang", 2, 2, None), ("vllm", 2, 1, None)],
+    "w4b": [("sglang", 4, 4, None), ("sglang", 4, 2, 2), ("vllm", 4, 1, None), ("vllm", 2, 2, None),
+            ("sglang", 2, 1, None)],
+    # tp2-pp2-ep4 (bf16): two instances of engine TP 4
+    "w8": [("sglang", 4, 2, 2), ("vllm", 4, 4, None), ("sglang", 2, 1, None)],
+}
+
+
+def engine_placements(layout: Layout) -> list[tuple[str, int, int, int | None]]:
+    if layout.size == 1:
+        return ENGINE_PLACEMENTS["w1"]
+    if layout.size == 2:  # uneven PP and expert-TP > TP get the other half of TP 2
+        return ENGINE_PLACEMENTS["w2b" if layout.pp > 1 or (layout.etp or layout.tp) > layout.tp else "w2"]
+    if layout.size == 4:
+        return ENGINE_PLACEMENTS["w4b" if layout.vpp else "w4"]
+    return ENGINE_PLACEMENTS["w8"]
+
+
+def _engine_executor(ex: HFExporter, eplan):
+    """The executor HFExporter.engine_buckets made for `eplan` (for its byte counters)."""
+    found = [e for e in ex._executors.values() if getattr(e, "eplan", None) is eplan]
+    assert len(found) == 1, f"expected one engine executor for the plan, found {len(found)}"
+    return found[0]
+
+
+def engine_matrix(ex: HFExporter, ref: dict, layout: Layout, model_type: str) -> dict:
+    """Engine-sharded export of this world's model (issue 15) at `engine_placements(layout)`, checked on this rank
+    against `ref` (the full HF tensors, which the all-ranks export equals bit for bit). Per placement, compact:
+    "refused" (the EngineShardError) or the slices that differ from engine_slices of `ref` (torch.equal), whether
+    exactly the engine's regions arrived, and the byte counts (received / sent / copied locally by the executor,
+    the plan's wire and local bytes, and the bytes of the engine's regions computed here from engine_regions)."""
+    from mcore2hf.engine_shards import EngineShardError, engine_regions, region_slices, sharding_kind
+    from mcore2hf.plan import colocated_ranks
+
+    me, out = dist.get_rank(), {}
+    placements = engine_placements(layout)
+    if not ex.dims.num_experts:  # dense: EP changes nothing, its placements would repeat the EP 1 ones
+        placements = [p for p in placements if p[2] == 1]
+    for i, (engine, tp, ep, moe_tp) in enumerate(placements):
+        key = f"{engine} tp{tp} ep{ep}" + (f" moe_tp{moe_tp}" if moe_tp else "")
+        bucket_bytes = 65536 if i == 0 else None  # one placement per world in ~16 buckets, the others in one
+        kw = {} if moe_tp is None else {"moe_tp": moe_tp}
+        ranks = colocated_ranks(layout.size, engine, tp, ep, **kw)
+        mine = next(er for er in ranks if er.rank == me)
+        args = (ranks,) if bucket_bytes is None else (ranks, bucket_bytes)
+        try:
+            eplan = ex.engine_plan(*args)
+        except EngineShardError as e:
+            out[key] = {"refused": str(e)}
+            continue
+        got = {(name, sl.region): sl.tensor.clone() for b in ex.engine_buckets(*args) for name, sl in b.slices()}
+        stats = _engine_executor(ex, eplan).stats
+        want = {(n, region) for n, t in ref.items()
+                for region in engine_regions(n, t.shape, ex.dims, mine.placement, model_type)}
+        differ = sorted(k for k in set(got) & want if not torch.equal(got[k], ref[k[0]][region_slices(k[1])]))
+        needed = sum(ref[n][region_slices(region)].nbytes for n, region in want)
+        b = eplan.bytes_by_receiver()[me]
+        # engine TP == Megatron TP, no engine EP: a piece of a tensor both split alike that this rank holds is
+        # copied locally, never sent (engines replicate MTP's eh_proj and pad the vocabulary otherwise: those may)
+        aligned = 0
+        if tp == layout.tp and ep == 1:
+            sources = eplan.export.sources
+            for routes in eplan.routes:
+                for r in routes:
+                    src = sources[r.source]
+                    aligned += (r.receiver == me and not r.local and src.count == tp
+                                and any(r.receiver in hs for hs in src.holders.values())
+                                and type(src.resolved.op).__name__ in TP_ALIGNED_OPS
+                                and sharding_kind(src.hf_names[0], model_type)[0] != "replicated")
+        out[key] = dict(missing=sorted(want - set(got))[:3], extra=sorted(set(got) - want)[:3], differ=differ[:3],
+                        slices=len(got), received=stats["received_bytes"], sent=stats["sent_bytes"],
+                        copied=stats["local_bytes"], wire=b["wire"], local=b["local"], needed=needed,
+                        aligned_sent=aligned)
+    return out
+
+
+#: refusals the engine sharding rules must give in the layout matrix, by architecture: (placement test, the
+#: message's words). gpt-oss's stacked experts under SGLang EP (no expert narrowing in weight_loader_fused);
+#: the gated DeltaNet's 2 key heads at engine TP 4
+ENGINE_REFUSALS = {
+    "gpt_oss": (lambda engine, tp, ep: engine == "sglang" and ep > 1,
+                r"mlp\.experts\.\w+: not declared for sglang with ep_size \d"),
+    "qwen3_next": (lambda engine, tp, ep: tp == 4, r"linear_attn\.\w+(?:\.weight)?: expected tp_size 4 dividing the 2 "
+                   r"linear key heads"),
+}
+
+
+def engine_problems(model_type: str, per_rank: list[dict], layout: Layout) -> list[str]:
+    """What is wrong in engine_matrix's results of every rank (empty: all checks pass): slices bit-identical and
+    exactly the engine's regions; received = plan wire = needed - local, local copies = plan local; the world
+    sends what it receives; refused exactly where ENGINE_REFUSALS says, with its message."""
+    import re
+
+    bad = []
+    placements = per_rank[0]
+    assert placements, f"{model_type} at {layout}: no engine placement ran"
+    for key in placements:
+        engine, tp, ep = key.split()[0], int(key.split()[1][2:]), int(key.split()[2][2:])
+        when, words = ENGINE_REFUSALS.get(model_type, (lambda *a: False, ""))
+        results = [r[key] for r in per_rank]
+        if when(engine, tp, ep):
+            msgs = [r.get("refused", "") for r in results]
+            if not all(re.search(words, m) for m in msgs):
+                bad.append(f"{key}: expected refused ({words}), found {msgs[0] or results[0]}")
+            continue
+        if any("refused" in r for r in results):
+            bad.append(f"{key}: refused: {results[0].get('refused')}")
+            continue
+        for rank, r in enumerate(results):
+            if r["missing"] or r["extra"] or r["differ"]:
+                bad.append(f"{key} rank {rank}: regions missing {r['missing']}, extra {r['extra']}, "
+                           f"differ {r['differ']}")
+            if not r["received"] == r["wire"] == r["needed"] - r["local"] or r["copied"] != r["local"]:
+                bad.append(f"{key} rank {rank}: received {r['received']}, plan wire {r['wire']}, needed "
+                           f"{r['needed']}, plan local {r['local']}, copied {r['copied']}")
+            if r["aligned_sent"]:
+                bad.append(f"{key} rank {rank}: {r['aligned_sent']} TP-aligned pieces it holds crossed the wire")
+        if sum(r["sent"] for r in results) != sum(r["received"] for r in results):
+            bad.append(f"{key}: the world sent {[r['sent'] for r in results]}, received "
+                       f"{[r['received'] for r in results]}")
+    return [f"{model_type} at {layout}: {b}" for b in bad]
