@@ -183,6 +183,13 @@ class HFExporter:
         """Engine-sharded export (collective: every rank iterates): each rank's bucket holds only the regions its
         engine rank loads (`bucket.slices()` raw, `bucket.masked(debug)` full-shaped); a rank that feeds no
         engine rank gets empty buckets. No byte is received that the engine rank does not load."""
+        return self.engine_executor(engine_ranks, bucket_bytes, name_filter, quantize).run()
+
+    def engine_executor(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        name_filter: NameFilterLike = None, quantize: Quantize = None) -> EngineExecutor:
+        """The compiled engine-shard executor for these settings (built and cached on first use; its `stats`
+        count the bytes sent, received and copied locally). Refusals (EngineShardError) come from here, before
+        anything moves."""
         if quantize is not None:
             raise EngineShardError(f"quantize={quantize!r} with engine sharding: not supported yet (FP8 blocks need "
                                    "128-aligned regions); export unquantized or with buckets()")
@@ -190,7 +197,7 @@ class HFExporter:
         if key not in self._executors:
             self._executors[key] = EngineExecutor(self.engine_plan(engine_ranks, bucket_bytes, name_filter),
                                                   self.ctx, self._local, self.device)
-        return self._executors[key].run()
+        return self._executors[key]
 
     def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
                       name_filter: NameFilterLike = None,

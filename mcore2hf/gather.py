@@ -793,15 +793,16 @@ class EngineExecutor:
                     n = c.numel * s.dtype.itemsize
                     _place(slices[entry], prog.entries[entry], c, buf[off:off + n].view(s.dtype).view(c.count))
                     self.stats["received_bytes"] += n
-            yield EngineBucket(k, flat, prog.entries)
+            yield EngineBucket(k, flat, prog.entries, self.eplan.export.buckets[k].output)
 
 
 class EngineBucket:
     """One rank's slices of a bucket's HF tensors (the regions its engine rank loads) in one flat byte buffer:
     raw slices with their (dim, offset, length) metadata for custom engines, masked full tensors for stock ones."""
 
-    def __init__(self, index: int, flat: torch.Tensor, entries: list):
+    def __init__(self, index: int, flat: torch.Tensor, entries: list, hf_entries: list | None = None):
         self.index, self.flat, self.entries = index, flat, entries
+        self.hf_entries = hf_entries  # the bucket's full HF layout (the export plan's, the same on every rank)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -821,6 +822,23 @@ class EngineBucket:
                              else torch.empty(e.shape, dtype=e.dtype, device=self.flat.device))
             place_slices([s], out[name])
         return list(out.items())
+
+    def as_bucket(self, debug: bool = False) -> Bucket:
+        """A Bucket (SGLang flattened bucket / vLLM packed IPC) of full-shaped HF tensors with only this rank's
+        regions written (NaN elsewhere when `debug`, float dtypes). Every tensor of the bucket is in it, in the
+        export plan's layout, on every rank: vLLM's IPC update carries one name/shape list for all its workers.
+        (Minimal version for the colocated senders; replaced by exec15's in-place masked output at merge.)"""
+        entries = self.hf_entries
+        flat = torch.empty(max((e.start + e.nbytes for e in entries), default=0), dtype=torch.uint8,
+                           device=self.flat.device)
+        views = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
+        if debug:
+            for v in views.values():
+                if v.is_floating_point():
+                    v.fill_(float("nan"))
+        for name, s in self.slices():
+            place_slices([s], views[name])
+        return Bucket(self.index, flat, entries)
 
     def __repr__(self) -> str:
         return f"EngineBucket(index={self.index}, slices={len(self)}, bytes={self.flat.numel()})"
