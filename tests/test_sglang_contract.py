@@ -208,3 +208,73 @@ for n, t in FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], 
     got = dict(line.rsplit(" ", 1) for line in r.stdout.strip().splitlines())
     assert {n: float(v) for n, v in got.items()} == pytest.approx({n: ts[n].float().sum().item() for n in got})
     assert len(got) == 4
+
+
+# ------------------------------------------------------------------------------------ engine-sharded (issue 15)
+
+def sharded_trainer(url: str, ckpt: str, layout, bucket_bytes: int) -> dict:
+    """A trainer world of 2 (real megatron-core qwen3_moe at `layout`) feeding one SGLang server of engine TP 2,
+    engine-sharded, without then with engine EP 2 (debug NaN fill): every engine rank must have received, per HF
+    tensor, the full export's values in exactly its engine_regions and NaN everywhere else (digests of
+    mask_to_engine of the full all-ranks export, an independent path); bytes received over the wire here vs what
+    this rank receives in an all-ranks export."""
+    import torch.distributed as dist
+    import worlds
+
+    from mcore2hf import HFExporter
+    from mcore2hf.engine_shards import engine_regions, mask_to_engine
+    from mcore2hf.senders import SGLangColocatedSender, sync
+
+    rank = dist.get_rank()
+    cfg, chunks = worlds.build(ckpt, layout)
+    ex = HFExporter(chunks, cfg)
+    ref = ex.state_dict()
+    # what this rank receives through the collectives of the all-ranks export (as worlds.fp8_matrix counts it)
+    all_ranks = sum((st.axis.size - 1) * st.slot for p in ex.executor(bucket_bytes).programs for st in p.stages)
+    out = {"all_ranks_wire": all_ranks}
+    for ep in (1, 2):
+        sender = SGLangColocatedSender(url if rank == 0 else None, 2, timeout=60, engine_sharding=True,
+                                       engine_ep_size=ep)
+        placement = next(er.placement for er in sender.engine_ranks() if er.rank == rank)
+        report = sync(ex, sender, progress=False, bucket_bytes=bucket_bytes, debug_nan=True)
+        want = {n: digests({n: mask_to_engine(t, engine_regions(n, t.shape, ex.dims, placement, cfg.model_type),
+                                              debug=True)})[n] for n, t in ref.items()}
+        dist.barrier()
+        box = [None]
+        if rank == 0:
+            box = [_http(url, "/mcore2hf_state")]
+            _http(url, "/mcore2hf_reset", "POST")
+        dist.broadcast_object_list(box, src=0)
+        got = {n: d[0] for n, d in box[0]["weights"][str(placement.tp_rank)].items()}
+        assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+        bad = [n for n in want if got[n] != want[n]]
+        assert not bad, (ep, bad[:5])
+        out[f"ep{ep}"] = {"version": sender.version, "wire": report.received_bytes, "sent": report.bytes,
+                          "versions": box[0]["versions"]}
+    return out
+
+
+def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(tmp_path, capsys):
+    """Engine-sharded colocated sync (issue 15) through SGLang 0.5.23's own receive path (flattened bucket over
+    IPC, one scheduler process per engine TP rank): trainer qwen3_moe at EP2 (2 gloo ranks) -> engine TP 2, then
+    TP 2 x EP 2. Each engine rank's tensors are bit-identical to the full export inside its engine regions and
+    NaN outside (nothing else written), and each trainer rank received fewer bytes than an all-ranks export."""
+    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+
+    ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path / "qwen3_moe"))
+    layout = Layout(tp=1, ep=2)
+    server = RealServer(SESSION_RELEASE, tp=2)
+    try:
+        res = run_world(sharded_trainer, layout, server.url, ckpt, layout, 256 * 1024, timeout=300)
+    finally:
+        server.stop()
+    for r in res:
+        for ep in (1, 2):
+            assert r[f"ep{ep}"]["version"] == 1 and r[f"ep{ep}"]["versions"], r
+        # engine TP 2 needs the other rank's experts' halves; with engine EP 2 (= trainer EP, trainer TP 1) every
+        # byte an engine rank loads is already on its GPU: nothing crosses the wire
+        assert r["ep2"]["wire"] == 0 < r["ep1"]["wire"] < r["all_ranks_wire"], r
+    with capsys.disabled():
+        print("\nsglang engine TP2 from qwen3_moe EP2, bytes received per trainer rank: all-ranks "
+              + " ".join(str(r["all_ranks_wire"]) for r in res) + " | engine-sharded "
+              + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2)))
