@@ -127,19 +127,28 @@ def refused_trainer(url: str, expect_error: str) -> float:
     return time.monotonic() - t
 
 
+@pytest.fixture(scope="module")
+def session_tp2():
+    """One 0.5.23 server of engine TP 2, shared by the tests that need one (each leaves its record cleared)."""
+    server = RealServer(SESSION_RELEASE, tp=2, api_key="k3y")
+    yield server
+    server.stop()
+
+
 def protocol(calls):
     return [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("version", [SESSION_RELEASE, PRE_SESSION_RELEASE, *EXTRA_RELEASES])
-def test_sync_into_real_sglang(version, tp):
+def test_sync_into_real_sglang(version, tp, request):
     """One server of engine TP `tp` (one scheduler process per TP rank, each running the release's code) and a
     trainer world of `tp` ranks: colocated (one payload per engine rank) then distributed (each engine rank joins
     the weight-update group at its rank offset and receives the broadcast), two syncs each: every byte equal on
     every engine rank, the version recorded, sessions exactly where the release has them."""
     sessions = parse_version(version) >= (0, 5, 21)  # update sessions came with 0.5.21
-    server = RealServer(version, tp=tp, api_key="k3y")
+    shared = (version, tp) == (SESSION_RELEASE, 2)
+    server = request.getfixturevalue("session_tp2") if shared else RealServer(version, tp=tp, api_key="k3y")
     try:
         assert server.version == version
         results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
@@ -165,7 +174,8 @@ def test_sync_into_real_sglang(version, tp):
             assert protocol(state["calls"]) == expected, (kind, state["calls"])
             assert not state["paused"]
     finally:
-        server.stop()
+        if not shared:
+            server.stop()
 
 
 def test_refuses_sglang_0_5_4_before_anything_moves():
@@ -233,8 +243,8 @@ def sharded_trainer(url: str, ckpt: str, layout, bucket_bytes: int) -> dict:
     all_ranks = sum((st.axis.size - 1) * st.slot for p in ex.executor(bucket_bytes).programs for st in p.stages)
     out = {"all_ranks_wire": all_ranks}
     for ep in (1, 2):
-        sender = SGLangColocatedSender(url if rank == 0 else None, 2, timeout=60, engine_sharding=True,
-                                       engine_ep_size=ep)
+        sender = SGLangColocatedSender(url if rank == 0 else None, 2, timeout=60, api_key="k3y",
+                                       engine_sharding=True, engine_ep_size=ep)
         placement = next(er.placement for er in sender.engine_ranks() if er.rank == rank)
         report = sync(ex, sender, progress=False, bucket_bytes=bucket_bytes, debug_nan=True)
         want = {n: digests({n: mask_to_engine(t, engine_regions(n, t.shape, ex.dims, placement, cfg.model_type),
@@ -254,7 +264,7 @@ def sharded_trainer(url: str, ckpt: str, layout, bucket_bytes: int) -> dict:
     return out
 
 
-def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(tmp_path, capsys):
+def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(tmp_path, capsys, session_tp2):
     """Engine-sharded colocated sync (issue 15) through SGLang 0.5.23's own receive path (flattened bucket over
     IPC, one scheduler process per engine TP rank): trainer qwen3_moe at EP2 (2 gloo ranks) -> engine TP 2, then
     TP 2 x EP 2. Each engine rank's tensors are bit-identical to the full export inside its engine regions and
@@ -263,11 +273,7 @@ def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(tmp_path, c
 
     ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path / "qwen3_moe"))
     layout = Layout(tp=1, ep=2)
-    server = RealServer(SESSION_RELEASE, tp=2)
-    try:
-        res = run_world(sharded_trainer, layout, server.url, ckpt, layout, 256 * 1024, timeout=300)
-    finally:
-        server.stop()
+    res = run_world(sharded_trainer, layout, session_tp2.url, ckpt, layout, 256 * 1024, timeout=300)
     for r in res:
         for ep in (1, 2):
             assert r[f"ep{ep}"]["version"] == 1 and r[f"ep{ep}"]["versions"], r
