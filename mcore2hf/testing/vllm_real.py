@@ -625,6 +625,42 @@ def scenario_ipc_tp2_engine_sharded() -> None:
           file=sys.stderr)
 
 
+def scenario_engine_sharding_refusals() -> None:
+    """Engine sharding settings that cannot work are refused with a clear error before any engine call: engine
+    EP the rules refuse, EP settings without engine sharding, engine sharding on a broadcast (distributed) sender,
+    debug_nan on an all-ranks sync, an exporter that cannot plan engine shards."""
+    import pytest
+
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.errors import UsageError
+    from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, sync
+    from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMDistributedSender
+
+    init_trainer_world()
+    core = EngineCore([make_worker("ipc")])
+    server = Server(async_client(core))
+    try:
+        for cls in (VLLMColocatedSender, SGLangColocatedSender):
+            with pytest.raises(EngineShardError, match="ep_size: expected a divisor of tp_size=1, found 2"):
+                cls(server.url, 1, timeout=30, engine_sharding=True, engine_ep_size=2)
+            with pytest.raises(UsageError, match="expected engine_sharding=True"):
+                cls(server.url, 1, timeout=30, engine_ep_size=2)
+        with pytest.raises(UsageError, match="engine_sharding=True with a distributed sender"):
+            VLLMDistributedSender([server.url], [1], engine_sharding=True)
+        with pytest.raises(UsageError, match="engine_sharding=True with a distributed sender"):
+            SGLangDistributedSender([server.url], [1], "127.0.0.1", 0, engine_sharding=True)
+        before = len(core.events)
+        with pytest.raises(UsageError, match="debug_nan: expected a sender with engine_sharding=True"):
+            sync(ListExporter([buckets_of(model_tensors(5))]), VLLMColocatedSender(server.url, 1, timeout=30),
+                 progress=False, debug_nan=True)
+        with pytest.raises(UsageError, match="expected an HFExporter"):
+            sync(ListExporter([buckets_of(model_tensors(5))]),
+                 VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
+        assert len(core.events) == before, core.events[before:]  # nothing reached the engine
+    finally:
+        server.stop()
+
+
 def scenario_nccl(packed: bool) -> None:
     """Two engines (TP1 and TP2: 4 NCCL ranks with the trainer), vLLM's StatelessProcessGroup rendezvous, gloo
     in place of NCCL; packed chunks smaller than a bucket so each bucket spans several broadcasts."""
@@ -821,6 +857,7 @@ SCENARIOS = {
     "ipc_http_tp2_by_uuid": scenario_ipc_tp2_by_uuid,
     "ipc_http_tp2_sync": scenario_ipc_tp2_sync,
     "ipc_http_tp2_engine_sharded": scenario_ipc_tp2_engine_sharded,
+    "engine_sharding_refusals": scenario_engine_sharding_refusals,
     "nccl_http_packed": lambda: scenario_nccl(True),
     "nccl_http_unpacked": lambda: scenario_nccl(False),
     "nccl_llm_packed": scenario_nccl_llm,
