@@ -260,7 +260,7 @@ def sharded_trainer(url: str, ckpt: str, layout, bucket_bytes: int) -> dict:
         bad = [n for n in want if got[n] != want[n]]
         assert not bad, (ep, bad[:5])
         out[f"ep{ep}"] = {"version": sender.version, "wire": report.received_bytes, "sent": report.bytes,
-                          "versions": box[0]["versions"]}
+                          "versions": box[0]["versions"], "seconds": report.seconds}
     return out
 
 
@@ -283,4 +283,5 @@ def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(tmp_path, c
     with capsys.disabled():
         print("\nsglang engine TP2 from qwen3_moe EP2, bytes received per trainer rank: all-ranks "
               + " ".join(str(r["all_ranks_wire"]) for r in res) + " | engine-sharded "
-              + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2)))
+              + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2))
+              + " (sync s: " + " ".join(f"{r[f'ep{ep}']['seconds']:.2f}" for ep in (1, 2) for r in res) + ")")

@@ -339,7 +339,8 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
                  engine_ep_size: int = 1, engine_placement: dict | None = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        super().__init__(as_engine(engine, timeout, api_key), engine_tp_size, timeout, engine_sharding, engine_ep_size, engine_placement)
+        super().__init__(as_engine(engine, timeout, api_key), engine_tp_size, timeout, engine_sharding, engine_ep_size,
+                         engine_placement)
         self.packed, self.pause_mode = packed, pause_mode
         self._initialized = False
         self._keep: list = []  # unpacked: the worker holds views of our buckets until finish

@@ -576,7 +576,7 @@ def _sharded_ipc_trainer(url: str, ckpt: str, bucket_bytes: int) -> dict:
         sender = vllm.VLLMColocatedSender(url if rank == 0 else None, 2, timeout=60, engine_sharding=True,
                                           engine_ep_size=ep)
         report = sync(ex, sender, progress=False, bucket_bytes=bucket_bytes, debug_nan=True)
-        out[f"ep{ep}"] = {"version": sender.version, "wire": report.received_bytes}
+        out[f"ep{ep}"] = {"version": sender.version, "wire": report.received_bytes, "seconds": report.seconds}
     return out
 
 
@@ -621,7 +621,8 @@ def scenario_ipc_tp2_engine_sharded() -> None:
         assert r["ep2"]["wire"] == 0 < r["ep1"]["wire"] < r["all_ranks_wire"], r
     print("vllm engine TP2 from qwen3_moe EP2, bytes received per trainer rank: all-ranks "
           + " ".join(str(r["all_ranks_wire"]) for r in res) + " | engine-sharded "
-          + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2)),
+          + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2))
+          + " (sync s: " + " ".join(f"{r[f'ep{ep}']['seconds']:.2f}" for ep in (1, 2) for r in res) + ")",
           file=sys.stderr)
 
 
