@@ -657,7 +657,13 @@ def scenario_engine_sharding_refusals() -> None:
         with pytest.raises(UsageError, match="expected an HFExporter"):
             sync(ListExporter([buckets_of(model_tensors(5))]),
                  VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
-        assert len(core.events) == before, core.events[before:]  # nothing reached the engine
+        class Refusing:  # an exporter whose engine-shard plan the rules refuse (e.g. SGLang gpt-oss under EP)
+            def engine_executor(self, *args, **kwargs):
+                raise EngineShardError("refused by the rules")
+
+        with pytest.raises(EngineShardError, match="refused by the rules"):
+            sync(Refusing(), VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
+        assert len(core.events) == before, core.events[before:]  # nothing reached the engine, not even a pause
     finally:
         server.stop()
 
