@@ -127,12 +127,29 @@ def refused_trainer(url: str, expect_error: str) -> float:
     return time.monotonic() - t
 
 
+SHARDED_LAYOUT = Layout(tp=1, ep=2)  # the trainer world of the engine-sharded case (qwen3_moe at EP 2)
+
+
+def trainer_tp2(url: str, ckpt: str) -> dict:
+    """The 0.5.23 engine-TP-2 world: the all-ranks syncs (`trainer`), then the engine-sharded ones
+    (`sharded_trainer`) into the same server: one server and one world for both cases."""
+    out = trainer(url, 2, "k3y")
+    out["sharded"] = sharded_trainer(url, ckpt, SHARDED_LAYOUT, 256 * 1024)
+    return out
+
+
 @pytest.fixture(scope="module")
-def session_tp2():
-    """One 0.5.23 server of engine TP 2, shared by the tests that need one (each leaves its record cleared)."""
+def session_tp2(tmp_path_factory) -> list:
+    """Per-rank results of trainer_tp2 against one 0.5.23 server of engine TP 2 (shared by two tests)."""
+    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+
+    ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
     server = RealServer(SESSION_RELEASE, tp=2, api_key="k3y")
-    yield server
-    server.stop()
+    try:
+        assert server.version == SESSION_RELEASE
+        return run_world(trainer_tp2, SHARDED_LAYOUT, server.url, ckpt, timeout=300)
+    finally:
+        server.stop()
 
 
 def protocol(calls):
@@ -147,11 +164,14 @@ def test_sync_into_real_sglang(version, tp, request):
     the weight-update group at its rank offset and receives the broadcast), two syncs each: every byte equal on
     every engine rank, the version recorded, sessions exactly where the release has them."""
     sessions = parse_version(version) >= (0, 5, 21)  # update sessions came with 0.5.21
-    shared = (version, tp) == (SESSION_RELEASE, 2)
-    server = request.getfixturevalue("session_tp2") if shared else RealServer(version, tp=tp, api_key="k3y")
+    shared = (version, tp) == (SESSION_RELEASE, 2)  # its world also runs the engine-sharded case
+    server = None if shared else RealServer(version, tp=tp, api_key="k3y")
     try:
-        assert server.version == version
-        results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
+        if shared:
+            results = request.getfixturevalue("session_tp2")
+        else:
+            assert server.version == version
+            results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
         want = digests(tensors(1))  # the second sync's
         for kind in ("colocated", "distributed"):
             assert [r[kind]["version"] for r in results] == [2] * tp, kind
@@ -174,7 +194,7 @@ def test_sync_into_real_sglang(version, tp, request):
             assert protocol(state["calls"]) == expected, (kind, state["calls"])
             assert not state["paused"]
     finally:
-        if not shared:
+        if server is not None:
             server.stop()
 
 
@@ -264,16 +284,13 @@ def sharded_trainer(url: str, ckpt: str, layout, bucket_bytes: int) -> dict:
     return out
 
 
-def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(tmp_path, capsys, session_tp2):
+def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(capsys, session_tp2):
     """Engine-sharded colocated sync (issue 15) through SGLang 0.5.23's own receive path (flattened bucket over
     IPC, one scheduler process per engine TP rank): trainer qwen3_moe at EP2 (2 gloo ranks) -> engine TP 2, then
     TP 2 x EP 2. Each engine rank's tensors are bit-identical to the full export inside its engine regions and
-    NaN outside (nothing else written), and each trainer rank received fewer bytes than an all-ranks export."""
-    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
-
-    ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path / "qwen3_moe"))
-    layout = Layout(tp=1, ep=2)
-    res = run_world(sharded_trainer, layout, session_tp2.url, ckpt, layout, 256 * 1024, timeout=300)
+    NaN outside (nothing else written; checked in sharded_trainer), and each trainer rank received fewer bytes
+    than an all-ranks export. Runs in the world of test_sync_into_real_sglang[0.5.23-2] (fixture session_tp2)."""
+    res = [r["sharded"] for r in session_tp2]
     for r in res:
         for ep in (1, 2):
             assert r[f"ep{ep}"]["version"] == 1 and r[f"ep{ep}"]["versions"], r
