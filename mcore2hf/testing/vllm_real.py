@@ -534,16 +534,20 @@ def scenario_ipc_tp2_sync() -> None:
     """IPC into an engine of TP 2 through sync(): a trainer world of 2 processes (the engine's group), the first
     rank merging both ranks' handles into each update; two syncs, each worker holding its own rank's bytes and the
     weight version recorded."""
-    from mcore2hf.testing.vllm_real import _ipc_trainer  # by module name: this file may run as __main__
-    from mcore2hf.testing.world import Layout, run_world
+    from mcore2hf.testing.vllm_real import _ipc_tp2_trainers  # by module name: this file may run as __main__
+    from mcore2hf.testing.world import run_world
 
     workers = [make_worker("ipc", r, 2) for r in range(2)]
     for r, w in enumerate(workers):
         w.gpu_uuid = f"GPU-{r}"
     core = EngineCore(workers)
     server = Server(async_client(core))
+    ckpt, full, sharded_workers, sharded_server = _sharded_engine()
     try:
-        versions = run_world(_ipc_trainer, Layout(world_size=2), server.url, timeout=300)
+        # one trainer world for this case and the engine-sharded one (2 ranks, as this case needs)
+        res = run_world(_ipc_tp2_trainers, _sharded_layout(), server.url, sharded_server.url, ckpt, timeout=300)
+        _SHARDED_RUN.update(full=full, workers=sharded_workers, res=[r["sharded"] for r in res])
+        versions = [r["version"] for r in res]
         assert versions == [2, 2] and core.version == "2", (versions, core.version)
         for r, w in enumerate(workers):
             check_model(w.model, model_tensors(50 + r))
@@ -553,6 +557,35 @@ def scenario_ipc_tp2_sync() -> None:
         assert calls[0] == "init_weight_transfer_engine" and [c for c in calls if c in one] == one + one, calls
     finally:
         server.stop()
+        sharded_server.stop()
+
+
+SHARDED_BUCKET = 256 * 1024  # bytes: a few buckets per sync of the tiny qwen3_moe (~1 MiB)
+_SHARDED_RUN: dict = {}  # the engine-sharded case's results, once scenario_ipc_tp2_sync ran it in its world
+
+
+def _sharded_layout():
+    from mcore2hf.testing.world import Layout
+
+    return Layout(tp=1, ep=2)  # the engine-sharded case's trainer world: qwen3_moe at EP 2
+
+
+def _sharded_engine():
+    """The engine-sharded case's tiny qwen3_moe checkpoint, and an engine of TP 2 (named_model workers) serving."""
+    import tempfile
+
+    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+
+    ckpt = make_hf_checkpoint(tiny_config("qwen3_moe"), tempfile.mkdtemp(prefix="vllm-sharded-"))
+    full = read_hf_checkpoint(ckpt)
+    workers = [make_worker("ipc", r, 2, full) for r in range(2)]
+    for r, w in enumerate(workers):
+        w.gpu_uuid = f"GPU-{r}"
+    return ckpt, full, workers, Server(async_client(EngineCore(workers)))
+
+
+def _ipc_tp2_trainers(url: str, sharded_url: str, ckpt: str) -> dict:
+    return {"version": _ipc_trainer(url), "sharded": _sharded_ipc_trainer(sharded_url, ckpt, SHARDED_BUCKET)}
 
 
 def _sharded_ipc_trainer(url: str, ckpt: str, bucket_bytes: int) -> dict:
@@ -586,24 +619,18 @@ def scenario_ipc_tp2_engine_sharded() -> None:
     receive path handed worker r's model equals mask_to_engine of the checkpoint tensor to r's engine_regions
     (the checkpoint's values in exactly those regions, NaN elsewhere: nothing else was written), byte for byte;
     each trainer rank received fewer bytes than in an all-ranks export (none at all when engine EP = trainer EP)."""
-    import tempfile
-
     from mcore2hf.engine_shards import EnginePlacement, engine_regions, mask_to_engine
-    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
     from mcore2hf.testing.vllm_real import _sharded_ipc_trainer  # by module name: may run as __main__
-    from mcore2hf.testing.world import Layout, run_world
+    from mcore2hf.testing.world import run_world
 
-    ckpt = make_hf_checkpoint(tiny_config("qwen3_moe"), tempfile.mkdtemp(prefix="vllm-sharded-"))
-    full = read_hf_checkpoint(ckpt)
-    workers = [make_worker("ipc", r, 2, full) for r in range(2)]
-    for r, w in enumerate(workers):
-        w.gpu_uuid = f"GPU-{r}"
-    core = EngineCore(workers)
-    server = Server(async_client(core))
-    try:
-        res = run_world(_sharded_ipc_trainer, Layout(tp=1, ep=2), server.url, ckpt, 256 * 1024, timeout=300)
-    finally:
-        server.stop()
+    if _SHARDED_RUN:  # ran in scenario_ipc_tp2_sync's world
+        full, workers, res = _SHARDED_RUN["full"], _SHARDED_RUN["workers"], _SHARDED_RUN["res"]
+    else:  # run alone (or that world failed): a world of its own
+        ckpt, full, workers, server = _sharded_engine()
+        try:
+            res = run_world(_sharded_ipc_trainer, _sharded_layout(), server.url, ckpt, SHARDED_BUCKET, timeout=300)
+        finally:
+            server.stop()
     dims = res[0]["dims"]
     for r, w in enumerate(workers):
         assert set(w.model.received) == set(full), sorted(set(w.model.received) ^ set(full))[:5]
