@@ -186,6 +186,14 @@ class HFExporter:
         a rank that feeds no engine rank gets empty buckets. No byte is received that the engine rank does not
         load. `output="masked"` writes every piece straight into its full-shaped HF tensor (`as_bucket()` is
         then free); `debug` fills the unsent regions with NaN (float dtypes)."""
+        return self.engine_executor(engine_ranks, bucket_bytes, name_filter, quantize, output, debug).run()
+
+    def engine_executor(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        name_filter: NameFilterLike = None, quantize: Quantize = None, output: str = "slices",
+                        debug: bool = False) -> EngineExecutor:
+        """The compiled engine-shard executor for these settings (built and cached on first use; its `stats`
+        count the bytes sent, received and copied locally). Refusals (EngineShardError) come from here, before
+        anything moves."""
         if quantize is not None:
             raise EngineShardError(f"quantize={quantize!r} with engine sharding: not supported yet (FP8 blocks need "
                                    "128-aligned regions); export unquantized or with buckets()")
@@ -193,7 +201,7 @@ class HFExporter:
         if key not in self._executors:
             self._executors[key] = EngineExecutor(self.engine_plan(engine_ranks, bucket_bytes, name_filter),
                                                   self.ctx, self._local, self.device, output=output, debug=debug)
-        return self._executors[key].run()
+        return self._executors[key]
 
     def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
                       name_filter: NameFilterLike = None,

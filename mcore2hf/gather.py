@@ -42,7 +42,7 @@ from .engine_shards import EngineShardError, EngineSlice, place_slices, region_s
 from .layouts import Stacked, _row_strides
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
-from .plan import BucketPlan, ExportPlan, Source, align, pack_tight
+from .plan import BucketPlan, ExportPlan, Source, align
 from .quantize import (
     FP8RowSlices,
     chunks,
@@ -884,7 +884,7 @@ class EngineExecutor:
     process) passes `ctx=None`, `local={}` and its `rank`: it runs the receive side only.
 
     Output: "slices" packs the raw regions tight (`EngineBucket.slices()`); "masked" lays the buffer out as the
-    full-shaped HF tensors of which this rank loads a region (pack_tight, as an all-ranks Bucket) and every piece
+    full-shaped HF tensors of the export plan's bucket (its layout, the same on every rank) and every piece
     is written straight into its final position (`EngineBucket.as_bucket()` is free). `debug` fills a masked
     output with NaN first (float dtypes; integer tensors' unsent regions stay uninitialized).
 
@@ -905,6 +905,7 @@ class EngineExecutor:
         self.group, self.rank, self.output, self.debug = group, rank, output, debug
         # the default world, or a group registered with torch.distributed (new_group, join_weight_update_group)
         self._batched = group is None or group in dist.distributed_c10d._world.pg_group_ranks
+        self._feeds = any(er.rank == rank for er in eplan.ranks)
         self.programs = [self._program(k) for k in range(len(eplan.routes))]
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
         self._compiled: list[_EngineCompiled] | None = None
@@ -945,7 +946,7 @@ class EngineExecutor:
         n = max([self._arena_bytes(p) for p in self.programs] or [0])
         self._arena = torch.empty(max(n, 64), dtype=torch.uint8, device=self.device)
         self._typed: dict = {}
-        self._compiled = [self._compile(p) for p in self.programs]
+        self._compiled = [self._compile(p, k) for k, p in enumerate(self.programs)]
 
     def _typed_arena(self, _a: int, dtype: torch.dtype) -> torch.Tensor:
         t = self._typed.get(dtype)
@@ -961,28 +962,31 @@ class EngineExecutor:
             return src.detach(), src
         return None, src
 
-    def _layout(self, entries: list) -> tuple[list, dict]:
+    def _full_layout(self, k: int) -> list:
+        """A masked output's layout: every HF tensor of the bucket, in the export plan's layout, on every rank that
+        feeds an engine rank (vLLM's packed IPC update sends one name/shape list for all its workers, so the
+        layouts must agree); nothing on a rank that feeds none."""
+        return list(self.eplan.export.buckets[k].output) if self._feeds else []
+
+    def _layout(self, entries: list, k: int) -> tuple[list, dict]:
         """The output's entries and, per SliceEntry index, (element offset of the region's origin in its dtype's
         view of the output, the strides there, the region's start per dim)."""
         if self.output == "slices":
             out = entries
             where = {}
-            for k, e in enumerate(entries):
+            for i, e in enumerate(entries):
                 lo = {d: o for d, o, _ in e.region}
-                where[k] = (e.start // e.dtype.itemsize, _row_strides(e.slice_shape),
+                where[i] = (e.start // e.dtype.itemsize, _row_strides(e.slice_shape),
                             tuple(lo.get(d, 0) for d in range(len(e.shape))))
             return out, where
-        seen: dict[str, tuple] = {}
-        for e in entries:
-            seen.setdefault(e.name, (e.name, e.shape, e.dtype, e.name))
-        out = pack_tight(list(seen.values()))
+        out = self._full_layout(k)
         by_name = {h.name: h for h in out}
-        where = {k: (by_name[e.name].start // e.dtype.itemsize, _row_strides(e.shape), (0,) * len(e.shape))
-                 for k, e in enumerate(entries)}
+        where = {i: (by_name[e.name].start // e.dtype.itemsize, _row_strides(e.shape), (0,) * len(e.shape))
+                 for i, e in enumerate(entries)}
         return out, where
 
-    def _compile(self, prog: _EngineBucketProgram) -> _EngineCompiled:
-        out, where = self._layout(prog.entries)
+    def _compile(self, prog: _EngineBucketProgram, k: int) -> _EngineCompiled:
+        out, where = self._layout(prog.entries, k)
         nbytes = max((e.start + e.nbytes for e in out), default=0)
         cb = _EngineCompiled(prog.entries, out, nbytes, tuple(sorted({e.dtype for e in out}, key=str)),
                              [], [], [], [], [], [], [], [])
@@ -1062,7 +1066,7 @@ class EngineExecutor:
             with torch.no_grad():
                 cb = self._compiled[k]
                 if cb.bases and self._stale(cb):
-                    cb = self._compiled[k] = self._compile(self.programs[k])
+                    cb = self._compiled[k] = self._compile(self.programs[k], k)
                 bucket = self._run(k, cb)
             yield bucket
             del bucket
@@ -1092,7 +1096,8 @@ class EngineExecutor:
         self.stats["sent_bytes"] += cb.sent
         self.stats["received_bytes"] += cb.received
         self.stats["local_bytes"] += cb.local_bytes
-        return EngineBucket(k, flat, cb.entries, cb.out if self.output == "masked" else None)
+        return EngineBucket(k, flat, cb.entries, cb.out if self.output == "masked" else None,
+                            cb.out if self.output == "masked" else self._full_layout(k))
 
     def _copies(self, copies: list[Copy], typed: dict, shards: dict) -> None:
         if not copies:
@@ -1119,8 +1124,10 @@ class EngineBucket:
     HF tensors, only those regions written, for stock engines' load_weights (free when the executor's output is
     "masked": the buffer already is that bucket)."""
 
-    def __init__(self, index: int, flat: torch.Tensor, entries: list, full: list | None = None):
+    def __init__(self, index: int, flat: torch.Tensor, entries: list, full: list | None = None,
+                 layout: list | None = None):
         self.index, self.flat, self.entries, self.full = index, flat, entries, full
+        self.layout = full if layout is None else layout  # as_bucket()'s: the export plan's (same on every rank)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -1141,11 +1148,9 @@ class EngineBucket:
             if not hasattr(self, "_bucket"):
                 self._bucket = Bucket(self.index, self.flat, self.full)
             return self._bucket
-        seen: dict[str, tuple] = {}
-        for e in self.entries:
-            seen.setdefault(e.name, (e.name, e.shape, e.dtype, e.name))
-        entries = pack_tight(list(seen.values()))
-        flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8, device=self.flat.device)
+        entries = self.layout or []
+        flat = torch.empty(max((e.start + e.nbytes for e in entries), default=0), dtype=torch.uint8,
+                           device=self.flat.device)
         bucket = Bucket(self.index, flat, entries)
         tensors = dict(bucket.named_tensors())
         if debug:

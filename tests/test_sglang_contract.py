@@ -127,22 +127,51 @@ def refused_trainer(url: str, expect_error: str) -> float:
     return time.monotonic() - t
 
 
+SHARDED_LAYOUT = Layout(tp=1, ep=2)  # the trainer world of the engine-sharded case (qwen3_moe at EP 2)
+
+
+def trainer_tp2(url: str, ckpt: str) -> dict:
+    """The 0.5.23 engine-TP-2 world: the all-ranks syncs (`trainer`), then the engine-sharded ones
+    (`sharded_trainer`) into the same server: one server and one world for both cases."""
+    out = trainer(url, 2, "k3y")
+    out["sharded"] = sharded_trainer(url, ckpt, SHARDED_LAYOUT, 256 * 1024)
+    return out
+
+
+@pytest.fixture(scope="module")
+def session_tp2(tmp_path_factory) -> list:
+    """Per-rank results of trainer_tp2 against one 0.5.23 server of engine TP 2 (shared by two tests)."""
+    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+
+    ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
+    server = RealServer(SESSION_RELEASE, tp=2, api_key="k3y")
+    try:
+        assert server.version == SESSION_RELEASE
+        return run_world(trainer_tp2, SHARDED_LAYOUT, server.url, ckpt, timeout=300)
+    finally:
+        server.stop()
+
+
 def protocol(calls):
     return [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("version", [SESSION_RELEASE, PRE_SESSION_RELEASE, *EXTRA_RELEASES])
-def test_sync_into_real_sglang(version, tp):
+def test_sync_into_real_sglang(version, tp, request):
     """One server of engine TP `tp` (one scheduler process per TP rank, each running the release's code) and a
     trainer world of `tp` ranks: colocated (one payload per engine rank) then distributed (each engine rank joins
     the weight-update group at its rank offset and receives the broadcast), two syncs each: every byte equal on
     every engine rank, the version recorded, sessions exactly where the release has them."""
     sessions = parse_version(version) >= (0, 5, 21)  # update sessions came with 0.5.21
-    server = RealServer(version, tp=tp, api_key="k3y")
+    shared = (version, tp) == (SESSION_RELEASE, 2)  # its world also runs the engine-sharded case
+    server = None if shared else RealServer(version, tp=tp, api_key="k3y")
     try:
-        assert server.version == version
-        results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
+        if shared:
+            results = request.getfixturevalue("session_tp2")
+        else:
+            assert server.version == version
+            results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
         want = digests(tensors(1))  # the second sync's
         for kind in ("colocated", "distributed"):
             assert [r[kind]["version"] for r in results] == [2] * tp, kind
@@ -165,7 +194,8 @@ def test_sync_into_real_sglang(version, tp):
             assert protocol(state["calls"]) == expected, (kind, state["calls"])
             assert not state["paused"]
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def test_refuses_sglang_0_5_4_before_anything_moves():
@@ -208,3 +238,67 @@ for n, t in FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], 
     got = dict(line.rsplit(" ", 1) for line in r.stdout.strip().splitlines())
     assert {n: float(v) for n, v in got.items()} == pytest.approx({n: ts[n].float().sum().item() for n in got})
     assert len(got) == 4
+
+
+# ------------------------------------------------------------------------------------ engine-sharded (issue 15)
+
+def sharded_trainer(url: str, ckpt: str, layout, bucket_bytes: int) -> dict:
+    """A trainer world of 2 (real megatron-core qwen3_moe at `layout`) feeding one SGLang server of engine TP 2,
+    engine-sharded, without then with engine EP 2 (debug NaN fill): every engine rank must have received, per HF
+    tensor, the full export's values in exactly its engine_regions and NaN everywhere else (digests of
+    mask_to_engine of the full all-ranks export, an independent path); bytes received over the wire here vs what
+    this rank receives in an all-ranks export."""
+    import torch.distributed as dist
+    import worlds
+
+    from mcore2hf import HFExporter
+    from mcore2hf.engine_shards import engine_regions, mask_to_engine
+    from mcore2hf.senders import SGLangColocatedSender, sync
+
+    rank = dist.get_rank()
+    cfg, chunks = worlds.build(ckpt, layout)
+    ex = HFExporter(chunks, cfg)
+    ref = ex.state_dict()
+    # what this rank receives through the collectives of the all-ranks export (as worlds.fp8_matrix counts it)
+    all_ranks = sum((st.axis.size - 1) * st.slot for p in ex.executor(bucket_bytes).programs for st in p.stages)
+    out = {"all_ranks_wire": all_ranks}
+    for ep in (1, 2):
+        sender = SGLangColocatedSender(url if rank == 0 else None, 2, timeout=60, api_key="k3y",
+                                       engine_sharding=True, engine_ep_size=ep)
+        placement = next(er.placement for er in sender.engine_ranks() if er.rank == rank)
+        report = sync(ex, sender, progress=False, bucket_bytes=bucket_bytes, debug_nan=True)
+        want = {n: digests({n: mask_to_engine(t, engine_regions(n, t.shape, ex.dims, placement, cfg.model_type),
+                                              debug=True)})[n] for n, t in ref.items()}
+        dist.barrier()
+        box = [None]
+        if rank == 0:
+            box = [_http(url, "/mcore2hf_state")]
+            _http(url, "/mcore2hf_reset", "POST")
+        dist.broadcast_object_list(box, src=0)
+        got = {n: d[0] for n, d in box[0]["weights"][str(placement.tp_rank)].items()}
+        assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+        bad = [n for n in want if got[n] != want[n]]
+        assert not bad, (ep, bad[:5])
+        out[f"ep{ep}"] = {"version": sender.version, "wire": report.received_bytes, "sent": report.bytes,
+                          "versions": box[0]["versions"], "seconds": report.seconds}
+    return out
+
+
+def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(capsys, session_tp2):
+    """Engine-sharded colocated sync (issue 15) through SGLang 0.5.23's own receive path (flattened bucket over
+    IPC, one scheduler process per engine TP rank): trainer qwen3_moe at EP2 (2 gloo ranks) -> engine TP 2, then
+    TP 2 x EP 2. Each engine rank's tensors are bit-identical to the full export inside its engine regions and
+    NaN outside (nothing else written; checked in sharded_trainer), and each trainer rank received fewer bytes
+    than an all-ranks export. Runs in the world of test_sync_into_real_sglang[0.5.23-2] (fixture session_tp2)."""
+    res = [r["sharded"] for r in session_tp2]
+    for r in res:
+        for ep in (1, 2):
+            assert r[f"ep{ep}"]["version"] == 1 and r[f"ep{ep}"]["versions"], r
+        # engine TP 2 needs the other rank's experts' halves; with engine EP 2 (= trainer EP, trainer TP 1) every
+        # byte an engine rank loads is already on its GPU: nothing crosses the wire
+        assert r["ep2"]["wire"] == 0 < r["ep1"]["wire"] < r["all_ranks_wire"], r
+    with capsys.disabled():
+        print("\nsglang engine TP2 from qwen3_moe EP2, bytes received per trainer rank: all-ranks "
+              + " ".join(str(r["all_ranks_wire"]) for r in res) + " | engine-sharded "
+              + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2))
+              + " (sync s: " + " ".join(f"{r[f'ep{ep}']['seconds']:.2f}" for ep in (1, 2) for r in res) + ")")

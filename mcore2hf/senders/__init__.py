@@ -5,6 +5,8 @@ Every sender implements the `Sender` protocol: `send(bucket)` per bucket and `fi
 `EngineSender`: `version` (last committed weight version), `receivers` (which ranks need full tensors:
 "all" or ranks), `begin(version)`, `pause()` / `resume()`, `commit()` and `abort()` (local cleanup after an
 exception). A sender with only `send` and `finish` (e.g. `SafetensorsWriter`) works with `sync()` too.
+Colocated senders built with `engine_sharding=True` also give `engine_ranks()`: `sync()` then plans an
+engine-sharded export for them (each rank receives only what its engine rank loads) and sends its masked buckets.
 """
 
 from __future__ import annotations

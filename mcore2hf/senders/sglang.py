@@ -41,7 +41,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..buckets import Bucket
-from ..errors import Mcore2HFError
+from ..errors import Mcore2HFError, UsageError
+from ..plan import EngineRank, colocated_ranks
 from .process_group import destroy_group, host_store, join_weight_update_group
 from .serialize import flattened_payload, serialize
 
@@ -398,12 +399,24 @@ class _ColocatedSender(_SenderBase):
     the group keeps its bucket alive until the engine has answered. Subclasses give `_payload` and `_update`."""
 
     receivers = "all"
+    engine_kind = ""  # whose engine-sharding rules apply ("sglang" / "vllm")
 
-    def __init__(self, engine, engine_tp_size: int, timeout: float):
-        super().__init__(timeout)
+    def __init__(self, engine, engine_tp_size: int, timeout: float, engine_sharding: bool = False,
+                 engine_ep_size: int = 1, engine_placement: dict | None = None):
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % engine_tp_size:
             raise ValueError(f"world size {world} is not a multiple of engine_tp_size {engine_tp_size}")
+        self.engine_sharding = engine_sharding
+        self._engine_ranks: list[EngineRank] | None = None
+        if engine_sharding:  # refused (EngineShardError, the same on every rank) before any group or engine call
+            # colocated_ranks' default groups are the groups below: instance k on ranks [k*tp, (k+1)*tp), its TP
+            # rank r fed by rank k*tp + r (the GPU that rank's payload is for)
+            self._engine_ranks = colocated_ranks(world, self.engine_kind, engine_tp_size, engine_ep_size,
+                                                 **(engine_placement or {}))
+        elif engine_ep_size != 1 or engine_placement:
+            raise UsageError(f"engine_ep_size={engine_ep_size}, engine_placement={engine_placement}: expected "
+                             "engine_sharding=True (they only say how an engine-sharded sync splits tensors)")
+        super().__init__(timeout)
         self.tp = engine_tp_size
         self.first = rank - rank % engine_tp_size
         self.is_first = rank == self.first
@@ -415,6 +428,10 @@ class _ColocatedSender(_SenderBase):
             g = dist.new_group(list(range(start, start + engine_tp_size)), backend="gloo", timeout=self.timeout)
             if start == self.first:
                 self.group = g
+
+    def engine_ranks(self) -> list[EngineRank] | None:
+        """The engine ranks this world feeds when engine-sharded (sync() plans the export for them), else None."""
+        return self._engine_ranks
 
     def _payload(self, bucket: Bucket):
         raise NotImplementedError
@@ -461,14 +478,22 @@ class SGLangColocatedSender(_SGLangMixin, _ColocatedSender):
     as slime does) or "retract" (requests go back to the queue and are recomputed after continue; releases whose
     flush refuses a non-empty queue keep the prefix cache of the old weights: a warning, and `cache_flushed` is
     False). `flush_cache=False` skips the flush. `api_key` is for engines built from URLs (`engine` may also be
-    a URL string)."""
+    a URL string).
+
+    `engine_sharding=True`: each rank receives and sends only what its engine TP rank loads (full-shaped
+    tensors, the rest unwritten; SGLang's weight loaders narrow to exactly that). `engine_ep_size`: the engine's
+    `--ep-size`; `engine_placement`: other EnginePlacement fields (`moe_tp`, `replicated_shared_experts=True`
+    for DeepEP-class `--moe-a2a-backend`). Settings the rules refuse raise EngineShardError here."""
+
+    engine_kind = "sglang"
 
     def __init__(self, engine, engine_tp_size: int, *, timeout: float = 300.0, http: bool = True,
-                 flush_cache: bool = True, pause_mode: str = "abort", api_key: str | None = None):
+                 flush_cache: bool = True, pause_mode: str = "abort", api_key: str | None = None,
+                 engine_sharding: bool = False, engine_ep_size: int = 1, engine_placement: dict | None = None):
         _check_pause_mode(pause_mode)
         if isinstance(engine, str):
             engine = SGLangHTTPEngine(engine, timeout=timeout, api_key=api_key)
-        super().__init__(engine, engine_tp_size, timeout)
+        super().__init__(engine, engine_tp_size, timeout, engine_sharding, engine_ep_size, engine_placement)
         self.http, self.flush = http, flush_cache
         self._engines = [_EngineState(self.engine, engine_tp_size, pause_mode, flush_cache)] if self.is_first else []
 
@@ -486,6 +511,13 @@ class SGLangColocatedSender(_SGLangMixin, _ColocatedSender):
 
     def finish(self) -> None:
         self._finish_engines()
+
+
+def refuse_broadcast_sharding(engine_sharding: bool) -> None:
+    if engine_sharding:
+        raise UsageError("engine_sharding=True with a distributed sender: expected a colocated sender (the "
+                         "broadcast delivers full tensors to every engine rank; per-rank delivery to engines in "
+                         "another world is the disaggregated path)")
 
 
 class _BroadcastSender(_SenderBase):
@@ -659,7 +691,9 @@ class SGLangDistributedSender(_SGLangMixin, _BroadcastSender):
 
     def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int, *,
                  group_name: str = "mcore2hf_weights", backend: str = "nccl", timeout: float = 300.0,
-                 flush_cache: bool = True, pause_mode: str = "abort", api_key: str | None = None):
+                 flush_cache: bool = True, pause_mode: str = "abort", api_key: str | None = None,
+                 engine_sharding: bool = False):
+        refuse_broadcast_sharding(engine_sharding)
         _check_pause_mode(pause_mode)
         engines = [SGLangHTTPEngine(e, timeout=timeout, api_key=api_key) if isinstance(e, str) else e
                    for e in (engines or [])]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..buckets import DEFAULT_BUCKET_BYTES
+from ..errors import UsageError
 
 log = logging.getLogger("mcore2hf")
 
@@ -22,14 +23,16 @@ class SyncReport:
     gather_s: float  # collectives of the export (issue + wait)
     convert_s: float  # layout ops into the output buckets
     send_s: float  # sender.send (serialize, engine calls / broadcasts)
+    received_bytes: int | None = None  # engine-sharded: bytes this rank received over the wire (None: all-ranks)
 
     def summary(self) -> str:
+        wire = "" if self.received_bytes is None else f", {self.received_bytes / 2**30:.2f} GiB received"
         return (f"weights v{self.version}: {self.buckets} buckets, {self.bytes / 2**30:.2f} GiB in {self.seconds:.2f} s "
-                f"(gather {self.gather_s:.2f} s, convert {self.convert_s:.2f} s, send {self.send_s:.2f} s)")
+                f"(gather {self.gather_s:.2f} s, convert {self.convert_s:.2f} s, send {self.send_s:.2f} s{wire})")
 
 
 def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: bool = True,
-         progress: bool = True, timing: bool = False, name_filter=None) -> SyncReport:
+         progress: bool = True, timing: bool = False, name_filter=None, debug_nan: bool = False) -> SyncReport:
     """Push the model's current weights through `sender`; collective over the model's world.
 
     The version (`sender.version + 1`) goes with every engine call and is committed only when every rank and
@@ -39,27 +42,53 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     raised inside sync on one rank makes that rank's sender clean up its own engines (`sender.abort()`). `timing=True`
     synchronizes the device between phases so the gather / convert split is exact (slower). `name_filter` selects
     HF tensors at plan level (see `HFExporter.plan`). Only `send` and `finish` are required of a sender (see
-    `mcore2hf.senders.EngineSender` for the optional parts)."""
+    `mcore2hf.senders.EngineSender` for the optional parts).
+
+    Engine-sharded (a colocated sender built with `engine_sharding=True`): each rank receives only the regions its
+    engine rank loads and hands the sender full-shaped tensors with only those written (`debug_nan=True` fills
+    the rest with NaN); the plan is built, and refused with EngineShardError, before any engine is called.
+    `gather_s` is then the whole executor (transfers and placement), `convert_s` 0."""
     version = getattr(sender, "version", 0) + 1
+    ranks = sender.engine_ranks() if getattr(sender, "engine_sharding", False) else None
+    engine_exec = None
+    if ranks is not None:
+        if not hasattr(exporter, "engine_executor"):
+            raise UsageError(f"engine sharding: expected an HFExporter (with engine_executor), found "
+                             f"{type(exporter).__name__}")
+        # collective and deterministic: every rank plans (or raises the same EngineShardError) before begin()
+        engine_exec = exporter.engine_executor(ranks, bucket_bytes, name_filter, output="masked", debug=debug_nan)
+        received0 = engine_exec.stats["received_bytes"]
+    elif debug_nan:
+        raise UsageError("debug_nan: expected a sender with engine_sharding=True (an all-ranks sync writes every "
+                         "element)")
     t0 = time.perf_counter()
     if hasattr(sender, "begin"):
         sender.begin(version)  # engine senders check the engines here, before anything is paused or sent
     try:
         if pause and hasattr(sender, "pause"):
             sender.pause()
-        extra = {} if name_filter is None else {"name_filter": name_filter}  # duck-typed exporters need not know it
-        executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), **extra)
-        executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
+        if engine_exec is None:
+            extra = {} if name_filter is None else {"name_filter": name_filter}  # duck-typed exporters need not know it
+            executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), **extra)
+            executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
+            stats, total, buckets = executor.stats, len(executor.programs), executor.run(timing=timing)
+        else:
+            stats = {"gather_s": 0.0, "convert_s": 0.0}
+            total, buckets = len(engine_exec.programs), (b.as_bucket() for b in engine_exec.run())
         bar = None
         if progress and dist.get_rank() == 0:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(executor.programs), unit="bucket", desc=f"sync v{version}", leave=False)
+            bar = tqdm(total=total, unit="bucket", desc=f"sync v{version}", leave=False)
         n, nbytes, send_s = 0, 0, 0.0
-        for bucket in executor.run(timing=timing):
+        t_made = time.perf_counter()
+        for bucket in buckets:
             t = time.perf_counter()
+            if engine_exec is not None:
+                stats["gather_s"] += t - t_made
             sender.send(bucket)
-            send_s += time.perf_counter() - t
+            t_made = time.perf_counter()
+            send_s += t_made - t
             n += 1
             nbytes += bucket.nbytes
             del bucket  # dropped before the next is built: one output bucket alive (plus what the sender holds)
@@ -76,8 +105,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         if hasattr(sender, "abort"):
             sender.abort()
         raise
-    report = SyncReport(version, n, nbytes, time.perf_counter() - t0, executor.stats["gather_s"],
-                        executor.stats["convert_s"], send_s)
+    report = SyncReport(version, n, nbytes, time.perf_counter() - t0, stats["gather_s"], stats["convert_s"], send_s,
+                        None if engine_exec is None else engine_exec.stats["received_bytes"] - received0)
     if dist.get_rank() == 0:
         log.info("%s", report.summary())
     return report

@@ -50,7 +50,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..buckets import Bucket
-from .sglang import EngineError, _BroadcastSender, _call, _ColocatedSender
+from .sglang import EngineError, _BroadcastSender, _call, _ColocatedSender, refuse_broadcast_sharding
 
 VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
 PAUSE_MODES = ("abort", "wait", "keep")  # /pause?mode=, vllm/entrypoints/rl/online/api_router.py
@@ -323,13 +323,24 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
     Trainer ranks form consecutive groups of `engine_tp_size` (the engine's TP*PP) ranks; group i feeds engine i.
     `engine` on the first rank of a group: a URL, a VLLMHTTPEngine, or an in-process `vllm.LLM`; None elsewhere.
     `packed` must not change between syncs of one engine (it is sent once, at init). Grouping, bucket lifetime
-    and errors: see _ColocatedSender."""
+    and errors: see _ColocatedSender.
+
+    `engine_sharding=True`: each rank receives and sends only what its engine TP rank loads (full-shaped
+    tensors, the rest unwritten; vLLM's weight loaders narrow to exactly that); `engine_tp_size` is then the
+    engine's TP size (engine PP is not supported). `engine_ep_size`: 1 or engine_tp_size
+    (`--enable-expert-parallel`); `engine_placement`: other EnginePlacement fields
+    (`replicated_shared_experts=True` with sequence-parallel MoE). Settings the rules refuse raise
+    EngineShardError here."""
+
+    engine_kind = "vllm"
 
     def __init__(self, engine, engine_tp_size: int, *, packed: bool = True, timeout: float = 300.0,
-                 pause_mode: str = "abort", api_key: str | None = None):
+                 pause_mode: str = "abort", api_key: str | None = None, engine_sharding: bool = False,
+                 engine_ep_size: int = 1, engine_placement: dict | None = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        super().__init__(as_engine(engine, timeout, api_key), engine_tp_size, timeout)
+        super().__init__(as_engine(engine, timeout, api_key), engine_tp_size, timeout, engine_sharding, engine_ep_size,
+                         engine_placement)
         self.packed, self.pause_mode = packed, pause_mode
         self._initialized = False
         self._keep: list = []  # unpacked: the worker holds views of our buckets until finish
@@ -417,7 +428,8 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
     def __init__(self, engines, engine_world_sizes: list[int] | None = None, master_address: str = "127.0.0.1",
                  master_port: int = 0, *, packed: bool = True, packed_buffer_size_bytes: int = 1 << 30,
                  packed_num_buffers: int = 2, timeout: float = 300.0, pause_mode: str = "abort",
-                 api_key: str | None = None):
+                 api_key: str | None = None, engine_sharding: bool = False):
+        refuse_broadcast_sharding(engine_sharding)
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         import torch.distributed as dist

@@ -182,6 +182,39 @@ def tiny_model():
     return model
 
 
+def named_model(tensors: dict[str, torch.Tensor]):
+    """A model holding one parameter per HF name (nested modules along the dots, vLLM's default_weight_loader)
+    whose load_weights also keeps a copy of every tensor vLLM's receive path hands it (`model.received[name]`:
+    one per load, in order), to check what each engine rank got."""
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    class Model(torch.nn.Module):
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            loaded = set()
+            for name, t in weights:
+                self.received.setdefault(name, []).append(t.clone())
+                params[name].weight_loader(params[name], t)
+                loaded.add(name)
+            return loaded
+
+    model = Model()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        m = model
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        p = torch.nn.Parameter(torch.zeros_like(t), requires_grad=False)
+        p.weight_loader = default_weight_loader
+        m.register_parameter(leaf, p)
+    record_metadata_for_reloading(model)  # as vLLM's initialize_model does
+    model.received = {}
+    return model
+
+
 def model_tensors(seed: int) -> dict[str, torch.Tensor]:
     """Checkpoint-format tensors for tiny_model, different per seed."""
     g = torch.Generator().manual_seed(seed)
@@ -217,9 +250,9 @@ def check_model(model, tensors) -> None:
 
 # ---------------------------------------------------------------- vLLM workers, engine clients, servers
 
-def make_worker(backend: str, rank: int = 0, tp: int = 1):
-    """vLLM's real Worker class (methods unmodified) around a tiny model, with the weight-transfer engine vLLM's
-    factory creates for `backend`; nothing of the GPU worker's init runs."""
+def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, torch.Tensor] | None = None):
+    """vLLM's real Worker class (methods unmodified) around a tiny model (or a named_model of `tensors`), with the
+    weight-transfer engine vLLM's factory creates for `backend`; nothing of the GPU worker's init runs."""
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
@@ -228,8 +261,10 @@ def make_worker(backend: str, rank: int = 0, tp: int = 1):
     pc = ParallelConfig(tensor_parallel_size=tp)
     pc.rank = rank
     vc = VllmConfig(parallel_config=pc, device_config=DeviceConfig(device="cpu"))
-    model = tiny_model()
-    initial_load(model, model_tensors(0))
+    model = tiny_model() if tensors is None else named_model(tensors)
+    initial_load(model, model_tensors(0) if tensors is None else tensors)
+    if tensors is not None:
+        model.received.clear()
     w = Worker.__new__(Worker)
     w.vllm_config, w.rank, w.local_rank = vc, rank, rank
     w.speculative_config = None
@@ -499,16 +534,20 @@ def scenario_ipc_tp2_sync() -> None:
     """IPC into an engine of TP 2 through sync(): a trainer world of 2 processes (the engine's group), the first
     rank merging both ranks' handles into each update; two syncs, each worker holding its own rank's bytes and the
     weight version recorded."""
-    from mcore2hf.testing.vllm_real import _ipc_trainer  # by module name: this file may run as __main__
-    from mcore2hf.testing.world import Layout, run_world
+    from mcore2hf.testing.vllm_real import _ipc_tp2_trainers  # by module name: this file may run as __main__
+    from mcore2hf.testing.world import run_world
 
     workers = [make_worker("ipc", r, 2) for r in range(2)]
     for r, w in enumerate(workers):
         w.gpu_uuid = f"GPU-{r}"
     core = EngineCore(workers)
     server = Server(async_client(core))
+    ckpt, full, sharded_workers, sharded_server = _sharded_engine()
     try:
-        versions = run_world(_ipc_trainer, Layout(world_size=2), server.url, timeout=300)
+        # one trainer world for this case and the engine-sharded one (2 ranks, as this case needs)
+        res = run_world(_ipc_tp2_trainers, _sharded_layout(), server.url, sharded_server.url, ckpt, timeout=300)
+        _SHARDED_RUN.update(full=full, workers=sharded_workers, res=[r["sharded"] for r in res])
+        versions = [r["version"] for r in res]
         assert versions == [2, 2] and core.version == "2", (versions, core.version)
         for r, w in enumerate(workers):
             check_model(w.model, model_tensors(50 + r))
@@ -516,6 +555,142 @@ def scenario_ipc_tp2_sync() -> None:
         calls = [e for e in core.events if e != "update_weights"]
         one = ["pause:abort", "start_weight_update", "finish_weight_update", "resume"]
         assert calls[0] == "init_weight_transfer_engine" and [c for c in calls if c in one] == one + one, calls
+    finally:
+        server.stop()
+        sharded_server.stop()
+
+
+SHARDED_BUCKET = 256 * 1024  # bytes: a few buckets per sync of the tiny qwen3_moe (~1 MiB)
+_SHARDED_RUN: dict = {}  # the engine-sharded case's results, once scenario_ipc_tp2_sync ran it in its world
+
+
+def _sharded_layout():
+    from mcore2hf.testing.world import Layout
+
+    return Layout(tp=1, ep=2)  # the engine-sharded case's trainer world: qwen3_moe at EP 2
+
+
+def _sharded_engine():
+    """The engine-sharded case's tiny qwen3_moe checkpoint, and an engine of TP 2 (named_model workers) serving."""
+    import tempfile
+
+    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+
+    ckpt = make_hf_checkpoint(tiny_config("qwen3_moe"), tempfile.mkdtemp(prefix="vllm-sharded-"))
+    full = read_hf_checkpoint(ckpt)
+    workers = [make_worker("ipc", r, 2, full) for r in range(2)]
+    for r, w in enumerate(workers):
+        w.gpu_uuid = f"GPU-{r}"
+    return ckpt, full, workers, Server(async_client(EngineCore(workers)))
+
+
+def _ipc_tp2_trainers(url: str, sharded_url: str, ckpt: str) -> dict:
+    return {"version": _ipc_trainer(url), "sharded": _sharded_ipc_trainer(sharded_url, ckpt, SHARDED_BUCKET)}
+
+
+def _sharded_ipc_trainer(url: str, ckpt: str, bucket_bytes: int) -> dict:
+    """A rank of a trainer world of 2 (real megatron-core model from `ckpt`, EP 2) feeding one vLLM engine of TP 2
+    engine-sharded (debug NaN fill), first without engine EP, then with EP 2; bytes received over the wire vs what
+    this rank receives in an all-ranks export."""
+    import torch.distributed as dist
+
+    from mcore2hf import HFExporter, build_model, load_hf_weights
+    from mcore2hf.senders import sync, vllm
+
+    rank = dist.get_rank()
+    # GPU-only fact stubbed: CPU tensors have no GPU UUID ("cpu" on every rank); here each rank has its own GPU
+    vllm.device_uuid = lambda device: f"GPU-{rank}"
+    chunks = build_model(ckpt, use_te=False)
+    load_hf_weights(chunks, ckpt)
+    ex = HFExporter(chunks, ckpt)
+    out = {"dims": ex.dims, "all_ranks_wire": sum((st.axis.size - 1) * st.slot
+                                                  for p in ex.executor(bucket_bytes).programs for st in p.stages)}
+    for ep in (1, 2):
+        sender = vllm.VLLMColocatedSender(url if rank == 0 else None, 2, timeout=60, engine_sharding=True,
+                                          engine_ep_size=ep)
+        report = sync(ex, sender, progress=False, bucket_bytes=bucket_bytes, debug_nan=True)
+        out[f"ep{ep}"] = {"version": sender.version, "wire": report.received_bytes, "seconds": report.seconds}
+    return out
+
+
+def scenario_ipc_tp2_engine_sharded() -> None:
+    """Engine-sharded colocated sync (issue 15) through vLLM's IPC path into an engine of TP 2: a qwen3_moe trainer
+    world at EP 2, synced engine-sharded without then with engine EP 2 (debug NaN fill). Every tensor vLLM's
+    receive path handed worker r's model equals mask_to_engine of the checkpoint tensor to r's engine_regions
+    (the checkpoint's values in exactly those regions, NaN elsewhere: nothing else was written), byte for byte;
+    each trainer rank received fewer bytes than in an all-ranks export (none at all when engine EP = trainer EP)."""
+    from mcore2hf.engine_shards import EnginePlacement, engine_regions, mask_to_engine
+    from mcore2hf.testing.vllm_real import _sharded_ipc_trainer  # by module name: may run as __main__
+    from mcore2hf.testing.world import run_world
+
+    if _SHARDED_RUN:  # ran in scenario_ipc_tp2_sync's world
+        full, workers, res = _SHARDED_RUN["full"], _SHARDED_RUN["workers"], _SHARDED_RUN["res"]
+    else:  # run alone (or that world failed): a world of its own
+        ckpt, full, workers, server = _sharded_engine()
+        try:
+            res = run_world(_sharded_ipc_trainer, _sharded_layout(), server.url, ckpt, SHARDED_BUCKET, timeout=300)
+        finally:
+            server.stop()
+    dims = res[0]["dims"]
+    for r, w in enumerate(workers):
+        assert set(w.model.received) == set(full), sorted(set(w.model.received) ^ set(full))[:5]
+        for i, ep in enumerate((1, 2)):
+            p = EnginePlacement("vllm", r, 2, ep)
+            for name, t in full.items():
+                want = mask_to_engine(t, engine_regions(name, t.shape, dims, p, "qwen3_moe"), debug=True)
+                got = w.model.received[name][i]
+                assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+                    (r, ep, name)
+        assert all(len(v) == 2 for v in w.model.received.values())
+        assert not w._weight_update_active
+    for r in res:
+        assert r["ep1"]["version"] == r["ep2"]["version"] == 1, r
+        assert r["ep2"]["wire"] == 0 < r["ep1"]["wire"] < r["all_ranks_wire"], r
+    print("vllm engine TP2 from qwen3_moe EP2, bytes received per trainer rank: all-ranks "
+          + " ".join(str(r["all_ranks_wire"]) for r in res) + " | engine-sharded "
+          + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2))
+          + " (sync s: " + " ".join(f"{r[f'ep{ep}']['seconds']:.2f}" for ep in (1, 2) for r in res) + ")",
+          file=sys.stderr)
+
+
+def scenario_engine_sharding_refusals() -> None:
+    """Engine sharding settings that cannot work are refused with a clear error before any engine call: engine
+    EP the rules refuse, EP settings without engine sharding, engine sharding on a broadcast (distributed) sender,
+    debug_nan on an all-ranks sync, an exporter that cannot plan engine shards."""
+    import pytest
+
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.errors import UsageError
+    from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, sync
+    from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMDistributedSender
+
+    init_trainer_world()
+    core = EngineCore([make_worker("ipc")])
+    server = Server(async_client(core))
+    try:
+        for cls in (VLLMColocatedSender, SGLangColocatedSender):
+            with pytest.raises(EngineShardError, match="ep_size: expected a divisor of tp_size=1, found 2"):
+                cls(server.url, 1, timeout=30, engine_sharding=True, engine_ep_size=2)
+            with pytest.raises(UsageError, match="expected engine_sharding=True"):
+                cls(server.url, 1, timeout=30, engine_ep_size=2)
+        with pytest.raises(UsageError, match="engine_sharding=True with a distributed sender"):
+            VLLMDistributedSender([server.url], [1], engine_sharding=True)
+        with pytest.raises(UsageError, match="engine_sharding=True with a distributed sender"):
+            SGLangDistributedSender([server.url], [1], "127.0.0.1", 0, engine_sharding=True)
+        before = len(core.events)
+        with pytest.raises(UsageError, match="debug_nan: expected a sender with engine_sharding=True"):
+            sync(ListExporter([buckets_of(model_tensors(5))]), VLLMColocatedSender(server.url, 1, timeout=30),
+                 progress=False, debug_nan=True)
+        with pytest.raises(UsageError, match="expected an HFExporter"):
+            sync(ListExporter([buckets_of(model_tensors(5))]),
+                 VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
+        class Refusing:  # an exporter whose engine-shard plan the rules refuse (e.g. SGLang gpt-oss under EP)
+            def engine_executor(self, *args, **kwargs):
+                raise EngineShardError("refused by the rules")
+
+        with pytest.raises(EngineShardError, match="refused by the rules"):
+            sync(Refusing(), VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
+        assert len(core.events) == before, core.events[before:]  # nothing reached the engine, not even a pause
     finally:
         server.stop()
 
@@ -715,6 +890,8 @@ SCENARIOS = {
     "ipc_llm_packed": lambda: scenario_ipc(False, True),
     "ipc_http_tp2_by_uuid": scenario_ipc_tp2_by_uuid,
     "ipc_http_tp2_sync": scenario_ipc_tp2_sync,
+    "ipc_http_tp2_engine_sharded": scenario_ipc_tp2_engine_sharded,
+    "engine_sharding_refusals": scenario_engine_sharding_refusals,
     "nccl_http_packed": lambda: scenario_nccl(True),
     "nccl_http_unpacked": lambda: scenario_nccl(False),
     "nccl_llm_packed": scenario_nccl_llm,
