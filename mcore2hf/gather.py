@@ -723,13 +723,15 @@ class _EngineBucketProgram:
 class EngineExecutor:
     """Runs an EngineShardPlan on this rank; every rank of the world runs it in step (collective)."""
 
-    def __init__(self, eplan, ctx: ParallelContext, local: dict[str, LocalTensor], device: torch.device):
+    def __init__(self, eplan, ctx: ParallelContext, local: dict[str, LocalTensor], device: torch.device,
+                 group=None, rank=None):
         self.eplan, self.ctx, self.local, self.device = eplan, ctx, local, device
+        self.group, self.rank = group, (rank if rank is not None else ctx.rank)
         self.programs = [self._program(k) for k in range(len(eplan.routes))]
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
 
     def _program(self, k: int) -> _EngineBucketProgram:
-        me, plan = self.ctx.rank, self.eplan.export
+        me, plan = self.rank, self.eplan.export
         entries = self.eplan.outputs[k].get(me, [])
         sends: dict[int, list] = {}
         recvs: dict[int, list] = {}
@@ -776,13 +778,13 @@ class EngineExecutor:
                     srcs.append(self._src_view(s, c, shards))
                 if dsts:
                     torch._foreach_copy_(dsts, srcs)
-                ops.append(dist.P2POp(dist.isend, buf, peer))
+                ops.append(self.group.send([buf], peer, 0) if self.group is not None else dist.P2POp(dist.isend, buf, peer))
                 self.stats["sent_bytes"] += n
             for peer, n, items in prog.recvs:
                 buf = torch.empty(n, dtype=torch.uint8, device=self.device)
                 bufs.append((buf, items))
-                ops.append(dist.P2POp(dist.irecv, buf, peer))
-            works = dist.batch_isend_irecv(ops) if ops else []
+                ops.append(self.group.recv([buf], peer, 0) if self.group is not None else dist.P2POp(dist.irecv, buf, peer))
+            works = ops if self.group is not None else dist.batch_isend_irecv(ops) if ops else []
             for entry, s, c in prog.local:  # overlaps the transfers
                 _place(slices[entry], prog.entries[entry], c, self._src_view(s, c, shards))
                 self.stats["local_bytes"] += c.numel * s.dtype.itemsize
