@@ -66,8 +66,11 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-def trainer_plan(model: str, tp: int, pp: int, ep: int, etp: int | None, world: int, bucket_bytes: int):
-    """(ExportPlan, dims) of `model` at the layout, from synthesized rank records (names, shard shapes; no data)."""
+def trainer_plan(model_type: str, overrides: dict, tp: int, pp: int, ep: int, etp: int | None, world: int,
+                 bucket_bytes: int, dtype: str = "torch.bfloat16"):
+    """(ExportPlan, dims) of the model (a registered architecture's tiny config with `overrides`) at the layout,
+    from synthesized rank records (names, shard shapes; no data). tests/test_disaggregated.py checks them against
+    a live megatron-core world's."""
     from mcore2hf.hf_config import hf_tensor_shapes
     from mcore2hf.importer import _full_shape, megatron_names
     from mcore2hf.model_specs.common import padded_vocab_size
@@ -75,7 +78,6 @@ def trainer_plan(model: str, tp: int, pp: int, ep: int, etp: int | None, world: 
     from mcore2hf.registry import get_converter, get_model_spec
     from mcore2hf.testing.tiny import tiny_config
 
-    model_type, overrides = MODELS[model]
     cfg = tiny_config(model_type, **overrides)
     dims = get_model_spec(model_type).dims(cfg)
     conv = get_converter(model_type)
@@ -114,7 +116,7 @@ def trainer_plan(model: str, tp: int, pp: int, ep: int, etp: int | None, world: 
             split = op.tp_dim is not None and group > 1
             if split:
                 shape[op.tp_dim] //= group
-            mine.append((name, name, tuple(shape), "torch.bfloat16", is_expert, split, op.tp_dim if split else None,
+            mine.append((name, name, tuple(shape), dtype, is_expert, split, op.tp_dim if split else None,
                          op.strides[0]))
         records.append(RankRecord(rank, stage, t_rank, ep_rank if ep > 1 else 0, e_rank, tuple(mine)))
     sources = build_sources(records, conv, dims, tp, etp)
@@ -170,7 +172,7 @@ def main() -> None:
         engines = engines[:2] if args.quick else engines
         for tp, pp, ep, etp, world in layouts:
             t0 = time.time()
-            export, dims = trainer_plan(model, tp, pp, ep, etp, world, args.bucket_mb * 2**20)
+            export, dims = trainer_plan(*MODELS[model], tp, pp, ep, etp, world, args.bucket_mb * 2**20)
             lay = f"TP{tp}PP{pp}EP{ep} w{world}"
             for engine, etp_, eep, inst in engines:
                 r = simulate(export, dims, world, engine, etp_, eep, inst)

@@ -5,6 +5,8 @@ receiver (`EngineShardReceiver`) rebuilds each engine rank's slices."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 
 import torch
@@ -19,6 +21,8 @@ PLACEMENTS = [("sglang", 2, 1), ("vllm", 2, 2)]
 ENGINE_RANKS = 2
 SYNCS = 2  # plan once, run twice
 TIMEOUT = 120.0
+BUCKET = 16 * 1024
+BENCH = os.path.join(os.path.dirname(__file__), "..", "bench", "engine_shard_report.py")
 
 
 def _join(port: int, rank: int, world: int):
@@ -49,7 +53,9 @@ def _trainer(ckpt: str, layout: Layout, port: int, bucket_bytes: int) -> dict:
         planned = sum(r.piece.numel * ex.plan(bucket_bytes).sources[r.source].dtype.itemsize
                       for routes in pusher.plan.routes for r in routes if r.sender == me)
         out.append(dict(sent=[pusher.push()["sent_bytes"] for _ in range(SYNCS)], planned=planned))
-    return dict(placements=out)
+    sources = {n: (s.holders, s.shard_shape, s.count, s.stages, s.ep, str(s.dtype))
+               for n, s in ex.plan(bucket_bytes).sources.items()}
+    return dict(placements=out, sources=sources)
 
 
 def _engine(rank: int, world: int, port: int, path: str) -> None:
@@ -92,7 +98,7 @@ def test_disaggregated_engine_shards_tp2_ep2_trainer_to_2_engine_ranks_every_hol
     for p in engines:
         p.start()
     try:
-        res = run_world(_trainer, layout, ckpt, layout, store.port, 16 * 1024)
+        res = run_world(_trainer, layout, ckpt, layout, store.port, BUCKET)
         for p in engines:
             p.join(timeout=TIMEOUT)
         assert [p.exitcode for p in engines] == [0] * ENGINE_RANKS
@@ -124,6 +130,18 @@ def test_disaggregated_engine_shards_tp2_ep2_trainer_to_2_engine_ranks_every_hol
         assert sum(s["planned"] for s in sent) == received, (sent, received)
         lines.append(f"{engine} TP{tp} EP{ep}: sent per trainer rank {[s['planned'] for s in sent]} bytes, "
                      f"received per engine rank {[got[j][i]['expected'] for j in range(ENGINE_RANKS)]}")
+    # bench/engine_shard_report.py's synthesized rank records give this world's plan: same sources (holders,
+    # shard shapes), same bytes from every trainer rank
+    spec = importlib.util.spec_from_file_location("engine_shard_report", BENCH)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    export, _ = report.trainer_plan("qwen3_moe", {}, layout.tp, layout.pp, layout.ep, layout.etp, layout.size,
+                                    BUCKET, "torch.float32")
+    assert {n: (s.holders, s.shard_shape, s.count, s.stages, s.ep, str(s.dtype))
+            for n, s in export.sources.items()} == res[0]["sources"]
+    for i, (engine, tp, ep) in enumerate(PLACEMENTS):
+        sim = report.simulate(export, dims, layout.size, engine, tp, ep, 1)
+        assert sim["sent_gpu"] == [r["placements"][i]["planned"] for r in res], (engine, tp, ep, sim["sent_gpu"])
     with capsys.disabled():
         print(f"\ndisaggregated {layout} -> {ENGINE_RANKS} engine ranks ({time.time() - t0:.1f} s):\n"
               + "\n".join(lines))
