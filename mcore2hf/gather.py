@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket
-from .engine_shards import EngineSlice, place_slices
+from .engine_shards import EngineShardError, EngineSlice, place_slices
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
@@ -721,12 +721,23 @@ class _EngineBucketProgram:
 
 
 class EngineExecutor:
-    """Runs an EngineShardPlan on this rank; every rank of the world runs it in step (collective)."""
+    """Runs an EngineShardPlan on this rank; every member of the transport group runs it in step (collective).
 
-    def __init__(self, eplan, ctx: ParallelContext, local: dict[str, LocalTensor], device: torch.device,
-                 group=None, rank=None):
+    Transport: with `group` (any torch ProcessGroup, also one outside the default world, e.g. a weight-update
+    group built from a TCPStore, see senders/process_group.py) the routes' ranks are ranks in `group` and `rank`
+    is this process's; pieces go through the group's own send/recv. Otherwise the default world's
+    batch_isend_irecv, with `rank` defaulting to `ctx.rank`. A process holding nothing (a disaggregated engine
+    process) passes `ctx=None`, `local={}` and its `rank`: it runs the receive side only."""
+
+    def __init__(self, eplan, ctx: ParallelContext | None, local: dict[str, LocalTensor], device: torch.device, *,
+                 group=None, rank: int | None = None):
+        if rank is None:
+            if ctx is None:
+                raise EngineShardError("EngineExecutor: expected `rank` (this process's rank in the transport group) "
+                                       "when no ParallelContext is given, found neither")
+            rank = ctx.rank
         self.eplan, self.ctx, self.local, self.device = eplan, ctx, local, device
-        self.group, self.rank = group, (rank if rank is not None else ctx.rank)
+        self.group, self.rank = group, rank
         self.programs = [self._program(k) for k in range(len(eplan.routes))]
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
 
@@ -738,6 +749,9 @@ class EngineExecutor:
         local = []
         for r in self.eplan.routes[k]:  # the same order on every rank: sender and receiver agree on offsets
             src = plan.sources[r.source]
+            if r.sender == me and src.name not in self.local:
+                raise EngineShardError(f"engine-shard plan: rank {me} is to send {src.name} (bucket {k}) but holds "
+                                       f"no local tensor of that name (expected the holders' local tensors)")
             if r.local:
                 if r.receiver == me:
                     local.append((r.entry, src, r.piece))
@@ -752,6 +766,16 @@ class EngineExecutor:
                                     [(p, _packed_bytes([(s, c) for _, s, c in items]), items)
                                      for p, items in sorted(recvs.items())],
                                     local)
+
+    def _exchange(self, sends: list, recvs: list, tag: int) -> list:
+        """Post every send and receive of a bucket at once ((peer, buffer) each); returns the works to wait on."""
+        if self.group is None:
+            ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in sends] + \
+                  [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recvs]
+            return dist.batch_isend_irecv(ops) if ops else []
+        # the group's own send/recv take its ranks directly: it need not be registered in the default world
+        works = [self.group.recv([buf], peer, tag) for peer, buf in recvs]
+        return works + [self.group.send([buf], peer, tag) for peer, buf in sends]
 
     def _shard(self, s: Source) -> torch.Tensor:
         t = _source_of(self.local[s.name])
@@ -769,7 +793,7 @@ class EngineExecutor:
         for k, prog in enumerate(self.programs):
             flat = torch.empty(prog.nbytes, dtype=torch.uint8, device=self.device)
             slices = [flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.slice_shape) for e in prog.entries]
-            ops, bufs, shards = [], [], {}
+            sends, recvs, bufs, shards = [], [], [], {}
             for peer, n, items in prog.sends:
                 buf = torch.empty(n, dtype=torch.uint8, device=self.device)
                 dsts, srcs = [], []
@@ -778,13 +802,13 @@ class EngineExecutor:
                     srcs.append(self._src_view(s, c, shards))
                 if dsts:
                     torch._foreach_copy_(dsts, srcs)
-                ops.append(self.group.send([buf], peer, 0) if self.group is not None else dist.P2POp(dist.isend, buf, peer))
+                sends.append((peer, buf))
                 self.stats["sent_bytes"] += n
             for peer, n, items in prog.recvs:
                 buf = torch.empty(n, dtype=torch.uint8, device=self.device)
                 bufs.append((buf, items))
-                ops.append(self.group.recv([buf], peer, 0) if self.group is not None else dist.P2POp(dist.irecv, buf, peer))
-            works = ops if self.group is not None else dist.batch_isend_irecv(ops) if ops else []
+                recvs.append((peer, buf))
+            works = self._exchange(sends, recvs, k)
             for entry, s, c in prog.local:  # overlaps the transfers
                 _place(slices[entry], prog.entries[entry], c, self._src_view(s, c, shards))
                 self.stats["local_bytes"] += c.numel * s.dtype.itemsize

@@ -247,3 +247,20 @@ def test_engine_plan_refusals_quantized_plan_and_bad_colocated_groups():
     ranks = colocated_ranks(4, "sglang", 2, groups=[[2, 3], [0, 1]])  # configurable: instance 0 on ranks 2, 3
     assert [(er.instance, er.placement.tp_rank, er.rank) for er in ranks] == [(0, 0, 2), (0, 1, 3), (1, 0, 0),
                                                                                (1, 1, 1)]
+
+
+def test_engine_executor_over_a_separate_gloo_group_with_an_engine_only_process_3_ranks(tmp_path):
+    """Transport (disaggregated shape): 3 processes, the pieces cross a ProcessGroupGloo outside the default world
+    whose ranks differ from the global ranks; two trainers (a real TP1 qwen3 each) feed sglang engine TP2, whose
+    rank 0 is a process with no model (ctx=None, local={}). Its slices equal the full export's (torch.equal) and
+    bytes received = the plan's."""
+    import worlds
+
+    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+
+    ckpt = str(make_hf_checkpoint(tiny_config("qwen3"), tmp_path / "qwen3"))
+    res = run_world(worlds.engine_group_transport, Layout(world_size=3), ckpt, 64 * 1024)
+    by_rank = {r["group_rank"]: r for r in res}
+    assert by_rank[2]["sent_bytes"] == 0 and by_rank[2]["local_bytes"] == 0 and by_rank[2]["received_bytes"] > 0
+    assert by_rank[0]["received_bytes"] == 0  # rank 0 feeds no engine rank: sends only
+    assert sum(r["sent_bytes"] for r in res) == sum(r["received_bytes"] for r in res)

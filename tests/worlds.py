@@ -845,3 +845,52 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
                     assert not aligned, (key, sorted(set(aligned))[:4])
                     out[key] = dict(wire=b["wire"], local=b["local"], needed=need)
     return out
+
+
+def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
+    """Issue 15, transport: 3 gloo processes, the default world only spawns them (and builds a TP1 model on each);
+    the pieces cross a separate ProcessGroupGloo (not registered in the default world) whose ranks differ from
+    the global ranks. Group ranks 0 and 1 hold the model; group rank 2 is an engine-only process (ctx=None,
+    local={}) fed as sglang engine TP rank 0; group rank 1 is engine TP rank 1 (partly local)."""
+    from dataclasses import replace
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, ProcessGroupGloo
+
+    from mcore2hf.engine_shards import EnginePlacement, engine_regions, region_slices
+    from mcore2hf.gather import EngineExecutor
+    from mcore2hf.plan import EngineRank, plan_engine_shards
+
+    me = dist.get_rank()
+    cfg, chunks = build(ckpt, Layout(world_size=3))
+    ex = HFExporter(chunks, cfg)
+    ref = ex.state_dict()
+    g = (me + 1) % 3  # this process's rank in the transport group
+    store = dist.distributed_c10d._get_default_store()
+    pg = ProcessGroupGloo(PrefixStore("engine15", store), g, 3, timedelta(seconds=60))
+    export = ex.plan(bucket_bytes)
+    # every source held by group ranks 0 and 1 only (the TP1 model is whole on each trainer)
+    sources = {n: replace(s, holders={i: (0, 1) for i in s.holders}) for n, s in export.sources.items()}
+    export = replace(export, sources=sources,
+                     buckets=[replace(b, sources=[sources[s.name] for s in b.sources]) for b in export.buckets])
+    ranks = [EngineRank(EnginePlacement("sglang", 0, 2), 0, 2), EngineRank(EnginePlacement("sglang", 1, 2), 0, 1)]
+    eplan = plan_engine_shards(export, ranks, ex.dims)
+    if g == 2:
+        executor = EngineExecutor(eplan, None, {}, torch.device("cpu"), group=pg, rank=2)
+    else:
+        executor = EngineExecutor(eplan, ex.ctx, ex._local, torch.device("cpu"), group=pg, rank=g)
+    got = {}
+    for bucket in executor.run():
+        for name, sl in bucket.slices():
+            got[(name, sl.region)] = sl.tensor.clone()
+    placement = next((er.placement for er in ranks if er.rank == g), None)
+    want = {} if placement is None else \
+        {(n, r): ref[n][region_slices(r)] for n in ref for r in engine_regions(n, ref[n].shape, ex.dims, placement,
+                                                                              export.model_type)}
+    assert set(got) == set(want), (g, sorted(set(got) ^ set(want))[:4])
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, (g, bad[:4])
+    b = eplan.bytes_by_receiver().get(g, dict(wire=0, local=0))
+    assert executor.stats["received_bytes"] == b["wire"] and executor.stats["local_bytes"] == b["local"], \
+        (g, executor.stats, b)
+    return dict(group_rank=g, **executor.stats)
