@@ -51,15 +51,15 @@ MODELS = {
 
 #: trainer layouts per model: (tp, pp, ep, etp, world)
 LAYOUTS = {
-    "qwen3-30b-a3b": [(1, 1, 8, 1, 8), (2, 1, 8, 1, 16), (4, 2, 8, 1, 32)],
-    "qwen3-8b": [(4, 1, 1, None, 8), (8, 1, 1, None, 16), (4, 2, 1, None, 32)],
-    "deepseek-v3-4L": [(8, 1, 8, 1, 16), (4, 2, 16, 1, 32)],
+    "qwen3-30b-a3b": [(1, 1, 8, 1, 8), (2, 2, 8, 1, 16)],
+    "qwen3-8b": [(4, 1, 1, None, 8), (4, 2, 1, None, 16)],
+    "deepseek-v3-4L": [(8, 1, 8, 1, 16)],
 }
 
 #: engine placements: (engine, tp, ep, instances)
 ENGINES = {
-    "moe": [("sglang", 4, 1, 2), ("sglang", 8, 1, 1), ("sglang", 8, 8, 1), ("vllm", 8, 8, 4)],
-    "dense": [("sglang", 4, 1, 2), ("sglang", 8, 1, 1), ("vllm", 8, 1, 4)],
+    "moe": [("sglang", 4, 1, 2), ("sglang", 8, 1, 1), ("sglang", 8, 8, 1), ("vllm", 8, 8, 2)],
+    "dense": [("sglang", 4, 1, 2), ("sglang", 8, 1, 1), ("vllm", 8, 1, 2)],
 }
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")

@@ -145,3 +145,30 @@ def test_disaggregated_engine_shards_tp2_ep2_trainer_to_2_engine_ranks_every_hol
     with capsys.disabled():
         print(f"\ndisaggregated {layout} -> {ENGINE_RANKS} engine ranks ({time.time() - t0:.1f} s):\n"
               + "\n".join(lines))
+
+
+def test_disaggregated_ranks_and_receive_program_refusals():
+    """Engine ranks after the trainer ranks; a receive program for a rank that holds shards (colocated) is
+    refused; the program is plain JSON-able data with the rank's regions' bytes."""
+    import json
+
+    import pytest
+
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.plan import colocated_ranks, plan_engine_shards
+    from mcore2hf.senders.engine_shard import disaggregated_ranks, receive_program
+
+    ranks = disaggregated_ranks(4, "sglang", 2, instances=2)
+    assert [(er.instance, er.placement.tp_rank, er.rank) for er in ranks] == [(0, 0, 4), (0, 1, 5), (1, 0, 6),
+                                                                               (1, 1, 7)]
+    with pytest.raises(EngineShardError, match="instances >= 1"):
+        disaggregated_ranks(4, "sglang", 2, instances=0)
+    spec = importlib.util.spec_from_file_location("engine_shard_report", BENCH)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    export, dims = report.trainer_plan("qwen3_moe", {}, 2, 1, 2, 1, 2, BUCKET, "torch.float32")
+    with pytest.raises(EngineShardError, match="group rank 0 holds shards"):
+        receive_program(plan_engine_shards(export, colocated_ranks(2, "sglang", 2), dims), 0)
+    eplan = plan_engine_shards(export, disaggregated_ranks(2, "vllm", 2, 2), dims)
+    program = json.loads(json.dumps(receive_program(eplan, 3)))
+    assert sum(n for b in program["buckets"] for _, n, _ in b["recvs"]) == eplan.bytes_by_receiver()[3]["wire"] > 0

@@ -34,6 +34,8 @@ from ..plan import EngineRank, EngineShardPlan, SliceEntry
 from .process_group import join_weight_update_group
 
 PROGRAM_VERSION = 1
+#: message tags: bucket k's pieces travel with tag k (EngineExecutor's transport); the program with its own tag
+PROGRAM_TAG = 2**30
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                                        torch.int64, torch.int32, torch.int8, torch.uint8,
                                                        torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -118,7 +120,7 @@ class EngineShardPusher:
         for er in self.engine_ranks:
             blob = _encode(receive_program(self.plan, er.rank))
             for t in (torch.tensor([blob.numel()], dtype=torch.int64), blob):
-                _wait(self.group.send([t], er.rank, 0), self.timeout, f"receive program to group rank {er.rank}")
+                _wait(self.group.send([t], er.rank, PROGRAM_TAG), self.timeout, f"receive program to group rank {er.rank}")
 
     def push(self) -> dict:
         """One sync: every bucket's pieces to the engine ranks that load them. Returns this rank's bytes sent."""
@@ -161,10 +163,10 @@ class EngineShardReceiver:
     def setup(self) -> dict:
         """Receive this rank's program from trainer rank 0 (after the trainers built or changed their plan)."""
         n = torch.empty(1, dtype=torch.int64)
-        _wait(self.group.recv([n], 0, 0), self.timeout, "receive program length from group rank 0")
+        _wait(self.group.recv([n], 0, PROGRAM_TAG), self.timeout, "receive program length from group rank 0")
         blob = torch.empty(int(n.item()), dtype=torch.uint8)
-        _wait(self.group.recv([blob], 0, 0), self.timeout, "receive program from group rank 0")
-        program = json.loads(bytes(blob.numpy()) if hasattr(blob, "numpy") else blob.tolist())
+        _wait(self.group.recv([blob], 0, PROGRAM_TAG), self.timeout, "receive program from group rank 0")
+        program = json.loads(bytes(blob.tolist()))  # no numpy needed
         if program.get("version") != PROGRAM_VERSION or program.get("rank") != self.rank:
             raise EngineShardError(f"receive program: expected version {PROGRAM_VERSION} for group rank {self.rank}, "
                                    f"found version {program.get('version')} for rank {program.get('rank')}")
@@ -197,7 +199,7 @@ class EngineShardReceiver:
             posted = []
             for peer, n, items in recvs:
                 buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-                posted.append((self.group.recv([buf], peer, 0), peer, buf, items))
+                posted.append((self.group.recv([buf], peer, k), peer, buf, items))
             for work, peer, buf, items in posted:
                 _wait(work, self.timeout, f"bucket {k} from group rank {peer}")
                 for e, off, c in items:
