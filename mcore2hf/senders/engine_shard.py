@@ -117,9 +117,10 @@ class EngineShardPusher:
         """Trainer rank 0: each engine rank's receive program (length, then JSON bytes)."""
         if self.rank != 0:
             return
+        dev = self.exporter.device  # NCCL sends device tensors only
         for er in self.engine_ranks:
-            blob = _encode(receive_program(self.plan, er.rank))
-            for t in (torch.tensor([blob.numel()], dtype=torch.int64), blob):
+            blob = _encode(receive_program(self.plan, er.rank)).to(dev)
+            for t in (torch.tensor([blob.numel()], dtype=torch.int64, device=dev), blob):
                 _wait(self.group.send([t], er.rank, PROGRAM_TAG), self.timeout, f"receive program to group rank {er.rank}")
 
     def push(self) -> dict:
@@ -162,11 +163,11 @@ class EngineShardReceiver:
 
     def setup(self) -> dict:
         """Receive this rank's program from trainer rank 0 (after the trainers built or changed their plan)."""
-        n = torch.empty(1, dtype=torch.int64)
+        n = torch.empty(1, dtype=torch.int64, device=self.device)
         _wait(self.group.recv([n], 0, PROGRAM_TAG), self.timeout, "receive program length from group rank 0")
-        blob = torch.empty(int(n.item()), dtype=torch.uint8)
+        blob = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
         _wait(self.group.recv([blob], 0, PROGRAM_TAG), self.timeout, "receive program from group rank 0")
-        program = json.loads(bytes(blob.tolist()))  # no numpy needed
+        program = json.loads(bytes(blob.cpu().tolist()))  # no numpy needed
         if program.get("version") != PROGRAM_VERSION or program.get("rank") != self.rank:
             raise EngineShardError(f"receive program: expected version {PROGRAM_VERSION} for group rank {self.rank}, "
                                    f"found version {program.get('version')} for rank {program.get('rank')}")
