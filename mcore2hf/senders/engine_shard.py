@@ -11,9 +11,13 @@ the engine process has no Megatron model): it gets its receive program (JSON, no
 per plan, then per bucket posts one receive per sending trainer rank, all at once, and yields `EngineBucket`s
 (`slices()` raw `(name, EngineSlice)`, `masked()` full-shaped tensors for a `load_weights`).
 
-No stock engine protocol receives per-rank slices: SGLang's and vLLM's `update_weights_from_distributed` (and
-vLLM's NCCL weight-transfer backend) broadcast full tensors from one source. A custom engine worker calls the
-reference receiver itself, e.g. a vLLM `worker_extension_cls` method or an SGLang custom weight-loader hook that
+Stock engine protocols (read in sglang 0.5.23 and vllm 0.33.0): SGLang's `update_weights_from_distributed`
+(model_runner_components/weight_updater.py) and vLLM's `nccl` backend (distributed/weight_transfer/nccl_engine.py)
+broadcast full tensors from one source. vLLM 0.33.0 also ships two sharded backends, not spoken here:
+`nccl_m2n` (weight_transfer/m2n_engine.py: the same group layout, trainer ranks [0, T), workers [T, T + N), but
+one `nccl.m2n.reshard` per parameter from DTensor placements, a GPU-only runtime, and fused parameters
+(qkv_proj, gate_up_proj, MoE w13/w2) fall back to full tensors, m2n_layout.py) and `sharded_rdt` (Ray Direct
+Transport pulls, sharded_rdt_engine.py). A custom engine worker calls the reference receiver itself, e.g. a vLLM `worker_extension_cls` method or an SGLang custom weight-loader hook that
 joins the group (`EngineShardReceiver.join(...)`, group rank = trainer world + its global engine rank), then per
 sync calls `setup()` when the trainer says the plan changed and `for b in receiver.buckets():
 model.load_weights(b.masked())`.
