@@ -32,17 +32,14 @@ from datetime import timedelta
 import torch
 
 from ..engine_shards import EnginePlacement, EngineShardError
-from ..gather import EngineBucket, _offsets, _place
+from ..gather import EngineBucket, EngineExecutor, _offsets, _place
 from ..layouts import Piece
-from ..plan import EngineRank, EngineShardPlan, SliceEntry
+from ..plan import _DTYPES, EngineRank, EngineShardPlan, SliceEntry
 from .process_group import join_weight_update_group
 
 PROGRAM_VERSION = 1
 #: message tags: bucket k's pieces travel with tag k (EngineExecutor's transport); the program with its own tag
 PROGRAM_TAG = 2**30
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                       torch.int64, torch.int32, torch.int8, torch.uint8,
-                                                       torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 def disaggregated_ranks(trainer_world: int, engine: str, tp_size: int, ep_size: int = 1, instances: int = 1,
@@ -79,7 +76,7 @@ def receive_program(eplan: EngineShardPlan, rank: int) -> dict:
                           [[e, off, list(c.start), list(c.step), list(c.count), c.add]
                            for (e, _, c), off in zip(items, offs)]])
         buckets.append(dict(
-            entries=[[e.name, list(e.shape), [list(t) for t in e.region], str(e.dtype).removeprefix("torch."),
+            entries=[[e.name, list(e.shape), [list(t) for t in e.region], str(e.dtype),
                       e.start, e.nbytes] for e in entries],
             nbytes=max((e.start + e.nbytes for e in entries), default=0), recvs=recvs))
     return dict(version=PROGRAM_VERSION, rank=rank, buckets=buckets)
@@ -125,12 +122,11 @@ class EngineShardPusher:
         for er in self.engine_ranks:
             blob = _encode(receive_program(self.plan, er.rank)).to(dev)
             for t in (torch.tensor([blob.numel()], dtype=torch.int64, device=dev), blob):
-                _wait(self.group.send([t], er.rank, PROGRAM_TAG), self.timeout, f"receive program to group rank {er.rank}")
+                _wait(self.group.send([t], er.rank, PROGRAM_TAG), self.timeout,
+                      f"receive program to group rank {er.rank}")
 
     def push(self) -> dict:
         """One sync: every bucket's pieces to the engine ranks that load them. Returns this rank's bytes sent."""
-        from ..gather import EngineExecutor
-
         if not self._shipped:
             self.ship_programs()
             self._shipped = True
