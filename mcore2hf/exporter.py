@@ -179,17 +179,20 @@ class HFExporter:
         return self._plans[key]
 
     def engine_buckets(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       name_filter: NameFilterLike = None, quantize: Quantize = None) -> Iterator[EngineBucket]:
+                       name_filter: NameFilterLike = None, quantize: Quantize = None, output: str = "slices",
+                       debug: bool = False) -> Iterator[EngineBucket]:
         """Engine-sharded export (collective: every rank iterates): each rank's bucket holds only the regions its
-        engine rank loads (`bucket.slices()` raw, `bucket.masked(debug)` full-shaped); a rank that feeds no
-        engine rank gets empty buckets. No byte is received that the engine rank does not load."""
+        engine rank loads (`bucket.slices()` raw; `bucket.as_bucket()` full-shaped, a Bucket any sender sends);
+        a rank that feeds no engine rank gets empty buckets. No byte is received that the engine rank does not
+        load. `output="masked"` writes every piece straight into its full-shaped HF tensor (`as_bucket()` is
+        then free); `debug` fills the unsent regions with NaN (float dtypes)."""
         if quantize is not None:
             raise EngineShardError(f"quantize={quantize!r} with engine sharding: not supported yet (FP8 blocks need "
                                    "128-aligned regions); export unquantized or with buckets()")
-        key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter)
+        key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter, output, debug)
         if key not in self._executors:
             self._executors[key] = EngineExecutor(self.engine_plan(engine_ranks, bucket_bytes, name_filter),
-                                                  self.ctx, self._local, self.device)
+                                                  self.ctx, self._local, self.device, output=output, debug=debug)
         return self._executors[key].run()
 
     def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket
-from .engine_shards import EngineShardError, EngineSlice, place_slices
+from .engine_shards import EngineShardError, EngineSlice, place_slices, region_slices
+from .layouts import _row_strides
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
-from .plan import BucketPlan, ExportPlan, Source, align
+from .plan import BucketPlan, ExportPlan, Source, align, pack_tight
 from .quantize import (
     FP8RowSlices,
     chunks,
@@ -720,6 +721,27 @@ class _EngineBucketProgram:
     local: list  # (entry index, source, piece)
 
 
+@dataclass
+class _EngineCompiled:
+    """A bucket's run, compiled once: every view precomputed except the output's (a new buffer per bucket)."""
+
+    entries: list  # SliceEntry of this rank (raw slices)
+    out: list  # the output's layout: SliceEntry ("slices") or HFEntry of the full tensors ("masked")
+    nbytes: int
+    dtypes: tuple
+    sends: list  # (peer, arena view) in peer order
+    recvs: list  # (peer, arena view) in peer order
+    pack_dsts: list  # send-arena views, one per piece sent, all packed by one _foreach_copy_
+    pack_srcs: list  # shard views (None where computed at each run: a buffer getter, a non-contiguous shard)
+    pack_dyn: list  # (index, source name, (sizes, strides, offset))
+    local: list  # Copy: this rank's own pieces (src a shard view, or local=(name,) for a dynamic shard)
+    unpack: list  # Copy: merged strided copies from the receive arena
+    bases: list  # (source name, shard, data_ptr) the precomputed shard views rely on
+    sent: int = 0
+    received: int = 0
+    local_bytes: int = 0
+
+
 class EngineExecutor:
     """Runs an EngineShardPlan on this rank; every member of the transport group runs it in step (collective).
 
@@ -727,19 +749,31 @@ class EngineExecutor:
     group built from a TCPStore, see senders/process_group.py) the routes' ranks are ranks in `group` and `rank`
     is this process's; pieces go through the group's own send/recv. Otherwise the default world's
     batch_isend_irecv, with `rank` defaulting to `ctx.rank`. A process holding nothing (a disaggregated engine
-    process) passes `ctx=None`, `local={}` and its `rank`: it runs the receive side only."""
+    process) passes `ctx=None`, `local={}` and its `rank`: it runs the receive side only.
+
+    Output: "slices" packs the raw regions tight (`EngineBucket.slices()`); "masked" lays the buffer out as the
+    full-shaped HF tensors of which this rank loads a region (pack_tight, as an all-ranks Bucket) and every piece
+    is written straight into its final position (`EngineBucket.as_bucket()` is free). `debug` fills a masked
+    output with NaN first (float dtypes; integer tensors' unsent regions stay uninitialized).
+
+    Compiled on the first run (the shards' storages are known then): send packing is one `_foreach_copy_` into
+    a send arena reused by every bucket and step, receive unpacking a few merged strided copies from the
+    receive arena, local pieces precomputed shard views; a later run does no per-piece Python work."""
 
     def __init__(self, eplan, ctx: ParallelContext | None, local: dict[str, LocalTensor], device: torch.device, *,
-                 group=None, rank: int | None = None):
+                 group=None, rank: int | None = None, output: str = "slices", debug: bool = False):
         if rank is None:
             if ctx is None:
                 raise EngineShardError("EngineExecutor: expected `rank` (this process's rank in the transport group) "
                                        "when no ParallelContext is given, found neither")
             rank = ctx.rank
+        if output not in ("slices", "masked"):
+            raise EngineShardError(f"engine-shard output: expected 'slices' or 'masked', found {output!r}")
         self.eplan, self.ctx, self.local, self.device = eplan, ctx, local, device
-        self.group, self.rank = group, rank
+        self.group, self.rank, self.output, self.debug = group, rank, output, debug
         self.programs = [self._program(k) for k in range(len(eplan.routes))]
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
+        self._compiled: list[_EngineCompiled] | None = None
 
     def _program(self, k: int) -> _EngineBucketProgram:
         me, plan = self.rank, self.eplan.export
@@ -767,6 +801,106 @@ class EngineExecutor:
                                      for p, items in sorted(recvs.items())],
                                     local)
 
+    # -- compilation ---------------------------------------------------------------------------------------------
+    def _arena_bytes(self, prog: _EngineBucketProgram) -> int:
+        return sum(align(n) for _, n, _ in prog.sends) + sum(align(n) for _, n, _ in prog.recvs)
+
+    def compile(self) -> None:
+        if self._compiled is not None:
+            return
+        n = max([self._arena_bytes(p) for p in self.programs] or [0])
+        self._arena = torch.empty(max(n, 64), dtype=torch.uint8, device=self.device)
+        self._typed: dict = {}
+        self._compiled = [self._compile(p) for p in self.programs]
+
+    def _typed_arena(self, _a: int, dtype: torch.dtype) -> torch.Tensor:
+        t = self._typed.get(dtype)
+        if t is None:
+            n = self._arena.numel()
+            t = self._typed[dtype] = self._arena[:n - n % dtype.itemsize].view(dtype)
+        return t
+
+    def _base(self, name: str) -> tuple[torch.Tensor | None, object]:
+        """(the shard to precompute views of, or None when it must be read at each run; what it was read from)."""
+        src = _source_of(self.local[name])
+        if isinstance(src, torch.Tensor) and src.is_contiguous():
+            return src.detach(), src
+        return None, src
+
+    def _layout(self, entries: list) -> tuple[list, dict]:
+        """The output's entries and, per SliceEntry index, (element offset of the region's origin in its dtype's
+        view of the output, the strides there, the region's start per dim)."""
+        if self.output == "slices":
+            out = entries
+            where = {}
+            for k, e in enumerate(entries):
+                lo = {d: o for d, o, _ in e.region}
+                where[k] = (e.start // e.dtype.itemsize, _row_strides(e.slice_shape),
+                            tuple(lo.get(d, 0) for d in range(len(e.shape))))
+            return out, where
+        seen: dict[str, tuple] = {}
+        for e in entries:
+            seen.setdefault(e.name, (e.name, e.shape, e.dtype, e.name))
+        out = pack_tight(list(seen.values()))
+        by_name = {h.name: h for h in out}
+        where = {k: (by_name[e.name].start // e.dtype.itemsize, _row_strides(e.shape), (0,) * len(e.shape))
+                 for k, e in enumerate(entries)}
+        return out, where
+
+    def _compile(self, prog: _EngineBucketProgram) -> _EngineCompiled:
+        out, where = self._layout(prog.entries)
+        nbytes = max((e.start + e.nbytes for e in out), default=0)
+        cb = _EngineCompiled(prog.entries, out, nbytes, tuple(sorted({e.dtype for e in out}, key=str)),
+                             [], [], [], [], [], [], [], [])
+        bases: dict[str, tuple] = {}
+
+        def base(name: str):
+            if name not in bases:
+                bases[name] = self._base(name)
+            return bases[name][0]
+
+        arena, off = self._arena, 0
+        for peer, n, items in prog.sends:
+            for (s, c), o in zip(items, _offsets(items)):
+                isz = s.dtype.itemsize
+                cb.pack_dsts.append(arena[off + o:off + o + c.numel * isz].view(s.dtype).view(c.count))
+                b = base(s.name)
+                if b is None:
+                    cb.pack_srcs.append(None)
+                    cb.pack_dyn.append((len(cb.pack_dsts) - 1, s.name, c.src_view()))
+                else:
+                    sizes, strides, so = c.src_view()
+                    cb.pack_srcs.append(b.as_strided(sizes, strides, b.storage_offset() + so))
+            cb.sends.append((peer, arena[off:off + n]))
+            cb.sent += n
+            off += align(n)
+        raw = []
+        for peer, n, items in prog.recvs:
+            for (entry, s, c), o in zip(items, _offsets([(s, c) for _, s, c in items])):
+                isz = s.dtype.itemsize
+                sizes, dstr, doff = _dst(where[entry], c)
+                raw.append(Copy(s.dtype, sizes, dstr, doff, None, ("arena", 0), _row_strides(c.count),
+                                (off + o) // isz, tag=(c.add,), add=c.add))
+            cb.recvs.append((peer, arena[off:off + n]))
+            cb.received += n
+            off += align(n)
+        cb.unpack = _merge(raw, self._typed_arena, 0)
+        for entry, s, c in prog.local:
+            sizes, dstr, doff = _dst(where[entry], c)
+            ss, sstr, so = c.src_view()
+            b = base(s.name)
+            src = None if b is None else b.as_strided(ss, sstr, b.storage_offset() + so)
+            cb.local.append(Copy(s.dtype, sizes, dstr, doff, src, None if b is not None else (s.name,), sstr, so,
+                                 add=c.add))
+            cb.local_bytes += c.numel * s.dtype.itemsize
+        cb.bases = [(name, b[1], b[1].data_ptr()) for name, b in bases.items() if b[0] is not None]
+        return cb
+
+    def _stale(self, cb: _EngineCompiled) -> bool:
+        """Whether a shard was replaced since compiling (training swapped a parameter's .data): views follow."""
+        return any(t.data_ptr() != ptr for _, t, ptr in cb.bases)
+
+    # -- running -------------------------------------------------------------------------------------------------
     def _exchange(self, sends: list, recvs: list, tag: int) -> list:
         """Post every send and receive of a bucket at once ((peer, buffer) each); returns the works to wait on."""
         if self.group is None:
@@ -777,79 +911,129 @@ class EngineExecutor:
         works = [self.group.recv([buf], peer, tag) for peer, buf in recvs]
         return works + [self.group.send([buf], peer, tag) for peer, buf in sends]
 
-    def _shard(self, s: Source) -> torch.Tensor:
-        t = _source_of(self.local[s.name])
-        t = t if isinstance(t, torch.Tensor) else t()  # a buffer getter
-        return t if t.is_contiguous() else t.contiguous()  # pieces address the shard as contiguous
-
-    def _src_view(self, s: Source, piece, shards: dict[str, torch.Tensor]) -> torch.Tensor:
-        t = shards.get(s.name)
+    def _dynamic(self, name: str, shards: dict) -> torch.Tensor:
+        t = shards.get(name)
         if t is None:  # once per bucket: a non-contiguous shard is copied once, not once per piece
-            t = shards[s.name] = self._shard(s).detach()
-        sizes, strides, off = piece.src_view()
-        return t.as_strided(sizes, strides, t.storage_offset() + off)
+            t = _source_of(self.local[name])
+            t = t if isinstance(t, torch.Tensor) else t()  # a buffer getter
+            t = shards[name] = (t if t.is_contiguous() else t.contiguous()).detach()
+        return t
 
-    def run(self) -> Iterator:
-        for k, prog in enumerate(self.programs):
-            flat = torch.empty(prog.nbytes, dtype=torch.uint8, device=self.device)
-            slices = [flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.slice_shape) for e in prog.entries]
-            sends, recvs, bufs, shards = [], [], [], {}
-            for peer, n, items in prog.sends:
-                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-                dsts, srcs = [], []
-                for (s, c), off in zip(items, _offsets([(s, c) for s, c in items])):
-                    dsts.append(buf[off:off + c.numel * s.dtype.itemsize].view(s.dtype).view(c.count))
-                    srcs.append(self._src_view(s, c, shards))
-                if dsts:
-                    torch._foreach_copy_(dsts, srcs)
-                sends.append((peer, buf))
-                self.stats["sent_bytes"] += n
-            for peer, n, items in prog.recvs:
-                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-                bufs.append((buf, items))
-                recvs.append((peer, buf))
-            works = self._exchange(sends, recvs, k)
-            for entry, s, c in prog.local:  # overlaps the transfers
-                _place(slices[entry], prog.entries[entry], c, self._src_view(s, c, shards))
-                self.stats["local_bytes"] += c.numel * s.dtype.itemsize
-            for w in works:
-                w.wait()
-            for buf, items in bufs:
-                for (entry, s, c), off in zip(items, _offsets([(s, c) for _, s, c in items])):
-                    n = c.numel * s.dtype.itemsize
-                    _place(slices[entry], prog.entries[entry], c, buf[off:off + n].view(s.dtype).view(c.count))
-                    self.stats["received_bytes"] += n
-            yield EngineBucket(k, flat, prog.entries)
+    def run(self) -> Iterator[EngineBucket]:
+        """Yield this rank's bucket of every plan bucket in order (collective over the transport group)."""
+        with torch.no_grad():
+            self.compile()
+        for k in range(len(self._compiled)):
+            with torch.no_grad():
+                cb = self._compiled[k]
+                if cb.bases and self._stale(cb):
+                    cb = self._compiled[k] = self._compile(self.programs[k])
+                bucket = self._run(k, cb)
+            yield bucket
+            del bucket
+
+    def _run(self, k: int, cb: _EngineCompiled) -> EngineBucket:
+        shards: dict = {}
+        if cb.pack_dsts:
+            srcs = cb.pack_srcs
+            if cb.pack_dyn:
+                srcs = list(srcs)
+                for i, name, (sizes, strides, off) in cb.pack_dyn:
+                    t = self._dynamic(name, shards)
+                    srcs[i] = t.as_strided(sizes, strides, t.storage_offset() + off)
+            torch._foreach_copy_(cb.pack_dsts, srcs)
+        works = self._exchange(cb.sends, cb.recvs, k)
+        flat = torch.empty(cb.nbytes, dtype=torch.uint8, device=self.device)
+        n = flat.numel()
+        typed = {dt: flat[:n - n % dt.itemsize].view(dt) for dt in cb.dtypes}
+        if self.debug and self.output == "masked":
+            for e in cb.out:
+                if e.dtype.is_floating_point:
+                    flat[e.start:e.start + e.nbytes].view(e.dtype).fill_(float("nan"))
+        self._copies(cb.local, typed, shards)  # overlaps the transfers
+        for w in works:
+            w.wait()
+        self._copies(cb.unpack, typed, shards)
+        self.stats["sent_bytes"] += cb.sent
+        self.stats["received_bytes"] += cb.received
+        self.stats["local_bytes"] += cb.local_bytes
+        return EngineBucket(k, flat, cb.entries, cb.out if self.output == "masked" else None)
+
+    def _copies(self, copies: list[Copy], typed: dict, shards: dict) -> None:
+        if not copies:
+            return
+        dsts, srcs, adds = [], [], []
+        for c in copies:
+            dst = typed[c.dtype].as_strided(c.sizes, c.dst_strides, c.dst_offset)
+            src = c.src
+            if src is None:  # a dynamic shard
+                t = self._dynamic(c.local[0], shards)
+                src = t.as_strided(c.sizes, c.src_strides, t.storage_offset() + c.src_offset)
+            dsts.append(dst)
+            srcs.append(src)
+            if c.add:
+                adds.append((dst, c.add))
+        torch._foreach_copy_(dsts, srcs)
+        for dst, add in adds:
+            dst.add_(add)
 
 
 class EngineBucket:
-    """One rank's slices of a bucket's HF tensors (the regions its engine rank loads) in one flat byte buffer:
-    raw slices with their (dim, offset, length) metadata for custom engines, masked full tensors for stock ones."""
+    """One rank's share of a bucket: the regions its engine rank loads, in one flat byte buffer. `slices()` gives
+    the raw slices with their (dim, offset, length) metadata for custom engines; `as_bucket()` the full-shaped
+    HF tensors, only those regions written, for stock engines' load_weights (free when the executor's output is
+    "masked": the buffer already is that bucket)."""
 
-    def __init__(self, index: int, flat: torch.Tensor, entries: list):
-        self.index, self.flat, self.entries = index, flat, entries
+    def __init__(self, index: int, flat: torch.Tensor, entries: list, full: list | None = None):
+        self.index, self.flat, self.entries, self.full = index, flat, entries, full
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def slices(self) -> list[tuple[str, EngineSlice]]:
         """(HF name, EngineSlice) per region, views of `flat` (a tensor with several regions appears once each)."""
+        if self.full is not None:
+            tensors = dict(self.as_bucket().named_tensors())
+            return [(e.name, EngineSlice(e.region, tensors[e.name][region_slices(e.region)])) for e in self.entries]
         return [(e.name, EngineSlice(e.region, self.flat[e.start:e.start + e.nbytes].view(e.dtype)
                                      .view(e.slice_shape))) for e in self.entries]
 
+    def as_bucket(self, debug: bool = False) -> Bucket:
+        """The full-shaped tensors as an all-ranks Bucket (flat, entries, named_tensors(), metadata()), so every
+        sender sends it unchanged. Free for a "masked" executor's bucket (its NaN fill is the executor's `debug`);
+        from a "slices" one it is packed into a new buffer (NaN outside the regions with `debug`)."""
+        if self.full is not None:
+            if not hasattr(self, "_bucket"):
+                self._bucket = Bucket(self.index, self.flat, self.full)
+            return self._bucket
+        seen: dict[str, tuple] = {}
+        for e in self.entries:
+            seen.setdefault(e.name, (e.name, e.shape, e.dtype, e.name))
+        entries = pack_tight(list(seen.values()))
+        flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8, device=self.flat.device)
+        bucket = Bucket(self.index, flat, entries)
+        tensors = dict(bucket.named_tensors())
+        if debug:
+            for t in tensors.values():
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+        for name, s in self.slices():
+            place_slices([s], tensors[name])
+        return bucket
+
     def masked(self, debug: bool = False) -> list[tuple[str, torch.Tensor]]:
-        """(HF name, full-shaped tensor) as a stock `load_weights` takes them: only this rank's regions written;
-        the rest NaN when `debug` (a read outside the regions shows), else uninitialized (never read)."""
-        out: dict[str, torch.Tensor] = {}
-        for e, (name, s) in zip(self.entries, self.slices()):
-            if name not in out:
-                out[name] = (torch.full(e.shape, float("nan"), dtype=e.dtype, device=self.flat.device) if debug
-                             else torch.empty(e.shape, dtype=e.dtype, device=self.flat.device))
-            place_slices([s], out[name])
-        return list(out.items())
+        """(HF name, full-shaped tensor) as a stock `load_weights` takes them: `as_bucket(debug).named_tensors()`."""
+        return self.as_bucket(debug).named_tensors()
 
     def __repr__(self) -> str:
         return f"EngineBucket(index={self.index}, slices={len(self)}, bytes={self.flat.numel()})"
+
+
+def _dst(where: tuple, piece) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A piece's destination in a dtype view of the output: (sizes, strides, element offset)."""
+    origin, strides, lo = where
+    start = origin + sum((a - o) * st for a, o, st in zip(piece.start, lo, strides))
+    return tuple(piece.count), tuple(q * st for q, st in zip(piece.step, strides)), start
 
 
 def _offsets(items: list) -> list[int]:
@@ -866,15 +1050,3 @@ def _offsets(items: list) -> list[int]:
 def _packed_bytes(items: list) -> int:
     offs = _offsets(items)
     return (offs[-1] + items[-1][1].numel * items[-1][0].dtype.itemsize) if items else 0
-
-
-def _place(slice_: torch.Tensor, entry, piece, src: torch.Tensor) -> None:
-    """Write a piece (its elements as `src`, shaped piece.count) into the receiver's slice of its HF tensor."""
-    lo = {d: o for d, o, _ in entry.region}
-    strides = slice_.stride()
-    start = sum((a - lo.get(d, 0)) * st for d, (a, st) in enumerate(zip(piece.start, strides)))
-    dst = slice_.as_strided(piece.count, tuple(q * st for q, st in zip(piece.step, strides)),
-                            slice_.storage_offset() + start)
-    dst.copy_(src)
-    if piece.add:
-        dst.add_(piece.add)

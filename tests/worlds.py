@@ -771,6 +771,17 @@ def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, 
 TP_ALIGNED_OPS = {"Column", "Row", "QKV", "GatedQKV", "GatedColumn", "GDNInProj", "ColumnParts"}
 
 
+def _masked_ok(full: torch.Tensor, name: str, t: torch.Tensor, got: dict) -> bool:
+    """In the rank's regions of `name` (the keys of `got`) the full export's values, NaN elsewhere."""
+    from mcore2hf.engine_shards import region_slices
+
+    inside = torch.zeros(full.shape, dtype=torch.bool)
+    for (n, region) in got:
+        if n == name:
+            inside[region_slices(region)] = True
+    return bool(torch.equal(t[inside], full[inside]) and t[~inside].isnan().all())
+
+
 def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int) -> dict:
     """Issue 15 step 4: engine-sharded export of real megatron-core models (weights loaded) at `layout`, sglang
     and vllm at engine TP 1/2/4 (with EP for MoE), colocated: every rank's slices equal engine_slices of the
@@ -798,37 +809,42 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
                     except EngineShardError as e:
                         out[key] = f"refused: {str(e)[:80]}"
                         continue
-                    executor_key = ("engine", tuple(ranks), bucket_bytes, None)
-                    before = dict(ex._executors[executor_key].stats) if executor_key in ex._executors else None
-                    got: dict = {}
-                    masked_nan_ok = True
-                    for bucket in ex.engine_buckets(ranks, bucket_bytes):
-                        for name, sl in bucket.slices():
-                            got[(name, sl.region)] = sl.tensor.clone()
-                        for name, t in bucket.masked(debug=True):
-                            full = ref[name]
-                            inside = torch.zeros(full.shape, dtype=torch.bool)
-                            for (n, region) in got:
-                                if n == name:
-                                    inside[region_slices(region)] = True
-                            masked_nan_ok &= bool(torch.equal(t[inside], full[inside]) and t[~inside].isnan().all())
-                    stats = ex._executors[executor_key].stats
-                    if before:
-                        stats = {k: v - before[k] for k, v in stats.items()}
                     want = {(n, region): ref[n][region_slices(region)]
                             for n in ref for region in engine_regions(n, ref[n].shape, dims, mine.placement,
                                                                       model_type)}
-                    assert set(got) == set(want), (key, sorted(set(want) ^ set(got))[:4])
-                    bad = [k for k in want if not torch.equal(got[k], want[k])]
-                    assert not bad, (key, bad[:4])
-                    assert masked_nan_ok, key
-                    b = eplan.bytes_by_receiver()[me]
-                    need = sum(v.numel() * v.element_size() for v in want.values())
-                    assert stats["received_bytes"] == b["wire"] and stats["local_bytes"] == b["local"], (key, stats, b)
-                    assert b["wire"] + b["local"] == need, (key, b, need)
-                    sent = [None] * dist.get_world_size()
-                    dist.all_gather_object(sent, (stats["sent_bytes"], stats["received_bytes"]))
-                    assert sum(s for s, _ in sent) == sum(r for _, r in sent), (key, sent)
+
+                    # raw slices (masked() on top of them), then the masked output written in place (debug NaN)
+                    for output in ("slices", "masked"):
+                        executor_key = ("engine", tuple(ranks), bucket_bytes, None, output, output == "masked")
+                        before = dict(ex._executors[executor_key].stats) if executor_key in ex._executors else None
+                        got: dict = {}
+                        masked_nan_ok = True
+                        for bucket in ex.engine_buckets(ranks, bucket_bytes, output=output, debug=output == "masked"):
+                            for name, sl in bucket.slices():
+                                got[(name, sl.region)] = sl.tensor.clone()
+                            if output == "slices":
+                                named = bucket.masked(debug=True)
+                            else:
+                                mb = bucket.as_bucket()
+                                assert mb.flat is bucket.flat and len(mb) == len({n for n, _ in bucket.slices()}), key
+                                named = mb.named_tensors()
+                            for name, t in named:
+                                masked_nan_ok &= _masked_ok(ref[name], name, t, got)
+                        stats = ex._executors[executor_key].stats
+                        if before:
+                            stats = {k: v - before[k] for k, v in stats.items()}
+                        assert set(got) == set(want), (key, output, sorted(set(want) ^ set(got))[:4])
+                        bad = [k for k in want if not torch.equal(got[k], want[k])]
+                        assert not bad, (key, output, bad[:4])
+                        assert masked_nan_ok, (key, output)
+                        b = eplan.bytes_by_receiver()[me]
+                        need = sum(v.numel() * v.element_size() for v in want.values())
+                        assert stats["received_bytes"] == b["wire"] and stats["local_bytes"] == b["local"], \
+                            (key, output, stats, b)
+                        assert b["wire"] + b["local"] == need, (key, b, need)
+                        sent = [None] * dist.get_world_size()
+                        dist.all_gather_object(sent, (stats["sent_bytes"], stats["received_bytes"]))
+                        assert sum(s for s, _ in sent) == sum(r for _, r in sent), (key, output, sent)
                     # TP-aligned (engine TP == Megatron TP, colocated): pieces of tensors both split the same way
                     # and this rank holds never cross the wire (engines replicate MTP's eh_proj, pad the vocab
                     # differently: those may)
