@@ -69,8 +69,11 @@ def _engine(rank: int, world: int, port: int, path: str) -> None:
         syncs = []
         for _ in range(SYNCS):
             before = rec.stats["received_bytes"]
-            got = {f"{name}|{list(sl.region)}": sl.tensor.clone() for b in rec.buckets() for name, sl in b.slices()}
-            syncs.append(dict(slices=got, received=rec.stats["received_bytes"] - before))
+            got, masked = {}, {}
+            for b in rec.buckets():
+                got.update((f"{name}|{list(sl.region)}", sl.tensor.clone()) for name, sl in b.slices())
+                masked.update((name, t.clone()) for name, t in b.masked(debug=True))  # what load_weights takes
+            syncs.append(dict(slices=got, masked=masked, received=rec.stats["received_bytes"] - before))
         results.append(dict(syncs=syncs, expected=rec.expected_bytes))
     torch.save(results, path)
 
@@ -124,6 +127,12 @@ def test_disaggregated_engine_shards_tp2_ep2_trainer_to_2_engine_ranks_every_hol
                 bad = [k for k in want if not torch.equal(have[k], want[k])]
                 assert not bad, (engine, tp, ep, j, bad[:4])
                 assert sync["received"] == need, (engine, tp, ep, j, sync["received"], need)
+                for n, t in sync["masked"].items():  # masked full tensors: the regions written, NaN elsewhere
+                    inside = torch.zeros(t.shape, dtype=torch.bool)
+                    for region in engine_regions(n, t.shape, dims, placement, "qwen3_moe"):
+                        inside[region_slices(region)] = True
+                    assert torch.equal(t[inside], full[n][inside]) and t[~inside].isnan().all(), (engine, j, n)
+                assert set(sync["masked"]) == {k.split("|")[0] for k in want}
             received += need
         sent = [r["placements"][i] for r in res]
         assert all(s["sent"] == [s["planned"]] * SYNCS and s["planned"] > 0 for s in sent), sent
@@ -155,8 +164,9 @@ def test_disaggregated_ranks_and_receive_program_refusals():
     import pytest
 
     from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.gather import EngineExecutor
     from mcore2hf.plan import colocated_ranks, plan_engine_shards
-    from mcore2hf.senders.engine_shard import disaggregated_ranks, receive_program
+    from mcore2hf.senders.engine_shard import disaggregated_ranks, receive_plan, receive_program
 
     ranks = disaggregated_ranks(4, "sglang", 2, instances=2)
     assert [(er.instance, er.placement.tp_rank, er.rank) for er in ranks] == [(0, 0, 4), (0, 1, 5), (1, 0, 6),
@@ -171,4 +181,9 @@ def test_disaggregated_ranks_and_receive_program_refusals():
         receive_program(plan_engine_shards(export, colocated_ranks(2, "sglang", 2), dims), 0)
     eplan = plan_engine_shards(export, disaggregated_ranks(2, "vllm", 2, 2), dims)
     program = json.loads(json.dumps(receive_program(eplan, 3)))
-    assert sum(n for b in program["buckets"] for _, n, _ in b["recvs"]) == eplan.bytes_by_receiver()[3]["wire"] > 0
+    # the rebuilt receive side gives the executor the same receive programs as the full plan does
+    rebuilt = EngineExecutor(receive_plan(program), None, {}, torch.device("cpu"), rank=3).programs
+    full = EngineExecutor(eplan, None, {}, torch.device("cpu"), rank=3).programs
+    assert [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in rebuilt] == \
+        [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in full]
+    assert sum(n for p in rebuilt for _, n, _ in p.recvs) == eplan.bytes_by_receiver()[3]["wire"] > 0

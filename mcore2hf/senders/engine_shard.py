@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from ..engine_shards import EnginePlacement, EngineShardError
-from ..gather import EngineBucket, EngineExecutor, _offsets, _place
+from ..gather import EngineBucket, EngineExecutor
 from ..layouts import Piece
-from ..plan import _DTYPES, EngineRank, EngineShardPlan, SliceEntry
+from ..plan import _DTYPES, EngineRank, EngineShardPlan, Route, SliceEntry
 from .process_group import join_weight_update_group
 
 PROGRAM_VERSION = 1
@@ -54,32 +55,55 @@ def disaggregated_ranks(trainer_world: int, engine: str, tp_size: int, ep_size: 
 
 
 def receive_program(eplan: EngineShardPlan, rank: int) -> dict:
-    """What group rank `rank` (an engine rank holding nothing) needs to receive a sync, as plain data: per bucket its
-    SliceEntries and, per sending rank, the byte offset of each piece in that sender's packed message (the
-    executor's packing: pieces in route order, `gather._offsets`) and where it goes."""
-    export, buckets = eplan.export, []
+    """The receive side of the plan for group rank `rank` (an engine rank holding nothing), as plain data: the
+    sources it gets pieces of (name, dtype), and per bucket its SliceEntries and its routes in plan order (the
+    order the senders pack in), each piece as (start, step, count, add). `EngineShardReceiver` rebuilds the
+    plan's receive side from it (`receive_plan`) and runs the same EngineExecutor as the trainers."""
+    export, buckets, names = eplan.export, [], {}
     for k, routes in enumerate(eplan.routes):
-        entries = eplan.outputs[k].get(rank, [])
-        by_peer: dict[int, list] = {}
+        mine = []
         for r in routes:
             if r.receiver != rank:
                 continue
             if r.local:
                 raise EngineShardError(f"group rank {rank} holds shards of the model: a disaggregated engine rank "
                                        "must come after every trainer rank in the weight-update group")
-            by_peer.setdefault(r.sender, []).append((r.entry, export.sources[r.source], r.piece))
-        recvs = []
-        for peer, items in sorted(by_peer.items()):
-            offs = _offsets([(s, c) for _, s, c in items])
-            last = items[-1]
-            recvs.append([peer, offs[-1] + last[2].numel * last[1].dtype.itemsize,
-                          [[e, off, list(c.start), list(c.step), list(c.count), c.add]
-                           for (e, _, c), off in zip(items, offs)]])
-        buckets.append(dict(
-            entries=[[e.name, list(e.shape), [list(t) for t in e.region], str(e.dtype),
-                      e.start, e.nbytes] for e in entries],
-            nbytes=max((e.start + e.nbytes for e in entries), default=0), recvs=recvs))
-    return dict(version=PROGRAM_VERSION, rank=rank, buckets=buckets)
+            i = names.setdefault(r.source, len(names))
+            c = r.piece
+            mine.append([r.sender, r.entry, i, list(c.start), list(c.step), list(c.count), c.add])
+        entries = [[e.name, list(e.shape), [list(t) for t in e.region], str(e.dtype), e.start, e.nbytes]
+                   for e in eplan.outputs[k].get(rank, [])]
+        buckets.append(dict(entries=entries, routes=mine))
+    sources = [[n, str(export.sources[n].dtype)] for n in names]
+    return dict(version=PROGRAM_VERSION, rank=rank, sources=sources, buckets=buckets)
+
+
+@dataclass(frozen=True)
+class _Received:
+    """What the executor's receive side reads of a Source."""
+
+    name: str
+    dtype: torch.dtype
+
+
+@dataclass
+class _ReceiveExport:
+    sources: dict[str, _Received]
+
+
+def receive_plan(program: dict) -> EngineShardPlan:
+    """The receive side of an EngineShardPlan rebuilt from `receive_program`'s value (what EngineExecutor reads on
+    a rank that holds nothing: the routes to it, its SliceEntries, each source's dtype)."""
+    me = program["rank"]
+    sources = [_Received(n, _DTYPES[d]) for n, d in program["sources"]]
+    routes, outputs = [], []
+    for b in program["buckets"]:
+        outputs.append({me: [SliceEntry(n, tuple(sh), tuple(tuple(t) for t in r), _DTYPES[d], st, nb)
+                             for n, sh, r, d, st, nb in b["entries"]]})
+        routes.append([Route(sources[i].name, sender, me, entry,
+                             Piece(0, 0, tuple(a), tuple(q), tuple(c), (0,) * len(c), 0, add))
+                       for sender, entry, i, a, q, c, add in b["routes"]])
+    return EngineShardPlan(_ReceiveExport({s.name: s for s in sources}), [], routes, outputs)
 
 
 def _encode(program: dict) -> torch.Tensor:
@@ -146,8 +170,10 @@ class EngineShardReceiver:
     """Engine side, the reference receiver: one engine rank of the weight-update group, with no model. `setup()`
     receives the receive program from trainer rank 0 (once per plan); `buckets()` receives one sync."""
 
-    def __init__(self, group, rank: int, device: str | torch.device = "cpu", timeout: float = 120.0):
+    def __init__(self, group, rank: int, device: str | torch.device = "cpu", timeout: float = 120.0,
+                 output: str = "slices", debug: bool = False):
         self.group, self.rank, self.device = group, rank, torch.device(device)
+        self.output, self.debug = output, debug
         self.timeout = timedelta(seconds=timeout)
         self.program: dict | None = None
         self.stats = {"received_bytes": 0}
@@ -172,40 +198,21 @@ class EngineShardReceiver:
             raise EngineShardError(f"receive program: expected version {PROGRAM_VERSION} for group rank {self.rank}, "
                                    f"found version {program.get('version')} for rank {program.get('rank')}")
         self.program = program
-        self._compiled = [self._compile(b) for b in program["buckets"]]
+        self._executor = EngineExecutor(receive_plan(program), None, {}, self.device, group=self.group,
+                                        rank=self.rank, output=self.output, debug=self.debug)
         return program
-
-    @staticmethod
-    def _compile(b: dict) -> tuple:
-        entries = [SliceEntry(n, tuple(s), tuple(tuple(t) for t in r), _DTYPES[d], st, nb)
-                   for n, s, r, d, st, nb in b["entries"]]
-        recvs = [(peer, nbytes, [(e, off, Piece(0, 0, tuple(a), tuple(q), tuple(c), (), 0, add))
-                                 for e, off, a, q, c, add in items])
-                 for peer, nbytes, items in b["recvs"]]
-        return entries, b["nbytes"], recvs
 
     @property
     def expected_bytes(self) -> int:
         """Bytes one sync brings this rank (the sum of its regions)."""
-        return sum(n for b in self._compiled for _, n, _ in b[2])
+        return sum(n for p in self._executor.programs for _, n, _ in p.recvs)
 
     def buckets(self) -> Iterator[EngineBucket]:
-        """One sync: per bucket, one receive per sending trainer rank posted at once, then the pieces placed into
-        this rank's slices. Buckets are views of a fresh buffer each: clone what you keep past the next one."""
+        """One sync: per bucket, one receive per sending trainer rank posted at once (exec15's EngineExecutor on
+        the rebuilt receive side), pieces written into this rank's slices, or into full-shaped tensors with
+        output="masked". Buckets are views of a fresh buffer each: clone what you keep past the next one."""
         if self.program is None:
             raise EngineShardError("EngineShardReceiver.buckets(): expected setup() to have received the program")
-        for k, (entries, nbytes, recvs) in enumerate(self._compiled):
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            slices = [flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.slice_shape) for e in entries]
-            posted = []
-            for peer, n, items in recvs:
-                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-                posted.append((self.group.recv([buf], peer, k), peer, buf, items))
-            for work, peer, buf, items in posted:
-                _wait(work, self.timeout, f"bucket {k} from group rank {peer}")
-                for e, off, c in items:
-                    entry = entries[e]
-                    n = c.numel * entry.dtype.itemsize
-                    _place(slices[e], entry, c, buf[off:off + n].view(entry.dtype).view(c.count))
-                self.stats["received_bytes"] += buf.numel()
-            yield EngineBucket(k, flat, entries)
+        before = self._executor.stats["received_bytes"]
+        yield from self._executor.run()
+        self.stats["received_bytes"] += self._executor.stats["received_bytes"] - before
