@@ -1,6 +1,9 @@
 """Reference receiver for the distributed path: joins the weight-update group, receives a bucket's flat buffer
 and rebuilds its tensors, exactly as SGLang's scheduler does. Used by the tests; usable inside a custom engine
-worker (call `receive` when the metadata request arrives, then load the returned tensors)."""
+worker (call `receive` when the metadata request arrives, then load the returned tensors).
+
+Engine-sharded delivery (each engine rank receives only the regions it loads, from every trainer rank that holds
+them) has its own reference receiver, `EngineShardReceiver` (mcore2hf/senders/engine_shard.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,218 @@
+"""Disaggregated engine-sharded delivery (issue 15 point 5): engines in another world (other GPUs or nodes)
+receive only the regions each engine rank loads, straight from the trainer ranks that hold them, many sources
+at once, instead of every full tensor broadcast from trainer rank 0.
+
+The weight-update group holds every trainer rank (group rank = its rank in the training world) and every engine
+rank (engine instance k's TP rank r at group rank `trainer_world + k * tp + r`, `disaggregated_ranks`). The
+EngineShardPlan is built with those group ranks; no engine rank holds a shard, so every piece is a route from a
+holder, and the planner spreads them over the holders (least loaded first). Trainer side: `EngineShardPusher`
+(every trainer rank, collective over the group). Engine side: `EngineShardReceiver` (the reference receiver;
+the engine process has no Megatron model): it gets its receive program (JSON, no pickle) from trainer rank 0 once
+per plan, then per bucket posts one receive per sending trainer rank, all at once, and yields `EngineBucket`s
+(`slices()` raw `(name, EngineSlice)`, `masked()` full-shaped tensors for a `load_weights`).
+
+Stock engine protocols (read in sglang 0.5.23 and vllm 0.33.0): SGLang's `update_weights_from_distributed`
+(model_runner_components/weight_updater.py) and vLLM's `nccl` backend (distributed/weight_transfer/nccl_engine.py)
+broadcast full tensors from one source. vLLM 0.33.0 also ships two sharded backends, not spoken here:
+`nccl_m2n` (weight_transfer/m2n_engine.py: the same group layout, trainer ranks [0, T), workers [T, T + N), but
+one `nccl.m2n.reshard` per parameter from DTensor placements, a GPU-only runtime, and fused parameters
+(qkv_proj, gate_up_proj, MoE w13/w2) fall back to full tensors, m2n_layout.py) and `sharded_rdt` (Ray Direct
+Transport pulls, sharded_rdt_engine.py). A custom engine worker calls the reference receiver itself, e.g. a vLLM `worker_extension_cls` method or an SGLang custom weight-loader hook that
+joins the group (`EngineShardReceiver.join(...)`, group rank = trainer world + its global engine rank), then per
+sync calls `setup()` when the trainer says the plan changed and `for b in receiver.buckets():
+model.load_weights(b.masked())`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from ..engine_shards import EnginePlacement, EngineShardError
+from ..gather import EngineBucket, EngineExecutor
+from ..layouts import Piece
+from ..plan import _DTYPES, EngineRank, EngineShardPlan, Route, SliceEntry
+from .process_group import join_weight_update_group
+
+PROGRAM_VERSION = 1
+#: message tags: bucket k's pieces travel with tag k (EngineExecutor's transport); the program with its own tag
+PROGRAM_TAG = 2**30
+
+
+def disaggregated_ranks(trainer_world: int, engine: str, tp_size: int, ep_size: int = 1, instances: int = 1,
+                        **placement) -> list[EngineRank]:
+    """Engine instance k's TP rank r at weight-update group rank `trainer_world + k * tp_size + r` (after every
+    trainer rank). `placement` passes EnginePlacement fields (moe_tp, replicated_shared_experts)."""
+    if trainer_world < 1 or instances < 1:
+        raise EngineShardError(f"disaggregated engines: expected a trainer world >= 1 and instances >= 1, found "
+                               f"{trainer_world} and {instances}")
+    return [EngineRank(EnginePlacement(engine, r, tp_size, ep_size, **placement), k, trainer_world + k * tp_size + r)
+            for k in range(instances) for r in range(tp_size)]
+
+
+def receive_program(eplan: EngineShardPlan, rank: int) -> dict:
+    """The receive side of the plan for group rank `rank` (an engine rank holding nothing), as plain data: the
+    sources it gets pieces of (name, dtype), and per bucket its SliceEntries and its routes in plan order (the
+    order the senders pack in), each piece as (start, step, count, add). `EngineShardReceiver` rebuilds the
+    plan's receive side from it (`receive_plan`) and runs the same EngineExecutor as the trainers."""
+    export, buckets, names = eplan.export, [], {}
+    for k, routes in enumerate(eplan.routes):
+        mine = []
+        for r in routes:
+            if r.receiver != rank:
+                continue
+            if r.local:
+                raise EngineShardError(f"group rank {rank} holds shards of the model: a disaggregated engine rank "
+                                       "must come after every trainer rank in the weight-update group")
+            i = names.setdefault(r.source, len(names))
+            c = r.piece
+            mine.append([r.sender, r.entry, i, list(c.start), list(c.step), list(c.count), c.add])
+        entries = [[e.name, list(e.shape), [list(t) for t in e.region], str(e.dtype), e.start, e.nbytes]
+                   for e in eplan.outputs[k].get(rank, [])]
+        buckets.append(dict(entries=entries, routes=mine))
+    sources = [[n, str(export.sources[n].dtype)] for n in names]
+    return dict(version=PROGRAM_VERSION, rank=rank, sources=sources, buckets=buckets)
+
+
+@dataclass(frozen=True)
+class _Received:
+    """What the executor's receive side reads of a Source."""
+
+    name: str
+    dtype: torch.dtype
+
+
+@dataclass
+class _ReceiveExport:
+    sources: dict[str, _Received]
+
+
+def receive_plan(program: dict) -> EngineShardPlan:
+    """The receive side of an EngineShardPlan rebuilt from `receive_program`'s value (what EngineExecutor reads on
+    a rank that holds nothing: the routes to it, its SliceEntries, each source's dtype)."""
+    me = program["rank"]
+    sources = [_Received(n, _DTYPES[d]) for n, d in program["sources"]]
+    routes, outputs = [], []
+    for b in program["buckets"]:
+        outputs.append({me: [SliceEntry(n, tuple(sh), tuple(tuple(t) for t in r), _DTYPES[d], st, nb)
+                             for n, sh, r, d, st, nb in b["entries"]]})
+        routes.append([Route(sources[i].name, sender, me, entry,
+                             Piece(0, 0, tuple(a), tuple(q), tuple(c), (0,) * len(c), 0, add))
+                       for sender, entry, i, a, q, c, add in b["routes"]])
+    return EngineShardPlan(_ReceiveExport({s.name: s for s in sources}), [], routes, outputs)
+
+
+def _encode(program: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(program, separators=(",", ":")).encode()), dtype=torch.uint8)
+
+
+def _wait(work, timeout: timedelta, what: str) -> None:
+    if not work.wait(timeout):
+        raise TimeoutError(f"{what} did not complete within {timeout}")
+
+
+class EngineShardPusher:
+    """Trainer side (every trainer rank; collective over the weight-update group): the engine-shard plan for
+    engine ranks in another world, executed with this rank's group rank. Trainer rank 0 ships each engine rank
+    its receive program on the first push of a plan."""
+
+    def __init__(self, exporter, engine_ranks: Sequence[EngineRank], group, group_rank: int,
+                 bucket_bytes: int | None = None, name_filter=None, timeout: float = 120.0):
+        from ..exporter import DEFAULT_BUCKET_BYTES
+
+        self.exporter, self.group, self.rank = exporter, group, group_rank
+        self.engine_ranks = list(engine_ranks)
+        self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+        self.name_filter, self.timeout = name_filter, timedelta(seconds=timeout)
+        trainer = exporter.ctx.world_size
+        low = [er.rank for er in self.engine_ranks if er.rank < trainer]
+        if low:
+            raise EngineShardError(f"disaggregated engine ranks: expected group ranks >= the trainer world "
+                                   f"{trainer} (disaggregated_ranks), found {low}")
+        self.plan = exporter.engine_plan(self.engine_ranks, self.bucket_bytes, name_filter)
+        self._executor = None
+        self._shipped = False
+        self.stats = {"sent_bytes": 0}
+
+    def ship_programs(self) -> None:
+        """Trainer rank 0: each engine rank's receive program (length, then JSON bytes)."""
+        if self.rank != 0:
+            return
+        dev = self.exporter.device  # NCCL sends device tensors only
+        for er in self.engine_ranks:
+            blob = _encode(receive_program(self.plan, er.rank)).to(dev)
+            for t in (torch.tensor([blob.numel()], dtype=torch.int64, device=dev), blob):
+                _wait(self.group.send([t], er.rank, PROGRAM_TAG), self.timeout,
+                      f"receive program to group rank {er.rank}")
+
+    def push(self) -> dict:
+        """One sync: every bucket's pieces to the engine ranks that load them. Returns this rank's bytes sent."""
+        if not self._shipped:
+            self.ship_programs()
+            self._shipped = True
+        if self._executor is None:
+            ex = self.exporter
+            self._executor = EngineExecutor(self.plan, ex.ctx, ex._local, ex.device, group=self.group,
+                                            rank=self.rank)
+        before = self._executor.stats["sent_bytes"]
+        for _ in self._executor.run():  # a trainer rank feeds no engine rank here: its buckets are empty
+            pass
+        sent = self._executor.stats["sent_bytes"] - before
+        self.stats["sent_bytes"] += sent
+        return {"sent_bytes": sent}
+
+
+class EngineShardReceiver:
+    """Engine side, the reference receiver: one engine rank of the weight-update group, with no model. `setup()`
+    receives the receive program from trainer rank 0 (once per plan); `buckets()` receives one sync."""
+
+    def __init__(self, group, rank: int, device: str | torch.device = "cpu", timeout: float = 120.0,
+                 output: str = "slices", debug: bool = False):
+        self.group, self.rank, self.device = group, rank, torch.device(device)
+        self.output, self.debug = output, debug
+        self.timeout = timedelta(seconds=timeout)
+        self.program: dict | None = None
+        self.stats = {"received_bytes": 0}
+
+    @classmethod
+    def join(cls, master_address: str, master_port: int, rank: int, world_size: int,
+             group_name: str = "weight_update_group", backend: str = "nccl", device: str | None = None,
+             timeout: float = 120.0, store=None) -> EngineShardReceiver:
+        """Join the weight-update group (as every member must) at group rank `rank`."""
+        pg = join_weight_update_group(master_address, master_port, rank, world_size, group_name, backend,
+                                      timedelta(seconds=timeout), store=store)
+        return cls(pg, rank, device or ("cuda" if backend == "nccl" else "cpu"), timeout)
+
+    def setup(self) -> dict:
+        """Receive this rank's program from trainer rank 0 (after the trainers built or changed their plan)."""
+        n = torch.empty(1, dtype=torch.int64, device=self.device)
+        _wait(self.group.recv([n], 0, PROGRAM_TAG), self.timeout, "receive program length from group rank 0")
+        blob = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        _wait(self.group.recv([blob], 0, PROGRAM_TAG), self.timeout, "receive program from group rank 0")
+        program = json.loads(bytes(blob.cpu().tolist()))  # no numpy needed
+        if program.get("version") != PROGRAM_VERSION or program.get("rank") != self.rank:
+            raise EngineShardError(f"receive program: expected version {PROGRAM_VERSION} for group rank {self.rank}, "
+                                   f"found version {program.get('version')} for rank {program.get('rank')}")
+        self.program = program
+        self._executor = EngineExecutor(receive_plan(program), None, {}, self.device, group=self.group,
+                                        rank=self.rank, output=self.output, debug=self.debug)
+        return program
+
+    @property
+    def expected_bytes(self) -> int:
+        """Bytes one sync brings this rank (the sum of its regions)."""
+        return sum(n for p in self._executor.programs for _, n, _ in p.recvs)
+
+    def buckets(self) -> Iterator[EngineBucket]:
+        """One sync: per bucket, one receive per sending trainer rank posted at once (exec15's EngineExecutor on
+        the rebuilt receive side), pieces written into this rank's slices, or into full-shaped tensors with
+        output="masked". Buckets are views of a fresh buffer each: clone what you keep past the next one."""
+        if self.program is None:
+            raise EngineShardError("EngineShardReceiver.buckets(): expected setup() to have received the program")
+        before = self._executor.stats["received_bytes"]
+        yield from self._executor.run()
+        self.stats["received_bytes"] += self._executor.stats["received_bytes"] - before
