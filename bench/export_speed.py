@@ -6,6 +6,7 @@
     python bench/export_speed.py --cpu --layout ep2 --layers 2 --experts 8 --hidden 256 --heads 4 --moe-ffn 64 \
         --vocab 1024 --mbridge                                          # the same code path on CPU (gloo)
     python bench/export_speed.py --layout ep4 --quantize fp8            # also block-FP8 exports (bf16 vs fp8)
+    python bench/export_speed.py --layout ep2 --engine-placements sglang:tp2,sglang:tp2ep2  # engine-shard export
 
 Builds a Megatron GPTModel with Qwen3-30B-A3B's shapes (48 layers, hidden 2048, 32 heads, 4 KV groups, head_dim 128,
 128 experts, top-8, moe_ffn 768, vocab 151936, bf16, ~61 GB) with random weights made on the GPU, then measures on
@@ -19,6 +20,11 @@ the same model in one run:
   names (mcore2hf.testing.te_naming), as mbridge requires;
 * the NCCL floor: the bytes each rank must receive (everything it does not hold in full) over the receive rate of
   an all-gather of a large buffer, measured in the same run.
+* with --engine-placements (or --engine/--engine-tp/--engine-ep): the engine-shard export (issue 15), colocated
+  (`mcore2hf.plan.colocated_ranks`: engine instance k on trainer ranks [k*tp, (k+1)*tp)), timed through
+  `HFExporter.engine_buckets` iterated to the end; its wire bytes per GPU from the plan (`bytes_by_receiver`), and
+  its own floor: wire bytes / the point-to-point receive rate of a batched isend/irecv exchange (--p2p-mb per rank
+  pair) measured in the same run; each rank's slices checked bit for bit against the all-ranks export;
 * with --quantize fp8 (or fp8-ue8m0): the same exports delivering block-FP8 tensors (float8_e4m3fn + float32
   weight_scale_inv), their output bytes, the bytes sent over the collectives, the ratio to the floor of the FP8
   bytes, and whether the quantization on the GPU equals the CPU reference bit for bit (sampled tensors).
@@ -32,6 +38,7 @@ memory after each of 20 consecutive exports (a leak check).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -307,6 +314,124 @@ def fp8_cuda_equals_cpu(ex, bb, quantize, limit: int = 48) -> str:
     return f"{len(bf16) - len(bad)}/{len(bf16)} sampled tensors bit-identical" + (f", DIFFER: {bad[:3]}" if bad else "")
 
 
+def parse_placements(a) -> list[tuple[str, int, int, str]]:
+    """(engine, tp, ep, output) per placement: --engine-placements "sglang:tp2,vllm:tp2ep2:masked" plus the one
+    --engine/--engine-tp/--engine-ep describe; output defaults to --engine-output."""
+    import re
+
+    out = []
+    for spec in [x for x in (a.engine_placements or "").split(",") if x]:
+        m = re.fullmatch(r"(sglang|vllm):tp(\d+)(?:ep(\d+))?(?::(slices|masked))?", spec.strip())
+        if not m:
+            raise SystemExit(f"--engine-placements: expected ENGINE:tpN[epM][:slices|masked] (ENGINE sglang or "
+                             f"vllm), found {spec!r}")
+        out.append((m[1], int(m[2]), int(m[3] or 1), m[4] or a.engine_output))
+    if a.engine:
+        if not a.engine_tp:
+            raise SystemExit("--engine: expected --engine-tp N with it")
+        out.append((a.engine, a.engine_tp, a.engine_ep, a.engine_output))
+    return out
+
+
+def size(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+
+
+def placement_name(engine: str, tp: int, ep: int, output: str) -> str:
+    return f"engine {engine}:tp{tp}" + (f"ep{ep}" if ep > 1 else "") + f" {output}"
+
+
+def engine_iter(ex, ranks, bb, output: str):
+    """exporter.engine_buckets(...) with output= passed only where the signature has it (before and after the
+    masked-in-place executor); a bucket's materialized bytes: the flat slices buffer, or the masked Bucket
+    (`as_bucket()`, free when the executor wrote in place; `masked()` where as_bucket does not exist yet)."""
+    import inspect
+
+    kw = {"output": output} if "output" in inspect.signature(ex.engine_buckets).parameters else {}
+    for bucket in ex.engine_buckets(ranks, bb, **kw):
+        if output == "slices":
+            yield bucket.flat.numel()
+        elif hasattr(bucket, "as_bucket"):
+            yield bucket.as_bucket().nbytes
+        else:
+            yield sum(t.numel() * t.element_size() for _, t in bucket.masked())
+
+
+def consume_engine(ex, ranks, bb, output: str) -> int:
+    return sum(engine_iter(ex, ranks, bb, output))
+
+
+def drop_engine_executors(ex) -> None:
+    """Free the engine executors' buffers before the next placement runs."""
+    for key in [k for k in ex._executors if isinstance(k, tuple) and k and k[0] == "engine"]:
+        ex._executors.pop(key)
+
+
+def engine_check(ex, ranks, bb) -> tuple[int, int]:
+    """(slices bit-identical, slices) of this rank: every raw slice against the same region of the all-ranks
+    export of the same bucket (the engine plan keeps the export plan's buckets and order; both are collectives
+    every rank runs in the same order)."""
+    import torch
+
+    same, n = [], 0
+    for full, eb in zip(ex.buckets(bb), ex.engine_buckets(ranks, bb), strict=True):
+        tensors = dict(full)
+        for name, sl in eb.slices():
+            ref = tensors[name]
+            for d, off, length in sl.region:
+                ref = ref.narrow(d, off, length)
+            same.append(torch.equal(ref, sl.tensor))
+            n += 1
+    return sum(same), n
+
+
+def p2p_rate(device, per_pair: int) -> float:
+    """Receive rate (bytes/s per rank) of a batched isend/irecv exchange: every rank sends `per_pair` bytes to
+    every other rank and receives as much from each, all at once (the engine mode's transfer pattern, at most)."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return 0.0
+    send = torch.empty(per_pair, dtype=torch.uint8, device=device)
+    recv = {p: torch.empty(per_pair, dtype=torch.uint8, device=device) for p in range(world) if p != rank}
+
+    ops = [dist.P2POp(dist.isend, send, p) for p in recv] + [dist.P2POp(dist.irecv, b, p) for p, b in recv.items()]
+    for i in range(8):  # 3 warm-up rounds, 5 timed
+        if i == 3:
+            sync(device)
+            dist.barrier()
+            t = time.perf_counter()
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    sync(device)
+    return (world - 1) * per_pair * 5 / (time.perf_counter() - t)
+
+
+def engine_rows(ex, bb, a, device, rows: dict) -> dict:
+    """Time every engine placement on the same model: first call (plan + compile + export), later calls, the
+    plan's bytes per receiver, the bit-for-bit check. Collective: every rank runs it."""
+    import torch.distributed as dist
+
+    from mcore2hf.plan import colocated_ranks
+
+    info = {}
+    world = dist.get_world_size()
+    for engine, tp, ep, output in parse_placements(a):
+        name = placement_name(engine, tp, ep, output)
+        ranks = colocated_ranks(world, engine, tp, ep)
+        run = functools.partial(consume_engine, ex, ranks, bb, output)
+        first, peak_first = timed(run, device)
+        runs = [timed(run, device) for _ in range(a.repeat)]
+        rows[name] = (min(t for t, _ in runs), max(p for _, p in runs))
+        by = ex.engine_plan(ranks, bb).bytes_by_receiver().get(dist.get_rank(), dict(needed=0, wire=0, local=0))
+        check = engine_check(ex, ranks, bb)
+        drop_engine_executors(ex)
+        info[name] = dict(first=first, peak_first=peak_first, check=check, **by)
+    return info
+
+
 def job(a):
     import importlib
 
@@ -369,6 +494,8 @@ def job(a):
     two = [timed(lambda: consume(ex.buckets(bb, overlap=True)), device) for _ in range(a.repeat)]
     rows["mcore2hf (all ranks, overlap)"] = (min(t for t, _ in two), max(p for _, p in two))
     ex._executors.pop((bb, None, True, None, None))  # free its two arenas before the other methods run
+    all_wire = wire_bytes(ex, bb)
+    engines = engine_rows(ex, bb, a, device, rows) if parse_placements(a) else {}
 
     fp8 = None
     if a.quantize:
@@ -414,6 +541,7 @@ def job(a):
         base = [timed(lambda: per_tensor_baseline(ex, bb), device) for _ in range(max(1, a.repeat // 2))]
         rows["per-tensor async (slime-style)"] = (min(t for t, _ in base), max(p for _, p in base))
     floor_need, rate = nccl_floor(ex, device, dtype) if not a.cpu else (0, 0)
+    p2p = p2p_rate(device, int(a.p2p_mb * 2**20)) if engines else 0.0
 
     mb = None
     if a.mbridge:
@@ -432,7 +560,7 @@ def job(a):
                 build_s=build_s, issue=issue, busy=busy, cpu=cpu, total=total, leak=leak, floor_need=floor_need, rate=rate,
                 buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb, fp8=fp8, moved=moved,
                 moved_staged=moved_staged, staged_same=staged_same,
-                direct=sum(b.direct is not None for b in plan.buckets))
+                direct=sum(b.direct is not None for b in plan.buckets), all_wire=all_wire, engines=engines, p2p=p2p)
 
 
 def main():
@@ -454,7 +582,19 @@ def main():
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="also time block-FP8 exports (bytes, floor of the FP8 bytes, CUDA == CPU check)")
+    ap.add_argument("--engine-placements", default=None,
+                    help="engine-shard export rows, e.g. sglang:tp2,sglang:tp2ep2,vllm:tp2:masked (colocated)")
+    ap.add_argument("--engine", choices=["sglang", "vllm"], default=None, help="one engine placement (with --engine-tp)")
+    ap.add_argument("--engine-tp", type=int, default=None)
+    ap.add_argument("--engine-ep", type=int, default=1)
+    ap.add_argument("--engine-output", choices=["slices", "masked"], default="slices",
+                    help="raw slices, or full-shaped masked tensors (the default of --engine-placements entries)")
+    ap.add_argument("--p2p-mb", type=float, default=None,
+                    help="bytes per rank pair of the point-to-point rate measurement (default 1024, 8 on --cpu)")
     a = ap.parse_args()
+    if a.p2p_mb is None:
+        a.p2p_mb = 8 if a.cpu else 1024
+    parse_placements(a)  # a malformed placement fails before any process starts
     from mcore2hf.testing.world import Layout, run_world
 
     lay = LAYOUTS[a.layout]
@@ -472,13 +612,28 @@ def main():
     if floor:
         print(f"NCCL floor: rank needs up to {max(x['floor_need'] for x in res) / 1e9:.1f} GB at "
               f"{min(x['rate'] for x in res) / 1e9:.0f} GB/s (all-gather receive rate, 1 GiB/rank) = {floor:.3f} s")
-    print(f"{'method':<34} {'seconds':>9} {'GB/s':>8} {'vs mcore2hf':>12} {'vs floor':>9} {'peak extra GiB':>15}")
+    engines = r0.get("engines") or {}
+    p2p = min(x["p2p"] for x in res) if engines else 0.0
+    if engines:
+        print(f"point-to-point receive rate (batched isend/irecv, {a.p2p_mb:g} MiB per rank pair, all pairs at once): "
+              f"{p2p / 1e9:.0f} GB/s per rank; an engine row's floor = max over ranks of its wire bytes / "
+              f"that rank's rate")
+    print(f"{'method':<34} {'seconds':>9} {'GB/s':>8} {'vs mcore2hf':>12} {'vs floor':>9} {'peak extra GiB':>15} "
+          f"{'wire GB/GPU':>12}")
     for name in r0["rows"]:
         sec_max = max(x["rows"][name][0] for x in res)  # the slowest rank finishes the export
         peak_max = max(x["rows"][name][1] for x in res)
-        rate = gb / sec_max if sec_max == sec_max and sec_max > 0 else float("nan")
-        print(f"{name:<34} {sec_max:>9.3f} {rate:>8.1f} {sec_max / ref:>11.1f}x "
-              f"{(sec_max / floor if floor else float('nan')):>8.2f}x {peak_max / 2**30:>15.2f}")
+        out_gb, own_floor, wire = gb, floor, ""
+        if name in engines:  # bytes this mode delivers per rank; its own point-to-point floor
+            out_gb = max(x["engines"][name]["needed"] for x in res) / 1e9
+            own_floor = max(x["engines"][name]["wire"] / x["p2p"] if x["p2p"] else 0 for x in res)
+            wire = f"{max(x['engines'][name]['wire'] for x in res) / 1e9:.3f}"
+        elif name == "mcore2hf (all ranks)":
+            wire = f"{max(x['all_wire'] for x in res) / 1e9:.3f}"
+        rate = out_gb / sec_max if sec_max == sec_max and sec_max > 0 else float("nan")
+        vs_floor = f"{sec_max / own_floor:.2f}x" if own_floor else "-"
+        print(f"{name:<34} {sec_max:>9.3f} {rate:>8.1f} {sec_max / ref:>11.2f}x "
+              f"{vs_floor:>9} {peak_max / 2**30:>15.2f} {wire:>12}")
     for x in res[:1]:
         m, ms = x["moved"], x["moved_staged"]
         print(f"all ranks, bytes per export on rank {x['rank']}: received {m['received_bytes'] / 1e9:.2f} GB, packed "
@@ -487,6 +642,19 @@ def main():
               f"{x['direct']}/{x['buckets']} buckets gathered into their output; staged export: {x['staged_same']}")
     print(f"first mcore2hf call (plan + compile + export): {max(x['first'] for x in res):.2f} s, "
           f"peak extra {max(x['peak_first'] for x in res) / 2**30:.2f} GiB")
+    for name in engines:
+        e = [x["engines"][name] for x in res]
+        sec = max(x["rows"][name][0] for x in res)
+        own = max(y["wire"] / x["p2p"] if x["p2p"] else 0 for x, y in zip(res, e))
+        target = 0.2 if name.split()[1].endswith(f"ep{lay['ep']}") and lay["ep"] > 1 else 0.6  # EP-matched engine
+        same, n = sum(y["check"][0] for y in e), sum(y["check"][1] for y in e)
+        print(f"{name}: first call (plan + compile + export) {max(y['first'] for y in e):.2f} s, peak extra "
+              f"{max(y['peak_first'] for y in e) / 2**30:.2f} GiB; per GPU (max over ranks) loads "
+              f"{size(max(y['needed'] for y in e))}, {size(max(y['wire'] for y in e))} over the wire, "
+              f"{size(max(y['local'] for y in e))} copied locally; {sec / ref:.2f}x the all-ranks time "
+              f"(target <= {target}x)" + (f", {sec / own:.2f}x its floor {own:.4f} s (target <= 1.5x)" if own
+                                          else ", floor 0 (nothing crosses the wire)")
+              + f"; slices vs the all-ranks export: {same}/{n} bit-identical" + (" DIFFER" if same != n else ""))
     print(f"host: issuing a later export took {r0['issue'] * 1e3:.1f} ms of its {r0['total'] * 1e3:.1f} ms "
           f"({r0['issue'] / r0['total']:.0%}; process CPU time {r0['cpu'] * 1e3:.1f} ms)")
     if r0["busy"][1]:
