@@ -905,7 +905,7 @@ class EngineExecutor:
         self.group, self.rank, self.output, self.debug = group, rank, output, debug
         # the default world, or a group registered with torch.distributed (new_group, join_weight_update_group)
         self._batched = group is None or group in dist.distributed_c10d._world.pg_group_ranks
-        self._feeds = any(er.rank == rank for er in eplan.ranks)
+        self._feeds = any(rank in out for out in eplan.outputs)  # an engine rank's feeder (or the engine rank)
         self.programs = [self._program(k) for k in range(len(eplan.routes))]
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "local_bytes": 0}
         self._compiled: list[_EngineCompiled] | None = None

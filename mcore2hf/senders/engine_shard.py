@@ -35,7 +35,7 @@ import torch
 from ..engine_shards import EnginePlacement, EngineShardError
 from ..gather import EngineBucket, EngineExecutor
 from ..layouts import Piece
-from ..plan import _DTYPES, EngineRank, EngineShardPlan, Route, SliceEntry
+from ..plan import _DTYPES, EngineRank, EngineShardPlan, HFEntry, Route, SliceEntry
 from .process_group import join_weight_update_group
 
 PROGRAM_VERSION = 1
@@ -73,7 +73,8 @@ def receive_program(eplan: EngineShardPlan, rank: int) -> dict:
             mine.append([r.sender, r.entry, i, list(c.start), list(c.step), list(c.count), c.add])
         entries = [[e.name, list(e.shape), [list(t) for t in e.region], str(e.dtype), e.start, e.nbytes]
                    for e in eplan.outputs[k].get(rank, [])]
-        buckets.append(dict(entries=entries, routes=mine))
+        layout = [[e.name, list(e.shape), str(e.dtype), e.start, e.nbytes] for e in export.buckets[k].output]
+        buckets.append(dict(entries=entries, routes=mine, layout=layout))
     sources = [[n, str(export.sources[n].dtype)] for n in names]
     return dict(version=PROGRAM_VERSION, rank=rank, sources=sources, buckets=buckets)
 
@@ -87,8 +88,14 @@ class _Received:
 
 
 @dataclass
+class _ReceiveBucket:
+    output: list[HFEntry]  # the bucket's full layout (a masked output's, the same as on every engine rank)
+
+
+@dataclass
 class _ReceiveExport:
     sources: dict[str, _Received]
+    buckets: list[_ReceiveBucket]
 
 
 def receive_plan(program: dict) -> EngineShardPlan:
@@ -96,14 +103,15 @@ def receive_plan(program: dict) -> EngineShardPlan:
     a rank that holds nothing: the routes to it, its SliceEntries, each source's dtype)."""
     me = program["rank"]
     sources = [_Received(n, _DTYPES[d]) for n, d in program["sources"]]
-    routes, outputs = [], []
+    routes, outputs, layouts = [], [], []
     for b in program["buckets"]:
+        layouts.append(_ReceiveBucket([HFEntry(n, tuple(sh), _DTYPES[d], st, nb, n) for n, sh, d, st, nb in b["layout"]]))
         outputs.append({me: [SliceEntry(n, tuple(sh), tuple(tuple(t) for t in r), _DTYPES[d], st, nb)
                              for n, sh, r, d, st, nb in b["entries"]]})
         routes.append([Route(sources[i].name, sender, me, entry,
                              Piece(0, 0, tuple(a), tuple(q), tuple(c), (0,) * len(c), 0, add))
                        for sender, entry, i, a, q, c, add in b["routes"]])
-    return EngineShardPlan(_ReceiveExport({s.name: s for s in sources}), [], routes, outputs)
+    return EngineShardPlan(_ReceiveExport({s.name: s for s in sources}, layouts), [], routes, outputs)
 
 
 def _encode(program: dict) -> torch.Tensor:
