@@ -31,7 +31,7 @@ ETP1_ONLY = {"gpt_oss"}
 
 
 @pytest.mark.parametrize("layout,dtype,mates", LAYOUTS, ids=[f"{lay}-{dt}" for lay, dt, _ in LAYOUTS])
-def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_bf16, tmp_path):
+def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_bf16, tmp_path, capsys):
     source = ckpts_bf16 if dtype == "bfloat16" else ckpts
     source = source if mates else only_full(source)
     # gpt-oss's expert biases exist in megatron-core only at expert-TP 1 (its spec refuses more: test_gpt_oss.py)
@@ -48,3 +48,22 @@ def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_
     # engine-sharded export (issue 15) at this world's engine placements (worlds.ENGINE_PLACEMENTS)
     problems = [p for mt in results[0] for p in worlds.engine_problems(mt, [r[mt]["engine"] for r in results], layout)]
     assert not problems, "\n".join(problems)
+    with capsys.disabled():  # the engine checks' share of this world's time (slowest rank, all architectures)
+        print(f"\n{layout}: engine-sharded export checks "
+              f"{sum(max(r[mt]['engine_s'] for r in results) for mt in results[0]):.1f} s")
+
+
+def test_engine_placements_cover_tp_1_2_4_with_and_without_ep_for_every_architecture():
+    """The engine placements spread over the worlds (worlds.ENGINE_PLACEMENTS) still give every architecture, the
+    format-mates alone included, engine TP 1 (where both engines load everything) and, per engine, TP 2 and 4
+    with and without engine EP (SGLang also EP 2 x expert TP 2), so editing the spread cannot drop a case."""
+    from conftest import ARCHS, FORMAT_MATES
+
+    want = {("sglang", 2, 1, None), ("sglang", 4, 1, None), ("vllm", 2, 1, None), ("vllm", 4, 1, None)}
+    want_moe = {("sglang", 2, 2, None), ("sglang", 4, 4, None), ("sglang", 4, 2, 2), ("vllm", 2, 2, None),
+                ("vllm", 4, 4, None)}
+    for mt in ARCHS:
+        got = {p for layout, _, mates in LAYOUTS if mates or mt not in FORMAT_MATES
+               if layout.etp == 1 or mt not in ETP1_ONLY for p in worlds.engine_placements(layout)}
+        assert any(tp == 1 for _, tp, _, _ in got), mt
+        assert want | want_moe <= got, (mt, sorted((want | want_moe) - got, key=str))
