@@ -178,8 +178,9 @@ def test_layouts_base_completion_and_parity(q35_ckpts, tmp_path):
     TP2 x EP2; the offline export of a torch_dist checkpoint saved at TP2 x EP2, completed from the same base,
     equals the whole multimodal checkpoint."""
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    by_layout = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.qwen3_5_archs, dict(q35_ckpts),
-                          str(tmp_path), tokens, LAYOUTS[0], timeout=600)[0]
+    per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.qwen3_5_archs, dict(q35_ckpts),
+                         str(tmp_path), tokens, LAYOUTS[0], timeout=600)
+    by_layout = per_rank[0]
     for layout in LAYOUTS:
         results = dict(by_layout[str(layout)])
         saved = results.pop("dist", {})
@@ -195,6 +196,9 @@ def test_layouts_base_completion_and_parity(q35_ckpts, tmp_path):
         assert not failed, "\n".join(f"--- {mt} at {layout}:\n{r}" for mt, r in failed.items())
         for mt, r in results.items():
             assert r["skipped"] > 0 and r["tensors"] > 0, r
+            # engine-sharded export at this world's placements: every rank's slices and byte counts
+            problems = worlds.engine_problems(mt, [res[str(layout)][mt]["engine"] for res in per_rank], layout)
+            assert not problems, "\n".join(problems)
             if layout.pp > 1:
                 continue
             megatron = r["logits"].double()

@@ -665,6 +665,7 @@ def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor
     got0 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0) for n, t in b}
     agree(checked(lambda: assert_same(got0, ref, f"{layout} receivers=[0] 4 KiB") if rank == 0 else None)
           or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
+    engine = engine_matrix(ex, ref, layout, cfg.model_type)  # engine-sharded export (issue 15)
 
     out = os.path.join(out_root, cfg.model_type, str(layout))
     ex.save_pretrained(out, max_shard_size=20_000, base=ckpt)
@@ -687,7 +688,7 @@ def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor
         from mcore2hf.hf_config import text_config
 
         logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)
-    return {"tensors": len(ref), "skipped": len(report.skipped), "logits": logits}
+    return {"tensors": len(ref), "skipped": len(report.skipped), "logits": logits, "engine": engine}
 
 
 def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
