@@ -890,7 +890,8 @@ class EngineExecutor:
 
     Compiled on the first run (the shards' storages are known then): send packing is one `_foreach_copy_` into
     a send arena reused by every bucket and step, receive unpacking a few merged strided copies from the
-    receive arena, local pieces precomputed shard views; a later run does no per-piece Python work."""
+    receive arena, local pieces precomputed shard views; a later run's Python work is one output view per local
+    piece and per merged receive copy (the output is a new buffer per bucket), none per received piece."""
 
     def __init__(self, eplan, ctx: ParallelContext | None, local: dict[str, LocalTensor], device: torch.device, *,
                  group=None, rank: int | None = None, output: str = "slices", debug: bool = False):
