@@ -342,19 +342,10 @@ def placement_name(engine: str, tp: int, ep: int, output: str) -> str:
 
 
 def engine_iter(ex, ranks, bb, output: str):
-    """exporter.engine_buckets(...) with output= passed only where the signature has it (before and after the
-    masked-in-place executor); a bucket's materialized bytes: the flat slices buffer, or the masked Bucket
-    (`as_bucket()`, free when the executor wrote in place; `masked()` where as_bucket does not exist yet)."""
-    import inspect
-
-    kw = {"output": output} if "output" in inspect.signature(ex.engine_buckets).parameters else {}
-    for bucket in ex.engine_buckets(ranks, bb, **kw):
-        if output == "slices":
-            yield bucket.flat.numel()
-        elif hasattr(bucket, "as_bucket"):
-            yield bucket.as_bucket().nbytes
-        else:
-            yield sum(t.numel() * t.element_size() for _, t in bucket.masked())
+    """exporter.engine_buckets(...): a bucket's materialized bytes, the flat slices buffer or the masked Bucket
+    (`as_bucket()`, free: the masked executor wrote in place)."""
+    for bucket in ex.engine_buckets(ranks, bb, output=output):
+        yield bucket.flat.numel() if output == "slices" else bucket.as_bucket().nbytes
 
 
 def consume_engine(ex, ranks, bb, output: str) -> int:

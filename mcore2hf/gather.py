@@ -890,7 +890,8 @@ class EngineExecutor:
 
     Compiled on the first run (the shards' storages are known then): send packing is one `_foreach_copy_` into
     a send arena reused by every bucket and step, receive unpacking a few merged strided copies from the
-    receive arena, local pieces precomputed shard views; a later run does no per-piece Python work."""
+    receive arena, local pieces precomputed shard views; a later run's Python work is one output view per local
+    piece and per merged receive copy (the output is a new buffer per bucket), none per received piece."""
 
     def __init__(self, eplan, ctx: ParallelContext | None, local: dict[str, LocalTensor], device: torch.device, *,
                  group=None, rank: int | None = None, output: str = "slices", debug: bool = False):
@@ -1096,8 +1097,9 @@ class EngineExecutor:
         self.stats["sent_bytes"] += cb.sent
         self.stats["received_bytes"] += cb.received
         self.stats["local_bytes"] += cb.local_bytes
-        return EngineBucket(k, flat, cb.entries, cb.out if self.output == "masked" else None,
-                            cb.out if self.output == "masked" else self._full_layout(k))
+        masked = self.output == "masked"
+        return EngineBucket(k, flat, cb.entries, cb.out if masked else None, cb.out if masked else self._full_layout(k),
+                            nan=masked and self.debug)
 
     def _copies(self, copies: list[Copy], typed: dict, shards: dict) -> None:
         if not copies:
@@ -1125,8 +1127,8 @@ class EngineBucket:
     "masked": the buffer already is that bucket)."""
 
     def __init__(self, index: int, flat: torch.Tensor, entries: list, full: list | None = None,
-                 layout: list | None = None):
-        self.index, self.flat, self.entries, self.full = index, flat, entries, full
+                 layout: list | None = None, nan: bool = False):
+        self.index, self.flat, self.entries, self.full, self.nan = index, flat, entries, full, nan
         self.layout = full if layout is None else layout  # as_bucket()'s: the export plan's (same on every rank)
 
     def __len__(self) -> int:
@@ -1145,6 +1147,9 @@ class EngineBucket:
         sender sends it unchanged. Free for a "masked" executor's bucket (its NaN fill is the executor's `debug`);
         from a "slices" one it is packed into a new buffer (NaN outside the regions with `debug`)."""
         if self.full is not None:
+            if debug and not self.nan:  # written in place: the NaN fill had to come first, in the executor
+                raise EngineShardError("as_bucket(debug=True) on a masked bucket: expected an executor built with "
+                                       "debug=True (it fills NaN before writing), found debug=False")
             if not hasattr(self, "_bucket"):
                 self._bucket = Bucket(self.index, self.flat, self.full)
             return self._bucket

@@ -18,7 +18,7 @@ def test_ep2_all_gather_lands_in_the_output_bit_identical_and_copies_less(ckpts)
                   f"received {d['received_bytes']} (staged {s['received_bytes']}), copied after the collectives "
                   f"{d['copied_bytes']} (staged {s['copied_bytes']}), packed {d['packed_bytes']} "
                   f"(staged {s['packed_bytes']}); {r['cat_slots']} slots filled by one concatenation")
-            assert r["direct_buckets"] > 0, (mt, r)
+            assert r["direct_buckets"] > 0 and r["sync_buckets"] == r["buckets"], (mt, r)
             if mt == "qwen3_moe":  # its experts' fc1 [gate; up] and fc2 land as they are: one concatenation per slot
                 assert r["cat_slots"] > 0, r
             assert d["received_bytes"] == s["received_bytes"], (mt, r)

@@ -166,7 +166,12 @@ def test_disaggregated_ranks_and_receive_program_refusals():
     from mcore2hf.engine_shards import EngineShardError
     from mcore2hf.gather import EngineExecutor
     from mcore2hf.plan import colocated_ranks, plan_engine_shards
-    from mcore2hf.senders.engine_shard import disaggregated_ranks, receive_plan, receive_program
+    from mcore2hf.senders.engine_shard import (
+        EngineShardReceiver,
+        disaggregated_ranks,
+        receive_plan,
+        receive_program,
+    )
 
     ranks = disaggregated_ranks(4, "sglang", 2, instances=2)
     assert [(er.instance, er.placement.tp_rank, er.rank) for er in ranks] == [(0, 0, 4), (0, 1, 5), (1, 0, 6),
@@ -187,3 +192,9 @@ def test_disaggregated_ranks_and_receive_program_refusals():
     assert [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in rebuilt] == \
         [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in full]
     assert sum(n for p in rebuilt for _, n, _ in p.recvs) == eplan.bytes_by_receiver()[3]["wire"] > 0
+    # a receiver that has not received its program says so (no AttributeError), before any transfer
+    idle = EngineShardReceiver(None, 3)
+    with pytest.raises(EngineShardError, match="expected setup"):
+        _ = idle.expected_bytes
+    with pytest.raises(EngineShardError, match="expected setup"):
+        next(idle.buckets())

@@ -264,3 +264,20 @@ def test_engine_executor_over_a_separate_gloo_group_with_an_engine_only_process_
     assert by_rank[2]["sent_bytes"] == 0 and by_rank[2]["local_bytes"] == 0 and by_rank[2]["received_bytes"] > 0
     assert by_rank[0]["received_bytes"] == 0  # rank 0 feeds no engine rank: sends only
     assert sum(r["sent_bytes"] for r in res) == sum(r["received_bytes"] for r in res)
+
+
+def test_masked_engine_bucket_as_bucket_debug_needs_a_nan_filling_executor():
+    """A masked bucket was written in place: as_bucket(debug=True) cannot NaN-fill it afterwards, so it refuses
+    unless the executor filled NaN first (it used to ignore `debug` silently)."""
+    import pytest
+
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.gather import EngineBucket
+    from mcore2hf.plan import pack_tight
+
+    full = pack_tight([("w", (2, 3), torch.float32, "w")])
+    flat = torch.full((24,), 0, dtype=torch.uint8)
+    with pytest.raises(EngineShardError, match="expected an executor built with debug=True"):
+        EngineBucket(0, flat, [], full).as_bucket(debug=True)
+    bucket = EngineBucket(0, flat, [], full, nan=True)
+    assert bucket.as_bucket(debug=True).flat is flat and bucket.as_bucket().flat is flat

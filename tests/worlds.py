@@ -966,9 +966,29 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
             stats[what] = {k: v // 2 for k, v in runner.stats.items() if k.endswith("_bytes")}
             if what == "direct":  # slots filled by one concatenation (whole-shard layout ops), not per-tensor copies
                 stats["cat_slots"] = sum(st.cat is not None for cb in runner._compiled for st in cb.stages)
+        # sync() on the same exporter (its executor's byte counters must survive sync's per-sync phase times)
+        from mcore2hf.senders import sync
+
+        sink = _Collect()
+        report = sync(ex, sink, bucket_bytes=bucket_bytes, progress=False)
+        assert_same(sink.got, ref, f"{mt} {layout} sync")
+        stats["sync_buckets"] = report.buckets
         out[mt] = dict(stats, direct_buckets=sum(b.direct is not None for b in plan.buckets),
                        buckets=len(plan.buckets))
     return out
+
+
+class _Collect:
+    """The minimal sender sync() takes (send and finish, as SafetensorsWriter): keeps a copy of every tensor."""
+
+    def __init__(self):
+        self.got: dict[str, torch.Tensor] = {}
+
+    def send(self, bucket) -> None:
+        self.got.update((n, t.clone()) for n, t in bucket)
+
+    def finish(self) -> None:
+        pass
 
 
 #: Engine placements (engine, TP, EP, expert TP) the layout matrix exports to, colocated, per world size: spread

@@ -184,16 +184,19 @@ class EngineShardReceiver:
         self.output, self.debug = output, debug
         self.timeout = timedelta(seconds=timeout)
         self.program: dict | None = None
+        self._executor: EngineExecutor | None = None
         self.stats = {"received_bytes": 0}
 
     @classmethod
     def join(cls, master_address: str, master_port: int, rank: int, world_size: int,
              group_name: str = "weight_update_group", backend: str = "nccl", device: str | None = None,
-             timeout: float = 120.0, store=None) -> EngineShardReceiver:
-        """Join the weight-update group (as every member must) at group rank `rank`."""
+             timeout: float = 120.0, store=None, output: str = "slices", debug: bool = False
+             ) -> EngineShardReceiver:
+        """Join the weight-update group (as every member must) at group rank `rank`; `output` / `debug` as in
+        the constructor."""
         pg = join_weight_update_group(master_address, master_port, rank, world_size, group_name, backend,
                                       timedelta(seconds=timeout), store=store)
-        return cls(pg, rank, device or ("cuda" if backend == "nccl" else "cpu"), timeout)
+        return cls(pg, rank, device or ("cuda" if backend == "nccl" else "cpu"), timeout, output, debug)
 
     def setup(self) -> dict:
         """Receive this rank's program from trainer rank 0 (after the trainers built or changed their plan)."""
@@ -213,6 +216,9 @@ class EngineShardReceiver:
     @property
     def expected_bytes(self) -> int:
         """Bytes one sync brings this rank (the sum of its regions)."""
+        if self._executor is None:
+            raise EngineShardError("EngineShardReceiver.expected_bytes: expected setup() to have received the "
+                                   "program, found none")
         return sum(n for p in self._executor.programs for _, n, _ in p.recvs)
 
     def buckets(self) -> Iterator[EngineBucket]:
@@ -220,7 +226,8 @@ class EngineShardReceiver:
         the rebuilt receive side), pieces written into this rank's slices, or into full-shaped tensors with
         output="masked". Buckets are views of a fresh buffer each: clone what you keep past the next one."""
         if self.program is None:
-            raise EngineShardError("EngineShardReceiver.buckets(): expected setup() to have received the program")
+            raise EngineShardError("EngineShardReceiver.buckets(): expected setup() to have received the program, "
+                                   "found none")
         before = self._executor.stats["received_bytes"]
         yield from self._executor.run()
         self.stats["received_bytes"] += self._executor.stats["received_bytes"] - before

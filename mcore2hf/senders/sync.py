@@ -70,7 +70,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         if engine_exec is None:
             extra = {} if name_filter is None else {"name_filter": name_filter}  # duck-typed exporters need not know it
             executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), **extra)
-            executor.stats = {"gather_s": 0.0, "convert_s": 0.0}
+            # this sync's phase times; the executor's byte counters (received/packed/copied) stay and keep counting
+            executor.stats = {**getattr(executor, "stats", {}), "gather_s": 0.0, "convert_s": 0.0}
             stats, total, buckets = executor.stats, len(executor.programs), executor.run(timing=timing)
         else:
             stats = {"gather_s": 0.0, "convert_s": 0.0}
