@@ -216,18 +216,20 @@ class EngineShardReceiver:
     @property
     def expected_bytes(self) -> int:
         """Bytes one sync brings this rank (the sum of its regions)."""
-        if self._executor is None:
-            raise EngineShardError("EngineShardReceiver.expected_bytes: expected setup() to have received the "
-                                   "program, found none")
-        return sum(n for p in self._executor.programs for _, n, _ in p.recvs)
+        return sum(n for p in self._ready("expected_bytes").programs for _, n, _ in p.recvs)
 
     def buckets(self) -> Iterator[EngineBucket]:
-        """One sync: per bucket, one receive per sending trainer rank posted at once (exec15's EngineExecutor on
-        the rebuilt receive side), pieces written into this rank's slices, or into full-shaped tensors with
+        """One sync: per bucket, one receive per sending trainer rank posted at once (the EngineExecutor on the
+        rebuilt receive side), pieces written into this rank's slices, or into full-shaped tensors with
         output="masked". Buckets are views of a fresh buffer each: clone what you keep past the next one."""
-        if self.program is None:
-            raise EngineShardError("EngineShardReceiver.buckets(): expected setup() to have received the program, "
+        executor = self._ready("buckets()")
+        before = executor.stats["received_bytes"]
+        yield from executor.run()
+        self.stats["received_bytes"] += executor.stats["received_bytes"] - before
+
+    def _ready(self, what: str) -> EngineExecutor:
+        """The executor setup() built from the received program; refuses before any transfer without one."""
+        if self._executor is None:
+            raise EngineShardError(f"EngineShardReceiver.{what}: expected setup() to have received the program, "
                                    "found none")
-        before = self._executor.stats["received_bytes"]
-        yield from self._executor.run()
-        self.stats["received_bytes"] += self._executor.stats["received_bytes"] - before
+        return self._executor
