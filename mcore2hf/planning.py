@@ -41,7 +41,7 @@ def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", t
     ranks = run_world(_plan_rank, layout, hf_config, layout, bucket_bytes, dtype, te_names, name_filter, quantize)
     report = ranks[0]
     report["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep,
-                        "etp": layout.etp or layout.tp, "world_size": layout.size}
+                        "etp": layout.expert_tp, "world_size": layout.size}
     report["memory"] = [dict(rank=r, **x["memory"]) for r, x in enumerate(ranks)]
     return report
 

@@ -228,7 +228,9 @@ def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4
         lines.append(f"{key}: wire/local/needed per rank "
                      + " ".join(f"{r[key]['wire']}/{r[key]['local']}/{r[key]['needed']}" for r in res))
     refused = [k for k, r in res[0].items() if isinstance(r, str)]
-    assert all(k.startswith("qwen3_next") and " tp4 " in k for k in refused), refused
+    # exactly the placements that cannot hold qwen3_next's 2 linear key heads are refused, the rest ran
+    assert refused and all(k.startswith("qwen3_next") and " tp4 " in k for k in refused), refused
+    assert len(refused) < len(res[0]), res[0]
     with capsys.disabled():
         print(f"\n{layout} engine-sharded export:\n" + "\n".join(lines))
 

@@ -11,13 +11,13 @@ from mcore2hf.errors import UnsupportedArchitectureError
 from mcore2hf.hf_config import load_hf_config
 from mcore2hf.registry import get_converter
 from mcore2hf.testing.tiny import tiny_config
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 
 def test_errors_in_a_tp2_ep2_world(qwen3_moe_ckpt, tmp_path):
     messages = run_world(worlds.error_suite, Layout(tp=2, ep=2, etp=1), str(qwen3_moe_ckpt), Layout(tp=2, ep=2, etp=1),
-                         str(tmp_path))[0]
-    assert len(messages) == 2
+                         str(tmp_path))
+    assert [len(m) for m in messages] == [2, 2]
 
 
 def test_no_parallel_state():
@@ -54,7 +54,7 @@ def test_save_pretrained_writes_the_users_config_and_files_and_filters_names(qwe
     (src / "tokenizer.json").write_text("{}")
     (src / "generation_config.json").write_text("{}")
     layout = Layout(ep=2, etp=1)
-    r = run_world(worlds.outputs_suite, layout, str(qwen3_moe_ckpt), layout, str(src), str(tmp_path))[0]
+    r = same_on_every_rank(run_world(worlds.outputs_suite, layout, str(qwen3_moe_ckpt), layout, str(src), str(tmp_path)))
     want = {k: v for k, v in raw.items() if k != "quantization_config"}  # fp32 model: the dtype stays
     assert list(r["config"].items()) == list(want.items()), json.dumps(r["config"])
     assert "tokenizer.json" in r["files"] and "generation_config.json" in r["files"]

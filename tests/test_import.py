@@ -22,7 +22,7 @@ from mcore2hf.importer import ImportTargetError, import_checkpoint
 from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
 from mcore2hf.registry import get_converter, get_model_spec
 from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 LAYOUTS = [
     (Layout(tp=2, ep=2, etp=1), True),  # EP, ETP != TP; singleton_local_shards (per-expert keys, fc1 _w/_v)
@@ -79,10 +79,8 @@ def imported(all_ckpts, tmp_path_factory) -> dict[bool, str]:
 def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_ckpts, imported, tmp_path):
     layout, singleton = case
     root, ckpts = imported[singleton], all_ckpts
-    res = run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, root, singleton,
-                    str(tmp_path / "resaved"))[0]
-    failed = {mt: r for mt, r in res.items() if isinstance(r, Exception)}
-    assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
+    same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, root, singleton,
+                                 str(tmp_path / "resaved")))
     for mt in ckpts:  # what Megatron writes for the model it loaded is what we wrote, but for its vocab padding
         ours, megatron = model_keys(os.path.join(root, mt, "iter_0000005")), model_keys(tmp_path / "resaved" / mt)
         vocab = text_config(tiny_config(mt)).vocab_size

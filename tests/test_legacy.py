@@ -16,7 +16,7 @@ from mcore2hf.errors import UsageError
 from mcore2hf.legacy import LegacyFormatError
 from mcore2hf.offline import export_checkpoint
 from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 ARCHS = ["llama", "qwen3_moe"]  # dense (GLU fc1, QKV, tied embedding) and MoE
 LAYOUTS = [
@@ -63,7 +63,7 @@ def save_legacy(ckpt: str, layout: Layout, root: str, iteration: int = 9) -> str
         num_experts=getattr(cfg, "num_experts", None), padded_vocab_size=cfg.vocab_size,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp or layout.tp, params_dtype=torch.float32,
+        expert_tensor_parallel_size=layout.expert_tp, params_dtype=torch.float32,
         main_grads_dtype=torch.float32, attention_backend=AttnBackend.auto, ckpt_format="torch",
         swiglu=True, normalization="RMSNorm", untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
         data_path=["/data/x_text_document"], seed=1234, iteration=iteration)
@@ -103,8 +103,8 @@ def saved(ckpts, tmp_path_factory):
     out = {}
     for layout in LAYOUTS:
         root = tmp_path_factory.mktemp(f"legacy-{layout}")
-        out[str(layout)] = run_world(for_archs, layout, {mt: ckpts[mt] for mt in WORLD_ARCHS[str(layout)]}, layout,
-                                     str(root))[0]
+        out[str(layout)] = same_on_every_rank(run_world(
+            for_archs, layout, {mt: ckpts[mt] for mt in WORLD_ARCHS[str(layout)]}, layout, str(root)))
     return out
 
 

@@ -14,7 +14,7 @@ import worlds
 from mcore2hf.errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError
 from mcore2hf.offline import CheckpointError, export_checkpoint
 from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama", "gpt_oss", "minimax_m2"]
 ETP1_ONLY = {"gpt_oss"}  # expert biases: megatron-core builds them only at expert-TP 1
@@ -37,11 +37,9 @@ def saved(ckpts, tmp_path_factory):
     out = {}
     for layout, singleton in CASES:
         root = tmp_path_factory.mktemp(f"dist-{layout}")
-        res = run_world(worlds.for_each_arch, layout, worlds.save_dist_checkpoint,
-                        {mt: ckpts[mt] for mt in ARCHS if layout.etp == 1 or mt not in ETP1_ONLY}, layout,
-                        str(root), 7, singleton)[0]
-        failed = {mt: r for mt, r in res.items() if isinstance(r, Exception)}
-        assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
+        res = same_on_every_rank(run_world(
+            worlds.for_each_arch, layout, worlds.save_dist_checkpoint,
+            {mt: ckpts[mt] for mt in ARCHS if layout.expert_tp == 1 or mt not in ETP1_ONLY}, layout, str(root), 7, singleton))
         out[(str(layout), singleton)] = res
     return out
 
@@ -119,7 +117,7 @@ def test_errors(saved, ckpts, tmp_path):
     victim.write_bytes(data[: cut.offset + cut.length // 2])
     with pytest.raises(CheckpointError, match="is truncated"):
         export_checkpoint(broken, tmp_path / "o5", cfg, progress=False)
-    victim.write_bytes(data[:100] + b"\\x00" * 4096 + data[4196:])  # zip headers / pickle
+    victim.write_bytes(data[:100] + bytes(4096) + data[4196:])  # zip headers / pickle
     with pytest.raises(CheckpointError, match="is corrupt"):
         export_checkpoint(broken, tmp_path / "o6", cfg, progress=False)
     # one flipped byte inside the largest model chunk's tensor data: only the CRC32 can tell

@@ -10,7 +10,7 @@ import worlds
 from transformers import AutoModelForCausalLM
 
 from mcore2hf.hf_config import load_hf_config
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 TOL = 1e-4
 
@@ -41,9 +41,8 @@ def test_family_members_logits_match_transformers(layout, variant_ckpts, tmp_pat
 
 def check_parity(layout, ckpts, tmp_path):
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    results = run_world(worlds.for_each_arch, layout, worlds.parity, dict(ckpts), layout, str(tmp_path), tokens)[0]
-    failed = {mt: r for mt, r in results.items() if isinstance(r, Exception)}
-    assert not failed, "\n".join(f"--- {mt}:\n{r}" for mt, r in failed.items())
+    results = same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.parity, dict(ckpts), layout,
+                                           str(tmp_path), tokens))
     diffs = {}
     for mt, logits in results.items():
         diffs[mt] = (logits - hf_logits(tmp_path / os.path.basename(ckpts[mt]), tokens)).abs().max().item()

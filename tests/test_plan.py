@@ -6,12 +6,12 @@ import sys
 
 import worlds
 
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 
 def test_plan_reuse_dry_run_and_balance(qwen3_moe_ckpt):
     layout = Layout(tp=2, pp=2, ep=2, etp=1)
-    r = run_world(worlds.plan_suite, layout, str(qwen3_moe_ckpt), layout)[0]
+    r = same_on_every_rank(run_world(worlds.plan_suite, layout, str(qwen3_moe_ckpt), layout))
     assert r["buckets"] > 3
     assert r["pp_padding"] < 1.35, r  # bytes moved by the PP all-gather / bytes that must move
 

@@ -1,10 +1,7 @@
-"""The block-FP8 quantizer against DeepGEMM's own reference code (fast, no Megatron world).
+"""The block-FP8 quantizer against DeepGEMM's own reference code (fast, no Megatron world; oracle.DEEP_GEMM
+names the published file)."""
 
-The oracle is deep_gemm/utils/math.py as published on PyPI in sgl-deep-gemm 0.2.5 (SGLang's DeepGEMM build; the
-file is identical to deepseek-ai/DeepGEMM at 54e22612409371d6364144b69086735beb54e98b), loaded from the wheel."""
-
-import importlib.util
-
+import oracle
 import pytest
 import torch
 
@@ -19,18 +16,11 @@ from mcore2hf.quantize import (
     quantized_tensors,
     scale_shape,
 )
-from mcore2hf.testing.wheels import unpacked_wheel
-
-DEEP_GEMM = ("sgl-deep-gemm", "0.2.5")
 
 
 @pytest.fixture(scope="module")
 def deepgemm():
-    root = unpacked_wheel(*DEEP_GEMM, ("deep_gemm/utils/math.py",))
-    spec = importlib.util.spec_from_file_location("deepgemm_math", root / "deep_gemm" / "utils" / "math.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return oracle.deepgemm()
 
 
 def _weights(shape, dtype, seed=0):

@@ -145,7 +145,8 @@ ARCHS = ("qwen3_5", "qwen3_5_moe")
 #: orders, so the bound is the round-off transformers' own fp32 forward shows against its fp64 forward ("theirs"):
 #: Megatron may differ from transformers fp32, and from its fp64 forward, by at most ROUNDOFF_FACTOR x theirs, and
 #: by at most Qwen3-Next's measured LOGIT_TOL. Measured here (ratios to theirs, TP1 and TP2 x EP2, dense and MoE):
-#: vs fp32 0.55-0.88, vs fp64 0.73-1.52 (NOTES-qwen35_14.md); a wrong tensor moves logits by O(1).
+#: vs fp32 0.55-0.88, vs fp64 0.73-1.52 (2026-11-22, in the session that added Qwen3.5); a wrong tensor moves
+#: logits by O(1).
 TOL = LOGIT_TOL
 ROUNDOFF_FACTOR = 2.0
 
@@ -184,16 +185,12 @@ def test_layouts_base_completion_and_parity(q35_ckpts, tmp_path):
     for layout in LAYOUTS:
         results = dict(by_layout[str(layout)])
         saved = results.pop("dist", {})
-        failed = {mt: r for mt, r in saved.items() if isinstance(r, Exception)}
-        assert not failed, "\n".join(f"--- {mt} torch_dist at {layout}:\n{r}" for mt, r in failed.items())
         for mt, root in saved.items():
             # offline: megatron-core's GDN part keys at TP2 x EP2 -> HF, completed from the multimodal checkpoint
             out = tmp_path / "offline" / mt
             export_checkpoint(os.path.join(root, "ckpt"), out, q35_ckpts[mt], progress=False, base=q35_ckpts[mt])
             got, want = read_hf_checkpoint(out), read_hf_checkpoint(q35_ckpts[mt])
             assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), mt
-        failed = {mt: r for mt, r in results.items() if isinstance(r, Exception)}
-        assert not failed, "\n".join(f"--- {mt} at {layout}:\n{r}" for mt, r in failed.items())
         for mt, r in results.items():
             assert r["skipped"] > 0 and r["tensors"] > 0, r
             # engine-sharded export at this world's placements: every rank's slices and byte counts

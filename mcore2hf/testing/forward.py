@@ -1,30 +1,66 @@
-"""The Megatron side of logit parity: a forward on every rank of a PP=1 model."""
+"""The Megatron side of logit parity: one forward of the whole model at any layout (TP, PP, virtual PP, EP,
+expert-TP), the same logits returned on every rank."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 
+@contextlib.contextmanager
+def _main_model_only(chunk):
+    """The main model's logits only: Megatron's MTP head needs labels and returns a loss, not logits."""
+    saved = getattr(chunk, "mtp_process", False), chunk.config.mtp_num_layers
+    chunk.mtp_process, chunk.config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        chunk.mtp_process, chunk.config.mtp_num_layers = saved
+
+
 def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Forward of a PP=1 model on every rank; vocab-parallel logits gathered over TP, trimmed to the HF vocab."""
+    """Forward of `tokens` [batch, seq] through every pipeline stage and virtual chunk in order (stage 0 chunk 0,
+    stage 1 chunk 0, ..., stage 0 chunk 1, ...: Megatron's interleaved layer order), hidden states passed with
+    point-to-point sends over the PP group; the vocab-parallel logits gathered over TP, trimmed to the HF vocab
+    and broadcast from the last stage, so every rank returns the same fp32 [batch, seq, vocab] tensor."""
     from megatron.core import parallel_state as ps
 
-    model = chunks[0].eval()
     b, s = tokens.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True = masked
-    # the main model's logits only: Megatron's MTP head needs labels and returns a loss, not logits
-    saved = getattr(model, "mtp_process", False), model.config.mtp_num_layers
-    model.mtp_process, model.config.mtp_num_layers = False, None
-    try:
-        with torch.no_grad():
-            logits = model(tokens, pos, attention_mask=mask)
-    finally:
-        model.mtp_process, model.config.mtp_num_layers = saved
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(logits) for _ in range(tp)]
-        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
-        logits = torch.cat(parts, dim=-1)
-    return logits[..., :vocab_size].float()
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group) if pp > 1 else [dist.get_rank()]
+    logits, hidden = None, None
+    with torch.no_grad():
+        for v, chunk in enumerate(chunks):
+            chunk.eval()
+            if pp > 1 and not (v == 0 and stage == 0):  # input from the previous stage (or the last, one chunk back)
+                param = next(chunk.parameters())
+                hidden = torch.empty(s, b, chunk.config.hidden_size, dtype=param.dtype)
+                dist.recv(hidden, src=ranks[(stage - 1) % pp], group=group)
+            if hidden is not None:
+                chunk.set_input_tensor(hidden)
+            with _main_model_only(chunk):
+                out = chunk(tokens, pos, attention_mask=mask)
+            last = v == len(chunks) - 1 and stage == pp - 1
+            if last:
+                logits = out
+            elif pp > 1:
+                dist.send(out.contiguous(), dst=ranks[(stage + 1) % pp], group=group)
+            else:
+                hidden = out
+    if stage == pp - 1:
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        logits = logits[..., :vocab_size].float().contiguous()
+    else:
+        logits = torch.empty(b, s, vocab_size)
+    if pp > 1:
+        dist.broadcast(logits, src=ranks[-1], group=group)
+    return logits

@@ -34,11 +34,15 @@ class Layout:
     world_size: int | None = None  # None: the smallest world both the dense and the expert grids fit
 
     @property
+    def expert_tp(self) -> int:
+        """The expert-TP size Megatron uses (its default: TP)."""
+        return self.etp or self.tp
+
+    @property
     def size(self) -> int:
         if self.world_size:
             return self.world_size
-        etp = self.etp or self.tp
-        return math.lcm(self.tp * self.pp, self.ep * etp * self.pp)
+        return math.lcm(self.tp * self.pp, self.ep * self.expert_tp * self.pp)
 
     def config_overrides(self) -> dict:
         """TransformerConfig fields for an uneven pipeline split."""
@@ -93,7 +97,7 @@ class Layout:
         s = f"tp{self.tp}-pp{self.pp}"
         if self.vpp:
             s += f"-vpp{self.vpp}"
-        s += f"-ep{self.ep}-etp{self.etp or self.tp}"
+        s += f"-ep{self.ep}-etp{self.expert_tp}"
         if self.first_stage_layers is not None or self.last_stage_layers is not None:
             s += f"-uneven{self.first_stage_layers}.{self.last_stage_layers}"
         return s + f"-w{self.size}"
@@ -206,4 +210,40 @@ def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend
         if error is not None:
             raise error from failure
         raise failure
+    for r in range(size):  # a rank that returned a failure as a value has failed too
+        caught = _exception_in(results[r])
+        if caught is not None:
+            raise WorldError(f"rank {r} of world {layout} returned a failure:\n{caught}")
     return [results[r] for r in range(size)]
+
+
+def _exception_in(value) -> BaseException | None:
+    """The first exception inside a (nested dict/list/tuple) return value, else None."""
+    if isinstance(value, BaseException):
+        return value
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for v in items:
+        found = _exception_in(v)
+        if found is not None:
+            return found
+    return None
+
+
+def same_on_every_rank(results: list):
+    """The one value every rank returned (tensors compared bit for bit); a rank that differs fails the test."""
+    import torch
+
+    def equal(a, b) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
+                a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        return a == b
+
+    differ = [r for r in range(1, len(results)) if not equal(results[0], results[r])]
+    if differ:
+        raise WorldError(f"ranks {differ} returned other values than rank 0")
+    return results[0]
