@@ -21,6 +21,17 @@ ONLY = [mt for mt in os.environ.get("MCORE2HF_ARCHS", "").split(",") if mt]
 WORLD_ARCHS = [mt for mt in ARCHS if not ONLY or mt in ONLY]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def world_pool():
+    """Gloo worlds live for the whole session (one start per world size; each call still gets fresh process
+    groups and parallel state): starting workers is most of a small world's time."""
+    from mcore2hf.testing.world import close_pool, use_pool
+
+    use_pool(int(os.environ.get("MCORE2HF_WORLD_PROCS", "15")))
+    yield
+    close_pool()
+
+
 def only_full(ckpts: dict) -> dict:
     """The architectures that run in every world (see FORMAT_MATES)."""
     return {mt: p for mt, p in ckpts.items() if mt not in FORMAT_MATES}

@@ -1,11 +1,11 @@
-"""Run a function on every rank of a fresh gloo world with Megatron's parallel state initialized (CPU).
+"""Run a function on every rank of a gloo world with Megatron's parallel state initialized (CPU).
 
     results = run_world(fn, Layout(tp=2, pp=2, ep=2), *args)   # fn(*args) on each rank; a list of returns
 
 `fn` must be importable by module and name (a module-level function). A failure on any rank raises
-`WorldError` with that rank's traceback (or that rank's own `Mcore2HFError`, chained to it); a hang is cut at
-`timeout` seconds. The world's rendezvous store is created here on a port the OS picks, so no port is ever
-chosen first and bound later (another process could take it in between).
+`WorldError` with that rank's traceback (or that rank's own `Mcore2HFError`, chained to it); a rank that dies or
+a hang is cut (`timeout` seconds). Each call gets fresh process groups and parallel state; with use_pool() (the
+test session) the worker processes of a world size are started once and reused.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import queue as queue_mod
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -127,8 +128,10 @@ def init_megatron(layout: Layout) -> None:
         tp_random.model_parallel_cuda_manual_seed(1234)
 
 
-def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: tuple, out,
-            backend: str = "gloo") -> None:
+def _serve(rank: int, size: int, port: int, backend: str, jobs, out) -> None:
+    """A worker: runs jobs (job id, layout, fn, args) until None. Each job gets a fresh process group (on its own
+    prefix of the world's store) and a fresh Megatron parallel state, both destroyed after it, so a job finds the
+    worker as a new process would (imported modules aside)."""
     import torch
     import torch.distributed as dist
 
@@ -136,25 +139,27 @@ def _worker(rank: int, size: int, port: int, layout: dict, fn: Callable, args: t
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # megatron-core warns about apex, TE and fusions on every rank
-    try:
-        if backend == "nccl":  # one GPU per rank
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's store
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size)
-        init_megatron(Layout(**layout))
-        result = fn(*args)
-        out.put((rank, True, result))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        out.put((rank, False, (traceback.format_exc(), _portable_error(e))))
-    finally:
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's store
+    while (job := jobs.get()) is not None:
+        job_id, layout, fn, args = job
         try:
-            from megatron.core import parallel_state as ps
+            dist.init_process_group(backend, store=dist.PrefixStore(f"job{job_id}", store), rank=rank,
+                                    world_size=size)
+            init_megatron(Layout(**layout))
+            out.put((job_id, rank, True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out.put((job_id, rank, False, (traceback.format_exc(), _portable_error(e))))
+        finally:
+            try:
+                from megatron.core import parallel_state as ps
 
-            ps.destroy_model_parallel()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+                ps.destroy_model_parallel()
+                if dist.is_initialized():
+                    dist.destroy_process_group()  # every group of the job, the default one included
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def _portable_error(e: BaseException):
@@ -169,52 +174,152 @@ def _portable_error(e: BaseException):
         return Mcore2HFError(str(e))
 
 
-def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo") -> list:
-    """fn(*args) on every rank of a new world with `layout`; returns the per-rank results.
+class World:
+    """`size` worker processes in one gloo (or NCCL) world that run jobs one at a time, every rank the same job.
+    The world's rendezvous store is created here on a port the OS picks, so no port is ever chosen first and
+    bound later (another process could take it in between)."""
 
-    backend "gloo" (CPU) or "nccl" (one GPU per rank)."""
-    import torch.distributed as dist
+    def __init__(self, size: int, backend: str = "gloo"):
+        import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    size = layout.size
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the OS picks the port
-    port = store.port
-    # not daemonic: dist_checkpointing.save writes files from child processes of its own
-    procs = [ctx.Process(target=_worker, args=(r, size, port, asdict(layout), fn, args, out, backend), daemon=False)
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors: dict[int, str] = {}
-    try:
-        while len(results) + len(errors) < size:
+        ctx = mp.get_context("spawn")
+        self.size, self.backend, self._next = size, backend, 0
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._jobs = [ctx.Queue() for _ in range(size)]
+        self._out = ctx.Queue()
+        # not daemonic: dist_checkpointing.save writes files from child processes of its own
+        self._procs = [ctx.Process(target=_serve, args=(r, size, self._store.port, backend, self._jobs[r],
+                                                        self._out), daemon=False) for r in range(size)]
+        for p in self._procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, layout: Layout, args: tuple, timeout: float) -> list:
+        """fn(*args) on every rank with Megatron at `layout`; the per-rank results. Raises WorldError (the world is
+        then unusable: close it) if a rank fails, dies or the job outlasts `timeout` seconds."""
+        job, self._next = self._next, self._next + 1
+        for q in self._jobs:
+            q.put((job, asdict(layout), fn, args))
+        results: dict[int, object] = {}
+        errors: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.size and not errors:  # after a failure the others may be blocked
             try:
-                rank, ok, value = out.get(timeout=timeout)
+                job_id, rank, ok, value = self._out.get(timeout=1.0)
             except queue_mod.Empty:
-                raise WorldError(f"world {layout} timed out after {timeout}s; finished ranks: "
-                                 f"{sorted(results)}; failed: {sorted(errors)}") from None
-            (results if ok else errors)[rank] = value
-            if errors:
-                break  # the others may be blocked in a collective with the failed rank
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    raise WorldError(f"world {layout}: rank(s) {dead} died (exit codes "
+                                     f"{[self._procs[r].exitcode for r in dead]}); finished ranks: "
+                                     f"{sorted(results)}") from None
+                if time.monotonic() > deadline:
+                    raise WorldError(f"world {layout} timed out after {timeout}s; finished ranks: "
+                                     f"{sorted(results)}") from None
+                continue
+            if job_id == job:
+                (results if ok else errors)[rank] = value
+        if errors:
+            rank = min(errors)
+            text, error = errors[rank]
+            failure = WorldError(f"rank {rank} of world {layout} failed:\n{text}")
+            if error is not None:
+                raise error from failure
+            raise failure
+        for r in range(self.size):  # a rank that returned a failure as a value has failed too
+            caught = _exception_in(results[r])
+            if caught is not None:
+                raise WorldError(f"rank {r} of world {layout} returned a failure:\n{caught}")
+        return [results[r] for r in range(self.size)]
+
+    def stop(self) -> None:
+        """Ask the workers to exit after their current job (they hold nothing between jobs)."""
+        for q in self._jobs:
+            q.put(None)
+
+    def close(self, kill: bool = False, grace: float = 3.0) -> None:
+        """Stop the workers (unless `kill`: they may be stuck in a job), then kill what is still there after
+        `grace` seconds (an interpreter's shutdown can linger in torch's teardown)."""
+        if not kill:
+            self.stop()
+        deadline = time.monotonic() + grace
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
-        del store
-    if errors:
-        rank = min(errors)
-        text, error = errors[rank]
-        failure = WorldError(f"rank {rank} of world {layout} failed:\n{text}")
-        if error is not None:
-            raise error from failure
-        raise failure
-    for r in range(size):  # a rank that returned a failure as a value has failed too
-        caught = _exception_in(results[r])
-        if caught is not None:
-            raise WorldError(f"rank {r} of world {layout} returned a failure:\n{caught}")
-    return [results[r] for r in range(size)]
+                p.join()
+        del self._store
+
+
+class WorldPool:
+    """Live worlds kept between run_world calls (one per size and backend, at most `max_procs` worker processes,
+    the least recently used closed first), so a test session starts each world size once. A world whose job
+    failed is closed, never reused."""
+
+    def __init__(self, max_procs: int):
+        self.max_procs = max_procs
+        self._worlds: dict[tuple[int, str], World] = {}
+
+    def world(self, size: int, backend: str) -> World:
+        key = (size, backend)
+        w = self._worlds.pop(key, None)
+        if w is not None and not w.alive():
+            w.close(kill=True)
+            w = None
+        while w is None and self._worlds and sum(x.size for x in self._worlds.values()) + size > self.max_procs:
+            self._worlds.pop(next(iter(self._worlds))).close()
+        self._worlds[key] = w = w or World(size, backend)  # most recently used last
+        return w
+
+    def discard(self, world: World) -> None:
+        self._worlds = {k: w for k, w in self._worlds.items() if w is not world}
+        world.close(kill=True, grace=0.5)
+
+    def close(self) -> None:
+        for w in self._worlds.values():  # every world's workers exit at once, then one grace period for all
+            w.stop()
+        deadline = time.monotonic() + 3.0
+        for w in self._worlds.values():
+            w.close(kill=True, grace=max(0.0, deadline - time.monotonic()))
+        self._worlds.clear()
+
+
+_pool: WorldPool | None = None
+
+
+def use_pool(max_procs: int) -> WorldPool:
+    """Keep worlds alive between run_world calls from now on (tests); close_pool() ends them."""
+    global _pool
+    _pool = _pool or WorldPool(max_procs)
+    return _pool
+
+
+def close_pool() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
+def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo") -> list:
+    """fn(*args) on every rank of a world with `layout`; returns the per-rank results.
+
+    backend "gloo" (CPU) or "nccl" (one GPU per rank). Without a pool (use_pool) the world is started for this
+    call and closed after it."""
+    world = _pool.world(layout.size, backend) if _pool is not None else World(layout.size, backend)
+    try:
+        results = world.run(fn, layout, args, timeout)
+    except BaseException:
+        if _pool is not None:
+            _pool.discard(world)
+        else:
+            world.close(kill=True, grace=0.5)
+        raise
+    if _pool is None:
+        world.close()
+    return results
 
 
 def _exception_in(value) -> BaseException | None:
