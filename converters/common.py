@@ -113,8 +113,10 @@ def llama_like() -> list[Rule]:
 
 # FP8 block-quantized export: the 2-D weights the published FP8 checkpoints keep in bf16 (every other 2-D weight
 # is quantized, 1-D tensors never are). Embeddings, lm_head and the MoE router gate stay bf16 in DeepSeek-V3,
-# GLM-4.5-FP8 and Qwen3-*-FP8; in the MTP layers of DeepSeek-V3 / GLM-4.5, eh_proj and the embedding / head copies
-# stay bf16 while the MTP block's own linears are fp8 (SGLang and vLLM reject a quantized shared_head.head).
+# GLM-4.5-FP8 and Qwen3-*-FP8; in DeepSeek-V3's MTP layer eh_proj and the embedding / head copies stay bf16 while
+# the MTP block's own linears are fp8 (SGLang and vLLM reject a quantized shared_head.head). GLM-4.5-FP8, a
+# per-channel compressed-tensors checkpoint, also quantizes its MTP shared_head.head; the block-FP8 export keeps
+# it bf16 as DeepSeek-V3 does (both pinned against the published tensors in tests/test_mtp_names.py).
 FP8_KEEP = (r"model\.embed_tokens\.weight", r"lm_head\.weight", r"model\.layers\.\d+\.mlp\.gate\.weight")
 FP8_KEEP_MTP = (r"model\.layers\.\d+\.(embed_tokens|eh_proj|shared_head\.head)\.weight",)
 

@@ -11,5 +11,6 @@ GLM4_MOE = register(Converter(
     spec="mcore2hf.model_specs.glm4_moe",
     rules=embeddings(mtp_copies=True) + gqa_attention() + dense_mlp()
     + moe(shared_experts=True, expert_bias=True) + mtp(),
-    fp8=fp8_policy(mtp=True, source="GLM-4.5-FP8 / GLM-4.6-FP8 checkpoints; router gates listed for vLLM"),
+    fp8=fp8_policy(mtp=True, source="GLM-4.5-FP8's unquantized tensors (that checkpoint is per-channel "
+                   "compressed-tensors) but shared_head.head, bf16 as in DeepSeek-V3; router gates listed for vLLM"),
 ))

@@ -1,4 +1,5 @@
-"""FP8 block quantization in the format of the published FP8 checkpoints (DeepSeek-V3, GLM-4.5-FP8, Qwen3-*-FP8).
+"""FP8 block quantization in the format of the published block-FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8;
+GLM-4.5-FP8 is per-channel compressed-tensors: only its choice of unquantized tensors is followed).
 
 A quantized linear weight `X.weight` [out, in] becomes `X.weight` float8_e4m3fn [out, in] plus
 `X.weight_scale_inv` float32 [ceil(out/128), ceil(in/128)]; dequantized value = fp8 * scale_inv per 128x128
