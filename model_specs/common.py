@@ -118,6 +118,24 @@ def stage_ends(vp_stage: int | None) -> tuple[bool, bool]:
                  for fn in (ps.is_pipeline_first_stage, ps.is_pipeline_last_stage))
 
 
+def block_specs(spec: ModuleType, hf_config, config, *, vp_stage: int | None = None, use_te: bool = False):
+    """(decoder block spec, MTP block spec or None) of the chunk `vp_stage` of the model `config` describes: the
+    spec module's own `layer_spec` where it has one, else megatron-core's generic decoder block spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+
+    if hasattr(spec, "layer_spec"):
+        block = spec.layer_spec(config, hf_config, vp_stage=vp_stage, use_te=use_te)
+    else:
+        block = get_gpt_decoder_block_spec(**supported_kwargs(
+            get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te,
+            normalization="RMSNorm", vp_stage=vp_stage))
+    mtp = None
+    if getattr(config, "mtp_num_layers", None):
+        mtp = get_gpt_mtp_block_spec(**supported_kwargs(
+            get_gpt_mtp_block_spec, config=config, spec=block, use_transformer_engine=use_te, vp_stage=vp_stage))
+    return block, mtp
+
+
 def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
                 **overrides) -> list[torch.nn.Module]:
     """GPTModel chunks (one per virtual-PP stage of this rank) for `hf_config`.
@@ -125,7 +143,6 @@ def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, u
     Needs an initialized Megatron parallel state. `vocab_size` is the padded vocab (default: HF vocab_size)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     config = spec.transformer_config(hf_config, **overrides)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
@@ -133,16 +150,7 @@ def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, u
     for vp in range(vpp):
         vp_stage = vp if vpp > 1 else None
         pre, post = stage_ends(vp_stage)
-        if hasattr(spec, "layer_spec"):
-            block = spec.layer_spec(config, hf_config, vp_stage=vp_stage, use_te=use_te)
-        else:
-            block = get_gpt_decoder_block_spec(**supported_kwargs(
-                get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te,
-                normalization="RMSNorm", vp_stage=vp_stage))
-        mtp = None
-        if getattr(config, "mtp_num_layers", None):
-            mtp = get_gpt_mtp_block_spec(**supported_kwargs(
-                get_gpt_mtp_block_spec, config=config, spec=block, use_transformer_engine=use_te, vp_stage=vp_stage))
+        block, mtp = block_specs(spec, hf_config, config, vp_stage=vp_stage, use_te=use_te)
         kwargs = dict(spec.gpt_kwargs(hf_config))
         model = GPTModel(**supported_kwargs(
             GPTModel.__init__, config=config, transformer_layer_spec=block,

@@ -15,6 +15,8 @@ ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "glm
 #: cover every parallel dimension (TP2 x PP2 x EP2 with expert-TP != TP, PP2 x VPP2, uneven PP), in parity at both
 #: layouts, the default-layout demo, import and one FP8 world; the others run everywhere.
 FORMAT_MATES = {"glm4_moe_lite", "deepseek_v2", "mistral", "mixtral", "olmoe"}
+#: architectures whose megatron-core TE spec the `te_specs` fixture derives (ARCHS and the gated-DeltaNet ones)
+TE_SPEC_ARCHS = ARCHS + ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 #: MCORE2HF_ARCHS=qwen3,deepseek_v3: the architecture checkpoints (fixtures ckpts, ckpts_bf16) hold only these, so
 #: the layout-matrix and FP8 worlds run for them alone (tests/test_mutations.py; day-to-day work on one model)
 ONLY = [mt for mt in os.environ.get("MCORE2HF_ARCHS", "").split(",") if mt]
@@ -42,6 +44,15 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     """A tiny random HF checkpoint (fp32) per architecture, written by transformers (+ MTP tensors)."""
     root = tmp_path_factory.mktemp("ckpts")
     return {mt: make_hf_checkpoint(tiny_config(mt), root / mt) for mt in WORLD_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def te_specs() -> dict[str, dict]:
+    """megatron-core's own Transformer Engine spec tree per architecture (ARCHS and the gated-DeltaNet ones), the
+    oracle for te_naming's names (mcore2hf.testing.te_spec; one subprocess for all)."""
+    from mcore2hf.testing.te_spec import te_spec_trees
+
+    return te_spec_trees({mt: tiny_config(mt).to_dict() for mt in TE_SPEC_ARCHS})
 
 
 @pytest.fixture(scope="session")

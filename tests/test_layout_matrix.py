@@ -1,5 +1,7 @@
 """Layout invariance: the same HF weights, loaded into real megatron-core models at every parallel layout,
-export bit-identical HF tensors (all-ranks and chosen-receiver modes, save_pretrained, TE names).
+export bit-identical HF tensors (all-ranks and chosen-receiver modes, save_pretrained, TE names). The TE names
+(testing/te_naming.py) are those of megatron-core's own TE spec (testing/te_spec.py; per rank, any layout), and
+every one outside MTP is a name of Megatron-Bridge 0.3.1's published table where it has one for the architecture.
 
 Every architecture runs in each layout's world (format-mates in three: conftest.FORMAT_MATES); GLM-4.5 and DeepSeek-V3 include their MTP layer, so MTP
 tensors round-trip through load_hf_weights and export, names included.
@@ -16,6 +18,7 @@ import worlds
 from conftest import only_full
 from oracle import logit_problems
 
+from mcore2hf.testing.te_spec import BRIDGE_TABLES, bridge_problems
 from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 # third field: the format-mates (conftest.FORMAT_MATES) run in this world too
@@ -32,13 +35,13 @@ ETP1_ONLY = {"gpt_oss"}
 
 
 @pytest.mark.parametrize("layout,dtype,mates", LAYOUTS, ids=[f"{lay}-{dt}" for lay, dt, _ in LAYOUTS])
-def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_bf16, tmp_path, capsys):
+def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_bf16, te_specs, tmp_path, capsys):
     source = ckpts_bf16 if dtype == "bfloat16" else ckpts
     source = source if mates else only_full(source)
     # gpt-oss's expert biases exist in megatron-core only at expert-TP 1 (its spec refuses more: test_gpt_oss.py)
     source = {mt: c for mt, c in source.items() if layout.expert_tp == 1 or mt not in ETP1_ONLY}
     results = run_world(worlds.for_each_arch, layout, worlds.layout_matrix, source, layout, dtype,
-                        str(tmp_path), timeout=420)
+                        str(tmp_path), te_specs, timeout=420)
     # the oracle that is not mcore2hf: the Megatron forward at this layout equals transformers' (same on every rank)
     logits = same_on_every_rank([{mt: r["logits"] for mt, r in res.items()} for res in results])
     problems = logit_problems(logits, source, worlds.TOKENS, str(layout))
@@ -48,6 +51,8 @@ def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_
         # gpt-oss's stacked experts (16 KiB per expert) exceed 4 KiB buckets: gathered in rounds of one expert
         assert r["rounds_4k"] == (4 * 2 * 8 if mt == "gpt_oss" else 0), (mt, r)  # 4 layers x 2 weights x 8
         assert os.path.isdir(tmp_path / mt / str(layout))
+        if mt in BRIDGE_TABLES:  # Megatron-Bridge's table for TE-built models names every TE name
+            assert not bridge_problems(mt, r["te_names"]), (mt, bridge_problems(mt, r["te_names"]))
     # engine-sharded export (issue 15) at this world's engine placements (worlds.ENGINE_PLACEMENTS)
     problems = [p for mt in results[0] for p in worlds.engine_problems(mt, [r[mt]["engine"] for r in results], layout)]
     assert not problems, "\n".join(problems)

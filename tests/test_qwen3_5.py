@@ -173,14 +173,14 @@ def _hf_logits(path, tokens, dtype=torch.float32):
 LAYOUTS = [Layout(tp=2, ep=2, etp=1), Layout(pp=2), Layout(world_size=2)]
 
 
-def test_layouts_base_completion_and_parity(q35_ckpts, tmp_path):
+def test_layouts_base_completion_and_parity(q35_ckpts, te_specs, tmp_path):
     """Bit-identical exports at TP2 x EP2, PP2 and TP1; the output completed from the multimodal checkpoint
     equals it tensor for tensor and loads in transformers with no missing or unexpected keys; logits at TP1 and
     TP2 x EP2; the offline export of a torch_dist checkpoint saved at TP2 x EP2, completed from the same base,
-    equals the whole multimodal checkpoint."""
+    equals the whole multimodal checkpoint; te_naming's names are megatron-core's TE spec's at every layout."""
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.qwen3_5_archs, dict(q35_ckpts),
-                         str(tmp_path), tokens, LAYOUTS[0], timeout=600)
+                         str(tmp_path), tokens, LAYOUTS[0], te_specs, timeout=600)
     by_layout = per_rank[0]
     for layout in LAYOUTS:
         results = dict(by_layout[str(layout)])

@@ -14,6 +14,7 @@ from mcore2hf.layouts import Stacked
 from mcore2hf.registry import get_model_spec
 from mcore2hf.testing.forward import megatron_logits
 from mcore2hf.testing.te_naming import te_names_of, to_te_names
+from mcore2hf.testing.te_spec import expected_te_names, megatron_fused_norm_names
 from mcore2hf.testing.tiny import read_hf_checkpoint
 from mcore2hf.testing.world import Layout
 
@@ -83,9 +84,36 @@ def forward_oracle(ckpt: str, layout: Layout, chunks=None) -> torch.Tensor:
     return megatron_logits(chunks, TOKENS, text_config(load_hf_config(ckpt)).vocab_size)
 
 
-def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> dict:
+def te_renamed(chunks, tree: dict) -> str | None:
+    """to_te_names(chunks), checked against megatron-core's own TE spec `tree` (mcore2hf.testing.te_spec): each
+    chunk has exactly the parameter names a TE-spec model has, and every fused `layer_norm_weight` holds the norm
+    megatron-core pairs it with. This rank's problems (for `agree`), or None."""
+    before = [{id(p): n for n, p in c.named_parameters()} for c in chunks]
+    expected = [sorted(expected_te_names(c, tree)) for c in chunks]
+    to_te_names(chunks)
+    problems = []
+    for i, c in enumerate(chunks):
+        got = sorted(n for n, _ in c.named_parameters())
+        if got != expected[i]:
+            problems.append(f"chunk {i}: te_naming differs from megatron-core's TE spec: missing "
+                            f"{sorted(set(expected[i]) - set(got))[:6]}, unexpected {sorted(set(got) - set(expected[i]))[:6]}"
+                            f"{', duplicates' if len(set(got)) != len(got) else ''}")
+        fused = {n: p for n, p in c.named_parameters() if ".layer_norm_" in n}
+        megatron = megatron_fused_norm_names(list(fused))
+        for n, p in fused.items():
+            # gated DeltaNet's in_proj holds the layer's input norm (megatron-core 0.16.1
+            # experimental_attention_variant_module_specs.py: input_layernorm IdentityOp, fuse_input_layernorm)
+            gdn = n.replace(".self_attention.in_proj.layer_norm_", ".input_layernorm.") if ".in_proj." in n else None
+            if before[i][id(p)] != megatron.get(n, gdn):
+                problems.append(f"chunk {i}: {n} holds {before[i][id(p)]}, megatron-core pairs it with "
+                                f"{megatron.get(n, gdn)}")
+    return "; ".join(problems) or None
+
+
+def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, te_specs: dict[str, dict]) -> dict:
     """Load the same HF weights at `layout`, export every way, and require bit-identical HF tensors; the Megatron
-    forward at `layout` for the transformers oracle (`logits`)."""
+    forward at `layout` for the transformers oracle (`logits`); then the model under Transformer Engine's names
+    (checked against megatron-core's TE spec `te_specs[model_type]`)."""
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
     cfg, chunks = build(ckpt, layout, dtype)
@@ -133,20 +161,16 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str) -> 
     agree(checked(saved_ok) if rank == 0 else None)
 
     # the same model under Transformer Engine's names and attributes, reloaded from scratch
-    to_te_names(chunks)
+    agree(te_renamed(chunks, te_specs[cfg.model_type]))
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, te_names_of(chunks))
-    names = [n for rank_names in names for n in rank_names]
-    mla = getattr(get_model_spec(cfg.model_type).dims(cfg), "kv_lora_rank", None)
-    fused = "linear_kv_up_proj.layer_norm_weight" if mla else "linear_qkv.layer_norm_weight"
-    assert any(fused in n for n in names), names[:10]
-    if get_model_spec(cfg.model_type).dims(cfg).num_experts:
-        assert any(".mlp.experts.linear_fc1.weight" in n for n in names), names[:10]
+    names = sorted({n for rank_names in names for n in rank_names})
     zero_(chunks)
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} TE names")
     return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank, "engine": engine, "engine_s": engine_s,
-            "rounds_4k": sum(len(b.rounds or ()) for b in plan.buckets), "logits": logits}  # stacked tensors gathered in rounds
+            "rounds_4k": sum(len(b.rounds or ()) for b in plan.buckets),  # stacked tensors gathered in rounds
+            "te_names": names if rank == 0 else None, "logits": logits}
 
 
 def for_each_arch(fn, ckpts: dict[str, str], *args) -> dict[str, object]:
@@ -673,10 +697,12 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     return len(ref)
 
 
-def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor | None) -> dict:
+def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor | None,
+                  te_specs: dict[str, dict]) -> dict:
     """Qwen3.5 (text model) from its multimodal checkpoint: loading skips what the converter declares not held
     (vision tower, MTP), every export mode is bit-identical to the language model's tensors, save_pretrained
-    completed from the checkpoint as base equals the whole checkpoint; with `tokens` (PP 1), the logits."""
+    completed from the checkpoint as base equals the whole checkpoint; with `tokens` (PP 1), the logits; last,
+    te_naming's names equal megatron-core's TE spec's (`te_specs[model_type]`)."""
     from mcore2hf.registry import get_converter
 
     rank = dist.get_rank()
@@ -715,6 +741,7 @@ def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor
         from mcore2hf.hf_config import text_config
 
         logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)
+    agree(te_renamed(chunks, te_specs[cfg.model_type]))
     return {"tensors": len(ref), "skipped": len(report.skipped), "logits": logits, "engine": engine}
 
 
@@ -735,10 +762,10 @@ def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
 
 
 def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, dist_layout: Layout,
-                  layout: Layout) -> dict:
+                  te_specs: dict[str, dict], layout: Layout) -> dict:
     """qwen3_5_suite for every architecture at `layout` (logits only where PP is 1); at `dist_layout` also a
     torch_dist checkpoint under out_root/dist/<arch>/ckpt."""
-    out = for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None)
+    out = for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None, te_specs)
     if layout == dist_layout:
         out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out

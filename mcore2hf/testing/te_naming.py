@@ -2,20 +2,33 @@
 
 Transformer Engine is not installable here, but TE-built models are what most users train. This rewrites a
 local-spec model in place so that `named_parameters()` shows exactly what a TE spec shows, with the same
-Parameter objects (so values are unchanged):
+Parameter objects (so values are unchanged). Where each name comes from (megatron-core 0.16.1 unless said):
 
-* fused norms: `input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`; for dense MLPs
-  `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight` (MoE layers keep a separate
-  `pre_mlp_layernorm`, as with TE); MLA: `q_layernorm`/`kv_layernorm` -> `linear_q_up_proj`/`linear_kv_up_proj`
-  `.layer_norm_weight`; gated DeltaNet: `input_layernorm.weight` -> `self_attention.in_proj.layer_norm_weight`;
-* grouped experts: `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` -> `mlp.experts.linear_fc{1,2}.weight{i}`;
+* fused norms: TE's spec builds the norm before a TELayerNormColumnParallelLinear as IdentityOp, and that linear
+  holds it as `layer_norm_weight` (TE's LayerNormLinear parameter; megatron-core spells it in
+  extensions/transformer_engine.py `split_te_layernorm_column_parallel_linear`). Which norm, per
+  models/gpt/gpt_layer_specs.py `get_gpt_layer_with_transformer_engine_spec`:
+  `input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`; for dense MLPs
+  `pre_mlp_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight` (MoE layers keep a separate TENorm
+  `pre_mlp_layernorm`); MLA keeps a separate input norm and fuses `q_layernorm`/`kv_layernorm` into
+  `linear_q_up_proj`/`linear_kv_up_proj` `.layer_norm_weight`. Gated DeltaNet
+  (models/gpt/experimental_attention_variant_module_specs.py `get_gated_delta_net_module_spec`, metainfo
+  fuse_input_layernorm): `input_layernorm.weight` -> `self_attention.in_proj.layer_norm_weight`. The pairs are
+  those of post_training/modelopt/gpt/state_dict_hooks.py `mcore_gpt_load_te_state_dict_pre_hook`. MTP layers'
+  transformer_layer is built from the decoder's last layer spec (`get_gpt_mtp_block_spec`): the same rules.
+* grouped experts (`moe_grouped_gemm`, extensions/transformer_engine_spec_provider.py `grouped_mlp_modules`:
+  TEGroupedMLP of TE GroupedLinears): `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` ->
+  `mlp.experts.linear_fc{1,2}.weight{i}`, biases `bias{i}` (TEGroupedLinear's sharded_state_dict spells
+  `weight{gemm_idx}`; Megatron-Bridge 0.3.1's tables `mlp.experts.linear_fc1.weight*` / gpt_oss_bridge.py `bias*`);
+  shared experts keep their names (plain TE column/row linears);
 * TE's attributes on expert weights: under explicit expert communication (expert-TP > 1 or EP > 1) TE gets
   no parallel_mode, so every expert weight is marked `partition_dim=0`, `partition_stride=1` - also the
   row-parallel `linear_fc2`, which Megatron really splits along dim 1 (the quirk exporters must correct).
 
+The names are checked against megatron-core's own TE spec (testing/te_spec.py, on real models in every layout
+world: tests/worlds.py `te_renamed`) and Megatron-Bridge 0.3.1's tables; the attributes are not (that needs TE).
 The rewritten model is for naming, gathering and loading; its forward is not meant to run.
 """
-
 from __future__ import annotations
 
 import torch
