@@ -19,14 +19,6 @@ import torch
 from .testing.world import Layout, run_world
 
 DEMO_LAYOUT = Layout(tp=2, ep=4, etp=1)
-TOL = 1e-4
-
-
-def logit_tolerance(model_type: str) -> float:
-    """TOL, or the architecture's own measured bound (a model spec's LOGIT_TOL: Qwen3-Next's gated delta rule)."""
-    from .registry import get_model_spec
-
-    return float(getattr(get_model_spec(model_type), "LOGIT_TOL", TOL))
 
 
 def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> dict:
@@ -102,6 +94,8 @@ def format_report(r: dict) -> tuple[str, bool]:
     r0 = ranks[0]
     ok_ident = all(x["identical"] for x in ranks)
     ok_load = r["clean_load"]
+    from .testing.forward import logit_tolerance
+
     tol = logit_tolerance(r["model_type"])
     ok_logits = r["logit_diff"] is None or r["logit_diff"] <= tol
     rows = [

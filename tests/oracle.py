@@ -9,6 +9,7 @@ import importlib.util
 import torch
 
 from mcore2hf.hf_config import load_hf_config
+from mcore2hf.testing.forward import logit_tolerance
 from mcore2hf.testing.wheels import unpacked_wheel
 
 #: deep_gemm/utils/math.py as published on PyPI in sgl-deep-gemm 0.2.5 (SGLang's DeepGEMM build; the file is
@@ -30,38 +31,26 @@ def fp8_reference(t: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Ten
     """A full HF weight quantized by DeepGEMM: (float8_e4m3fn weight, float32 weight_scale_inv)."""
     return deepgemm().per_block_cast_to_fp8(t, use_ue8m0=ue8m0)
 
-#: max |Megatron - transformers| fp32 logit difference per family, set from measurements (random tiny models, logits
-#: of magnitude ~15, tokens worlds.TOKENS). Measured maxima over every layout world (TP/PP/VPP/EP/expert-TP, fp32 and
-#: from bf16 sources) and the parity worlds: see MEASURED; the tolerance is 3x the family's maximum, so that a
-#: realistic bug moving logits by 1e-4 (MLA latent-norm eps 1e-6 -> 1e-5 moves them by 2-3e-4) is caught.
-MEASURED = {"dense": 1.2e-5, "moe": 1.1e-5, "mla": 1.6e-5, "gpt_oss": 1.0e-5}
-MARGIN = 3.0
-FAMILY = {"qwen3": "dense", "qwen2": "dense", "llama": "dense", "mistral": "dense",
-          "qwen3_moe": "moe", "glm4_moe": "moe", "mixtral": "moe", "olmoe": "moe", "minimax_m2": "moe",
-          "deepseek_v3": "mla", "deepseek_v2": "mla", "glm4_moe_lite": "mla", "kimi_k2": "mla", "moonlight": "mla",
-          "gpt_oss": "gpt_oss"}
-
-
-def tolerance(model_type: str) -> float:
-    return MARGIN * MEASURED[FAMILY[model_type]]
-
-
 @functools.lru_cache(maxsize=64)
 def _logits(path: str, tokens_key: tuple, dtype: torch.dtype) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     tokens = torch.tensor(tokens_key)
-    # the config as mcore2hf reads it: Kimi-K2's kimi_k2 (unknown to transformers) is a DeepseekV3Config
-    model, info = AutoModelForCausalLM.from_pretrained(path, config=load_hf_config(path), dtype=dtype,
-                                                       output_loading_info=True)
+    # the config as mcore2hf reads it: Kimi-K2's kimi_k2 (unknown to transformers) is a DeepseekV3Config; a
+    # multimodal checkpoint (Qwen3.5) loads whole, its text forward is the one compared; experts_implementation:
+    # transformers' grouped_mm has no fp64 kernel
+    config = load_hf_config(path)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    model, info = auto.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True,
+                                       experts_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
-        return model.eval()(tokens).logits.float()
+        return model.eval()(input_ids=tokens).logits.double()
 
 
 def hf_logits(path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """transformers' forward of the checkpoint at `path` (cached per path and tokens): its weights are upcast to
-    `dtype` as loaded, so a bf16 source gives the fp32 forward of exactly its values."""
+    """transformers' forward of the checkpoint at `path` (cached per path and tokens; float64 logits): its weights
+    are upcast to `dtype` as loaded, so a bf16 source gives the fp32 forward of exactly its values."""
     return _logits(str(path), tuple(map(tuple, tokens.tolist())), dtype)
 
 
@@ -71,10 +60,9 @@ def logit_problems(megatron: dict[str, torch.Tensor], ckpts: dict[str, str], tok
     its model_type); one line per architecture over its tolerance, and the measured differences printed."""
     problems = []
     for mt, logits in megatron.items():
-        diff = (logits - hf_logits(ckpts[mt], tokens)).abs().max().item()
-        family = (names or {}).get(mt, mt)
-        print(f"{what} {mt}: max |megatron - transformers| = {diff:.2e} (tolerance {tolerance(family):.1e})")
-        if not diff <= tolerance(family):
-            problems.append(f"{what} {mt}: max |megatron - transformers| logit difference {diff:.3e} > "
-                            f"{tolerance(family):.1e}")
+        diff = (logits.double() - hf_logits(ckpts[mt], tokens)).abs().max().item()
+        tol = logit_tolerance((names or {}).get(mt, mt))
+        print(f"{what} {mt}: max |megatron - transformers| = {diff:.2e} (tolerance {tol:.1e})")
+        if not diff <= tol:
+            problems.append(f"{what} {mt}: max |megatron - transformers| logit difference {diff:.3e} > {tol:.1e}")
     return problems

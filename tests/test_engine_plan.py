@@ -13,7 +13,7 @@ from mcore2hf.engine_shards import EnginePlacement, EngineShardError, clip, engi
 from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.importer import _full_shape, megatron_names
 from mcore2hf.layouts import QKV, Column, GatedInterleaved, Piece, RowTransposed, Stacked, VocabRows, pieces
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
 
 COUNTS = (1, 2, 4)
 
@@ -206,20 +206,25 @@ EXPORT_MODELS = ["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next"]
 
 
 def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4_ranks(tmp_path, capsys):
-    """End to end on CPU (real megatron-core models with weights, 4 gloo ranks at TP2 x PP2 x EP2, expert TP 1),
-    plan_engine_shards + EngineExecutor for sglang and vllm at engine TP 1/2/4 (with engine EP for MoE; 2 kv
-    heads, so TP 4 > kv heads): every rank's slices equal the engine's slices of the full export
-    (torch.equal) and are exactly its engine_regions, masked debug tensors are NaN outside them, bytes received
+    """End to end on CPU (real megatron-core models with the HF weights loaded, their forward checked against
+    transformers', 4 gloo ranks at TP2 x PP2 x EP2, expert TP 1), plan_engine_shards + EngineExecutor for sglang
+    and vllm at engine TP 1/2/4 (with engine EP for MoE; 2 kv heads, so TP 4 > kv heads): every rank's slices
+    equal the engine's slices of the HF source tensors (torch.equal) and are exactly its engine_regions, masked debug tensors are NaN outside them, bytes received
     = the plan's wire bytes = regions bytes - locally held bytes, the world sends what it receives, and at
     engine TP == Megatron TP no TP-aligned piece a rank holds crosses the wire."""
     import worlds
+    from oracle import logit_problems
 
     layout, models = Layout(tp=2, pp=2, ep=2, etp=1), EXPORT_MODELS
 
     from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
 
     ckpts = {m: str(make_hf_checkpoint(tiny_config(m), tmp_path / m)) for m in models}
-    res = run_world(worlds.engine_export_suite, layout, ckpts, layout, 64 * 1024)
+    per_rank = run_world(worlds.engine_export_suite, layout, ckpts, layout, 64 * 1024)
+    logits = same_on_every_rank([r["logits"] for r in per_rank])  # the weights mcore2hf loaded: transformers' forward
+    problems = logit_problems(logits, ckpts, worlds.TOKENS, str(layout))
+    assert not problems, "\n".join(problems)
+    res = [r["placements"] for r in per_rank]
     lines = []
     for key in res[0]:
         if isinstance(res[0][key], str):

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 import worlds
+from oracle import logit_problems
 
 from mcore2hf import HFExporter, ParallelStateError, list_architectures
 from mcore2hf.errors import UnsupportedArchitectureError
@@ -59,3 +60,5 @@ def test_save_pretrained_writes_the_users_config_and_files_and_filters_names(qwe
     assert list(r["config"].items()) == list(want.items()), json.dumps(r["config"])
     assert "tokenizer.json" in r["files"] and "generation_config.json" in r["files"]
     assert r["filtered_bytes"] < 0.85 * r["full_bytes"]
+    problems = logit_problems({"qwen3_moe": r["logits"]}, {"qwen3_moe": qwen3_moe_ckpt}, worlds.TOKENS, str(layout))
+    assert not problems, problems

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from oracle import logit_problems
+from worlds import TOKENS
 
 from mcore2hf.errors import UsageError
 from mcore2hf.legacy import LegacyFormatError
@@ -36,19 +38,20 @@ def checkpoint_name(root: str, iteration: int, tp: int, pp: int, ep: int, pp_siz
     return os.path.join(path, "model_optim_rng.pt")
 
 
-def save_legacy(ckpt: str, layout: Layout, root: str, iteration: int = 9) -> str:
+def save_legacy(ckpt: str, layout: Layout, root: str, iteration: int = 9) -> dict:
     """Megatron-LM's save_checkpoint with ckpt_format 'torch': the ranks with data-parallel rank 0 or
     expert-data-parallel rank 0 each torch.save generate_state_dict's dict (args, checkpoint_version, iteration,
     model / model0.., optimizer, opt_param_scheduler, rng_state as get_rng_state builds it). Also the live export."""
     import numpy as np
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnBackend
-    from worlds import build
+    from worlds import build, forward_oracle
 
     from mcore2hf import HFExporter, load_hf_weights
 
     cfg, chunks = build(ckpt, layout)
     load_hf_weights(chunks, ckpt)
+    logits = forward_oracle(ckpt, layout, chunks)  # what the legacy files hold is right (the transformers oracle)
     base = os.path.join(root, cfg.model_type)
     HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
 
@@ -91,7 +94,7 @@ def save_legacy(ckpt: str, layout: Layout, root: str, iteration: int = 9) -> str
         with open(os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
     dist.barrier()
-    return base
+    return {"base": base, "logits": logits}
 
 
 def for_archs(ckpts: dict, layout: Layout, root: str) -> dict:
@@ -103,8 +106,11 @@ def saved(ckpts, tmp_path_factory):
     out = {}
     for layout in LAYOUTS:
         root = tmp_path_factory.mktemp(f"legacy-{layout}")
-        out[str(layout)] = same_on_every_rank(run_world(
-            for_archs, layout, {mt: ckpts[mt] for mt in WORLD_ARCHS[str(layout)]}, layout, str(root)))
+        source = {mt: ckpts[mt] for mt in WORLD_ARCHS[str(layout)]}
+        res = same_on_every_rank(run_world(for_archs, layout, source, layout, str(root)))
+        problems = logit_problems({mt: r["logits"] for mt, r in res.items()}, source, TOKENS, str(layout))
+        assert not problems, "\n".join(problems)
+        out[str(layout)] = {mt: r["base"] for mt, r in res.items()}
     return out
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import worlds
+from oracle import logit_problems
 
 from mcore2hf.errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError
 from mcore2hf.offline import CheckpointError, export_checkpoint
@@ -37,10 +38,13 @@ def saved(ckpts, tmp_path_factory):
     out = {}
     for layout, singleton in CASES:
         root = tmp_path_factory.mktemp(f"dist-{layout}")
-        res = same_on_every_rank(run_world(
-            worlds.for_each_arch, layout, worlds.save_dist_checkpoint,
-            {mt: ckpts[mt] for mt in ARCHS if layout.expert_tp == 1 or mt not in ETP1_ONLY}, layout, str(root), 7, singleton))
-        out[(str(layout), singleton)] = res
+        source = {mt: ckpts[mt] for mt in ARCHS if layout.expert_tp == 1 or mt not in ETP1_ONLY}
+        res = same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.save_dist_checkpoint, source, layout,
+                                           str(root), 7, singleton))
+        # the model Megatron saved holds what mcore2hf loaded: its forward is transformers' (the oracle)
+        problems = logit_problems({mt: r["logits"] for mt, r in res.items()}, source, worlds.TOKENS, str(layout))
+        assert not problems, "\n".join(problems)
+        out[(str(layout), singleton)] = {mt: r["base"] for mt, r in res.items()}
     return out
 
 

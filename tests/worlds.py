@@ -349,6 +349,7 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
                 if hasattr(p, attr):
                     delattr(p, attr)
     load_hf_weights(chunks, ckpt)
+    logits = forward_oracle(ckpt, layout, chunks)
     ex = HFExporter(chunks, cfg)
     assert_same(ex.state_dict(), ref, f"{layout} perform_initialization=False")
 
@@ -392,13 +393,14 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     padded = sum(pp * max(sum(s.stacked_nbytes for s in b.sources if s.stage == st) for st in range(pp))
                  for b in plan.buckets)
     real_bytes = sum(s.stacked_nbytes for b in plan.buckets for s in b.sources)
-    return {"pp_padding": padded / real_bytes, "buckets": len(plan.buckets)}
+    return {"pp_padding": padded / real_bytes, "buckets": len(plan.buckets), "logits": logits}
 
 
 def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False,
                          model_class: str = "gpt") -> str:
     """Megatron training output at `layout`: a torch_dist checkpoint with model and Adam state under
-    root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live."""
+    root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live.
+    Returns {"base": root/<arch>, "logits": the Megatron forward of the saved model (the oracle; None for hybrid)}."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
@@ -414,6 +416,7 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
 
     cfg, chunks = build(ckpt, layout, model_class=model_class)
     load_hf_weights(chunks, ckpt)
+    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" else None
     base = os.path.join(root, cfg.model_type)
     HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
 
@@ -435,7 +438,7 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
             f.write(str(iteration))
     dist.barrier()
     dist_checkpointing.save(sd, it_dir)
-    return base
+    return {"base": base, "logits": logits}
 
 
 def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_tp: int, port: int,
@@ -485,6 +488,7 @@ def outputs_suite(ckpt: str, layout: Layout, src_dir: str, tmp: str) -> dict:
 
     _, chunks = build(ckpt, layout)
     load_hf_weights(chunks, ckpt)
+    logits = forward_oracle(ckpt, layout, chunks)
     ex = HFExporter(chunks, src_dir)  # a transformers-4.x-style config.json with tokenizer files beside it
     out = os.path.join(tmp, "out")
     ex.save_pretrained(out, progress=False)
@@ -506,7 +510,7 @@ def outputs_suite(ckpt: str, layout: Layout, src_dir: str, tmp: str) -> dict:
         assert set(read_hf_checkpoint(filtered_dir)) == set(got)
     with open(os.path.join(out, "config.json")) as f:
         written = json.load(f)
-    return dict(config=written, files=sorted(os.listdir(out)), full_bytes=full.total_bytes,
+    return dict(config=written, files=sorted(os.listdir(out)), full_bytes=full.total_bytes, logits=logits,
                 filtered_bytes=part.total_bytes)
 
 
@@ -644,8 +648,17 @@ def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, q
 
 def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
     """megatron-core 0.19's single grouped expert parameter (`mlp.experts.linear_fc1.weight` [experts, ...]):
-    loaded from HF into it and exported back bit-identical, with the names a 0.19 TE model shows."""
+    loaded from HF into it and exported back bit-identical, with the names a 0.19 TE model shows. The oracle: the
+    local-spec model's values, proven by the Megatron forward (`logits`, compared with transformers'), are what
+    the single grouped model must hold: item i of each grouped parameter is local expert i's (megatron-core 0.19.2
+    extensions/transformer_engine.py `_split_grouped_checkpoint_tensor`), every other parameter is the same one."""
+    import re
+
     cfg, chunks = build(ckpt, layout)
+    load_hf_weights(chunks, ckpt)
+    logits = forward_oracle(ckpt, layout, chunks)
+    by_id = {id(p): p.detach().clone() for c in chunks for p in c.parameters()}
+    by_name = [{n: p.detach().clone() for n, p in c.named_parameters()} for c in chunks]
     ref = read_hf_checkpoint(ckpt)
     to_te_names(chunks, single_grouped=True)
     names = te_names_of(chunks)
@@ -653,10 +666,16 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
     assert not any(".mlp.experts.linear_fc1.weight0" in n for n in names)
     zero_(chunks)
     load_hf_weights(chunks, ckpt)
+    for c, before in zip(chunks, by_name):
+        for n, p in c.named_parameters():
+            grouped = re.fullmatch(r"(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)", n)
+            want = (torch.stack([before[f"{grouped[1]}.local_experts.{i}.{grouped[2]}.{grouped[3]}"]
+                                 for i in range(p.shape[0])]) if grouped else by_id[id(p)])
+            assert torch.equal(p.detach(), want), f"{layout} single grouped: {n} holds other values than the proven model"
     ex = HFExporter(chunks, cfg)
     assert_same(ex.state_dict(), ref, f"{layout} single grouped")
     assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}, ref, f"{layout} 4 KiB")
-    return {"tensors": len(ref)}
+    return {"tensors": len(ref), "logits": logits}
 
 
 def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None,
@@ -688,13 +707,14 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     conv = get_converter(cfg.model_type)  # Qwen3.5's vision tower is not imported
     ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if not conv.not_held_by_model(n)}
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} imported")
+    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" else None  # what Megatron loaded is right
     if resave is not None:
         out = os.path.join(resave, cfg.model_type)
         if dist.get_rank() == 0:
             os.makedirs(out, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(sharded(), out)
-    return len(ref)
+    return {"tensors": len(ref), "logits": logits}
 
 
 def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor | None,
@@ -763,16 +783,15 @@ def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
 
 def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, dist_layout: Layout,
                   te_specs: dict[str, dict], layout: Layout) -> dict:
-    """qwen3_5_suite for every architecture at `layout` (logits only where PP is 1); at `dist_layout` also a
-    torch_dist checkpoint under out_root/dist/<arch>/ckpt."""
-    out = for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens if layout.pp == 1 else None, te_specs)
+    """qwen3_5_suite for every architecture at `layout`; at `dist_layout` also a torch_dist checkpoint under
+    out_root/dist/<arch>/ckpt."""
+    out = for_each_arch(qwen3_5_suite, ckpts, layout, out_root, tokens, te_specs)
     if layout == dist_layout:
         out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out
 
 
-def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, dist_root: str | None = None,
-                 import_root: str | None = None) -> dict:
+def hybrid_suite(ckpt: str, layout: Layout, dist_root: str | None = None, import_root: str | None = None) -> dict:
     """The HF weights in a hybrid model (megatron-core 0.16 MambaModel / 0.19 HybridModel, attention and MLP as
     separate Megatron layers) and in a GPTModel at `layout`: both export exactly the HF source; the hybrid model
     also loads the GPTModel's export, under Transformer Engine's names too; a pattern the HF config contradicts
@@ -797,10 +816,10 @@ def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, 
     got = HFExporter(hybrid, cfg).state_dict()
     assert_same(got, gpt_export, f"{layout} hybrid vs GPTModel")
     assert_same(got, ref, f"{layout} hybrid vs HF source")
-    logits = None
-    if tokens is not None:
-        a, b = megatron_logits(gpt, tokens, cfg.vocab_size), megatron_logits(hybrid, tokens, cfg.vocab_size)
-        logits = float((a - b).abs().max())
+    # the oracle: the GPTModel's forward (compared with transformers' in the test) and the hybrid model's, which
+    # must be the same network bit for bit
+    gpt_logits = megatron_logits(gpt, TOKENS, cfg.vocab_size)
+    logits = float((gpt_logits - megatron_logits(hybrid, TOKENS, cfg.vocab_size)).abs().max())
 
     to_te_names(hybrid)  # the same hybrid model under TE's names and attributes, reloaded from the file
     zero_(hybrid)
@@ -822,7 +841,7 @@ def hybrid_suite(ckpt: str, layout: Layout, tokens: torch.Tensor | None = None, 
         save_dist_checkpoint(ckpt, layout, dist_root, model_class="hybrid")
     imported = load_imported(ckpt, layout, import_root, model_class="hybrid") if import_root is not None else None
     return {"imported_tensors": imported, "pattern": layout_.pattern, "megatron_layers_here": megatron_layers, "tensors": len(ref),
-            "model_class": type(hybrid[0]).__name__, "logits_max_diff": logits, "error": error}
+            "model_class": type(hybrid[0]).__name__, "logits_max_diff": logits, "logits": gpt_logits, "error": error}
 
 
 #: ops whose Megatron TP split equals the engines' at equal TP (the engines replicate some tensors Megatron
@@ -849,11 +868,14 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
     from mcore2hf.engine_shards import EngineShardError, engine_regions, region_slices, sharding_kind
     from mcore2hf.plan import colocated_ranks
 
-    me, out = dist.get_rank(), {}
+    me, out, logits = dist.get_rank(), {}, {}
     for model_type, ckpt in ckpts.items():
         cfg, chunks = build(ckpt, layout)
+        load_hf_weights(chunks, ckpt)
+        logits[model_type] = forward_oracle(ckpt, layout, chunks)  # what mcore2hf loaded is right (the oracle)
         ex = HFExporter(chunks, cfg)
-        ref = ex.state_dict()
+        ref = read_hf_checkpoint(ckpt)  # the engines' slices are cut from the source, not from our own export
+        assert_same(ex.state_dict(), ref, f"{layout} {model_type}")
         dims = ex.dims
         for engine in ("sglang", "vllm"):
             for tp in (1, 2, 4) if engine == "sglang" else (2, 4):  # at TP 1 both engines load everything
@@ -921,7 +943,7 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
                                     aligned.append(r.source)
                     assert not aligned, (key, sorted(set(aligned))[:4])
                     out[key] = dict(wire=b["wire"], local=b["local"], needed=need)
-    return out
+    return {"placements": out, "logits": logits}
 
 
 def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
@@ -1007,6 +1029,7 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
     for mt, ckpt in ckpts.items():
         cfg, chunks = build(ckpt, layout)
         load_hf_weights(chunks, ckpt)
+        logits = forward_oracle(ckpt, layout, chunks)
         ref = read_hf_checkpoint(ckpt)
         ex = HFExporter(chunks, cfg)
         plan = ex.plan(bucket_bytes)
@@ -1028,7 +1051,7 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
         assert_same(sink.got, ref, f"{mt} {layout} sync")
         stats["sync_buckets"] = report.buckets
         out[mt] = dict(stats, direct_buckets=sum(b.direct is not None for b in plan.buckets),
-                       buckets=len(plan.buckets))
+                       buckets=len(plan.buckets), logits=logits)
     return out
 
 

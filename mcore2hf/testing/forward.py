@@ -8,6 +8,25 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+#: max |Megatron - transformers| fp32 logit difference per model family, measured (random tiny models with logits of
+#: magnitude ~15, 2 x 16 tokens; the maxima over every layout world of the test suite, TP/PP/VPP/EP/expert-TP, fp32
+#: and from bf16 sources: tests/oracle.py prints each). Tolerance: MARGIN x the family's maximum, tight enough that a
+#: realistic bug moving logits by ~1e-4 fails (MLA's latent-norm eps 1e-6 -> 1e-5 moves them by 2-3e-4). Gated
+#: DeltaNet models run the chunked delta-rule recurrence in fp32 in both forwards, in different summation orders:
+#: ten times the round-off (model_specs/qwen3_next.py LOGIT_TOL has those measurements).
+MEASURED_LOGIT_DIFF = {"dense": 1.2e-5, "moe": 1.3e-5, "mla": 1.6e-5, "gpt_oss": 1.0e-5, "gated_deltanet": 1.0e-4}
+MARGIN = 3.0
+FAMILY = {"qwen3": "dense", "qwen2": "dense", "llama": "dense", "mistral": "dense",
+          "qwen3_moe": "moe", "glm4_moe": "moe", "mixtral": "moe", "olmoe": "moe", "minimax_m2": "moe",
+          "deepseek_v3": "mla", "deepseek_v2": "mla", "glm4_moe_lite": "mla", "kimi_k2": "mla", "moonlight": "mla",
+          "gpt_oss": "gpt_oss", "qwen3_next": "gated_deltanet", "qwen3_5": "gated_deltanet",
+          "qwen3_5_moe": "gated_deltanet"}
+
+
+def logit_tolerance(model_type: str) -> float:
+    """The fp32 logit tolerance of `model_type`'s family (MEASURED_LOGIT_DIFF x MARGIN)."""
+    return MARGIN * MEASURED_LOGIT_DIFF[FAMILY[model_type]]
+
 
 @contextlib.contextmanager
 def _main_model_only(chunk):
