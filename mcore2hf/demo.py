@@ -23,7 +23,6 @@ DEMO_LAYOUT = Layout(tp=2, ep=4, etp=1)
 
 def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from . import HFExporter, build_model, load_hf_weights
     from .hf_config import load_hf_config
@@ -50,9 +49,7 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> 
     identical = set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     ex.save_pretrained(out_dir, bucket_bytes=256 * 1024)
 
-    logits = None
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        logits = megatron_logits(chunks, tokens, cfg.vocab_size)
+    logits = megatron_logits(chunks, tokens, cfg.vocab_size)  # every stage in order, at any layout
     return dict(rank=dist.get_rank(), identical=identical, tensors=len(got), bytes=nbytes,
                 buckets=len(plan.buckets), first_s=first, second_s=second, logits=logits)
 
