@@ -54,15 +54,18 @@ def hf_logits(path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     return _logits(str(path), tuple(map(tuple, tokens.tolist())), dtype)
 
 
-def logit_problems(megatron: dict[str, torch.Tensor], ckpts: dict[str, str], tokens: torch.Tensor, what: str,
-                   names: dict[str, str] | None = None) -> list[str]:
-    """Each architecture's Megatron logits against transformers' (names: the family key of each entry, default
-    its model_type); one line per architecture over its tolerance, and the measured differences printed."""
+def logit_problems(per_rank: list[dict[str, torch.Tensor]], ckpts: dict[str, str], tokens: torch.Tensor,
+                   what: str) -> list[str]:
+    """Every rank's Megatron logits ({model: logits} per rank) against transformers' forward of ckpts[model]; one
+    line per model over its family's tolerance, and the largest difference over the ranks printed. (Ranks need not
+    agree bit for bit: data-parallel replicas whose expert groups span them reduce in different orders.)"""
     problems = []
-    for mt, logits in megatron.items():
-        diff = (logits.double() - hf_logits(ckpts[mt], tokens)).abs().max().item()
-        tol = logit_tolerance((names or {}).get(mt, mt))
-        print(f"{what} {mt}: max |megatron - transformers| = {diff:.2e} (tolerance {tol:.1e})")
+    for mt in per_rank[0]:
+        ref = hf_logits(ckpts[mt], tokens)
+        diff = max((rank[mt].double() - ref).abs().max().item() for rank in per_rank)
+        tol = logit_tolerance(mt)
+        print(f"{what} {mt}: max |megatron - transformers| = {diff:.2e} over {len(per_rank)} rank(s) "
+              f"(tolerance {tol:.1e})")
         if not diff <= tol:
             problems.append(f"{what} {mt}: max |megatron - transformers| logit difference {diff:.3e} > {tol:.1e}")
     return problems

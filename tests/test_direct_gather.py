@@ -5,14 +5,14 @@ Bit-identical to the source and to the same plan through staging; prints the byt
 import worlds
 from oracle import logit_problems
 
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.testing.world import Layout, run_world
 
 
 def test_ep2_all_gather_lands_in_the_output_bit_identical_and_copies_less(ckpts):
     layout = Layout(ep=2, etp=1)
     archs = {mt: ckpts[mt] for mt in ("qwen3_moe", "deepseek_v3")}
     results = run_world(worlds.direct_gather_suite, layout, archs, layout, 64 * 1024)
-    logits = same_on_every_rank([{mt: r["logits"] for mt, r in res.items()} for res in results])
+    logits = [{mt: r["logits"] for mt, r in res.items()} for res in results]
     problems = logit_problems(logits, archs, worlds.TOKENS, str(layout))
     assert not problems, "\n".join(problems)
     for rank, res in enumerate(results):

@@ -13,7 +13,7 @@ from mcore2hf.engine_shards import EnginePlacement, EngineShardError, clip, engi
 from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.importer import _full_shape, megatron_names
 from mcore2hf.layouts import QKV, Column, GatedInterleaved, Piece, RowTransposed, Stacked, VocabRows, pieces
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.testing.world import Layout, run_world
 
 COUNTS = (1, 2, 4)
 
@@ -221,7 +221,7 @@ def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4
 
     ckpts = {m: str(make_hf_checkpoint(tiny_config(m), tmp_path / m)) for m in models}
     per_rank = run_world(worlds.engine_export_suite, layout, ckpts, layout, 64 * 1024)
-    logits = same_on_every_rank([r["logits"] for r in per_rank])  # the weights mcore2hf loaded: transformers' forward
+    logits = [r["logits"] for r in per_rank]  # the weights mcore2hf loaded: transformers' forward
     problems = logit_problems(logits, ckpts, worlds.TOKENS, str(layout))
     assert not problems, "\n".join(problems)
     res = [r["placements"] for r in per_rank]

@@ -55,10 +55,12 @@ def test_save_pretrained_writes_the_users_config_and_files_and_filters_names(qwe
     (src / "tokenizer.json").write_text("{}")
     (src / "generation_config.json").write_text("{}")
     layout = Layout(ep=2, etp=1)
-    r = same_on_every_rank(run_world(worlds.outputs_suite, layout, str(qwen3_moe_ckpt), layout, str(src), str(tmp_path)))
+    per_rank = run_world(worlds.outputs_suite, layout, str(qwen3_moe_ckpt), layout, str(src), str(tmp_path))
+    problems = logit_problems([{"qwen3_moe": r.pop("logits")} for r in per_rank], {"qwen3_moe": qwen3_moe_ckpt},
+                              worlds.TOKENS, str(layout))
+    assert not problems, problems
+    r = same_on_every_rank(per_rank)
     want = {k: v for k, v in raw.items() if k != "quantization_config"}  # fp32 model: the dtype stays
     assert list(r["config"].items()) == list(want.items()), json.dumps(r["config"])
     assert "tokenizer.json" in r["files"] and "generation_config.json" in r["files"]
     assert r["filtered_bytes"] < 0.85 * r["full_bytes"]
-    problems = logit_problems({"qwen3_moe": r["logits"]}, {"qwen3_moe": qwen3_moe_ckpt}, worlds.TOKENS, str(layout))
-    assert not problems, problems

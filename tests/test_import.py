@@ -80,10 +80,12 @@ def imported(all_ckpts, tmp_path_factory) -> dict[bool, str]:
 def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_ckpts, imported, tmp_path):
     layout, singleton = case
     root, ckpts = imported[singleton], all_ckpts
-    res = same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, root,
-                                       singleton, str(tmp_path / "resaved")))
+    per_rank = run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, root, singleton,
+                         str(tmp_path / "resaved"))
     # what Megatron's own dist_checkpointing.load put into the model from our import: its forward is transformers'
-    problems = logit_problems({mt: r["logits"] for mt, r in res.items()}, ckpts, worlds.TOKENS, f"{layout} import")
+    problems = logit_problems([{mt: r.pop("logits") for mt, r in res.items()} for res in per_rank], ckpts,
+                              worlds.TOKENS, f"{layout} import")
+    same_on_every_rank(per_rank)
     assert not problems, "\n".join(problems)
     for mt in ckpts:  # what Megatron writes for the model it loaded is what we wrote, but for its vocab padding
         ours, megatron = model_keys(os.path.join(root, mt, "iter_0000005")), model_keys(tmp_path / "resaved" / mt)

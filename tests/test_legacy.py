@@ -107,8 +107,10 @@ def saved(ckpts, tmp_path_factory):
     for layout in LAYOUTS:
         root = tmp_path_factory.mktemp(f"legacy-{layout}")
         source = {mt: ckpts[mt] for mt in WORLD_ARCHS[str(layout)]}
-        res = same_on_every_rank(run_world(for_archs, layout, source, layout, str(root)))
-        problems = logit_problems({mt: r["logits"] for mt, r in res.items()}, source, TOKENS, str(layout))
+        per_rank = run_world(for_archs, layout, source, layout, str(root))
+        problems = logit_problems([{mt: r.pop("logits") for mt, r in res.items()} for res in per_rank], source,
+                                  TOKENS, str(layout))
+        res = same_on_every_rank(per_rank)
         assert not problems, "\n".join(problems)
         out[str(layout)] = {mt: r["base"] for mt, r in res.items()}
     return out

@@ -39,10 +39,12 @@ def saved(ckpts, tmp_path_factory):
     for layout, singleton in CASES:
         root = tmp_path_factory.mktemp(f"dist-{layout}")
         source = {mt: ckpts[mt] for mt in ARCHS if layout.expert_tp == 1 or mt not in ETP1_ONLY}
-        res = same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.save_dist_checkpoint, source, layout,
-                                           str(root), 7, singleton))
+        per_rank = run_world(worlds.for_each_arch, layout, worlds.save_dist_checkpoint, source, layout, str(root), 7,
+                             singleton)
         # the model Megatron saved holds what mcore2hf loaded: its forward is transformers' (the oracle)
-        problems = logit_problems({mt: r["logits"] for mt, r in res.items()}, source, worlds.TOKENS, str(layout))
+        problems = logit_problems([{mt: r.pop("logits") for mt, r in res.items()} for res in per_rank], source,
+                                  worlds.TOKENS, str(layout))
+        res = same_on_every_rank(per_rank)
         assert not problems, "\n".join(problems)
         out[(str(layout), singleton)] = {mt: r["base"] for mt, r in res.items()}
     return out
@@ -121,7 +123,9 @@ def test_errors(saved, ckpts, tmp_path):
     victim.write_bytes(data[: cut.offset + cut.length // 2])
     with pytest.raises(CheckpointError, match="is truncated"):
         export_checkpoint(broken, tmp_path / "o5", cfg, progress=False)
-    victim.write_bytes(data[:100] + bytes(4096) + data[4196:])  # zip headers / pickle
+    # zeros over the chunk's zip local header and data.pkl (the first bytes after its 30-byte fixed header): a chunk
+    # the export reads, so the damage must be found (bytes of chunks it does not read, optimizer state, need not be)
+    victim.write_bytes(data[:cut.offset + 30] + bytes(256) + data[cut.offset + 286:])
     with pytest.raises(CheckpointError, match="is corrupt"):
         export_checkpoint(broken, tmp_path / "o6", cfg, progress=False)
     # one flipped byte inside the largest model chunk's tensor data: only the CRC32 can tell

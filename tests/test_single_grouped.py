@@ -7,7 +7,7 @@ architecture: loaded into and exported from such a model bit-identical. The mode
 import worlds
 from oracle import logit_problems
 
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.testing.world import Layout, run_world
 
 MOE = ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
 
@@ -16,6 +16,6 @@ def test_single_grouped_expert_parameters_every_moe_architecture(ckpts):
     layout = Layout(tp=2, ep=2, etp=1)
     source = {mt: ckpts[mt] for mt in MOE}
     results = run_world(worlds.for_each_arch, layout, worlds.single_grouped_suite, source, layout)
-    logits = same_on_every_rank([{mt: r["logits"] for mt, r in res.items()} for res in results])
+    logits = [{mt: r["logits"] for mt, r in res.items()} for res in results]
     problems = logit_problems(logits, source, worlds.TOKENS, str(layout))
     assert not problems, "\n".join(problems)
