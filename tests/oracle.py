@@ -69,3 +69,29 @@ def logit_problems(per_rank: list[dict[str, torch.Tensor]], ckpts: dict[str, str
         if not diff <= tol:
             problems.append(f"{what} {mt}: max |megatron - transformers| logit difference {diff:.3e} > {tol:.1e}")
     return problems
+
+
+#: Gated-DeltaNet models (fp32 chunked recurrences in both forwards): Megatron's RMS distance to transformers' fp64
+#: forward may be at most this multiple of transformers' own fp32 RMS distance to it. RMS over every logit, not the
+#: max: the max of one roundoff sample moves with the CPU's kernels (transformers' fp32 max distance here: 1.24e-4
+#: with 1 thread or eager experts, 9.6e-5 with 2 threads and grouped experts; its RMS 1.40-1.50e-5 either way).
+#: Measured ratios (Megatron / transformers fp32, RMS; 2026-11-25): Qwen3-Next 1.04 (TP1), 1.11 (TP2 x EP2); Qwen3.5
+#: 0.93-0.98, Qwen3.5-MoE 0.84-1.27 (TP2 x EP2, PP2, TP1 x DP2).
+ROUNDOFF_FACTOR = 2.0
+
+
+def roundoff_problems(megatron: torch.Tensor, path, tokens: torch.Tensor, what: str) -> list[str]:
+    """Megatron's logits no further (RMS) from transformers' fp64 forward of `path` than ROUNDOFF_FACTOR x
+    transformers' own fp32 forward is: the same function up to fp32 roundoff."""
+    hf32, hf64 = hf_logits(path, tokens, torch.float32), hf_logits(path, tokens, torch.float64)
+
+    def rms(x: torch.Tensor) -> float:
+        return x.double().pow(2).mean().sqrt().item()
+
+    ours, theirs = rms(megatron.double() - hf64), rms(hf32 - hf64)
+    print(f"{what}: RMS distance to transformers fp64: megatron {ours:.3e}, transformers fp32 {theirs:.3e} (ratio "
+          f"{ours / theirs:.2f}, at most {ROUNDOFF_FACTOR}); max: megatron {(megatron.double() - hf64).abs().max():.2e}, "
+          f"transformers fp32 {(hf32 - hf64).abs().max():.2e}")
+    return [] if ours <= ROUNDOFF_FACTOR * theirs else [f"{what}: Megatron's RMS distance to transformers' fp64 "
+                                                        f"forward {ours:.3e} > {ROUNDOFF_FACTOR} x transformers' "
+                                                        f"fp32 one {theirs:.3e}"]
