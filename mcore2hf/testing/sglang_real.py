@@ -389,6 +389,7 @@ def _scheduler(ps):
         running_batch=ScheduleBatch(reqs=[]), waiting_queue=[], chunked_req=None, last_batch=None,
         cur_batch_for_debug=None, result_queue=collections.deque(), disaggregation_mode=DisaggregationMode.NULL,
         _engine_paused=False, _pause_started_at=None, _pause_intervals=[], ps=ps,  # ps: 0.5.20's PP size
+        pp_size=1, running_mbs=[], cur_batch=None, _pending_flush=None,  # 0.5.10's names
         enable_overlap=False, enable_overlap_mlx=False, enable_hisparse=False, enable_hierarchical_cache=False,
         enable_lmcache=False, enable_hicache_storage=False, enable_continuous_input_polling=False,
         enable_priority_scheduling=False, max_queued_requests=None, processed_tokens_counter=0,
@@ -396,20 +397,23 @@ def _scheduler(ps):
         draft_worker=None, rust_server=None, tree_cache=_KVMemory("tree_cache"), req_to_token_pool=_KVMemory("req_to_token_pool"),
         token_to_kv_pool_allocator=_KVMemory("token_to_kv_pool_allocator"),
         **{n: _Stub(n) for n in ("metrics_reporter", "kv_events_publisher", "grammar_manager", "dllm_manager",
-                                 "beam_coordinator", "ipc_channels")})
+                                 "beam_coordinator", "ipc_channels", "send_to_tokenizer")})
     return s
 
 
-def _flush_wrapper(scheduler):
-    """The release's SchedulerFlushWrapper, which answers FlushCacheReqInput (scheduler.py's request dispatcher,
-    0.5.20 / 0.5.23); its reply channel (send_output / ipc_channels) is only for a deferred flush (timeout_s > 0),
-    which the front end never asks for."""
+def _flush_wrapper(scheduler, components: bool):
+    """What answers FlushCacheReqInput in scheduler.py's request dispatcher: the release's SchedulerFlushWrapper
+    (0.5.20 / 0.5.23; its reply channel, send_output / ipc_channels, only serves a deferred flush, timeout_s > 0,
+    which the front end never asks for), or before it the Scheduler's own flush_cache_wrapped (read in 0.5.10)."""
     import inspect
 
+    if not components:
+        return scheduler.flush_cache_wrapped
     from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
 
     channel = {k: None for k in ("send_output", "ipc_channels") if k in inspect.signature(SchedulerFlushWrapper).parameters}
-    return SchedulerFlushWrapper(flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle, **channel)
+    return SchedulerFlushWrapper(flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle,
+                                 **channel).handle
 
 
 class _Rank:
@@ -431,8 +435,9 @@ class _Rank:
         ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1, pp_size=1,
                                 tp_group=_t.SimpleNamespace(cpu_group=group, rank=rank, ranks=list(range(tp_size))))
         self.scheduler = scheduler = _scheduler(ps)
-        self.flush_wrapper = _flush_wrapper(scheduler)
-        if importlib.util.find_spec("sglang.srt.managers.scheduler_components.weight_updater") is None:
+        components = importlib.util.find_spec("sglang.srt.managers.scheduler_components") is not None  # >= 0.5.20
+        self.flush = _flush_wrapper(scheduler, components)
+        if not components:
             self.manager, self.groups = self._before_0_5_20(rank, group, model, scheduler)
             return
         import dataclasses
@@ -507,7 +512,7 @@ class _Rank:
             return True, ""
         s = self.scheduler
         target = {"pause_generation": s.pause_generation, "continue_generation": s.continue_generation,
-                  "abort_request": s.abort_request, "flush_cache": self.flush_wrapper.handle}.get(method)
+                  "abort_request": s.abort_request, "flush_cache": self.flush}.get(method)
         out = (target or getattr(self.manager, method))(req)
         if out is None:  # pause / continue / abort answer nothing
             return True, ""
