@@ -1,10 +1,14 @@
 """Our SGLang senders against SGLang's own code from the published wheels (CPU, GPU-only imports stubbed):
 each release runs in its own server (mcore2hf.testing.sglang_real: one scheduler process per engine TP rank) whose
 request types, session checks (>= 0.5.21), SafeUnpickler, patch_torch rebuild, FlattenedTensorBucket rebuild and
-weight-update group + broadcast receive (init_weights_update_group at rank_offset + tp_rank, gloo) are the
-release's. Pinned releases: 0.5.23 (the newest, with sessions), 0.5.20 (the last without sessions; already the
-newer internal layout), and 0.5.4.post3 (refused). Run by hand (MCORE2HF_SGLANG_EXTRA): 0.5.22 and 0.5.10 (the
-0.5.6-0.5.19 layout) passed on 2026-11-23. A wheel that cannot be fetched or imported fails these tests."""
+weight-update group + broadcast receive (init_weights_update_group at rank_offset + tp_rank, gloo), and the
+scheduler's pause / continue / abort / flush decisions, are the release's. Failures (failure_cases) are injected
+around that code (the model's load_weights raises, sleeps or kills its scheduler process); what follows is the
+release's doing. Pinned releases: 0.5.23 (the newest, with sessions), 0.5.20 (the last without sessions; already
+the newer internal layout), and 0.5.4.post3 (refused). Run by hand (MCORE2HF_SGLANG_EXTRA): 0.5.22 and 0.5.10
+(the 0.5.6-0.5.19 layout) passed on 2026-11-23, 0.5.10 again with the scheduler-side pause / flush on
+2026-11-25. A wheel that cannot be fetched or imported fails these tests. Most cases share one trainer world and
+its servers (session_tp2): each new world and server costs CI seconds."""
 
 import hashlib
 import os
@@ -340,7 +344,10 @@ def failure_cases(urls: dict, ex) -> dict:
         out["timeout"] = case
 
         # requests queued in both schedulers (rank 0 feeds c: 0.5.20, rank 1 feeds a: 0.5.23): a retract-mode
-        # pause leaves them queued, then each release's flush_cache decides; an abort-mode pause drops them
+        # pause leaves them queued, then each release's flush_cache decides (managers/scheduler.py: 0.5.20
+        # is_fully_idle() counts the queue, 0.5.23 is_fully_idle(ignore_waiting=self._engine_paused) does not);
+        # an abort-mode pause has the scheduler drop them (tokenizer_manager.py pause_generation: abort_request
+        # with abort_all, not the scheduler's pause; scheduler.py abort_request pops the waiting queue)
         if lead:
             for name in ("c", "a"):
                 _post(urls[name], "/mcore2hf_requests", {"queued": 3})
