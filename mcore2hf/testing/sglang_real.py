@@ -598,12 +598,14 @@ def _release_has(route: str) -> bool:
 
 
 def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int = 0) -> None:
+    import ctypes
     import json
     import os
     import signal
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with whoever started it (a test, a rank)
     install(site_dir)
     from sglang.srt.utils import kill_process_tree
     from sglang.version import __version__
