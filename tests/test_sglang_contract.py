@@ -1,10 +1,14 @@
 """Our SGLang senders against SGLang's own code from the published wheels (CPU, GPU-only imports stubbed):
 each release runs in its own server (mcore2hf.testing.sglang_real: one scheduler process per engine TP rank) whose
 request types, session checks (>= 0.5.21), SafeUnpickler, patch_torch rebuild, FlattenedTensorBucket rebuild and
-weight-update group + broadcast receive (init_weights_update_group at rank_offset + tp_rank, gloo) are the
-release's. Pinned releases: 0.5.23 (the newest, with sessions), 0.5.20 (the last without sessions; already the
-newer internal layout), and 0.5.4.post3 (refused). Run by hand (MCORE2HF_SGLANG_EXTRA): 0.5.22 and 0.5.10 (the
-0.5.6-0.5.19 layout) passed on 2026-11-23. A wheel that cannot be fetched or imported fails these tests."""
+weight-update group + broadcast receive (init_weights_update_group at rank_offset + tp_rank, gloo), and the
+scheduler's pause / continue / abort / flush decisions, are the release's. Failures (failure_cases) are injected
+around that code (the model's load_weights raises, sleeps or kills its scheduler process); what follows is the
+release's doing. Pinned releases: 0.5.23 (the newest, with sessions), 0.5.20 (the last without sessions; already
+the newer internal layout), and 0.5.4.post3 (refused). Run by hand (MCORE2HF_SGLANG_EXTRA): 0.5.22 and 0.5.10
+(the 0.5.6-0.5.19 layout) passed on 2026-11-23, 0.5.10 again with the scheduler-side pause / flush on
+2026-11-25. A wheel that cannot be fetched or imported fails these tests. Most cases share one trainer world and
+its servers (session_tp2): each new world and server costs CI seconds."""
 
 import hashlib
 import os
@@ -30,22 +34,38 @@ def site(version: str) -> str:
 
 
 class RealServer:
-    def __init__(self, version: str, tp: int = 1, api_key: str | None = None):
-        cmd = [sys.executable, sglang_real.__file__, site(version), "--tp", str(tp)]
+    """One release's server (mcore2hf.testing.sglang_real) in its own process; `port` 0: one the OS picks. With
+    wait=False the caller starts several, then waits for each (`wait()`)."""
+
+    def __init__(self, version: str, tp: int = 1, api_key: str | None = None, port: int = 0, wait: bool = True):
+        import tempfile
+
+        cmd = [sys.executable, sglang_real.__file__, site(version), "--tp", str(tp), "--port", str(port)]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # stderr to a file, not a pipe nobody reads: a server never blocks on it
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        self.wanted = version
+        if wait:
+            self.wait()
+
+    def wait(self) -> "RealServer":
         line = self.proc.stdout.readline()  # "PORT <n> VERSION <v>" once the release's code is loaded
         if not line.startswith("PORT"):
             self.proc.kill()
-            raise RuntimeError(f"sglang {version} server did not start: {self.proc.stderr.read()[-3000:]}")
-        self.url = f"http://127.0.0.1:{line.split()[1]}"
+            self.log.seek(0)
+            raise RuntimeError(f"sglang {self.wanted} server did not start: {self.log.read()[-3000:]}")
+        self.port = int(line.split()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
         self.version = line.split()[3]
+        return self
 
     def stop(self):
         self.proc.kill()
         self.proc.wait(10)
+        self.log.close()
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -90,9 +110,10 @@ def _http(url: str, path: str, method: str = "GET") -> dict:
         return json.loads(r.read())
 
 
-def trainer(url: str, engine_tp: int, api_key):
-    """One rank of a trainer world of `engine_tp` ranks: colocated then distributed, two syncs each, through our
-    senders into the real-code server; after each kind rank 0 takes the server's record and clears it."""
+def trainer(urls: list[str], engine_tp: int, api_key):
+    """One rank of a trainer world of len(urls) * engine_tp ranks, servers of engine TP `engine_tp`: colocated
+    (engine i fed by ranks i * engine_tp ...) then distributed (every engine in one group), two syncs each, through
+    our senders into the real-code servers; after each kind rank 0 takes each server's record and clears it."""
     import torch.distributed as dist
 
     from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, sync
@@ -100,9 +121,10 @@ def trainer(url: str, engine_tp: int, api_key):
     rank, out = dist.get_rank(), {}
     for kind in ("colocated", "distributed"):
         if kind == "colocated":
-            sender = SGLangColocatedSender(url if rank == 0 else None, engine_tp, timeout=60, api_key=api_key)
+            sender = SGLangColocatedSender(urls[rank // engine_tp] if rank % engine_tp == 0 else None, engine_tp,
+                                           timeout=60, api_key=api_key)
         else:  # port 0: the sender hosts the rendezvous on a port the OS picks
-            sender = SGLangDistributedSender([url] if rank == 0 else None, [engine_tp], "127.0.0.1", 0,
+            sender = SGLangDistributedSender(urls if rank == 0 else None, [engine_tp] * len(urls), "127.0.0.1", 0,
                                              backend="gloo", timeout=60, api_key=api_key)
         for seed in (0, 1):  # different bytes each sync: the second must replace the first
             sync(_Exporter(tensors(seed)), sender, progress=False)
@@ -111,71 +133,286 @@ def trainer(url: str, engine_tp: int, api_key):
         dist.barrier()
         out[kind] = {"version": sender.version}
         if rank == 0:
-            out[kind]["state"] = _http(url, "/mcore2hf_state")
-            _http(url, "/mcore2hf_reset", "POST")
+            out[kind]["states"] = [_http(url, "/mcore2hf_state") for url in urls]
+            for url in urls:
+                _http(url, "/mcore2hf_reset", "POST")
         dist.barrier()
     return out
 
 
-def refused_trainer(url: str, expect_error: str) -> float:
-    from mcore2hf.senders import SGLangColocatedSender, UnsupportedEngine, sync
-
-    sender = SGLangColocatedSender(url, 1, timeout=60)
-    t = time.monotonic()
-    with pytest.raises(UnsupportedEngine, match=expect_error):
-        sync(_Exporter(tensors(0)), sender, progress=False)
-    return time.monotonic() - t
-
-
 SHARDED_LAYOUT = Layout(tp=1, ep=2)  # the trainer world of the engine-sharded case (qwen3_moe at EP 2)
+KEY = "k3y"  # every server of the shared world is started with this API key
+FAULT_TIMEOUT = 3.0  # s: the sender timeout of the timeout case; the injected delay is 1.5 s longer
 
 
-def trainer_tp2(url: str, ckpt: str) -> dict:
-    """The 0.5.23 engine-TP-2 world: the all-ranks syncs (`trainer`), then the engine-sharded ones
-    (`sharded_trainer`) into the same server: one server and one world for both cases."""
-    out = trainer(url, 2, "k3y")
-    out["sharded"] = sharded_trainer(url, ckpt, SHARDED_LAYOUT, 256 * 1024)
+def trainer_tp2(urls: dict, ckpt: str) -> dict:
+    """The shared world (2 trainer ranks): the all-ranks syncs (`trainer`) into the 0.5.23 engine-TP-2 server, then
+    into the 0.5.23 and 0.5.20 servers of TP 1 (one per rank; one group); the engine-sharded syncs of a real model
+    into the TP-2 server (`sharded_trainer`); then the same model into two engines and the failure cases
+    (`failure_cases`): one world for all, servers started together."""
+    import worlds
+
+    from mcore2hf import HFExporter
+
+    out = {"tp2": trainer([urls["tp2"]], 2, KEY), "tp1": trainer([urls["a"], urls["c"]], 1, KEY)}
+    cfg, chunks = worlds.build(ckpt, SHARDED_LAYOUT)  # real megatron-core qwen3_moe, EP 2
+    ex = HFExporter(chunks, cfg)
+    out["sharded"] = sharded_trainer(urls["tp2"], ex, cfg, 256 * 1024)
+    out["failures"] = failure_cases(urls, ex)
     return out
 
 
 @pytest.fixture(scope="module")
 def session_tp2(tmp_path_factory) -> list:
-    """Per-rank results of trainer_tp2 against one 0.5.23 server of engine TP 2 (shared by two tests)."""
+    """Per-rank results of trainer_tp2. Servers (all keyed): "tp2" 0.5.23 engine TP 2, "a" 0.5.23 TP 1, "c" 0.5.20
+    TP 1, "old" 0.5.4.post3 (refused)."""
     from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
 
-    ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
-    server = RealServer(SESSION_RELEASE, tp=2, api_key="k3y")
+    servers = {"tp2": RealServer(SESSION_RELEASE, tp=2, api_key=KEY, wait=False),
+               "a": RealServer(SESSION_RELEASE, api_key=KEY, wait=False),
+               "c": RealServer(PRE_SESSION_RELEASE, api_key=KEY, wait=False),
+               "old": RealServer(REFUSED_RELEASE, api_key=KEY, wait=False)}
     try:
-        assert server.version == SESSION_RELEASE
-        return run_world(trainer_tp2, SHARDED_LAYOUT, server.url, ckpt, timeout=300)
+        ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
+        for s in servers.values():
+            s.wait()
+        assert [s.version for s in servers.values()] == [s.wanted for s in servers.values()]
+        return run_world(trainer_tp2, SHARDED_LAYOUT, {n: s.url for n, s in servers.items()}, ckpt, timeout=600)
     finally:
-        server.stop()
+        for s in servers.values():
+            s.stop()
+
+
+# ------------------------------------------------------------------------------- failures (trainer rank 0 drives)
+
+def _post(url: str, path: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _view(url: str, want: dict | None = None) -> dict:
+    """An engine as its objects report it (the harness' state route): per TP rank the release's update session,
+    weight-update groups, scheduler paused flag, queued requests and flushes; the tokenizer side's paused flag;
+    with `want` (name: digest), per TP rank the names whose bytes differ (or are missing, or extra)."""
+    st = _http(url, "/mcore2hf_state")
+    out = {"paused": st["paused"], "ranks": st["ranks"]}
+    if want is not None:
+        out["wrong"] = [sorted(n for n in set(want) | set(w) if w.get(n, [None])[0] != want.get(n))
+                        for w in (st["weights"][str(r)] for r in range(len(st["ranks"])))]
+    return out
+
+
+def _wait_down(url: str, timeout: float = 60.0) -> float:
+    """Seconds until nothing answers at `url` any more (a dying server may first hold a request unanswered)."""
+    import urllib.error
+    import urllib.request
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            urllib.request.urlopen(url + "/mcore2hf_state", timeout=2).close()
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ConnectionRefusedError):
+                return time.monotonic() - t0
+        except (TimeoutError, ConnectionError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} still answers after {timeout} s")
+
+
+def failure_cases(urls: dict, ex) -> dict:
+    """Failures injected around the releases' own code (sglang_real: the model's load_weights raises, sleeps or
+    kills its scheduler process), with what each release then does. Per case, on every trainer rank: the error
+    and the version before / after (it must not move), then a retry (a dead server restarted on its port first)
+    whose bytes are checked on every engine rank; on rank 0 the engines' state as their objects report it. The two
+    servers that die are restarted together (their starts overlap), before either retry."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from mcore2hf.senders import (
+        EngineError,
+        SGLangColocatedSender,
+        SGLangDistributedSender,
+        UnsupportedEngine,
+        sync,
+    )
+
+    lead = dist.get_rank() == 0
+    out, restarted, t0 = {}, [], time.monotonic()
+
+    def synced(sender, seed: int) -> int:
+        sync(_Exporter(tensors(seed)), sender, progress=False)
+        return sender.version
+
+    def failed(sender, seed: int, match: str) -> dict:
+        before = sender.version
+        with pytest.raises(EngineError, match=match) as e:
+            synced(sender, seed)
+        return {"version": (before, sender.version), "error": str(e.value)}
+
+    def arm(url: str, **fault) -> None:
+        if lead:
+            _post(url, "/mcore2hf_fault", fault)
+        dist.barrier()
+
+    def views(want: int | dict | None, *names: str) -> dict | None:
+        """Rank 0's view of engines `names`; `want`: the bytes they must hold (a seed of tensors(), or digests)."""
+        dist.barrier()  # every rank's engine calls are done
+        want = digests(tensors(want)) if isinstance(want, int) else want
+        return {n: _view(urls[n], want) for n in names} if lead else None
+
+    def relaunch(name: str, version: str) -> dict | None:
+        """The dead server is started again on its port (as an orchestrator would); rank 0 owns it."""
+        if not lead:
+            return None
+        down = _wait_down(urls[name])
+        restarted.append(RealServer(version, 1, KEY, port=int(urls[name].rsplit(":", 1)[1]), wait=False))
+        return {"down_after_s": down}
+
+    try:
+        if lead:
+            _post(urls["tp2"], "/mcore2hf_reset", {})
+        mine = urls["a"] if lead else urls["c"]  # two colocated engines of TP 1: rank 0 feeds a, rank 1 feeds c
+        col = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY)
+        # two engines in one weight-update group: tp2 (0.5.23, engine TP 2, group ranks 1-2) and c (0.5.20, rank 3)
+        dis = SGLangDistributedSender([urls["tp2"], urls["c"]] if lead else None, [2, 1], "127.0.0.1", 0,
+                                      backend="gloo", timeout=60, api_key=KEY)
+        # the real model (its buckets, `receivers` as each sender asks) through both senders
+        ref = digests(ex.state_dict())
+        model = {}
+        for kind, sender, names in (("colocated", col, ("a", "c")), ("distributed", dis, ("tp2", "c"))):
+            sync(ex, sender, progress=False, bucket_bytes=256 * 1024)
+            model[kind] = {"version": sender.version, "engines": views(ref, *names)}
+            if lead:
+                for name in names:
+                    _post(urls[name], "/mcore2hf_reset", {})
+        out["real_model"] = model
+        # a's model raises on bucket 1: 0.5.23 does not catch it on the tensor path (model_runner_components/
+        # weight_updater.py _update_weights_from_flattened_bucket), its scheduler process dies
+        # (scheduler.py run_scheduler_process: SIGQUIT to the server), the server with it
+        arm(urls["a"], kind="raise", call=2)
+        load = {"failed": failed(col, 11, r"weight update failed: rank 0: bucket 1: "), "c": views(None, "c")}
+        load["restart"] = relaunch("a", SESSION_RELEASE)
+
+        # tp2's TP rank 0 model raises on bucket 1: the distributed path catches it and answers 400
+        # (weight_updater.py load_weights_from_distributed, 0.5.23; update_weights_from_distributed, 0.5.20)
+        arm(urls["tp2"], kind="raise", call=2, rank=0)
+        case = {"failed": failed(dis, 20, "Failed to update parameter online"), "after": views(None, "tp2", "c")}
+        case["retry_version"] = synced(dis, 21)
+        case["retry"] = views(21, "tp2", "c")
+        out["engine_error"] = case
+
+        # c's scheduler process dies in its model on bucket 0 (after the broadcast): the release's
+        # SubprocessWatchdog ends the server; the retry forms a new group with the restarted c
+        arm(urls["c"], kind="exit", call=1)
+        died = {"failed": failed(dis, 22, "bucket 0: .*update_weights_from_distributed"), "tp2": views(None, "tp2")}
+        died["restart"] = relaunch("c", PRE_SESSION_RELEASE)
+        t_restart = time.monotonic()
+        for server in restarted:
+            server.wait()
+        dist.barrier()
+        out["restart_s"] = time.monotonic() - t_restart
+
+        load["retry_version"] = synced(col, 12)
+        load["retry"] = views(12, "a", "c")
+        out["load_error"] = load
+        died["retry_version"] = synced(dis, 23)
+        died["retry"] = views(23, "tp2", "c")
+        dis.close()
+        died["closed"] = views(None, "tp2", "c")
+        out["engine_died"] = died
+
+        # a's model takes FAULT_TIMEOUT + 1.5 s on bucket 0: the sender gives up at FAULT_TIMEOUT, the engine
+        # finishes later and takes the cleanup, then the retry, in order (its scheduler runs one request at a time)
+        slow = SGLangColocatedSender(mine, 1, timeout=FAULT_TIMEOUT, api_key=KEY)
+        arm(urls["a"], kind="sleep", call=1, seconds=FAULT_TIMEOUT + 1.5)
+        case = {"failed": failed(slow, 13, "timed out")}
+        case["retry_version"] = synced(slow, 14)
+        case["retry"] = views(14, "a", "c")
+        # the same into one engine of TP 2 fed by both ranks: rank 1 waits in the engine group for rank 0's call
+        tp2 = SGLangColocatedSender(urls["tp2"] if lead else None, 2, timeout=FAULT_TIMEOUT, api_key=KEY)
+        arm(urls["tp2"], kind="sleep", call=1, rank=0, seconds=FAULT_TIMEOUT + 1.5)
+        case["tp2"] = {"failed": failed(tp2, 15, "timed out")}
+        case["tp2"]["retry_version"] = synced(tp2, 16)
+        case["tp2"]["retry"] = views(16, "tp2")
+        out["timeout"] = case
+
+        # requests queued in both schedulers (rank 0 feeds c: 0.5.20, rank 1 feeds a: 0.5.23): a retract-mode
+        # pause leaves them queued, then each release's flush_cache decides (managers/scheduler.py: 0.5.20
+        # is_fully_idle() counts the queue, 0.5.23 is_fully_idle(ignore_waiting=self._engine_paused) does not);
+        # an abort-mode pause has the scheduler drop them (tokenizer_manager.py pause_generation: abort_request
+        # with abort_all, not the scheduler's pause; scheduler.py abort_request pops the waiting queue)
+        if lead:
+            for name in ("c", "a"):
+                _post(urls[name], "/mcore2hf_requests", {"queued": 3})
+        mine = urls["c"] if lead else urls["a"]
+        case = {"before": views(None, "c", "a")}
+        retract = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY, pause_mode="retract")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            version = synced(retract, 30)
+        case["retract"] = {"version": version, "cache_flushed": retract.cache_flushed,
+                           "warned": any("refused /flush_cache" in str(w.message) for w in seen)}
+        case["retract_engines"] = views(30, "c", "a")
+        abort = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY)
+        case["abort"] = {"version": synced(abort, 31), "cache_flushed": abort.cache_flushed}
+        case["abort_engines"] = views(31, "c", "a")
+        out["pause_modes"] = case
+
+        # 0.5.4.post3 is refused before anything is paused (both ranks feed it); a key is needed and sent
+        t = time.monotonic()
+        with pytest.raises(UnsupportedEngine, match=r"sglang 0\.5\.4\.post3 is not supported"):
+            synced(SGLangColocatedSender(urls["old"], 1, timeout=60, api_key=KEY), 40)
+        case = {"refused_s": time.monotonic() - t}
+        with pytest.raises(UnsupportedEngine, match="HTTP 401"):
+            synced(SGLangColocatedSender(mine, 1, timeout=60), 41)
+        dist.barrier()
+        if lead:
+            case["old_calls"] = _http(urls["old"], "/mcore2hf_state")["calls"]
+        out["refusals"] = case
+        out["seconds"] = time.monotonic() - t0
+    finally:
+        for server in restarted:
+            server.stop()
+    return out
 
 
 def protocol(calls):
     return [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
 
 
+# (release, engine TP) served in the shared world: its `trainer` result, and which of its servers
+SHARED = {(SESSION_RELEASE, 2): ("tp2", 0), (SESSION_RELEASE, 1): ("tp1", 0), (PRE_SESSION_RELEASE, 1): ("tp1", 1)}
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("version", [SESSION_RELEASE, PRE_SESSION_RELEASE, *EXTRA_RELEASES])
 def test_sync_into_real_sglang(version, tp, request):
-    """One server of engine TP `tp` (one scheduler process per TP rank, each running the release's code) and a
-    trainer world of `tp` ranks: colocated (one payload per engine rank) then distributed (each engine rank joins
-    the weight-update group at its rank offset and receives the broadcast), two syncs each: every byte equal on
-    every engine rank, the version recorded, sessions exactly where the release has them."""
+    """One server of engine TP `tp` (one scheduler process per TP rank, each running the release's code) fed by
+    `tp` trainer ranks: colocated (one payload per engine rank) then distributed (each engine rank joins the
+    weight-update group at its rank offset and receives the broadcast), two syncs each: every byte equal on every
+    engine rank, the version recorded, sessions exactly where the release has them. The pairs in SHARED run in the
+    shared world (engine TP 1: 0.5.23 and 0.5.20 side by side, one per trainer rank, and in one group); the
+    others in a world of their own."""
     sessions = parse_version(version) >= (0, 5, 21)  # update sessions came with 0.5.21
-    shared = (version, tp) == (SESSION_RELEASE, 2)  # its world also runs the engine-sharded case
-    server = None if shared else RealServer(version, tp=tp, api_key="k3y")
+    server = None if (version, tp) in SHARED else RealServer(version, tp=tp, api_key=KEY)
     try:
-        if shared:
-            results = request.getfixturevalue("session_tp2")
+        if server is None:
+            key, index = SHARED[version, tp]
+            results = [r[key] for r in request.getfixturevalue("session_tp2")]
         else:
             assert server.version == version
-            results = run_world(trainer, Layout(world_size=tp), server.url, tp, "k3y", timeout=300)
+            results, index = run_world(trainer, Layout(world_size=tp), [server.url], tp, KEY, timeout=300), 0
         want = digests(tensors(1))  # the second sync's
         for kind in ("colocated", "distributed"):
-            assert [r[kind]["version"] for r in results] == [2] * tp, kind
-            state = results[0][kind]["state"]
+            assert [r[kind]["version"] for r in results] == [2] * len(results), kind
+            state = results[0][kind]["states"][index]
             assert sorted(state["weights"]) == [str(r) for r in range(tp)]
             for r in range(tp):
                 got = {n: d[0] for n, d in state["weights"][str(r)].items()}
@@ -198,14 +435,127 @@ def test_sync_into_real_sglang(version, tp, request):
             server.stop()
 
 
-def test_refuses_sglang_0_5_4_before_anything_moves():
-    server = RealServer(REFUSED_RELEASE)
-    try:
-        (elapsed,) = run_world(refused_trainer, Layout(), server.url, "sglang 0.5.4.post3 is not supported",
-                               timeout=120)
-        assert elapsed < 30
-    finally:
-        server.stop()
+def failures(session_tp2: list, case: str) -> tuple[list, dict]:
+    """One failure case's results: every trainer rank's, and rank 0's (which holds the engine views)."""
+    res = [r["failures"][case] for r in session_tp2]
+    return res, res[0]
+
+
+def assert_failed_then_retried(res: list, version: int) -> None:
+    """Every trainer rank raised EngineError with the same message, the version stayed at `version`, and the
+    retry committed version + 1."""
+    assert [r["failed"]["version"] for r in res] == [(version, version)] * len(res), res
+    assert len({r["failed"]["error"] for r in res}) == 1, [r["failed"]["error"] for r in res]
+    assert [r["retry_version"] for r in res] == [version + 1] * len(res)
+
+
+def assert_clean(view: dict, group_open: bool = False) -> None:
+    """Resumed (tokenizer side and every scheduler), no update session open, and a weight-update group only
+    where a distributed sender still holds one (it keeps it between syncs until close())."""
+    assert not view["paused"], view
+    for st in view["ranks"]:
+        assert not st["engine_paused"] and not st["session"] and len(st["groups"]) == group_open, view
+
+
+def assert_every_byte(views: dict, tp: dict, group_open: bool = False) -> None:
+    """Every engine rank holds exactly the retry's tensors, byte for byte, and is left clean."""
+    for name, view in views.items():
+        assert len(view["wrong"]) == tp[name] and view["wrong"] == [[]] * tp[name], (name, view["wrong"])
+        assert_clean(view, group_open)
+
+
+def test_real_model_into_two_colocated_engines_and_a_two_engine_group(session_tp2):
+    """The shared world's qwen3_moe (real megatron-core, EP 2; 256 KiB buckets) through a colocated sender into
+    two engines of TP 1 (0.5.23 and 0.5.20, one per trainer rank), then through a distributed sender into one
+    group of two engines (0.5.23 at engine TP 2, 0.5.20): every engine rank holds every HF tensor of the export,
+    byte for byte, and each engine is left resumed with no session open."""
+    res, lead = failures(session_tp2, "real_model")
+    assert [r[kind]["version"] for r in res for kind in ("colocated", "distributed")] == [1] * 4
+    assert_every_byte(lead["colocated"]["engines"], {"a": 1, "c": 1})
+    assert_every_byte(lead["distributed"]["engines"], {"tp2": 2, "c": 1}, group_open=True)
+
+
+def test_load_error_kills_the_0_5_23_engine_then_retry_after_restart(session_tp2):
+    """Colocated, two engines of TP 1 (0.5.23 and 0.5.20, one per trainer rank): 0.5.23's model raises on bucket
+    1; the release does not catch it on the tensor path and its server dies. Every trainer rank raises EngineError
+    and keeps its version; the other engine is left resumed; the retry, with the engine restarted on its port,
+    puts every byte on both."""
+    res, lead = failures(session_tp2, "load_error")
+    assert_failed_then_retried(res, 1)
+    assert lead["restart"]["down_after_s"] < 30
+    assert_clean(lead["c"]["c"], group_open=True)  # c also serves the distributed sender, which holds its group
+    assert_every_byte(lead["retry"], {"a": 1, "c": 1})
+
+
+def test_timeout_then_retry(session_tp2):
+    """Colocated as above, sender timeout FAULT_TIMEOUT: 0.5.23's model takes 1.5 s longer on bucket 0. Every rank
+    raises EngineError ("timed out"), the version stays; the retry succeeds on both engines. The same into one
+    engine of TP 2 fed by both ranks (the second rank waits for the first's engine call in their group)."""
+    res, lead = failures(session_tp2, "timeout")
+    for r, view, tp in ((res, lead["retry"], {"a": 1, "c": 1}), ([r["tp2"] for r in res], lead["tp2"]["retry"],
+                                                                {"tp2": 2})):
+        assert_failed_then_retried(r, 0)
+        assert all("timed out" in x["failed"]["error"] for x in r)
+        assert_every_byte(view, tp)
+
+
+def test_engine_error_in_a_two_engine_group_then_retry(session_tp2):
+    """Distributed, two engines in one group (0.5.23 engine TP 2 and 0.5.20 TP 1): TP rank 0 of the first fails to
+    load bucket 1 and its release answers 400. Every rank raises EngineError, the version stays; afterwards both
+    engines are resumed with no session and no group open (as their objects report); the retry puts every byte
+    on all three engine ranks."""
+    res, lead = failures(session_tp2, "engine_error")
+    assert_failed_then_retried(res, 1)
+    for view in lead["after"].values():
+        assert_clean(view)
+    assert_every_byte(lead["retry"], {"tp2": 2, "c": 1}, group_open=True)
+
+
+def test_engine_dies_mid_update_then_retry_after_restart(session_tp2):
+    """Distributed as above: the 0.5.20 engine's scheduler process dies in bucket 0 and the release's watchdog
+    ends its server. Every rank raises EngineError, the version stays; the surviving engine is resumed with no
+    session and no group; the retry, with the engine restarted on its port, forms a new group and puts every
+    byte on all engine ranks; close() leaves no group on either engine."""
+    res, lead = failures(session_tp2, "engine_died")
+    assert_failed_then_retried(res, 2)
+    assert lead["restart"]["down_after_s"] < 30
+    assert_clean(lead["tp2"]["tp2"])
+    assert_every_byte(lead["retry"], {"tp2": 2, "c": 1}, group_open=True)
+    for view in lead["closed"].values():
+        assert_clean(view)
+
+
+def test_pause_modes_with_queued_requests(session_tp2):
+    """Three requests queued in each engine's scheduler. Retract: 0.5.20's flush_cache refuses (its idle check
+    counts the queue): the sync succeeds with a warning and cache_flushed False, nothing flushed, the requests
+    still queued; 0.5.23 ignores the queue of a paused engine and flushes. Abort (the default): the release's
+    abort_request drops the queued requests and both flush."""
+    res, lead = failures(session_tp2, "pause_modes")
+    c_rank, a_rank = res  # trainer rank 0 feeds c (0.5.20), rank 1 feeds a (0.5.23)
+    assert c_rank["retract"] == {"version": 1, "cache_flushed": False, "warned": True}, c_rank
+    assert a_rank["retract"] == {"version": 1, "cache_flushed": True, "warned": False}, a_rank
+    assert [r["abort"] for r in res] == [{"version": 1, "cache_flushed": True}] * 2, res
+    flushes = {n: v["ranks"][0]["flushes"] for n, v in lead["before"].items()}
+    assert {n: v["ranks"][0]["queued"] for n, v in lead["before"].items()} == {"c": 3, "a": 3}
+    retract, abort = lead["retract_engines"], lead["abort_engines"]
+    assert {n: v["ranks"][0]["flushes"] - flushes[n] for n, v in retract.items()} == {"c": 0, "a": 1}
+    assert {n: v["ranks"][0]["queued"] for n, v in retract.items()} == {"c": 3, "a": 3}
+    assert {n: v["ranks"][0]["flushes"] - flushes[n] for n, v in abort.items()} == {"c": 1, "a": 2}
+    assert {n: v["ranks"][0]["queued"] for n, v in abort.items()} == {"c": 0, "a": 0}
+    assert_every_byte(retract, {"c": 1, "a": 1})
+    assert_every_byte(abort, {"c": 1, "a": 1})
+
+
+def test_refuses_sglang_0_5_4_and_needs_the_api_key(session_tp2, capsys):
+    """0.5.4.post3 is refused (UnsupportedEngine on every rank) within seconds, before any pause; without the API
+    key the keyed servers answer 401 and the sync is refused the same way (both raised inside the world)."""
+    _, lead = failures(session_tp2, "refusals")
+    assert lead["refused_s"] < 30
+    assert lead["old_calls"] and "/pause_generation" not in lead["old_calls"], lead["old_calls"]
+    with capsys.disabled():
+        f = session_tp2[0]["failures"]
+        print(f"\nsglang failure cases: {f['seconds']:.1f} s, of which {f['restart_s']:.1f} s waiting for the two "
+              "restarted servers")
 
 
 def test_our_allowlist_is_within_sglangs_and_our_payload_passes_its_unpickler():
@@ -241,28 +591,24 @@ for n, t in FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], 
 
 # ------------------------------------------------------------------------------------ engine-sharded (issue 15)
 
-def sharded_trainer(url: str, ckpt: str, layout, bucket_bytes: int) -> dict:
-    """A trainer world of 2 (real megatron-core qwen3_moe at `layout`) feeding one SGLang server of engine TP 2,
+def sharded_trainer(url: str, ex, cfg, bucket_bytes: int) -> dict:
+    """A trainer world of 2 (`ex`: real megatron-core qwen3_moe at SHARDED_LAYOUT) feeding one SGLang server of engine TP 2,
     engine-sharded, without then with engine EP 2 (debug NaN fill): every engine rank must have received, per HF
     tensor, the full export's values in exactly its engine_regions and NaN everywhere else (digests of
     mask_to_engine of the full all-ranks export, an independent path); bytes received over the wire here vs what
     this rank receives in an all-ranks export."""
     import torch.distributed as dist
-    import worlds
 
-    from mcore2hf import HFExporter
     from mcore2hf.engine_shards import engine_regions, mask_to_engine
     from mcore2hf.senders import SGLangColocatedSender, sync
 
     rank = dist.get_rank()
-    cfg, chunks = worlds.build(ckpt, layout)
-    ex = HFExporter(chunks, cfg)
     ref = ex.state_dict()
     # what this rank receives through the collectives of the all-ranks export (as worlds.fp8_matrix counts it)
     all_ranks = sum((st.axis.size - 1) * st.slot for p in ex.executor(bucket_bytes).programs for st in p.stages)
     out = {"all_ranks_wire": all_ranks}
     for ep in (1, 2):
-        sender = SGLangColocatedSender(url if rank == 0 else None, 2, timeout=60, api_key="k3y",
+        sender = SGLangColocatedSender(url if rank == 0 else None, 2, timeout=60, api_key=KEY,
                                        engine_sharding=True, engine_ep_size=ep)
         placement = next(er.placement for er in sender.engine_ranks() if er.rank == rank)
         report = sync(ex, sender, progress=False, bucket_bytes=bucket_bytes, debug_nan=True)

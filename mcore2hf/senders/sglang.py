@@ -303,13 +303,19 @@ class _SenderBase:
 
     receivers: object = "all"
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, engines_per_rank: int = 1):
         self.timeout = timedelta(seconds=timeout)
+        # our own collectives (small control messages) wait while another rank makes its engine calls, each up to
+        # `timeout`: per engine up to 4 in send (begin, end, begin over a stale session, then the update) and 2 in
+        # finish (flush, end), plus a group teardown. Waiting only `timeout` turned an engine's timeout into a
+        # gloo timeout on the waiting ranks (colocated engine TP 2: the second rank, in the engine group's
+        # broadcast) instead of EngineError on every rank
+        self._control_timeout = self.timeout * (6 * engines_per_rank + 1) + timedelta(seconds=30)
         self.version = 0  # last version every engine confirmed
         self._pending = None
         self._error: str | None = None
         self._quarantine: list = []
-        self._status_group = dist.new_group(backend="gloo", timeout=self.timeout)  # small control messages
+        self._status_group = dist.new_group(backend="gloo", timeout=self._control_timeout)
 
     def begin(self, version: int) -> None:
         self._pending, self._error = version, None
@@ -425,7 +431,8 @@ class _ColocatedSender(_SenderBase):
         self.engine = engine if self.is_first else None
         self.group = None
         for start in range(0, world, engine_tp_size):  # every rank creates every group
-            g = dist.new_group(list(range(start, start + engine_tp_size)), backend="gloo", timeout=self.timeout)
+            g = dist.new_group(list(range(start, start + engine_tp_size)), backend="gloo",
+                               timeout=self._control_timeout)
             if start == self.first:
                 self.group = g
 
@@ -530,7 +537,7 @@ class _BroadcastSender(_SenderBase):
 
     def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int,
                  group_name: str, backend: str, timeout: float):
-        super().__init__(timeout)
+        super().__init__(timeout, engines_per_rank=len(engine_world_sizes))  # rank 0 drives every engine
         self.is_source = dist.get_rank() == 0
         self.engines = list(engines or []) if self.is_source else []
         if self.is_source and len(self.engines) != len(engine_world_sizes):

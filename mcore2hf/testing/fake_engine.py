@@ -1,4 +1,6 @@
-"""A faithful stand-in for an inference engine, run as a separate process, for sender tests (CPU or GPU).
+"""A stand-in for an SGLang server on GPUs, run as a separate process: bench/gpu_senders.py only, because SGLang's GPU
+stack cannot be installed on the GPU machines. The tests do not use it: they run each release's own code on CPU
+(mcore2hf.testing.sglang_real, tests/test_sglang_contract.py), failures and retries included.
 
 It serves SGLang's weight-sync endpoints with SGLang's semantics: payloads are deserialized with a restricted
 unpickler like SGLang's, flattened buckets are rebuilt as SGLang's scheduler rebuilds them (views
@@ -10,14 +12,12 @@ It is no more lenient than the real releases in what tests/test_sglang_contract.
 (`version` picks the release it behaves as): routes present per release (/server_info from 0.5.6, the session
 routes from 0.5.21), update sessions required from 0.5.21 (400 with SGLang's message otherwise, without joining a
 broadcast), each route's reply format (plain-text /flush_cache, {message, status} for pause / continue, {success,
-message} with HTTP 400 for the update routes), /flush_cache refused while requests are queued (retract mode)
-unless the release ignores the queue of a paused engine (0.5.23), CUDA IPC handles that must name the GPU by UUID
-(stricter than SGLang, which also takes an index), an exact-allowlist unpickler, `Authorization: Bearer` when
+message} with HTTP 400 for the update routes), CUDA IPC handles that must name the GPU by UUID (stricter than
+SGLang, which also takes an index), an exact-allowlist unpickler, `Authorization: Bearer` when
 started with an API key (401 otherwise), and dp_size / tp_size reported by the server info.
 
 Every received tensor is recorded as a SHA-256 of its bytes, per engine TP rank, with the weight version; GET
-/mcore2hf_state returns them. Failures can be injected: `fail` (answer an error), `sleep` (answer late) or `exit`
-(the process dies) on the n-th call of an endpoint.
+/mcore2hf_state returns them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -44,18 +42,16 @@ def _release(version: str) -> tuple[int, int, int]:
 
 
 class _State:
-    def __init__(self, tp_size: int, device: str, faults: dict, version: str = "0.5.23", dp_size: int = 1,
-                 api_key: str | None = None, running: int = 0):
-        self.tp_size, self.device, self.faults = tp_size, device, faults
+    def __init__(self, tp_size: int, device: str, version: str = "0.5.23", dp_size: int = 1,
+                 api_key: str | None = None):
+        self.tp_size, self.device = tp_size, device
         self.version, self.release, self.dp_size, self.api_key = version, _release(version), dp_size, api_key
-        self.running, self.queued = running, 0  # requests in flight / waiting (retract moves them to the queue)
         self.session = False
         self.groups: dict = {}
         self.lock = threading.Lock()
         self.weights: dict[int, dict[str, tuple[str, str, list]]] = {r: {} for r in range(tp_size)}
         self.versions: list[str] = []
         self.calls: list[tuple[str, dict]] = []
-        self.counts: dict[str, int] = {}
         self.paused = False
         self.flushes = 0
         self.group = None
@@ -144,7 +140,7 @@ def _handler(state: _State):
                     out = {"weights": {str(r): w for r, w in state.weights.items()}, "versions": state.versions,
                            "calls": [c for c, _ in state.calls], "paused": state.paused, "flushes": state.flushes,
                            "bodies": {c: keys for c, keys in state.calls}, "session": state.session,
-                           "groups": sorted(state.groups), "queued": state.queued}
+                           "groups": sorted(state.groups)}
                 body = json.dumps(out).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -164,18 +160,7 @@ def _handler(state: _State):
             if path not in routes:
                 return self._reply(False, "Not Found", code=404)
             with state.lock:
-                state.counts[path] = state.counts.get(path, 0) + 1
-                count = state.counts[path]
                 state.calls.append((path, sorted(req)))
-            fault = state.faults.get(path)
-            if fault and fault[1] == count:
-                kind = fault[0]
-                if kind == "fail":
-                    return self._reply(False, f"injected failure on call {count} of {path}")
-                if kind == "sleep":
-                    time.sleep(fault[2])
-                if kind == "exit":
-                    os._exit(17)
             try:
                 handler = getattr(self, "_" + path.strip("/").replace("/", "_"))
             except AttributeError:
@@ -247,33 +232,22 @@ def _handler(state: _State):
             state.versions.append(req.get("weight_version"))
 
         def _pause_generation(self, req):
-            mode = req.get("mode", "abort")
-            if mode == "retract":
-                state.queued, state.running = state.queued + state.running, 0
-            else:
-                state.running = 0
             state.paused = True
 
         def _continue_generation(self, req):
             state.paused = False
 
-        def _flush_cache(self, req):
-            # sglang 0.5.20 scheduler.flush_cache: refused while requests wait; 0.5.23 ignores the queue of a paused
-            # engine (is_fully_idle(ignore_waiting=self._engine_paused))
-            if state.running or (state.queued and not (state.paused and state.release >= (0, 5, 23))):
-                raise RuntimeError("Cache not flushed because there are pending requests.")
+        def _flush_cache(self, req):  # no request is ever queued here: the flush always happens
             state.flushes += 1
 
     return Handler
 
 
-def serve(port: int, tp_size: int = 1, device: str = "cpu", faults: dict | None = None, ready=None,
-          options: dict | None = None) -> None:
-    """Run the fake engine (blocking). `faults`: {endpoint: ("fail" | "sleep" | "exit", nth call[, seconds])};
-    `options`: version, dp_size, api_key, running (requests in flight when paused)."""
+def serve(port: int, tp_size: int = 1, device: str = "cpu", ready=None, options: dict | None = None) -> None:
+    """Run the fake engine (blocking). `options`: version, dp_size, api_key."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    state = _State(tp_size, device, faults or {}, **(options or {}))
+    state = _State(tp_size, device, **(options or {}))
     server = ThreadingHTTPServer(("127.0.0.1", port), _handler(state))  # port 0: the OS picks one
     if ready is not None:
         ready.put(server.server_address[1])
@@ -283,15 +257,14 @@ def serve(port: int, tp_size: int = 1, device: str = "cpu", faults: dict | None 
 class EngineProcess:
     """A fake engine in a spawned process, with an SGLangHTTPEngine client. It listens on a port the OS picks."""
 
-    def __init__(self, tp_size: int = 1, device: str = "cpu", faults: dict | None = None, port: int | None = None,
-                 **options):
+    def __init__(self, tp_size: int = 1, device: str = "cpu", port: int | None = None, **options):
         import multiprocessing as mp
         import queue
 
         self.api_key = options.get("api_key")
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
-        self.proc = ctx.Process(target=serve, args=(port or 0, tp_size, device, faults, ready, options), daemon=True)
+        self.proc = ctx.Process(target=serve, args=(port or 0, tp_size, device, ready, options), daemon=True)
         self.proc.start()
         try:
             self.port = ready.get(timeout=60)

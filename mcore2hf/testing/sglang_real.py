@@ -2,16 +2,21 @@
 sys.path), with the GPU-only and heavy third-party imports it cannot load here replaced by permissive stubs.
 
 Only sglang's modules run for real; a stub stands in for any module that is not installed (kernels, triton, CUDA
-bindings, ...). `python -m mcore2hf.testing.sglang_real SITE_DIR --tp N` serves, on 127.0.0.1 port 0 (printed as
-`PORT <n>`), a small HTTP front end whose routes and replies follow the release's entrypoints/http_server.py (which
+bindings, ...). `python -m mcore2hf.testing.sglang_real SITE_DIR --tp N [--port P]` serves, on 127.0.0.1 port P
+(0: one the OS picks; printed as `PORT <n>`), a small HTTP front end whose routes and replies follow the release's entrypoints/http_server.py (which
 routes exist is read from it; API-key check as utils/auth.py) and which builds each request with the release's
 request types (io_struct). As in SGLang, each engine TP rank is its own scheduler process: rank 0 gets the request
 and passes it to the other ranks with the release's broadcast_pyobj; every rank runs the release's scheduler-side
 code: the weight-updater component (session checks, >= 0.5.20 layout), the TP worker's deserialization (its
 SafeUnpickler, patch_torch's UUID-aware CUDA rebuild), the model runner's flattened-bucket rebuild and its
 weight-update group (init_weights_update_group at rank_offset + tp_rank, init_custom_process_group, gloo) with the
-distributed receive. The model is a recorder: every tensor given to `load_weights` is hashed; GET /mcore2hf_state
-returns the hashes per rank, POST /mcore2hf_reset forgets them (the harness' own routes).
+distributed receive; pause, continue, abort and /flush_cache run the release's Scheduler methods and flush
+wrapper. A scheduler that raises or dies ends the server as SGLang's does (run_scheduler_process's SIGQUIT, the
+release's SubprocessWatchdog and kill_process_tree). The model is a recorder: every tensor given to `load_weights`
+is hashed. The harness' own routes (no API key): GET /mcore2hf_state (per rank: the hashes, the release's update
+session, weight-update groups, paused flag, queued requests, flushes), POST /mcore2hf_reset (forget the hashes),
+POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process),
+POST /mcore2hf_requests (queue requests in the scheduler, the release's Req and _add_request_to_queue).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+
+import torch
 
 # Top-level packages sglang imports that are GPU-only or not needed for the weight-update path; any other missing
 # module is stubbed too (see _StubFinder), these are stubbed even when installed, so the test is hermetic.
@@ -33,6 +40,11 @@ ALWAYS_STUB = ("sgl_kernel", "triton", "flashinfer", "vllm", "cuda", "pynvml", "
                "matplotlib", "IPython", "ray", "kernels", "tilelang", "apache_tvm_ffi", "tvm_ffi", "cuda_bindings",
                "nvidia", "sglang_router", "smg_grpc_proto", "opentelemetry", "py_spy", "torchvision", "torchaudio",
                "triton_kernels", "flashinfer_python", "mamba_ssm", "causal_conv1d", "fla", "gpustat")
+
+# Optional modules sglang probes with try/except ImportError and then checks what it got: a stub would pass the
+# import and fail the check (0.5.20 layers/moe/token_dispatcher/nixl.py: `from nixl_ep import topk_idx_t`, else
+# torch.int64, then asserts a torch.dtype), so these stay absent.
+ABSENT = ("nixl_ep",)
 
 
 class _Stub(types.ModuleType):
@@ -117,9 +129,13 @@ class _Stub(types.ModuleType):
         return False
 
 
-class _StubBase:
+class _StubBase(torch.nn.Module):
+    """What `class X(stub.Base)` derives from. A torch module: sglang's layers subclass stubbed kernel bases and
+    register buffers at import time (0.5.23 layers/activation.py: XIELU(BaseFusedOp), built in a module-level
+    table that managers/scheduler.py imports)."""
+
     def __init__(self, *args, **kwargs):
-        pass
+        super().__init__()
 
     def __init_subclass__(cls, **kwargs):
         pass
@@ -148,6 +164,8 @@ class _StubFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path, target=None):
         if fullname == "sglang" or fullname.startswith("sglang.") and not fullname.startswith(ALWAYS_STUB):
+            return None
+        if fullname.split(".")[0] in ABSENT:  # left missing: sglang's own `except ImportError` fallback runs
             return None
         forced = any(fullname == p or fullname.startswith(p + ".") for p in ALWAYS_STUB)
         # only sglang's imports get stubs: others' availability probes (find_spec, try/except ImportError) must
@@ -203,27 +221,38 @@ def install(site_dir: str) -> None:
 def _digest(t) -> str:
     import hashlib
 
-    import torch
-
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
-def _recorder(store: dict):
-    """The model: an empty torch module whose load_weights hashes every tensor it is given (per TP rank)."""
-    import torch
+class Recorder(torch.nn.Module):
+    """The model: an empty torch module whose load_weights hashes every tensor it is given (per TP rank), and
+    where the harness injects faults (POST /mcore2hf_fault, armed per TP rank): on the `call`-th load_weights call
+    after arming, "raise" (the model's loader raises), "sleep" (it takes `seconds`; the scheduler is busy
+    meanwhile) or "exit" (the scheduler process dies there, as on a segfault or an OOM kill). What follows is the
+    release's doing: whether it catches the error, and what its server does when a scheduler dies."""
 
-    class Recorder(torch.nn.Module):
-        def load_weights(self, weights):
-            _Recorder.load_weights(self, weights)
+    def __init__(self):
+        super().__init__()
+        self.store: dict = {}
+        self.fault: dict | None = None
+        self.calls = 0
 
-    m = Recorder()
-    m.store = store
-    return m
-
-
-class _Recorder:
+    def arm(self, fault: dict) -> None:
+        self.fault, self.calls = fault, 0
 
     def load_weights(self, weights):
+        import os
+        import time
+
+        self.calls += 1
+        if self.fault is not None and self.calls == self.fault["call"]:
+            kind, seconds, self.fault = self.fault["kind"], self.fault.get("seconds", 0.0), None  # once
+            if kind == "raise":
+                raise RuntimeError(f"mcore2hf fault: load_weights call {self.calls} failed")
+            if kind == "sleep":
+                time.sleep(seconds)
+            if kind == "exit":
+                os._exit(17)
         for name, t in weights:
             self.store[name] = (_digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
 
@@ -235,21 +264,24 @@ class Engine:
     broadcast_pyobj over the TP CPU group (managers/scheduler_components/request_receiver.py, 0.5.23;
     scheduler.py recv_requests, 0.5.20); every rank runs the release's scheduler-side method. Each rank's default
     process group is the engine's TP world (gloo), so the release's barriers and its init_weights_update_group
-    (one group per process, joined at rank_offset + tp_rank) run as in SGLang."""
+    (one group per process, joined at rank_offset + tp_rank) run as in SGLang.
+
+    A scheduler that dies takes the server with it, as in SGLang: the release's SubprocessWatchdog watches the
+    scheduler processes and SIGQUITs this process (entrypoints/engine.py starts it over scheduler_procs, 0.5.20 /
+    0.5.23), whose SIGQUIT handler is the release's kill_process_tree (serve())."""
 
     def __init__(self, tp_size: int = 1, api_key: str | None = None, timeout: float = 300.0):
         import multiprocessing
         import tempfile
 
+        import sglang.srt.managers.scheduler  # noqa: F401 - imported once here, before the ranks fork
         from sglang.srt.managers import io_struct
         from sglang.srt.utils import common
+        from sglang.srt.utils.watchdog import SubprocessWatchdog
         from sglang.version import __version__
 
         self.version, self.tp_size, self.api_key, self.timeout = __version__, tp_size, api_key, timeout
         self.io, self.common = io_struct, common
-        self.versions: list[str] = []
-        self.calls: list[str] = []
-        self.paused = False
         # fork: each rank starts with the release's code already imported (a spawned start re-imports it, ~10 s
         # a rank on this machine); no thread has been started in this process yet
         ctx = multiprocessing.get_context("fork")
@@ -261,17 +293,24 @@ class Engine:
         for p in self.procs:
             p.start()
         for r, conn in enumerate(self.conns):
-            ok, message = self._answer(r, conn)
+            ok, message = self._answer(r, conn, starting=True)
             if not ok:
                 raise RuntimeError(f"engine TP rank {r} did not start: {message}")
+        SubprocessWatchdog(processes=self.procs, process_names=[f"scheduler_{r}" for r in range(tp_size)]).start()
 
-    def _answer(self, rank: int, conn) -> tuple[bool, object]:
+    def _answer(self, rank: int, conn, starting: bool = False) -> tuple[bool, object]:
         if not conn.poll(self.timeout):
             return False, f"engine TP rank {rank} did not answer within {self.timeout} s"
         try:
             return conn.recv()
         except EOFError:
-            return False, f"engine TP rank {rank} exited (exit code {self.procs[rank].exitcode})"
+            if starting:
+                return False, f"engine TP rank {rank} exited (exit code {self.procs[rank].exitcode})"
+        # a scheduler died: SGLang's tokenizer never gets this reply, and the watchdog ends the server (<= 1 s)
+        import threading
+
+        threading.Event().wait()
+        raise AssertionError("unreachable")
 
     def request(self, cls_name: str, body: dict):
         """The release's request type built from the JSON body, as its HTTP layer validates it."""
@@ -298,14 +337,91 @@ class Engine:
         return ok, next((o[1] for o in outs if not o[0]), outs[0][1])
 
 
-_STATE, _RESET = "mcore2hf_state", "mcore2hf_reset"  # the harness' own requests (not SGLang's)
+# the harness' own requests (not SGLang's): per-rank state, forget the record, arm a fault, queue requests
+_STATE, _RESET, _FAULT, _QUEUE = "mcore2hf_state", "mcore2hf_reset", "mcore2hf_fault", "mcore2hf_queue"
+
+
+class _KVMemory(_Stub):
+    """The scheduler's KV memory (radix tree, request-to-token pool, token allocator): accepts any call; the
+    tree's reset() is what the release's flush_cache does first once it decided to flush, so it counts flushes."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+def _scheduler(ps):
+    """The release's Scheduler (managers/scheduler.py), made without its GPU __init__, with the state its pause,
+    continue, abort, flush and idle-check methods read, as a server with default arguments has it when nothing
+    runs: empty running batch, no chunked prefill, no overlap, no disaggregation, no hierarchical cache, PP 1
+    (read in scheduler.py is_fully_idle / flush_cache / pause_generation / continue_generation / abort_request /
+    _add_request_to_queue, 0.5.20 and 0.5.23). Requests in flight are queued requests (the release's Req, queued
+    by its _add_request_to_queue): the queue is what the flush decision reads, and what a retract-mode pause
+    leaves behind. Not emulated: requests in the running batch (retracting them releases KV through runtime
+    context a real ServerArgs publishes). Metrics, KV events, grammar / dLLM / beam managers and the channel back to
+    the tokenizer (abort outputs) are sinks."""
+    import collections
+    import types as _t
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers import scheduler as sched
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    if hasattr(sched, "get_parallel"):  # 0.5.23 _pp_microbatches_drained: runtime_context.get_parallel().pp_size
+        sched.get_parallel = lambda: ps
+    # runtime_context.get_serving().weight_version, read by abort_request's _make_abort_req; ServerArgs' default
+    # (arg_groups/fields/serving.py, 0.5.23), then the last version loaded
+    serving = _t.SimpleNamespace(weight_version="default")
+    if hasattr(sched, "get_serving"):
+        sched.get_serving = lambda: serving
+
+    class Scheduler(sched.Scheduler):
+        def record_weight_version_change(self, new_version=None):
+            """The release's also publishes it through the runtime context and stamps the live requests."""
+            if new_version is not None:
+                serving.weight_version = new_version
+
+    s = Scheduler.__new__(Scheduler)
+    s.__dict__.update(
+        running_batch=ScheduleBatch(reqs=[]), waiting_queue=[], chunked_req=None, last_batch=None,
+        cur_batch_for_debug=None, result_queue=collections.deque(), disaggregation_mode=DisaggregationMode.NULL,
+        _engine_paused=False, _pause_started_at=None, _pause_intervals=[], ps=ps,  # ps: 0.5.20's PP size
+        pp_size=1, running_mbs=[], cur_batch=None, _pending_flush=None,  # 0.5.10's names
+        enable_overlap=False, enable_overlap_mlx=False, enable_hisparse=False, enable_hierarchical_cache=False,
+        enable_lmcache=False, enable_hicache_storage=False, enable_continuous_input_polling=False,
+        enable_priority_scheduling=False, max_queued_requests=None, processed_tokens_counter=0,
+        decode_offload_manager=None, hisparse_coordinator=None, mm_receiver=None, dllm_config=None,
+        draft_worker=None, rust_server=None, tree_cache=_KVMemory("tree_cache"), req_to_token_pool=_KVMemory("req_to_token_pool"),
+        token_to_kv_pool_allocator=_KVMemory("token_to_kv_pool_allocator"),
+        **{n: _Stub(n) for n in ("metrics_reporter", "kv_events_publisher", "grammar_manager", "dllm_manager",
+                                 "beam_coordinator", "ipc_channels", "send_to_tokenizer")})
+    return s
+
+
+def _flush_wrapper(scheduler, components: bool):
+    """What answers FlushCacheReqInput in scheduler.py's request dispatcher: the release's SchedulerFlushWrapper
+    (0.5.20 / 0.5.23; its reply channel, send_output / ipc_channels, only serves a deferred flush, timeout_s > 0,
+    which the front end never asks for), or before it the Scheduler's own flush_cache_wrapped (read in 0.5.10)."""
+    import inspect
+
+    if not components:
+        return scheduler.flush_cache_wrapped
+    from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
+
+    channel = {k: None for k in ("send_output", "ipc_channels") if k in inspect.signature(SchedulerFlushWrapper).parameters}
+    return SchedulerFlushWrapper(flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle,
+                                 **channel).handle
 
 
 class _Rank:
-    """One engine TP rank's scheduler-side objects, built from the release's code in the rank's own process:
-    >= 0.5.20: SchedulerWeightUpdaterManager over a TP worker (_Worker) over a model runner with the release's
-    WeightUpdater; older: the release's SchedulerUpdateWeightsMixin, TpModelWorker and ModelRunner methods (objects
-    made without their GPU __init__). The model is a recorder."""
+    """One engine TP rank's scheduler-side objects, built from the release's code in the rank's own process: the
+    release's Scheduler (_scheduler) and flush wrapper; >= 0.5.20: SchedulerWeightUpdaterManager over a TP worker
+    (_Worker) over a model runner with the release's WeightUpdater; older: the Scheduler's own
+    SchedulerUpdateWeightsMixin methods over TpModelWorker and ModelRunner (objects made without their GPU
+    __init__). The model is a recorder."""
 
     def __init__(self, rank: int, tp_size: int):
         import importlib.util
@@ -314,10 +430,15 @@ class _Rank:
         import torch.distributed as dist
 
         group = dist.group.WORLD  # the engine's TP world: in SGLang the TP group's CPU (gloo) group
-        self.weights: dict = {}
-        model = _recorder(self.weights)
-        if importlib.util.find_spec("sglang.srt.managers.scheduler_components") is None:
-            self.manager = self._before_0_5_20(rank, group, model)
+        self.rank = rank
+        self.model = model = Recorder()
+        ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1, pp_size=1,
+                                tp_group=_t.SimpleNamespace(cpu_group=group, rank=rank, ranks=list(range(tp_size))))
+        self.scheduler = scheduler = _scheduler(ps)
+        components = importlib.util.find_spec("sglang.srt.managers.scheduler_components") is not None  # >= 0.5.20
+        self.flush = _flush_wrapper(scheduler, components)
+        if not components:
+            self.manager, self.groups = self._before_0_5_20(rank, group, model, scheduler)
             return
         import dataclasses
 
@@ -326,8 +447,6 @@ class _Rank:
         from sglang.srt.utils import common
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-        ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1,
-                                tp_group=_t.SimpleNamespace(cpu_group=group, rank=rank, ranks=list(range(tp_size))))
         for m in (sched_wu, runner_wu):  # runtime_context.get_parallel(): this process's rank
             m.get_parallel = lambda: ps
         if hasattr(runner_wu, "get_model"):  # weight cache off (runtime_context.get_model().weight_cache_mode)
@@ -336,22 +455,23 @@ class _Rank:
             tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
             get_model=lambda: model, update_model_fields=lambda *a, **k: None,
             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+        self.groups = updater._model_update_group
         worker = _Worker(rank, _t.SimpleNamespace(weight_updater=updater, model=model), common,
                          monkey_patch_torch_reductions)
-        scheduler = _t.SimpleNamespace(record_weight_version_change=lambda new_version: None)
         cls = sched_wu.SchedulerWeightUpdaterManager
         extra = {"tp_cpu_group": group} if any(f.name == "tp_cpu_group" and f.init
                                                for f in dataclasses.fields(cls)) else {}  # 0.5.20: an argument
+        # as scheduler.py init_weight_updater builds it (0.5.20 / 0.5.23): the scheduler's own flush and idle check
         self.manager = cls(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
-                           flush_cache=lambda **k: True, is_fully_idle=lambda **k: True, scheduler=scheduler,
-                           **extra)
+                           flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle,
+                           scheduler=scheduler, **extra)
 
     @staticmethod
-    def _before_0_5_20(rank: int, group, model):
-        """0.5.6-0.5.19 layout (read in 0.5.10): scheduler_update_weights_mixin.py, tp_worker.py, model_runner.py."""
+    def _before_0_5_20(rank: int, group, model, scheduler):
+        """0.5.6-0.5.19 layout (read in 0.5.10): scheduler_update_weights_mixin.py (a base of Scheduler),
+        tp_worker.py, model_runner.py."""
         import types as _t
 
-        from sglang.srt.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin
         from sglang.srt.managers.tp_worker import TpModelWorker
         from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -360,32 +480,53 @@ class _Rank:
                                server_args=_t.SimpleNamespace(custom_weight_loader=[]))
         worker = TpModelWorker.__new__(TpModelWorker)
         worker.__dict__.update(_model_runner=runner, tp_rank=rank)  # model_runner: a property
+        scheduler.__dict__.update(tp_worker=worker, tp_cpu_group=group, memory_saver_adapter=None)
+        return scheduler, runner._model_update_group
 
-        class Scheduler(SchedulerUpdateWeightsMixin):
-            pass
-
-        scheduler = Scheduler()
-        scheduler.__dict__.update(tp_worker=worker, draft_worker=None, tp_cpu_group=group,
-                                  memory_saver_adapter=None, flush_cache=lambda: True, is_fully_idle=lambda: True)
-        return scheduler
+    def state(self) -> dict:
+        """What the release's objects hold: update session (>= 0.5.21), weight-update groups, the scheduler's
+        paused flag, queued requests, flushes; and what the model was given."""
+        s = self.scheduler
+        return {"weights": dict(self.model.store), "session": getattr(self.manager, "_session", None) is not None,
+                "groups": sorted(self.groups), "engine_paused": s._engine_paused, "queued": len(s.waiting_queue),
+                "flushes": s.tree_cache.resets}
 
     def handle(self, method: str, req) -> tuple[bool, object]:
+        """Run one request; an exception escapes (the scheduler process then fails as SGLang's does)."""
         if method == _STATE:
-            return True, dict(self.weights)
+            return True, self.state()
         if method == _RESET:
-            self.weights.clear()
+            self.model.store.clear()
             return True, ""
-        try:
-            out = getattr(self.manager, method)(req)
-            return bool(out.success), out.message
-        except Exception as e:  # noqa: BLE001 - recorded as the rank's failure
-            return False, f"{type(e).__name__}: {e}"
+        if method == _FAULT:
+            if req.get("rank") in (None, self.rank):
+                self.model.arm(req)
+            return True, ""
+        if method == _QUEUE:
+            from sglang.srt.managers.schedule_batch import Req
+            from sglang.srt.sampling.sampling_params import SamplingParams
+
+            for _ in range(req):
+                rid = f"mcore2hf-{self.scheduler.processed_tokens_counter}-{len(self.scheduler.waiting_queue)}"
+                self.scheduler._add_request_to_queue(Req(rid, "x", [1, 2, 3], SamplingParams()))
+            return True, ""
+        s = self.scheduler
+        target = {"pause_generation": s.pause_generation, "continue_generation": s.continue_generation,
+                  "abort_request": s.abort_request, "flush_cache": self.flush}.get(method)
+        out = (target or getattr(self.manager, method))(req)
+        if out is None:  # pause / continue / abort answer nothing
+            return True, ""
+        return bool(out.success), out.message
 
 
 def _scheduler_main(rank: int, tp_size: int, init_method: str, conn) -> None:
-    """A scheduler process: join the TP world, then serve requests until the pipe closes."""
+    """A scheduler process: join the TP world, then serve requests until the pipe closes. An exception out of
+    the release's code ends it as sglang's run_scheduler_process does (managers/scheduler.py, 0.5.20 / 0.5.23):
+    logged, SIGQUIT to the server process."""
     import ctypes
+    import os
     import signal
+    import traceback
 
     import torch.distributed as dist
     from sglang.srt.utils import broadcast_pyobj
@@ -398,20 +539,24 @@ def _scheduler_main(rank: int, tp_size: int, init_method: str, conn) -> None:
         conn.send((False, f"{type(e).__name__}: {e}"))
         return
     conn.send((True, "ready"))
-    while True:
-        if rank == 0:
-            try:
-                reqs = conn.recv()
-            except EOFError:
-                reqs = [(None, None)]
-        else:
-            reqs = None
-        if tp_size > 1:  # scheduler rank 0 passes the requests to the other TP ranks
-            reqs = broadcast_pyobj(reqs, rank, dist.group.WORLD, src=0)
-        method, req = reqs[0]
-        if method is None:
-            return
-        conn.send(r.handle(method, req))
+    try:
+        while True:
+            if rank == 0:
+                try:
+                    reqs = conn.recv()
+                except EOFError:
+                    reqs = [(None, None)]
+            else:
+                reqs = None
+            if tp_size > 1:  # scheduler rank 0 passes the requests to the other TP ranks
+                reqs = broadcast_pyobj(reqs, rank, dist.group.WORLD, src=0)
+            method, req = reqs[0]
+            if method is None:
+                return
+            conn.send(r.handle(method, req))
+    except Exception:  # noqa: BLE001 - "Scheduler hit an exception", then parent_process.send_signal(SIGQUIT)
+        print(f"scheduler TP rank {rank} hit an exception:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os.kill(os.getppid(), signal.SIGQUIT)
 
 
 class _Worker:
@@ -452,14 +597,22 @@ def _release_has(route: str) -> bool:
     return f'"{route}"' in src.read_text()
 
 
-def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None) -> None:
+def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int = 0) -> None:
+    import ctypes
     import json
+    import os
+    import signal
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with whoever started it (a test, a rank)
     install(site_dir)
+    from sglang.srt.utils import kill_process_tree
     from sglang.version import __version__
 
+    # a child's SIGQUIT ends the server and its schedulers (entrypoints/engine.py launch_phase_sigquit_handler,
+    # tokenizer_manager.py running_phase_sigquit_handler: kill_process_tree(os.getpid()); 0.5.20 / 0.5.23)
+    signal.signal(signal.SIGQUIT, lambda signum, frame: kill_process_tree(os.getpid()))
     supported = tuple(int(x) for x in __version__.split(".")[:3] if x.isdigit()) >= (0, 5, 6)
     engine = Engine(tp_size, api_key) if supported else None
     routes = {r for r in ("/server_info", "/get_server_info", "/begin_weight_update", "/end_weight_update")
@@ -473,7 +626,16 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None) -> None:
         "/begin_weight_update": ("BeginWeightUpdateReqInput", "begin_weight_update"),
         "/end_weight_update": ("EndWeightUpdateReqInput", "end_weight_update"),
     }
-    lock = threading.Lock()
+    # the harness' own routes (no API key): state, forget the record, arm a fault, queue requests
+    harness = {"/mcore2hf_state", "/mcore2hf_reset", "/mcore2hf_fault", "/mcore2hf_requests"}
+    # the tokenizer manager's side: is_pause (set by pause, cleared by continue), the calls and the versions of the
+    # updates that succeeded
+    front = types.SimpleNamespace(paused=False, calls=[], versions=[])
+    lock = threading.Lock()  # the scheduler runs one request at a time
+
+    def run(method: str, req) -> tuple[bool, object]:
+        with lock:
+            return engine.call(method, req)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -488,51 +650,68 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None) -> None:
             self.wfile.write(data)
 
         def _auth(self) -> bool:  # sglang utils/auth.py: "Authorization: Bearer <api_key>", 401 otherwise
-            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+            if api_key and self.path not in harness and self.headers.get("Authorization") != f"Bearer {api_key}":
                 self._send(401, {"error": "Unauthorized"})
                 return False
             return True
 
         def do_GET(self):
-            if self.path != "/mcore2hf_state" and not self._auth():  # the test's own route needs no key
+            if not self._auth():
                 return
             if self.path == "/mcore2hf_state":
-                with lock:
-                    ok, weights = engine.call(_STATE, None)
+                ok, ranks = run(_STATE, None) if engine is not None else (True, [])
+                weights = {str(r): st.pop("weights") for r, st in enumerate(ranks)}
                 return self._send(200 if ok else 500, {
-                    "weights": {str(r): w for r, w in enumerate(weights)}, "versions": engine.versions,
-                    "calls": engine.calls, "paused": engine.paused, "version": __version__})
+                    "weights": weights, "ranks": ranks, "versions": front.versions, "calls": front.calls,
+                    "paused": front.paused, "version": __version__})
             if self.path in routes and self.path.endswith("server_info"):
-                if engine is not None:
-                    engine.calls.append(self.path)
+                front.calls.append(self.path)
                 return self._send(200, {"version": __version__, "tp_size": tp_size, "dp_size": 1,
                                         "internal_states": []})
             self._send(404, {"detail": "Not Found"})
 
-        def do_POST(self):
-            if self.path != "/mcore2hf_reset" and not self._auth():  # the test's own route needs no key
-                return
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            path = self.path
-            if path == "/mcore2hf_reset" and engine is not None:  # the test's own route: forget what was recorded
-                with lock:
-                    ok, message = engine.call(_RESET, None)
-                engine.versions.clear()
-                engine.calls.clear()
-                return self._send(200 if ok else 500, {"success": ok, "message": message})
-            if engine is None or (path in posts and path.endswith("weight_update") and path not in routes):
-                return self._send(404, {"detail": "Not Found"})
-            engine.calls.append(path)
-            if path == "/pause_generation":  # http_server.py pause_generation (0.5.6-0.5.23)
-                engine.paused = True
+        def _control(self, path: str, body: dict):
+            """pause / continue / flush as the release's tokenizer manager and http_server.py route them."""
+            if path == "/pause_generation":  # tokenizer_manager.py pause_generation (0.5.20 / 0.5.23)
+                req = engine.request("PauseGenerationReqInput", body)
+                front.paused = True
+                if req.mode == "abort":  # abort_request(abort_all=True) to the scheduler, not the pause itself
+                    run("abort_request", engine.request("AbortReq", {"rid": "", "abort_all": True}))
+                else:
+                    run("pause_generation", req)
                 return self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
-            if path == "/continue_generation":
-                engine.paused = False
+            if path == "/continue_generation":  # tokenizer_manager.py continue_generation
+                req = engine.request("ContinueGenerationReqInput", body)
+                front.paused = False
+                run("continue_generation", req)
                 return self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
-            if path == "/flush_cache":  # plain text (http_server.py flush_cache); no request is queued here
+            # http_server.py flush_cache: FlushCacheReqInput(timeout_s=0.0) to the scheduler; plain text, HTTP 400
+            # with the reply's message (or "Flush cache failed.") when it refused
+            ok, message = run("flush_cache", engine.request("FlushCacheReqInput", {"timeout_s": 0.0}))
+            if ok:
                 return self._send(200, "Cache flushed.\nPlease check backend logs for more details. (When there "
                                   "are running or waiting requests, the operation will not be performed.)\n",
                                   "text/plain")
+            return self._send(400, message or "Flush cache failed.\n", "text/plain")
+
+        def do_POST(self):
+            if not self._auth():
+                return
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            path = self.path
+            if path in harness and engine is not None:
+                if path == "/mcore2hf_reset":  # forget what was recorded
+                    front.versions.clear()
+                    front.calls.clear()
+                ok, message = run({"/mcore2hf_reset": _RESET, "/mcore2hf_fault": _FAULT,
+                                   "/mcore2hf_requests": _QUEUE}[path],
+                                  body.get("queued", 0) if path == "/mcore2hf_requests" else body)
+                return self._send(200 if ok else 500, {"success": ok, "message": message})
+            front.calls.append(path)
+            if engine is None or (path in posts and path.endswith("weight_update") and path not in routes):
+                return self._send(404, {"detail": "Not Found"})
+            if path in ("/pause_generation", "/continue_generation", "/flush_cache"):
+                return self._control(path, body)
             if path not in posts:
                 return self._send(404, {"detail": "Not Found"})
             cls_name, method = posts[path]
@@ -544,13 +723,12 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None) -> None:
                                                                   "normalize_serialized_named_tensor_payloads"):
                 req.serialized_named_tensors = engine.common.normalize_serialized_named_tensor_payloads(
                     req.serialized_named_tensors)  # tokenizer side, >= 0.5.21
-            with lock:  # the scheduler runs one request at a time
-                ok, message = engine.call(method, req)
+            ok, message = run(method, req)
             if ok and getattr(req, "weight_version", None) is not None:
-                engine.versions.append(req.weight_version)
+                front.versions.append(req.weight_version)
             self._send(200 if ok else 400, {"success": ok, "message": message})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     print(f"PORT {server.server_address[1]} VERSION {__version__}", flush=True)
     server.serve_forever()
 
@@ -562,5 +740,6 @@ if __name__ == "__main__":
     ap.add_argument("site_dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--api-key")
+    ap.add_argument("--port", type=int, default=0)
     a = ap.parse_args()
-    serve(a.site_dir, a.tp, a.api_key)
+    serve(a.site_dir, a.tp, a.api_key, a.port)
