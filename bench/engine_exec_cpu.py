@@ -57,8 +57,8 @@ def main() -> None:
     ap.add_argument("--bucket-kib", type=int, default=64)
     args = ap.parse_args()
     import mcore2hf
-    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
-    from mcore2hf.testing.world import Layout, run_world
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.world import Layout, run_world
     print("mcore2hf from", os.path.dirname(mcore2hf.__file__))
     layout = Layout(tp=2, pp=2, ep=2, etp=1)
     with tempfile.TemporaryDirectory() as tmp:

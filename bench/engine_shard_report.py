@@ -76,7 +76,7 @@ def trainer_plan(model_type: str, overrides: dict, tp: int, pp: int, ep: int, et
     from mcore2hf.model_specs.common import padded_vocab_size
     from mcore2hf.plan import ExportPlan, RankRecord, assign_buckets, build_sources
     from mcore2hf.registry import get_converter, get_model_spec
-    from mcore2hf.testing.tiny import tiny_config
+    from mcore2hf.runtime.tiny import tiny_config
 
     cfg = tiny_config(model_type, **overrides)
     dims = get_model_spec(model_type).dims(cfg)

@@ -17,7 +17,7 @@ the same model in one run:
 * the per-tensor baseline in the style of slime's all_gather_params_async: per bucket, one async collective per
   tensor (TP all-gather, EP all-gather), fire all, wait all, then concatenate and convert with the same layout ops;
 * mbridge 0.15.1 `export_weights` (per-tensor, blocking), on the model renamed to Transformer Engine's parameter
-  names (mcore2hf.testing.te_naming), as mbridge requires;
+  names (mcore2hf.runtime.te_naming), as mbridge requires;
 * the NCCL floor: the bytes each rank must receive (everything it does not hold in full) over the receive rate of
   an all-gather of a large buffer, measured in the same run.
 * with --engine-placements (or --engine/--engine-tp/--engine-ep): the engine-shard export (issue 15), colocated
@@ -537,7 +537,7 @@ def job(a):
     mb = None
     if a.mbridge:
         try:
-            from mcore2hf.testing.te_naming import to_te_names
+            from mcore2hf.runtime.te_naming import to_te_names
 
             ref = ours(ex, bb)
             to_te_names(chunks)
@@ -586,7 +586,7 @@ def main():
     if a.p2p_mb is None:
         a.p2p_mb = 8 if a.cpu else 1024
     parse_placements(a)  # a malformed placement fails before any process starts
-    from mcore2hf.testing.world import Layout, run_world
+    from mcore2hf.runtime.world import Layout, run_world
 
     lay = LAYOUTS[a.layout]
     layout = Layout(**lay)

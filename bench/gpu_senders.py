@@ -3,7 +3,7 @@
     python bench/gpu_senders.py        # 2 GPUs
 
 A 2-rank trainer world (NCCL, TP2 x EP2) holds a real megatron-core model loaded from a random HF checkpoint and
-syncs it twice through each SGLang sender to fake engines (mcore2hf.testing.fake_engine, which behaves as SGLang
+syncs it twice through each SGLang sender to fake engines (harness.fake_engine, which behaves as SGLang
 0.5.23: update sessions, reply formats, and it refuses a CUDA IPC handle that names the GPU by index instead of
 UUID) running as separate processes:
 
@@ -15,7 +15,7 @@ GPUs visible, device = physical index; or only their own GPU, device cuda:0), as
 index means different GPUs in the two processes, only the UUID names the right one. Each engine hashes every
 tensor it rebuilt; the script checks every byte of every tensor against the source checkpoint on every engine.
 
-Still the fake engine, not mcore2hf.testing.sglang_real (the releases' own code, which the CPU tests use): that
+Still the fake engine, not harness.sglang_real (the releases' own code, which the CPU tests use): that
 harness runs the scheduler side on CPU only (its WeightUpdater on device "cpu", gloo groups), and its GPU mode
 (the release's patch_torch rebuilding CUDA IPC handles, the weight-update group over NCCL on the engine's GPU) is
 not written; the GPU machines would also need the sglang wheel and its CPU dependencies carried (msgspec,
@@ -53,10 +53,10 @@ def visible(devices: str | None):
 def main() -> None:
     import torch
     import worlds
+    from harness.fake_engine import EngineProcess, digest
 
-    from mcore2hf.testing.fake_engine import EngineProcess, digest
-    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
-    from mcore2hf.testing.world import Layout, run_world
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.world import Layout, run_world
 
     assert torch.cuda.device_count() >= 2, "needs 2 GPUs"
     work = tempfile.mkdtemp(prefix="mcore2hf-gpu-senders-")

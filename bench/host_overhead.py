@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 
 def job(cfg: dict, rounds: int, profile: bool):

@@ -47,8 +47,8 @@ def main() -> int:
 
     from mcore2hf.importer import import_checkpoint
     from mcore2hf.offline import export_checkpoint
-    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
-    from mcore2hf.testing.world import Layout, run_world
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.world import Layout, run_world
 
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
           f"transformers {transformers.__version__}, backend {args.backend}")

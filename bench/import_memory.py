@@ -24,7 +24,7 @@ def write_hf(layers: int, out: str) -> None:
     import torch
     from transformers import AutoConfig
 
-    from mcore2hf.testing.tiny import make_hf_checkpoint
+    from mcore2hf.runtime.tiny import make_hf_checkpoint
 
     cfg = AutoConfig.for_model("qwen3_moe", **BASE, num_hidden_layers=layers)
     make_hf_checkpoint(cfg, out, dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 BASE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
             num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,

@@ -60,7 +60,7 @@ def _layout_args(p: argparse.ArgumentParser, tp=1, pp=1, ep=1, etp=None) -> None
 
 
 def _layout(a):
-    from .testing.world import Layout
+    from .runtime.world import Layout
 
     return Layout(tp=a.tp, pp=a.pp, vpp=a.vpp, ep=a.ep, etp=a.etp, first_stage_layers=a.first_stage_layers,
                   last_stage_layers=a.last_stage_layers)
@@ -101,7 +101,7 @@ def cmd_demo(a) -> int:
 
     _check_model_type(a.model_type)
     layout = _layout(a)
-    from .testing.tiny import tiny_config
+    from .runtime.tiny import tiny_config
 
     layout.check(tiny_config(a.model_type))
     report, ok = format_report(run_demo(a.model_type, layout, a.out))
@@ -116,7 +116,7 @@ def cmd_plan(a) -> int:
     from .planning import plan_report, run_plan
 
     if a.hf_config.startswith("tiny:"):
-        from .testing.tiny import tiny_config
+        from .runtime.tiny import tiny_config
 
         _check_model_type(a.hf_config[5:])
         cfg = tiny_config(a.hf_config[5:])

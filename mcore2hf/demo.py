@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .testing.world import Layout, run_world
+from .runtime.world import Layout, run_world
 
 DEMO_LAYOUT = Layout(tp=2, ep=4, etp=1)
 
@@ -26,8 +26,8 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> 
 
     from . import HFExporter, build_model, load_hf_weights
     from .hf_config import load_hf_config
-    from .testing.forward import megatron_logits
-    from .testing.tiny import read_hf_checkpoint
+    from .runtime.forward import megatron_logits
+    from .runtime.tiny import read_hf_checkpoint
 
     cfg = load_hf_config(ckpt)
     chunks = build_model(cfg, use_te=False, **layout.config_overrides())  # CPU gloo workers: the local spec
@@ -58,7 +58,7 @@ def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_di
     """Run the demo; returns the verification results (also printed by the CLI)."""
     from transformers import AutoModelForCausalLM
 
-    from .testing.tiny import make_hf_checkpoint, tiny_config
+    from .runtime.tiny import make_hf_checkpoint, tiny_config
 
     with tempfile.TemporaryDirectory(prefix="mcore2hf-demo-") as work:  # nothing is left behind but `out_dir`
         ckpt = make_hf_checkpoint(tiny_config(model_type), os.path.join(work, "source"))
@@ -91,7 +91,7 @@ def format_report(r: dict) -> tuple[str, bool]:
     r0 = ranks[0]
     ok_ident = all(x["identical"] for x in ranks)
     ok_load = r["clean_load"]
-    from .testing.forward import logit_tolerance
+    from .runtime.forward import logit_tolerance
 
     tol = logit_tolerance(r["model_type"])
     ok_logits = r["logit_diff"] is None or r["logit_diff"] <= tol

@@ -7,7 +7,7 @@ Megatron layout (Megatron splits OLMoE's full-width q_norm and MTP's eh_proj ove
 one Megatron fc1 becomes two HF tensors that both engines load as one merged column), and the converters stay
 untouched while other architectures are being added.
 
-Read from the engines' published code (the wheels mcore2hf.testing.wheels unpacks), per kind:
+Read from the engines' published code (the wheels tests/harness/wheels.py unpacks), per kind:
 
 * sglang 0.5.23: srt/layers/linear.py (ColumnParallelLinear / MergedColumnParallelLinear / QKVParallelLinear /
   RowParallelLinear weight_loader), srt/layers/vocab_parallel_embedding.py (pad_vocab_size, padding_size *= tp

@@ -20,7 +20,7 @@ def _plan_rank(hf_config, layout, bucket_bytes: int, dtype_name: str, te_names: 
                              **layout.config_overrides())
         chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
     if te_names:
-        from .testing.te_naming import to_te_names
+        from .runtime.te_naming import to_te_names
 
         to_te_names(chunks)
     ex = HFExporter(chunks, hf_config)
@@ -35,7 +35,7 @@ def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", t
              name_filter=None, quantize: str | None = None) -> dict:
     """The plan as a dict (tensors, buckets, layout, each rank's memory). The layout is checked first.
     `quantize="fp8"` / `"fp8-ue8m0"`: the FP8 export's plan (which weights are quantized, scale shapes)."""
-    from .testing.world import run_world
+    from .runtime.world import run_world
 
     layout.check(hf_config)
     ranks = run_world(_plan_rank, layout, hf_config, layout, bucket_bytes, dtype, te_names, name_filter, quantize)

@@ -153,7 +153,7 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
         for name in latent:
             setattr(attn, name, with_eps(getattr(attn, name), MLA_LATENT_NORM_EPS))
         if not use_te:
-            from mcore2hf.testing.cpu import SDPACoreAttention
+            from mcore2hf.runtime.cpu import SDPACoreAttention
 
             attn.core_attention = SDPACoreAttention
     return block

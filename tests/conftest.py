@@ -3,9 +3,13 @@ import os
 import pytest
 import torch
 
-from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# subprocesses of the tests (engine harnesses, the TE spec oracle) import tests/harness too
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join([_TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                      if p and p != _TESTS])
 
 ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "glm4_moe_lite", "deepseek_v2", "mixtral",
          "mistral", "gpt_oss", "minimax_m2", "olmoe"]
@@ -27,7 +31,7 @@ WORLD_ARCHS = [mt for mt in ARCHS if not ONLY or mt in ONLY]
 def world_pool():
     """Gloo worlds live for the whole session (one start per world size; each call still gets fresh process
     groups and parallel state): starting workers is most of a small world's time."""
-    from mcore2hf.testing.world import close_pool, use_pool
+    from mcore2hf.runtime.world import close_pool, use_pool
 
     use_pool(int(os.environ.get("MCORE2HF_WORLD_PROCS", "15")))
     yield
@@ -49,10 +53,10 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def te_specs() -> dict[str, dict]:
     """megatron-core's own Transformer Engine spec tree per architecture (ARCHS and the gated-DeltaNet ones), the
-    oracle for te_naming's names (mcore2hf.testing.te_spec; one subprocess for all)."""
+    oracle for te_naming's names (harness.te_spec; one subprocess for all)."""
     import json
 
-    from mcore2hf.testing.te_spec import te_spec_trees
+    from harness.te_spec import te_spec_trees
 
     given = os.environ.get("MCORE2HF_TE_SPECS")  # a file of them from an earlier run (tests/test_mutations.py)
     if given:
@@ -79,7 +83,7 @@ def variant_ckpts(tmp_path_factory) -> dict[str, str]:
     files exist and fail when imported: nothing may run them."""
     import json
 
-    from mcore2hf.testing.tiny import TINY_VARIANTS
+    from mcore2hf.runtime.tiny import TINY_VARIANTS
 
     root = tmp_path_factory.mktemp("variants")
     out = {}

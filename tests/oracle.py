@@ -7,10 +7,10 @@ import functools
 import importlib.util
 
 import torch
+from harness.wheels import unpacked_wheel
 
 from mcore2hf.hf_config import load_hf_config
-from mcore2hf.testing.forward import logit_tolerance
-from mcore2hf.testing.wheels import unpacked_wheel
+from mcore2hf.runtime.forward import logit_tolerance
 
 #: deep_gemm/utils/math.py as published on PyPI in sgl-deep-gemm 0.2.5 (SGLang's DeepGEMM build; the file is
 #: identical to deepseek-ai/DeepGEMM at 54e22612409371d6364144b69086735beb54e98b), loaded from the wheel

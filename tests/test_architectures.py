@@ -11,7 +11,7 @@ from mcore2hf import ParallelStateError, build_model, get_converter, list_archit
 from mcore2hf.errors import ConfigMismatchError
 from mcore2hf.hf_config import load_hf_config
 from mcore2hf.registry import get_model_spec
-from mcore2hf.testing.tiny import TINY_VARIANTS, tiny_config
+from mcore2hf.runtime.tiny import TINY_VARIANTS, tiny_config
 
 
 def test_kimi_k2_loads_as_deepseek_v3_without_running_its_remote_code(variant_ckpts):

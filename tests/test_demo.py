@@ -10,7 +10,7 @@ from conftest import FORMAT_MATES
 
 from mcore2hf import get_converter, list_architectures
 from mcore2hf.demo import DEMO_LAYOUT, format_report, run_demo
-from mcore2hf.testing.world import Layout
+from mcore2hf.runtime.world import Layout
 
 
 def test_demo_end_to_end(tmp_path):

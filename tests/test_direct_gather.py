@@ -5,7 +5,7 @@ Bit-identical to the source and to the same plan through staging; prints the byt
 import worlds
 from oracle import logit_problems
 
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 
 def test_ep2_all_gather_lands_in_the_output_bit_identical_and_copies_less(ckpts):
@@ -33,7 +33,7 @@ def _qwen3_moe_sources(ep: int, experts: int = 8, layers: int = 2):
     """The plan's sources of a tiny Qwen3-MoE at EP `ep` (TP 1), from rank records as each rank would send them."""
     from mcore2hf.plan import RankRecord, build_sources
     from mcore2hf.registry import get_converter, get_model_spec
-    from mcore2hf.testing.tiny import tiny_config
+    from mcore2hf.runtime.tiny import tiny_config
 
     cfg = tiny_config("qwen3_moe", num_experts=experts, num_hidden_layers=layers)
     h, i, hd = cfg.hidden_size, cfg.moe_intermediate_size, cfg.head_dim

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 GROUP = "disagg_weight_update"
 #: (engine, tp, ep): sglang TP2 without engine EP (experts split by expert TP), vllm TP2 with EP2 (whole experts)
@@ -86,7 +86,7 @@ def test_disaggregated_engine_shards_tp2_ep2_trainer_to_2_engine_ranks_every_hol
     from it, and the trainers send what the engines receive."""
     from mcore2hf.engine_shards import EnginePlacement, engine_regions, region_slices
     from mcore2hf.registry import get_model_spec
-    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 
     t0 = time.time()
     cfg = tiny_config("qwen3_moe")

@@ -13,7 +13,7 @@ from mcore2hf.engine_shards import EnginePlacement, EngineShardError, clip, engi
 from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.importer import _full_shape, megatron_names
 from mcore2hf.layouts import QKV, Column, GatedInterleaved, Piece, RowTransposed, Stacked, VocabRows, pieces
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 COUNTS = (1, 2, 4)
 
@@ -24,7 +24,7 @@ def _model(model_type: str):
     distinct (op, shape): the layers share op objects."""
     from mcore2hf.hf_config import hf_tensor_shapes
     from mcore2hf.registry import get_converter, get_model_spec
-    from mcore2hf.testing.tiny import tiny_config
+    from mcore2hf.runtime.tiny import tiny_config
 
     cfg = tiny_config(model_type)
     dims = get_model_spec(model_type).dims(cfg)
@@ -99,7 +99,7 @@ def _check_partition(op, full, shards, what) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want)), what
 
 
-MODEL_TYPES = sorted(__import__("mcore2hf.testing.tiny", fromlist=["TINY_CONFIGS"]).TINY_CONFIGS)
+MODEL_TYPES = sorted(__import__("mcore2hf.runtime.tiny", fromlist=["TINY_CONFIGS"]).TINY_CONFIGS)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -217,7 +217,7 @@ def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4
 
     layout, models = Layout(tp=2, pp=2, ep=2, etp=1), EXPORT_MODELS
 
-    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
 
     ckpts = {m: str(make_hf_checkpoint(tiny_config(m), tmp_path / m)) for m in models}
     per_rank = run_world(worlds.engine_export_suite, layout, ckpts, layout, 64 * 1024)
@@ -263,7 +263,7 @@ def test_engine_executor_over_a_separate_gloo_group_with_an_engine_only_process_
     bytes received = the plan's."""
     import worlds
 
-    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
 
     ckpt = str(make_hf_checkpoint(tiny_config("qwen3"), tmp_path / "qwen3"))
     res = run_world(worlds.engine_group_transport, Layout(world_size=3), ckpt, 64 * 1024)

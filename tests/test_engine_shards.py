@@ -1,7 +1,7 @@
 """Engine sharding rules (mcore2hf.engine_shards): pure-function tests, a coverage check over every registered
 architecture, and the real-engine oracle: the engines' own layer classes and weight loaders, from sglang 0.5.23's
 and vllm 0.33.0's published wheels on CPU (one subprocess per engine, GPU-only imports stubbed by
-mcore2hf.testing.sglang_real.install / vllm_real.install_gpu_stubs), fed (a) the full HF tensor and (b) our
+harness.sglang_real.install / vllm_real.install_gpu_stubs), fed (a) the full HF tensor and (b) our
 NaN-filled tensor (only the rank's regions written) must end with identical, NaN-free parameters.
 
 Run as a script (`python tests/test_engine_shards.py ENGINE SITE_DIR OUT.json`) it is that subprocess.
@@ -258,7 +258,7 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
     bytes each rank needs are printed against the full model's bytes."""
     from mcore2hf.hf_config import hf_tensor_shapes
     from mcore2hf.registry import get_converter, get_model_spec
-    from mcore2hf.testing.tiny import TINY_CONFIGS, tiny_config
+    from mcore2hf.runtime.tiny import TINY_CONFIGS, tiny_config
 
     report, skipped = [], set()
     for model_type in TINY_CONFIGS:
@@ -746,12 +746,12 @@ def _even_rows(rows: int, p: EnginePlacement) -> tuple[int, int, int]:
 
 
 def _stub_modules(top: tuple[str, ...]) -> None:
-    """Permissive stub modules (mcore2hf.testing.sglang_real's) for packages not installed here that vllm's
+    """Permissive stub modules (harness.sglang_real's) for packages not installed here that vllm's
     quantization / vision imports name at import time; nothing of them runs in the loaders under test."""
     import importlib.abc
     import importlib.machinery
 
-    from mcore2hf.testing.sglang_real import _StubLoader
+    from harness.sglang_real import _StubLoader
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
@@ -765,13 +765,13 @@ def _stub_modules(top: tuple[str, ...]) -> None:
 def harness(engine: str, site: str, out: str) -> None:
     t0 = time.time()
     if engine == "sglang":
-        from mcore2hf.testing.sglang_real import install
+        from harness.sglang_real import install
 
         install(site)
         load = _sglang_engine()
         import sglang as mod
     else:
-        from mcore2hf.testing.vllm_real import install_gpu_stubs
+        from harness.vllm_real import install_gpu_stubs
 
         _stub_modules(("compressed_tensors", "torchvision"))  # imported by the gated DeltaNet / Qwen3.5 modules
         install_gpu_stubs()
@@ -838,7 +838,7 @@ ENGINES = {"sglang": SGLANG, "vllm": VLLM}
 @pytest.fixture(scope="module")
 def harnesses(tmp_path_factory) -> dict:
     """Both engines' harness subprocesses, started together (each spends most of its time importing its engine)."""
-    from mcore2hf.testing.wheels import unpacked_wheel
+    from harness.wheels import unpacked_wheel
 
     tmp = tmp_path_factory.mktemp("engine_oracle")
     running = {}

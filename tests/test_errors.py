@@ -11,8 +11,8 @@ from mcore2hf import HFExporter, ParallelStateError, list_architectures
 from mcore2hf.errors import UnsupportedArchitectureError
 from mcore2hf.hf_config import load_hf_config
 from mcore2hf.registry import get_converter
-from mcore2hf.testing.tiny import tiny_config
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.runtime.tiny import tiny_config
+from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
 
 def test_errors_in_a_tp2_ep2_world(qwen3_moe_ckpt, tmp_path):

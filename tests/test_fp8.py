@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from mcore2hf.quantize import FP8Policy, dequantize_fp8
 from mcore2hf.registry import get_converter
-from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
 # gpt-oss has no FP8 table (its experts are published in MXFP4): refused, see test_gpt_oss.py
 ARCHS = [mt for mt in ALL_ARCHS if mt != "gpt_oss"]
@@ -63,7 +63,7 @@ def sglang_accepts_fp8_buckets(paths) -> None:
     it reconstructs from our flat buffer are ours; flattening our tensors its way gives our bytes."""
     import importlib.util
 
-    from mcore2hf.testing.wheels import unpacked_wheel
+    from harness.wheels import unpacked_wheel
 
     root = unpacked_wheel("sglang", SGLANG, ("sglang/*",))
     spec = importlib.util.spec_from_file_location("sglang_tensor_bucket",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mcore2hf.errors import ConfigMismatchError
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 HEADS, HEAD_DIM = 4, 8
 
@@ -79,7 +79,7 @@ def test_full_width_norm_refuses_tp_not_dividing_heads():
 
 def test_specs_refuse_configs_transformers_computes_differently():
     from mcore2hf.registry import get_model_spec
-    from mcore2hf.testing.tiny import tiny_config
+    from mcore2hf.runtime.tiny import tiny_config
 
     with pytest.raises(ConfigMismatchError, match="'scoring_func': 'softmax'"):
         get_model_spec("minimax_m2").transformer_config(tiny_config("minimax_m2", scoring_func="softmax"))

@@ -9,7 +9,7 @@ import pytest
 from mcore2hf.errors import LayoutError
 from mcore2hf.model_specs import gpt_oss
 from mcore2hf.offline import export_checkpoint
-from mcore2hf.testing.tiny import tiny_config
+from mcore2hf.runtime.tiny import tiny_config
 
 
 def test_cli_plan_shows_stacked_experts_from_both_ep_ranks():

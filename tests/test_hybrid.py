@@ -14,8 +14,8 @@ from mcore2hf.errors import ConfigMismatchError, LayoutError
 from mcore2hf.importer import import_checkpoint
 from mcore2hf.naming import HybridLayout
 from mcore2hf.offline import export_checkpoint
-from mcore2hf.testing.tiny import read_hf_checkpoint
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.tiny import read_hf_checkpoint
+from mcore2hf.runtime.world import Layout, run_world
 
 
 def _megatron_at_least(major: int, minor: int) -> bool:

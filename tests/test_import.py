@@ -22,8 +22,8 @@ from mcore2hf.hf_config import load_hf_config, text_config
 from mcore2hf.importer import ImportTargetError, import_checkpoint
 from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
 from mcore2hf.registry import get_converter, get_model_spec
-from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
 LAYOUTS = [
     (Layout(tp=2, ep=2, etp=1), True),  # EP, ETP != TP; singleton_local_shards (per-expert keys, fc1 _w/_v)

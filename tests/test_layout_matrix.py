@@ -16,10 +16,10 @@ import os
 import pytest
 import worlds
 from conftest import only_full
+from harness.te_spec import BRIDGE_TABLES, bridge_problems
 from oracle import logit_problems
 
-from mcore2hf.testing.te_spec import BRIDGE_TABLES, bridge_problems
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 # third field: the format-mates (conftest.FORMAT_MATES) run in this world too
 LAYOUTS = [

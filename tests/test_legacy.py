@@ -17,8 +17,8 @@ from worlds import TOKENS
 from mcore2hf.errors import UsageError
 from mcore2hf.legacy import LegacyFormatError
 from mcore2hf.offline import export_checkpoint
-from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.runtime.tiny import read_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
 ARCHS = ["llama", "qwen3_moe"]  # dense (GLU fc1, QKV, tied embedding) and MoE
 LAYOUTS = [

@@ -17,7 +17,7 @@ from mcore2hf.importer import megatron_names
 from mcore2hf.naming import canonical_layer_name
 from mcore2hf.quantize import scale_shape
 from mcore2hf.registry import get_converter, get_model_spec
-from mcore2hf.testing.tiny import tiny_config
+from mcore2hf.runtime.tiny import tiny_config
 
 DATA = Path(__file__).parent / "data"
 MODEL_TYPES = ("deepseek_v3", "glm4_moe")

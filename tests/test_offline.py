@@ -14,8 +14,8 @@ from oracle import logit_problems
 
 from mcore2hf.errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError
 from mcore2hf.offline import CheckpointError, export_checkpoint
-from mcore2hf.testing.tiny import read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.runtime.tiny import read_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
 ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "llama", "gpt_oss", "minimax_m2"]
 ETP1_ONLY = {"gpt_oss"}  # expert biases: megatron-core builds them only at expert-TP 1

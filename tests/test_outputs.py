@@ -16,9 +16,9 @@ from test_senders import make_bucket
 from mcore2hf.cli import build_parser
 from mcore2hf.errors import Mcore2HFError
 from mcore2hf.hf_config import config_source, output_config
+from mcore2hf.runtime.tiny import tiny_config
 from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from mcore2hf.sizes import parse_size
-from mcore2hf.testing.tiny import tiny_config
 
 
 def cli(*args, env=None, cwd=None):

@@ -14,7 +14,7 @@ import torch
 import worlds
 from oracle import logit_problems
 
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 LAYOUT = Layout(tp=2, ep=2, etp=1)
 

@@ -7,7 +7,7 @@ import sys
 import worlds
 from oracle import logit_problems
 
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
 
 def test_plan_reuse_dry_run_and_balance(qwen3_moe_ckpt):

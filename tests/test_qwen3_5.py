@@ -19,9 +19,9 @@ from mcore2hf.hf_config import config_source
 from mcore2hf.layouts import ColumnParts
 from mcore2hf.offline import export_checkpoint
 from mcore2hf.registry import get_converter
+from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world
 from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo
-from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world
 
 VISUAL = "model.visual."
 

@@ -1,6 +1,6 @@
 """Qwen3-Next (gated DeltaNet + gated attention hybrid, MoE with a gated shared expert) on real megatron-core
 models in gloo worlds on CPU (the local spec of model_specs/qwen3_next.py, GatedDeltaNet without fla through
-mcore2hf.testing.cpu), against transformers' Qwen3NextForCausalLM.
+mcore2hf.runtime.cpu), against transformers' Qwen3NextForCausalLM.
 
 The layouts and names were read in megatron-core 0.16.1 (ssm/gated_delta_net.py, transformer/attention.py,
 experimental_attention_variant_module_specs.py) and transformers 5.23 (models/qwen3_next, unchanged in its weights
@@ -15,11 +15,11 @@ import os
 import pytest
 import torch
 import worlds
+from harness.te_spec import bridge_problems
 from oracle import logit_problems, roundoff_problems
 
-from mcore2hf.testing.te_spec import bridge_problems
-from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
-from mcore2hf.testing.world import Layout, run_world, same_on_every_rank
+from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
 #: Logit parity (fp32): the gated delta rule's chunked recurrence runs in fp32 in both forwards, which differ in
 #: summation order (Megatron l2-normalizes q/k before repeating them over value heads, convolves with nn.Conv1d,
@@ -68,7 +68,7 @@ def test_layout_matrix_bit_exact(case, ckpt, ckpt_bf16, te_specs, tmp_path):
 
 
 def _names(path) -> list[str]:
-    from mcore2hf.testing.tiny import read_hf_checkpoint
+    from mcore2hf.runtime.tiny import read_hf_checkpoint
 
     return list(read_hf_checkpoint(path))
 
@@ -108,7 +108,7 @@ def test_import_offline_export_and_megatron_load(ckpt, tmp_path):
 
     from mcore2hf.importer import import_checkpoint
     from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
-    from mcore2hf.testing.tiny import read_hf_checkpoint
+    from mcore2hf.runtime.tiny import read_hf_checkpoint
 
     root = tmp_path / "imported"
     import_checkpoint(ckpt, root / "qwen3_next", iteration=5, progress=False)

@@ -1,5 +1,5 @@
 """Our SGLang senders against SGLang's own code from the published wheels (CPU, GPU-only imports stubbed):
-each release runs in its own server (mcore2hf.testing.sglang_real: one scheduler process per engine TP rank) whose
+each release runs in its own server (harness.sglang_real: one scheduler process per engine TP rank) whose
 request types, session checks (>= 0.5.21), SafeUnpickler, patch_torch rebuild, FlattenedTensorBucket rebuild and
 weight-update group + broadcast receive (init_weights_update_group at rank_offset + tp_rank, gloo), and the
 scheduler's pause / continue / abort / flush decisions, are the release's. Failures (failure_cases) are injected
@@ -18,11 +18,11 @@ import time
 
 import pytest
 import torch
+from harness.wheels import unpacked_wheel
 
+from mcore2hf.runtime.world import Layout, run_world
 from mcore2hf.senders.sglang import parse_version
 from mcore2hf.testing import sglang_real
-from mcore2hf.testing.wheels import unpacked_wheel
-from mcore2hf.testing.world import Layout, run_world
 
 SESSION_RELEASE, PRE_SESSION_RELEASE, REFUSED_RELEASE = "0.5.23", "0.5.20", "0.5.4.post3"
 # more releases for a run by hand (not CI), e.g. MCORE2HF_SGLANG_EXTRA=0.5.22,0.5.10
@@ -34,7 +34,7 @@ def site(version: str) -> str:
 
 
 class RealServer:
-    """One release's server (mcore2hf.testing.sglang_real) in its own process; `port` 0: one the OS picks. With
+    """One release's server (harness.sglang_real) in its own process; `port` 0: one the OS picks. With
     wait=False the caller starts several, then waits for each (`wait()`)."""
 
     def __init__(self, version: str, tp: int = 1, api_key: str | None = None, port: int = 0, wait: bool = True):
@@ -166,7 +166,7 @@ def trainer_tp2(urls: dict, ckpt: str) -> dict:
 def session_tp2(tmp_path_factory) -> list:
     """Per-rank results of trainer_tp2. Servers (all keyed): "tp2" 0.5.23 engine TP 2, "a" 0.5.23 TP 1, "c" 0.5.20
     TP 1, "old" 0.5.4.post3 (refused)."""
-    from mcore2hf.testing.tiny import make_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
 
     servers = {"tp2": RealServer(SESSION_RELEASE, tp=2, api_key=KEY, wait=False),
                "a": RealServer(SESSION_RELEASE, api_key=KEY, wait=False),

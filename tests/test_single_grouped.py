@@ -7,7 +7,7 @@ architecture: loaded into and exported from such a model bit-identical. The mode
 import worlds
 from oracle import logit_problems
 
-from mcore2hf.testing.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world
 
 MOE = ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
 

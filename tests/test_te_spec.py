@@ -8,8 +8,7 @@ published wheel spells them."""
 
 import pytest
 from conftest import TE_SPEC_ARCHS
-
-from mcore2hf.testing.te_spec import BRIDGE_TABLES, bridge_patterns, bridge_regex
+from harness.te_spec import BRIDGE_TABLES, bridge_patterns, bridge_regex
 
 LN_LINEAR = "TELayerNormColumnParallelLinear"
 

@@ -1,5 +1,5 @@
 """Our vLLM senders against vLLM 0.33.0's own code (published wheel, .py files only, GPU-only calls stubbed): one
-subprocess with the unpacked wheel on sys.path runs every scenario of mcore2hf.testing.vllm_real (what is real
+subprocess with the unpacked wheel on sys.path runs every scenario of harness.vllm_real (what is real
 and what is stubbed is listed there); each test here asserts one scenario's outcome. The wheel is downloaded once
 and cached; if it cannot be fetched these tests fail."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.vllm_real import SCENARIOS, make_bucket
+from harness.wheels import unpacked_wheel
 
 from mcore2hf.senders.vllm import VERIFIED_VLLM, bucket_fields, packed_chunk_ends
-from mcore2hf.testing.vllm_real import SCENARIOS, make_bucket
-from mcore2hf.testing.wheels import unpacked_wheel
 
 VLLM = "0.33.0"
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "results.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), str(REPO)]),
                VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="WARNING")
-    r = subprocess.run([sys.executable, "-m", "mcore2hf.testing.vllm_real", str(out)], env=env, cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "harness.vllm_real", str(out)], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=900)
     assert out.exists(), f"the vLLM harness died (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     res = json.loads(out.read_text())

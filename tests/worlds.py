@@ -1,4 +1,4 @@
-"""Functions that run inside gloo worker processes (spawned by mcore2hf.testing.world.run_world)."""
+"""Functions that run inside gloo worker processes (spawned by mcore2hf.runtime.world.run_world)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import time
 
 import torch
 import torch.distributed as dist
+from harness.te_spec import expected_te_names, megatron_fused_norm_names
 
 from mcore2hf import HFExporter, build_model, load_hf_weights
 from mcore2hf.hf_config import load_hf_config
 from mcore2hf.layouts import Stacked
 from mcore2hf.registry import get_model_spec
-from mcore2hf.testing.forward import megatron_logits
-from mcore2hf.testing.te_naming import te_names_of, to_te_names
-from mcore2hf.testing.te_spec import expected_te_names, megatron_fused_norm_names
-from mcore2hf.testing.tiny import read_hf_checkpoint
-from mcore2hf.testing.world import Layout
+from mcore2hf.runtime.forward import megatron_logits
+from mcore2hf.runtime.te_naming import te_names_of, to_te_names
+from mcore2hf.runtime.tiny import read_hf_checkpoint
+from mcore2hf.runtime.world import Layout
 
 
 def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True, model_class: str = "gpt"):
@@ -85,7 +85,7 @@ def forward_oracle(ckpt: str, layout: Layout, chunks=None) -> torch.Tensor:
 
 
 def te_renamed(chunks, tree: dict) -> str | None:
-    """to_te_names(chunks), checked against megatron-core's own TE spec `tree` (mcore2hf.testing.te_spec): each
+    """to_te_names(chunks), checked against megatron-core's own TE spec `tree` (harness.te_spec): each
     chunk has exactly the parameter names a TE-spec model has, and every fused `layer_norm_weight` holds the norm
     megatron-core pairs it with. This rank's problems (for `agree`), or None."""
     before = [{id(p): n for n, p in c.named_parameters()} for c in chunks]
@@ -220,8 +220,8 @@ def error_suite(ckpt: str, layout: Layout, tmp: str) -> list[str]:
         ShapeMismatchError,
         UnknownParametersError,
     )
+    from mcore2hf.runtime.tiny import tiny_config
     from mcore2hf.senders import safetensors as st
-    from mcore2hf.testing.tiny import tiny_config
 
     rank = dist.get_rank()
     seen = []
@@ -316,7 +316,7 @@ def error_suite(ckpt: str, layout: Layout, tmp: str) -> list[str]:
     assert not [f for f in os.listdir(tmp) if f.startswith(".partial")], os.listdir(tmp)
 
     # loading: missing tensors listed at once, wrong shapes named, unused HF tensors refused (strict)
-    from mcore2hf.testing.tiny import read_hf_checkpoint
+    from mcore2hf.runtime.tiny import read_hf_checkpoint
 
     sd = read_hf_checkpoint(ckpt)
     cfg, chunks = fresh()
@@ -721,7 +721,7 @@ def in_layouts(layouts: list[Layout], fn, *args) -> dict[str, object]:
     torn down and initialized again between layouts (each layout must fit this world's size)."""
     from megatron.core import parallel_state as ps
 
-    from mcore2hf.testing.world import init_megatron
+    from mcore2hf.runtime.world import init_megatron
 
     out = {}
     for i, layout in enumerate(layouts):

@@ -78,7 +78,7 @@ def cpu_ipc_args(t: torch.Tensor) -> tuple:
     """A CPU tensor's shared-memory handle laid out like `reduce_tensor`'s CUDA args (the 15 arguments of
     torch's rebuild_cuda_tensor; slot 6 the device, which vLLM overwrites with the worker's index; slot 7 the
     storage handle, here (manager, filename, size) of torch's file_system sharing). Only for CI, where the
-    engine side opens it with a CPU stand-in for rebuild_cuda_tensor (mcore2hf.testing.vllm_real)."""
+    engine side opens it with a CPU stand-in for rebuild_cuda_tensor (tests/harness/vllm_real.py)."""
     storage = t.untyped_storage()
     handle = storage._share_filename_cpu_()
     return (type(t), t.size(), t.stride(), t.storage_offset(), type(storage), t.dtype, -1, handle,

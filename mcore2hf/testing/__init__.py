@@ -1,1 +1,2 @@
-"""Test support shipped with the library (the demo uses it too): CPU shims, gloo worlds, tiny models, TE naming."""
+"""Former home of mcore2hf.runtime (CPU shims, tiny models): the documented module paths cpu and tiny here
+re-export it for one release."""

@@ -124,9 +124,9 @@ def _spec_trees(configs: dict[str, dict]) -> dict[str, dict]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ..hf_config import load_hf_config
-    from ..model_specs.common import block_specs
-    from ..registry import get_model_spec
+    from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.model_specs.common import block_specs
+    from mcore2hf.registry import get_model_spec
 
     with tempfile.TemporaryDirectory() as tmp:  # block specs read parallel sizes: a world of one
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
@@ -266,7 +266,7 @@ def bridge_patterns(model_type: str) -> list[str]:
     `model_type` (its wheel, fetched once and cached): `megatron_param=` arguments (or the first positional
     argument) of its *Mapping(...) calls and the Megatron side of its dict literals (Megatron -> HF, or HF ->
     Megatron as in gpt_oss_bridge.py)."""
-    from .wheels import unpacked_wheel
+    from harness.wheels import unpacked_wheel
 
     root = unpacked_wheel(*BRIDGE, include=("megatron/bridge/models/*",)) / "megatron" / "bridge" / "models"
     out = set()

@@ -2,7 +2,7 @@
 sys.path), with the GPU-only and heavy third-party imports it cannot load here replaced by permissive stubs.
 
 Only sglang's modules run for real; a stub stands in for any module that is not installed (kernels, triton, CUDA
-bindings, ...). `python -m mcore2hf.testing.sglang_real SITE_DIR --tp N [--port P]` serves, on 127.0.0.1 port P
+bindings, ...). `python -m harness.sglang_real SITE_DIR --tp N [--port P]` serves, on 127.0.0.1 port P
 (0: one the OS picks; printed as `PORT <n>`), a small HTTP front end whose routes and replies follow the release's entrypoints/http_server.py (which
 routes exist is read from it; API-key check as utils/auth.py) and which builds each request with the release's
 request types (io_struct). As in SGLang, each engine TP rank is its own scheduler process: rank 0 gets the request

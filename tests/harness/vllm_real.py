@@ -1,5 +1,5 @@
-"""vLLM's own receive code on CPU, for contract tests: run as `python -m mcore2hf.testing.vllm_real OUT.json` in a
-subprocess whose sys.path holds the unpacked vllm wheel (mcore2hf.testing.wheels). Each scenario syncs buckets
+"""vLLM's own receive code on CPU, for contract tests: run as `python -m harness.vllm_real OUT.json` in a
+subprocess whose sys.path holds the unpacked vllm wheel (harness.wheels). Each scenario syncs buckets
 through our senders into vLLM's real code and records "ok" or the traceback in OUT.json.
 
 What is vLLM's (vllm 0.33.0, imported from the wheel, unmodified): the HTTP routes and their validation
@@ -534,8 +534,8 @@ def scenario_ipc_tp2_sync() -> None:
     """IPC into an engine of TP 2 through sync(): a trainer world of 2 processes (the engine's group), the first
     rank merging both ranks' handles into each update; two syncs, each worker holding its own rank's bytes and the
     weight version recorded."""
-    from mcore2hf.testing.vllm_real import _ipc_tp2_trainers  # by module name: this file may run as __main__
-    from mcore2hf.testing.world import run_world
+    from harness.vllm_real import _ipc_tp2_trainers  # by module name: this file may run as __main__
+    from mcore2hf.runtime.world import run_world
 
     workers = [make_worker("ipc", r, 2) for r in range(2)]
     for r, w in enumerate(workers):
@@ -565,7 +565,7 @@ _SHARDED_RUN: dict = {}  # the engine-sharded case's results, once scenario_ipc_
 
 
 def _sharded_layout():
-    from mcore2hf.testing.world import Layout
+    from mcore2hf.runtime.world import Layout
 
     return Layout(tp=1, ep=2)  # the engine-sharded case's trainer world: qwen3_moe at EP 2
 
@@ -574,7 +574,7 @@ def _sharded_engine():
     """The engine-sharded case's tiny qwen3_moe checkpoint, and an engine of TP 2 (named_model workers) serving."""
     import tempfile
 
-    from mcore2hf.testing.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 
     ckpt = make_hf_checkpoint(tiny_config("qwen3_moe"), tempfile.mkdtemp(prefix="vllm-sharded-"))
     full = read_hf_checkpoint(ckpt)
@@ -619,9 +619,9 @@ def scenario_ipc_tp2_engine_sharded() -> None:
     receive path handed worker r's model equals mask_to_engine of the checkpoint tensor to r's engine_regions
     (the checkpoint's values in exactly those regions, NaN elsewhere: nothing else was written), byte for byte;
     each trainer rank received fewer bytes than in an all-ranks export (none at all when engine EP = trainer EP)."""
+    from harness.vllm_real import _sharded_ipc_trainer  # by module name: may run as __main__
     from mcore2hf.engine_shards import EnginePlacement, engine_regions, mask_to_engine
-    from mcore2hf.testing.vllm_real import _sharded_ipc_trainer  # by module name: may run as __main__
-    from mcore2hf.testing.world import run_world
+    from mcore2hf.runtime.world import run_world
 
     if _SHARDED_RUN:  # ran in scenario_ipc_tp2_sync's world
         full, workers, res = _SHARDED_RUN["full"], _SHARDED_RUN["workers"], _SHARDED_RUN["res"]

@@ -1,6 +1,6 @@
 """A stand-in for an SGLang server on GPUs, run as a separate process: bench/gpu_senders.py only, because SGLang's GPU
 stack cannot be installed on the GPU machines. The tests do not use it: they run each release's own code on CPU
-(mcore2hf.testing.sglang_real, tests/test_sglang_contract.py), failures and retries included.
+(harness.sglang_real, tests/test_sglang_contract.py), failures and retries included.
 
 It serves SGLang's weight-sync endpoints with SGLang's semantics: payloads are deserialized with a restricted
 unpickler like SGLang's, flattened buckets are rebuilt as SGLang's scheduler rebuilds them (views
