@@ -63,17 +63,13 @@ from dataclasses import dataclass
 import regex
 import torch
 
-from .errors import Mcore2HFError
+from .errors import EngineShardError
 from .layouts import Piece
 from .mapping import ModelDims
 
 ENGINES = ("sglang", "vllm")
 
 Region = tuple[tuple[int, int, int], ...]
-
-
-class EngineShardError(Mcore2HFError):
-    """An HF tensor or engine placement the engine sharding rules do not cover (or cannot be right)."""
 
 
 @dataclass(frozen=True)

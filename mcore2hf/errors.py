@@ -49,3 +49,39 @@ class UnsupportedArchitectureError(Mcore2HFError):
 
 class UsageError(Mcore2HFError):
     """An argument or option that cannot work (e.g. a layout the model does not divide into)."""
+
+
+class LegacyFormatError(LayoutError):
+    """A legacy checkpoint this library cannot read: a disallowed global, missing ranks, an unknown layout."""
+
+
+class ImportTargetError(Mcore2HFError):
+    """The output checkpoint directory cannot be written without destroying something."""
+
+
+class CheckpointError(Mcore2HFError):
+    """Not a Megatron checkpoint, a missing iteration, or a truncated / corrupt file."""
+
+
+class EngineShardError(Mcore2HFError):
+    """An HF tensor or engine placement the engine sharding rules do not cover (or cannot be right)."""
+
+
+class EngineError(Mcore2HFError):
+    """An inference engine answered an error, timed out, or disappeared during a weight update."""
+
+
+class UnsupportedEngine(EngineError):
+    """The engine's release or configuration cannot take our updates (found before any byte moves)."""
+
+
+class HTTPStatusError(EngineError):
+    """An engine's HTTP route answered an error status (`status`)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class WorldError(RuntimeError):
+    """A rank of a gloo worker world (mcore2hf.runtime.world) failed, died or hung: not a user error."""

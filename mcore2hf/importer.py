@@ -52,8 +52,8 @@ import regex
 import torch
 
 from .errors import (
+    ImportTargetError,
     LayoutError,
-    Mcore2HFError,
     MissingWeightsError,
     ShapeMismatchError,
     UnknownParametersError,
@@ -81,10 +81,6 @@ LOCAL_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
 GDN_KEYS_MAP = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
 _EXPERT = regex.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
 _LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
-
-
-class ImportTargetError(Mcore2HFError):
-    """The output checkpoint directory cannot be written without destroying something."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ import regex
 import torch
 from torch import _weights_only_unpickler
 
-from .errors import ConfigMismatchError, LayoutError
+from .errors import ConfigMismatchError, LegacyFormatError
 from .naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner
 
 FILE = "model_optim_rng.pt"
@@ -81,10 +81,6 @@ _PLACEHOLDERS = [
 ]
 ALLOWED: dict[str, object] = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace,
                               **{name: Placeholder for name in _PLACEHOLDERS}}
-
-
-class LegacyFormatError(LayoutError):
-    """A legacy checkpoint this library cannot read: a disallowed global, missing ranks, an unknown layout."""
 
 
 def pickle_globals(path: str) -> set[str]:

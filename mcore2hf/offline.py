@@ -32,7 +32,13 @@ import regex
 import torch
 
 from .buckets import Bucket
-from .errors import ConfigMismatchError, Mcore2HFError, ShapeMismatchError, UnknownParametersError, UsageError
+from .errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    ShapeMismatchError,
+    UnknownParametersError,
+    UsageError,
+)
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import GDN_PARTS, Stacked, full_shape_of_shard
@@ -50,11 +56,6 @@ from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .sizes import parse_size
-
-
-class CheckpointError(Mcore2HFError):
-    """Not a Megatron checkpoint, a missing iteration, or a truncated / corrupt file."""
-
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch.multiprocessing as mp
 
+from ..errors import WorldError
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -103,9 +105,6 @@ class Layout:
             s += f"-uneven{self.first_stage_layers}.{self.last_stage_layers}"
         return s + f"-w{self.size}"
 
-
-class WorldError(RuntimeError):
-    pass
 
 
 def init_megatron(layout: Layout) -> None:

@@ -41,25 +41,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..buckets import Bucket
-from ..errors import Mcore2HFError, UsageError
+from ..errors import EngineError, HTTPStatusError, UnsupportedEngine, UsageError
 from ..plan import EngineRank, colocated_ranks
 from .process_group import destroy_group, host_store, join_weight_update_group
 from .serialize import flattened_payload, serialize
-
-
-class EngineError(Mcore2HFError):
-    """An inference engine answered an error, timed out, or disappeared during a weight update."""
-
-
-class UnsupportedEngine(EngineError):
-    """The engine's release or configuration cannot take our updates (found before any byte moves)."""
-
-
-class HTTPStatusError(EngineError):
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
-
 
 # Release boundaries, each read in that release's wheel.
 RELEASES = {
