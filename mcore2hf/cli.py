@@ -52,7 +52,8 @@ def _layout_args(p: argparse.ArgumentParser, tp=1, pp=1, ep=1, etp=None) -> None
     g.add_argument("--vpp", type=_positive, default=None, help="virtual pipeline stages per rank (default: none)")
     g.add_argument("--ep", type=_positive, default=ep, help=f"expert-parallel size (default {ep})")
     g.add_argument("--etp", type=_positive, default=etp,
-                   help="expert tensor-parallel size (default: Megatron's, which is --tp)")
+                   help=f"expert tensor-parallel size (default {etp})" if etp else
+                   "expert tensor-parallel size (default: Megatron's, which is --tp)")
     g.add_argument("--first-stage-layers", type=_positive, default=None,
                    help="uneven pipeline: decoder layers on the first stage")
     g.add_argument("--last-stage-layers", type=_positive, default=None,
@@ -104,7 +105,11 @@ def cmd_demo(a) -> int:
     from .runtime.tiny import tiny_config
 
     layout.check(tiny_config(a.model_type))
-    report, ok = format_report(run_demo(a.model_type, layout, a.out))
+    if a.out is not None:  # refused before anything runs, not after the world's 20 s
+        from .senders.safetensors import check_target
+
+        check_target(a.out, a.overwrite)
+    report, ok = format_report(run_demo(a.model_type, layout, a.out, a.overwrite))
     print(report)
     return 0 if ok else 1
 
@@ -178,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="export a built-in tiny model at a multi-rank layout and verify it end to end")
     d.add_argument("--model-type", default="qwen3_moe", help="a registered architecture (see `mcore2hf list`)")
     d.add_argument("--out", default=None, help="keep the exported HF directory here (default: nothing is kept)")
+    d.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     _layout_args(d, tp=2, ep=4, etp=1)
     d.set_defaults(fn=cmd_demo)
 
@@ -273,12 +279,45 @@ def one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
+def _interrupted(e: BaseException, seen: list) -> bool:
+    """Whether the user interrupted: SIGINT arrived (torch's writers, unwinding, can raise an error of their own
+    instead of the KeyboardInterrupt), or a KeyboardInterrupt is in the exception's chain."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__context__
+    return bool(seen)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     a = build_parser().parse_args(argv)
     prog = f"mcore2hf {a.cmd}"
+    seen: list = []
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         _quiet_libraries()
         return a.fn(a)
+    except BaseException as e:  # noqa: BLE001 - every outcome is one line on stderr (the traceback with --debug)
+        return _report(a, prog, e, _interrupted(e, seen))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _report(a, prog: str, e: BaseException, interrupted: bool) -> int:
+    if interrupted:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    if isinstance(e, SystemExit):
+        raise e
+    try:
+        raise e
     except UsageError as e:
         if a.debug:
             raise
@@ -289,9 +328,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
     except Exception as e:  # noqa: BLE001 - a bug of ours: still one line, the traceback on request
         if a.debug:
             raise

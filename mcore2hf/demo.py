@@ -21,18 +21,22 @@ from .runtime.world import Layout, run_world
 DEMO_LAYOUT = Layout(tp=2, ep=4, etp=1)
 
 
-def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> dict:
+def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, overwrite: bool = False) -> dict:
     import torch.distributed as dist
 
     from . import HFExporter, build_model, load_hf_weights
-    from .hf_config import load_hf_config
+    from .hf_config import load_hf_config, text_config
+    from .registry import get_converter
     from .runtime.forward import megatron_logits
     from .runtime.tiny import read_hf_checkpoint
 
     cfg = load_hf_config(ckpt)
     chunks = build_model(cfg, use_te=False, **layout.config_overrides())  # CPU gloo workers: the local spec
     load_hf_weights(chunks, ckpt)
-    ref = read_hf_checkpoint(ckpt)
+    # what the Megatron model holds (a multimodal source's vision tower is not: the saved directory gets it from
+    # the source, `base`)
+    not_held = get_converter(cfg.model_type).not_held_by_model
+    ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if not not_held(n)}
 
     ex = HFExporter(chunks, cfg)
     t0 = time.perf_counter()
@@ -47,32 +51,38 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor) -> 
         pass
     second = time.perf_counter() - t0
     identical = set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
-    ex.save_pretrained(out_dir, bucket_bytes=256 * 1024)
+    ex.save_pretrained(out_dir, bucket_bytes=256 * 1024, overwrite=overwrite,
+                       base=ckpt if len(ref) < len(read_hf_checkpoint(ckpt)) else None)
 
-    logits = megatron_logits(chunks, tokens, cfg.vocab_size)  # every stage in order, at any layout
+    logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)  # every stage in order, at any layout
     return dict(rank=dist.get_rank(), identical=identical, tensors=len(got), bytes=nbytes,
                 buckets=len(plan.buckets), first_s=first, second_s=second, logits=logits)
 
 
-def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_dir: str | None = None) -> dict:
-    """Run the demo; returns the verification results (also printed by the CLI)."""
-    from transformers import AutoModelForCausalLM
+def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_dir: str | None = None,
+             overwrite: bool = False) -> dict:
+    """Run the demo; returns the verification results (also printed by the CLI). `out_dir` keeps the exported
+    directory (`overwrite`: replace an earlier export there)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from .hf_config import text_config
     from .runtime.tiny import make_hf_checkpoint, tiny_config
 
     with tempfile.TemporaryDirectory(prefix="mcore2hf-demo-") as work:  # nothing is left behind but `out_dir`
-        ckpt = make_hf_checkpoint(tiny_config(model_type), os.path.join(work, "source"))
+        config = tiny_config(model_type)
+        ckpt = make_hf_checkpoint(config, os.path.join(work, "source"))
         exported = out_dir or os.path.join(work, "exported")
-        tokens = torch.randint(0, tiny_config(model_type).vocab_size, (2, 16),
-                               generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, text_config(config).vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         t0 = time.perf_counter()
-        ranks = run_world(_rank_job, layout, ckpt, layout, exported, tokens)
+        ranks = run_world(_rank_job, layout, ckpt, layout, exported, tokens, overwrite)
         world_s = time.perf_counter() - t0
 
-        hf, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+        # a multimodal model (Qwen3.5) loads whole, its vision tower completed from the source; its text forward
+        auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+        hf, info = auto.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
         # transformers builds no MTP layers; it skips them only at the published layer index (e.g. DeepSeek-V3's
         # 61, modeling_deepseek_v3.py, transformers 5.23), so a tiny model's MTP tensors show up as unexpected
-        cfg = tiny_config(model_type)
+        cfg = text_config(config)
         mtp = tuple(f"model.layers.{cfg.num_hidden_layers + m}." for m in range(getattr(cfg, "num_nextn_predict_layers", 0) or 0))
         info["mtp_keys"] = [k for k in info["unexpected_keys"] if k.startswith(mtp)] if mtp else []
         info["unexpected_keys"] = [k for k in info["unexpected_keys"] if k not in info["mtp_keys"]]
@@ -80,7 +90,7 @@ def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_di
         diff = None
         if ranks[0]["logits"] is not None:
             with torch.no_grad():
-                ref = hf.eval()(tokens).logits
+                ref = hf.eval()(input_ids=tokens).logits
             diff = (ranks[0]["logits"] - ref).abs().max().item()
     return dict(model_type=model_type, layout=str(layout), ranks=ranks, world_s=world_s, out_dir=out_dir,
                 loading_info=info, clean_load=clean, logit_diff=diff)

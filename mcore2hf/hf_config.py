@@ -18,30 +18,65 @@ _MISSING = object()
 
 
 def load_hf_config(hf_config: HFConfigLike) -> PretrainedConfig:
-    """A PretrainedConfig from a config object, a dict (with model_type), config.json, or an HF directory."""
+    """A PretrainedConfig from a config object, a dict (with model_type), config.json, or an HF directory.
+
+    A config that cannot be one of the registered architectures is refused here, naming the file: malformed JSON,
+    no `model_type`, a model_type no converter is registered for (the registered ones listed, not transformers'),
+    or `architectures` naming another model than `model_type` does."""
     if isinstance(hf_config, PretrainedConfig):
         return hf_config
     if isinstance(hf_config, dict):
-        d = dict(hf_config)
-        model_type = d.pop("model_type", None)
-        if not model_type:
-            raise ConfigMismatchError("an HF config given as a dict needs a 'model_type' key")
-        return AutoConfig.for_model(_canonical(model_type), **d)
+        return _from_dict(hf_config, "the HF config dict")
     path = os.fspath(hf_config)
     if os.path.isdir(path):
         config_json = os.path.join(path, "config.json")
         if not os.path.isfile(config_json):
-            raise FileNotFoundError(f"{path} is a directory without config.json")
-        raw = _read_json(config_json)
-        if _canonical(raw.get("model_type", "")) != raw.get("model_type"):
-            cfg = load_hf_config(raw)  # an alias: its auto_map (remote code) is never imported
-            cfg.name_or_path = path  # as from_pretrained records it: exports write this directory's config.json
-            return cfg
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+            raise ConfigMismatchError(f"{path} is a directory without config.json (expected an HF directory)")
+        cfg = _from_dict(_read_json(config_json), config_json)
+        cfg.name_or_path = path  # as from_pretrained records it: exports write this directory's config.json
+        return cfg
     if os.path.isfile(path):
-        with open(path) as f:
-            return load_hf_config(json.load(f))
-    raise FileNotFoundError(f"no HF config at {path}")
+        return _from_dict(_read_json(path), path)
+    raise FileNotFoundError(f"no HF config at {path} (expected config.json or an HF directory)")
+
+
+def _from_dict(raw: dict, where: str) -> PretrainedConfig:
+    """The config of `raw` (an alias's auto_map, i.e. remote code, is never imported: it loads as its target)."""
+    from .registry import get_converter, list_architectures
+
+    if not isinstance(raw, dict):
+        raise ConfigMismatchError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    d = dict(raw)
+    model_type = d.pop("model_type", None)
+    if not model_type:
+        raise ConfigMismatchError(f"{where}: no 'model_type' (expected one of {', '.join(list_architectures())})")
+    if model_type not in list_architectures():
+        raise ConfigMismatchError(f"{where}: model_type {model_type!r} has no converter (registered: "
+                                  f"{', '.join(list_architectures())})")
+    conv = get_converter(model_type)
+    known = _architecture_classes(conv.model_type)
+    wrong = [a for a in d.get("architectures") or [] if known and a not in known]
+    if wrong:
+        raise ConfigMismatchError(f"{where}: architectures {wrong} disagree with model_type {model_type!r} "
+                                  f"(transformers' classes for it: {', '.join(sorted(known))})")
+    try:
+        return AutoConfig.for_model(conv.model_type, **d)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigMismatchError(f"{where}: transformers refuses this {model_type} config: {e}") from None
+
+
+def _architecture_classes(model_type: str) -> set[str]:
+    """The model classes transformers registers for `model_type` (its auto mappings), which a config's
+    `architectures` may name; empty if transformers registers none."""
+    from transformers.models.auto import modeling_auto
+
+    out: set[str] = set()
+    for attr in dir(modeling_auto):
+        mapping = getattr(modeling_auto, attr)
+        if attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict) and model_type in mapping:
+            value = mapping[model_type]
+            out.update(value if isinstance(value, (list, tuple)) else [value])
+    return {n for n in out if not n.endswith("Config")}
 
 
 def _canonical(model_type: str) -> str:
@@ -134,8 +169,11 @@ def config_source(hf_config: HFConfigLike) -> ConfigSource:
 
 
 def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigMismatchError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
 
 
 def output_config(source: ConfigSource, dtype, quantization: dict | None = None) -> tuple[str, list[str]]:

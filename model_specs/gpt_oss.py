@@ -75,12 +75,20 @@ def _checks(cfg) -> None:
                                   "o, router and expert biases together), the config has False")
 
 
+def layout_problems(cfg, expert_tp: int) -> list[str]:
+    """What this architecture needs of a layout beyond the sizes dividing (checked before any process starts)."""
+    if expert_tp != 1:  # megatron-core asserts "Bias in Moe is only supported when ETP==1"
+        return [f"gpt_oss has expert biases, which megatron-core supports only at expert-TP 1; expected expert "
+                f"tensor-parallel size 1, got {expert_tp} (pass --etp 1: expert-TP defaults to --tp)"]
+    return []
+
+
 def transformer_config(cfg, **overrides):
     _checks(cfg)
     etp = overrides.get("expert_tensor_parallel_size") or parallel_fields()["expert_tensor_parallel_size"]
-    if etp not in (None, 1):  # megatron-core asserts "Bias in Moe is only supported when ETP==1"
-        raise LayoutError(f"gpt_oss has expert biases, which megatron-core supports only at expert-TP 1; "
-                          f"expected expert_tensor_parallel_size 1, got {etp}")
+    problems = layout_problems(cfg, 1 if etp is None else etp)
+    if problems:
+        raise LayoutError(problems[0])
     n = cfg.num_hidden_layers
     fields = llama_like_fields(cfg)
     fields.update(add_bias_linear=True, add_qkv_bias=True, softmax_type="learnable", **_window_fields(cfg))

@@ -25,10 +25,7 @@ def test_demo_end_to_end(tmp_path):
     assert not [f for f in os.listdir(env["TMPDIR"]) if f.startswith("mcore2hf")], os.listdir(env["TMPDIR"])
 
 
-#: the demo compares against the whole source and loads it as a causal LM; Qwen3.5's source is multimodal (its
-#: vision tower is not held by the text model): tests/test_qwen3_5.py runs the same checks for it
-NO_DEMO = {"qwen3_5", "qwen3_5_moe"}
-MODEL_TYPES = sorted({get_converter(mt).model_type for mt in list_architectures()} - NO_DEMO)  # an alias runs its format's
+MODEL_TYPES = sorted({get_converter(mt).model_type for mt in list_architectures()})  # an alias runs its format's
 CASES = [(mt, DEMO_LAYOUT) for mt in MODEL_TYPES] + [(mt, Layout(pp=2, ep=2, etp=1)) for mt in MODEL_TYPES
                                                      if mt not in FORMAT_MATES]  # see conftest.FORMAT_MATES
 

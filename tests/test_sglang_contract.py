@@ -18,11 +18,11 @@ import time
 
 import pytest
 import torch
+from harness import sglang_real
 from harness.wheels import unpacked_wheel
 
 from mcore2hf.runtime.world import Layout, run_world
 from mcore2hf.senders.sglang import parse_version
-from mcore2hf.testing import sglang_real
 
 SESSION_RELEASE, PRE_SESSION_RELEASE, REFUSED_RELEASE = "0.5.23", "0.5.20", "0.5.4.post3"
 # more releases for a run by hand (not CI), e.g. MCORE2HF_SGLANG_EXTRA=0.5.22,0.5.10
