@@ -81,12 +81,19 @@ def _name_filter(a):
 
 
 def cmd_list(_a) -> int:
-    from .registry import get_converter, list_architectures
+    from .hf_config import architecture_classes
+    from .registry import get_converter, list_architectures, verified
 
+    print(f"{'model_type':<13} {'HF class':<34} {'FP8':<4} verified (docs/architectures.md)")
     for name in list_architectures():
         conv = get_converter(name)
-        alias = f" (format of {conv.model_type})" if conv.model_type != name else ""
-        print(f"{name:<14} {len(conv.rules):>3} rules{alias}")
+        classes = architecture_classes(conv.model_type)
+        cls = next((c for suffix in ("ForConditionalGeneration", "ForCausalLM") for c in sorted(classes)
+                    if c.endswith(suffix)), "")
+        if conv.model_type != name:
+            print(f"{name:<13} {cls:<34} {'yes' if conv.fp8 else 'no':<4} as {conv.model_type} (the same format)")
+            continue
+        print(f"{name:<13} {cls:<34} {'yes' if conv.fp8 else 'no':<4} {verified(name)}")
     return 0
 
 

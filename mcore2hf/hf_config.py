@@ -54,7 +54,7 @@ def _from_dict(raw: dict, where: str) -> PretrainedConfig:
         raise ConfigMismatchError(f"{where}: model_type {model_type!r} has no converter (registered: "
                                   f"{', '.join(list_architectures())})")
     conv = get_converter(model_type)
-    known = _architecture_classes(conv.model_type)
+    known = architecture_classes(conv.model_type)
     wrong = [a for a in d.get("architectures") or [] if known and a not in known]
     if wrong:
         raise ConfigMismatchError(f"{where}: architectures {wrong} disagree with model_type {model_type!r} "
@@ -65,7 +65,7 @@ def _from_dict(raw: dict, where: str) -> PretrainedConfig:
         raise ConfigMismatchError(f"{where}: transformers refuses this {model_type} config: {e}") from None
 
 
-def _architecture_classes(model_type: str) -> set[str]:
+def architecture_classes(model_type: str) -> set[str]:
     """The model classes transformers registers for `model_type` (its auto mappings), which a config's
     `architectures` may name; empty if transformers registers none."""
     from transformers.models.auto import modeling_auto

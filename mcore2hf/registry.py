@@ -50,3 +50,26 @@ def canonical_model_type(model_type: str) -> str:
 
 def get_model_spec(model_type: str) -> ModuleType:
     return importlib.import_module(get_converter(model_type).spec)
+
+
+#: What the test suite verifies per architecture (`mcore2hf list`; docs/architectures.md has the detail). The layout
+#: worlds' counts are checked against tests/test_layout_matrix.py, so this table cannot drift from the suite.
+_EVERY = "logits = transformers' at each, import loaded by Megatron, offline export, engine shards, demo"
+VERIFIED: dict[str, str] = {
+    **{mt: f"7 layout worlds (TP, PP, VPP, EP, expert-TP != TP, uneven PP, bf16); {_EVERY}"
+       for mt in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "minimax_m2")},
+    "gpt_oss": f"6 layout worlds (all at expert-TP 1); {_EVERY}",
+    **{mt: f"3 layout worlds (TP x PP x EP, PP x VPP, uneven PP: every parallel dimension); {_EVERY}"
+       for mt in ("glm4_moe_lite", "deepseek_v2", "mixtral", "mistral", "olmoe")},
+    "qwen3_next": "its own layout world (TP2 x PP2 x VPP2 x EP2, bf16); logits (and fp32 round-off) = transformers' "
+                  "at TP1 and TP2 x EP2, import loaded by Megatron, offline export, engine shards, demo",
+    **{mt: "its own worlds (TP2 x EP2, PP2, TP1 x DP2); logits (and fp32 round-off) = transformers' at each, "
+           "completed from the multimodal checkpoint, offline export, engine shards, demo"
+       for mt in ("qwen3_5", "qwen3_5_moe")},
+}
+
+
+def verified(model_type: str) -> str:
+    """What the test suite verifies for `model_type` (an alias: its format's)."""
+    return VERIFIED[canonical_model_type(model_type)]
+

@@ -75,3 +75,19 @@ def test_engine_placements_cover_tp_1_2_4_with_and_without_ep_for_every_architec
                if layout.expert_tp == 1 or mt not in ETP1_ONLY for p in worlds.engine_placements(layout)}
         assert any(tp == 1 for _, tp, _, _ in got), mt
         assert want | want_moe <= got, (mt, sorted((want | want_moe) - got, key=str))
+
+
+def test_mcore2hf_list_states_these_worlds():
+    """`mcore2hf list` says how many layout worlds run each architecture: the counts above, not a claim."""
+    import re
+
+    from conftest import ARCHS, FORMAT_MATES
+
+    from mcore2hf.registry import verified
+
+    for mt in ARCHS:
+        worlds_run = sum(1 for layout, _, mates in LAYOUTS if (mates or mt not in FORMAT_MATES)
+                         and (layout.expert_tp == 1 or mt not in ETP1_ONLY))
+        stated = re.match(r"(\d+) layout worlds", verified(mt))
+        assert stated and int(stated.group(1)) == worlds_run, (mt, worlds_run, verified(mt))
+
