@@ -482,7 +482,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(sources), unit="tensor", desc="import")
+        bar = tqdm(total=len(sources), unit="tensor", desc="import", disable=None)  # a bar only on a terminal
     try:
         writer = _DistcpWriter(tmp, limit)
         for s, full in _tensors(reader, sources):

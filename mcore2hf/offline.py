@@ -467,7 +467,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=sum(t.nbytes for t in infos), unit="B", unit_scale=True, desc="export")
+        bar = tqdm(total=sum(t.nbytes for t in infos), unit="B", unit_scale=True, desc="export",
+                   disable=None)  # a bar only on a terminal
     written = 0
     try:
         for index, group in enumerate(_groups(sources, budget, out_dtype)):

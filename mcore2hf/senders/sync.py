@@ -80,7 +80,7 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         if progress and dist.get_rank() == 0:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="bucket", desc=f"sync v{version}", leave=False)
+            bar = tqdm(total=total, unit="bucket", desc=f"sync v{version}", leave=False, disable=None)
         n, nbytes, send_s = 0, 0, 0.0
         t_made = time.perf_counter()
         for bucket in buckets:
