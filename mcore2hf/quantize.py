@@ -71,6 +71,20 @@ def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
     return (exp.clamp(1, 254) << 23).view(torch.float32)
 
 
+def _cuda_kernel(x: torch.Tensor):
+    """The fused CUDA quantizer (quantize_cuda) for a CUDA tensor, or None: CPU tensors, no Triton, or
+    MCORE2HF_FP8_KERNEL=torch (the reference path, e.g. to compare)."""
+    import os
+
+    if not x.is_cuda or os.environ.get("MCORE2HF_FP8_KERNEL") == "torch":
+        return None
+    try:
+        from . import quantize_cuda
+    except ImportError:
+        return None
+    return quantize_cuda
+
+
 def _true_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
     """t / divisor rounded as IEEE division on every device: PyTorch's CUDA kernel turns division by a Python
     scalar into multiplication by its reciprocal (one ulp off for amax / 448, measured on an H200), a 0-dim tensor
@@ -88,6 +102,9 @@ def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
     product computed in fp32 (a bf16 tensor times an fp32 tensor promotes)."""
     if x.dim() != 2:
         raise ValueError(f"block FP8 quantization takes a 2-D weight, got shape {tuple(x.shape)}")
+    kernel = _cuda_kernel(x) if block == BLOCK else None
+    if kernel is not None:
+        return kernel.block_cast_to_fp8(x, use_ue8m0)
     m, n = x.shape
     padded = torch.zeros((ceil_div(m, block) * block, ceil_div(n, block) * block), dtype=x.dtype, device=x.device)
     padded[:m, :n] = x
@@ -106,6 +123,9 @@ def per_block_cast_to_fp8_batched(x: torch.Tensor, use_ue8m0: bool = False,
     stack instead of per matrix): the same elementwise steps and per-block max, so bit-identical to it."""
     if x.dim() != 3:
         raise ValueError(f"expected a stack of 2-D weights [N, m, n], got shape {tuple(x.shape)}")
+    kernel = _cuda_kernel(x) if block == BLOCK else None
+    if kernel is not None:
+        return kernel.block_cast_to_fp8(x, use_ue8m0)
     k, m, n = x.shape
     padded = torch.zeros((k, ceil_div(m, block) * block, ceil_div(n, block) * block), dtype=x.dtype, device=x.device)
     padded[:, :m, :n] = x

@@ -1,0 +1,76 @@
+"""The block-FP8 quantizer as one fused CUDA kernel (Triton): per 128x128 block, amax, scale, cast, written straight
+into the caller's output views; bit-identical to `quantize.per_block_cast_to_fp8` (DeepGEMM's reference).
+
+Each program quantizes one block of one matrix of a stack [K, M, N] read through any strides (a view of a bucket,
+an arena or a parameter) and writes the fp8 block and its scale where the caller says (views of the output bucket),
+so an FP8 export writes its bytes once. The arithmetic is the reference's step for step, in fp32: block amax of
+|x| (partial edge blocks: the zero padding never raises a max) clamped at 1e-4; sf = amax / 448 as an IEEE
+division (`div_rn`: the reference divides by a 0-dim tensor, `quantize._true_div`); UE8M0: the exponent bits + 1
+when the mantissa is non-zero, clamped to [1, 254]; q = x * (1 / sf) (IEEE reciprocal, then an fp32 product) cast
+to float8_e4m3fn with round-to-nearest-even and saturation at 448, as PyTorch's conversion does.
+
+Only imported where CUDA and Triton exist (torch's CUDA builds ship Triton); the torch reference stays the CPU path
+and the oracle (bench/export_speed.py checks every quantized tensor of a model against it)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 128
+
+
+@triton.jit
+def _block_fp8_kernel(x_ptr, q_ptr, s_ptr, M, N, nb_m, nb_n,
+                      sx_k, sx_m, sx_n, sq_k, sq_m, sq_n, ss_k, ss_m, ss_n,
+                      UE8M0: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    k = pid // (nb_m * nb_n)
+    rest = pid % (nb_m * nb_n)
+    bm = rest // nb_n
+    bn = rest % nb_n
+    rows = bm * BLOCK + tl.arange(0, BLOCK)
+    cols = bn * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x_off = k.to(tl.int64) * sx_k + rows[:, None].to(tl.int64) * sx_m + cols[None, :].to(tl.int64) * sx_n
+    x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
+    sf = tl.math.div_rn(amax, 448.0)
+    if UE8M0:
+        bits = sf.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        exp = tl.minimum(tl.maximum(exp, 1), 254)
+        sf = (exp << 23).to(tl.float32, bitcast=True)
+    inv = tl.math.div_rn(1.0, sf)
+    q = (x * inv).to(tl.float8e4nv)
+    q_off = k.to(tl.int64) * sq_k + rows[:, None].to(tl.int64) * sq_m + cols[None, :].to(tl.int64) * sq_n
+    tl.store(q_ptr + q_off, q, mask=mask)
+    tl.store(s_ptr + k.to(tl.int64) * ss_k + bm * ss_m + bn * ss_n, sf)
+
+
+def block_cast_to_fp8_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ue8m0: bool) -> None:
+    """Quantize `x` ([M, N] or a stack [K, M, N], bf16/fp16/fp32, any strides) into `q` (float8_e4m3fn, the same
+    shape, any strides) and `scale` (float32 [ceil(M/128), ceil(N/128)] or [K, ...]): one kernel launch."""
+    if x.dim() == 2:
+        x, q, scale = x.unsqueeze(0), q.unsqueeze(0), scale.unsqueeze(0)
+    k, m, n = x.shape
+    nb_m, nb_n = triton.cdiv(m, BLOCK), triton.cdiv(n, BLOCK)
+    if tuple(q.shape) != (k, m, n) or tuple(scale.shape) != (k, nb_m, nb_n) or q.dtype != torch.float8_e4m3fn \
+            or scale.dtype != torch.float32:
+        raise ValueError(f"block FP8 into: expected q float8_e4m3fn {[k, m, n]} and scale float32 {[k, nb_m, nb_n]}, "
+                         f"got {q.dtype} {list(q.shape)} and {scale.dtype} {list(scale.shape)}")
+    if k * nb_m * nb_n == 0:
+        return
+    _block_fp8_kernel[(k * nb_m * nb_n,)](x, q, scale, m, n, nb_m, nb_n, *x.stride(), *q.stride(), *scale.stride(),
+                                          UE8M0=ue8m0, BLOCK=BLOCK, num_warps=8)
+
+
+def block_cast_to_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, float32 scale_inv) of a 2-D weight or a stack [K, M, N], new tensors on x's device."""
+    shape = tuple(x.shape)
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((*shape[:-2], triton.cdiv(shape[-2], BLOCK), triton.cdiv(shape[-1], BLOCK)), dtype=torch.float32,
+                    device=x.device)
+    block_cast_to_fp8_into(x, q, s, ue8m0)
+    return q, s
