@@ -70,13 +70,13 @@ def speed(device: torch.device, quick: bool) -> None:
     for e, rows in cases:
         x = torch.randn(e, rows, 2048, device=device, dtype=torch.bfloat16)
         moved = x.numel() * (2 + 1) + x.numel() // (128 * 128) * 4  # bf16 read, fp8 written, scales written
-        k_ms = triton.testing.do_bench(lambda: block_cast_to_fp8(x, False), warmup=25, rep=200, return_mode="median")
+        k_ms = triton.testing.do_bench(lambda x=x: block_cast_to_fp8(x, False), warmup=25, rep=200, return_mode="median")
         os.environ["MCORE2HF_FP8_KERNEL"] = "torch"
-        t_ms = triton.testing.do_bench(lambda: quantize.per_block_cast_to_fp8_batched(x, False), warmup=25, rep=200,
+        t_ms = triton.testing.do_bench(lambda x=x: quantize.per_block_cast_to_fp8_batched(x, False), warmup=25, rep=200,
                                        return_mode="median")
         del os.environ["MCORE2HF_FP8_KERNEL"]
         y = torch.empty_like(x)
-        c_ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+        c_ms = triton.testing.do_bench(lambda x=x, y=y: y.copy_(x), warmup=25, rep=200, return_mode="median")
         copy_bytes = 2 * x.numel() * 2
         print(f"{f'{e}x{rows}x2048':<22} {moved / 1e6:>8.0f} {k_ms:>10.3f} {moved / k_ms / 1e6:>8.0f} {t_ms:>9.3f} "
               f"{moved / t_ms / 1e6:>8.0f} {c_ms:>8.3f} {copy_bytes / c_ms / 1e6:>8.0f} {k_ms / c_ms:>11.2f} "
