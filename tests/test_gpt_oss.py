@@ -35,7 +35,7 @@ def test_cli_plan_shows_stacked_experts_from_both_ep_ranks():
 
 
 def test_expert_tp_above_1_is_refused_before_megatron_asserts():
-    with pytest.raises(LayoutError, match="expert-TP 1; expected expert_tensor_parallel_size 1, got 2"):
+    with pytest.raises(LayoutError, match=r"expert-TP 1; expected expert tensor-parallel size 1, got 2 \(pass --etp 1"):
         gpt_oss.transformer_config(tiny_config("gpt_oss"), expert_tensor_parallel_size=2)
 
 

@@ -780,7 +780,7 @@ def hybrid_suite(ckpt: str, layout: Layout, dist_root: str | None = None, import
     # a pattern the HF config contradicts: HF layer 0 dense where the model has MoE (or the reverse)
     moe = bool(get_model_spec(cfg.model_type).dims(cfg).num_experts)
     wrong = load_hf_config({**cfg.to_dict(), "mlp_only_layers": [0]} if moe else
-                           {**cfg.to_dict(), "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                           {**cfg.to_dict(), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
                             "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [1, 2, 3]})
     try:
         HFExporter(hybrid, wrong).state_dict()
