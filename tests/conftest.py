@@ -27,6 +27,42 @@ ONLY = [mt for mt in os.environ.get("MCORE2HF_ARCHS", "").split(",") if mt]
 WORLD_ARCHS = [mt for mt in ARCHS if not ONLY or mt in ONLY]
 
 
+#: `pytest -m quick` (day-to-day work, ~3 minutes on 2 cores): every pure test, and one world per job (live export
+#: at one layout for every architecture, offline export, import, legacy, FP8, engine shards, the senders against
+#: SGLang's code, the CLI and the demo). Per test file: "*" (all of it) or the test-name prefixes that are quick.
+QUICK = {
+    "test_code_rules.py": "*", "test_layouts.py": "*", "test_stacked.py": "*", "test_quantize.py": "*",
+    "test_plan_tiling.py": "*", "test_mtp_names.py": "*", "test_senders.py": "*",
+    "test_engine_plan.py": ("test_pieces_", "test_clip_"),
+    "test_engine_shards.py": ("test_placement", "test_unknown", "test_kv_", "test_vocab", "test_padded", "test_expert",
+                              "test_mask", "test_engine_slices", "test_stacked", "test_shared", "test_linear",
+                              "test_qwen3_5", "test_every_architecture"),
+    "test_te_spec.py": ("test_bridge_",), "test_hybrid.py": ("test_hybrid_layout_",),
+    "test_qwen3_5.py": ("test_column_parts",), "test_qwen3_next.py": ("test_what_megatron_cannot",),
+    "test_vllm_contract.py": ("test_verified_version", "test_packed_chunk", "test_fp8_bucket"),
+    "test_layout_matrix.py": ("test_layout_invariance_all_architectures[tp2-pp2-ep2-etp1-w4-float32]",
+                              "test_mcore2hf_list"),
+    "test_offline.py": ("test_offline_export_equals_live_export[tp2-pp2-ep2-etp1-w4]", "test_verify_hf_directory"),
+    "test_import.py": ("test_megatron_loads_the_import_and_exports_the_source_bit_for_bit[tp2-pp1-ep2-etp1-w2",),
+    "test_legacy.py": ("test_legacy_export_equals_live_export[tp2-pp1-ep2-etp2-w4]", "test_disallowed"),
+    "test_fp8.py": ("test_every_architecture_has", "test_fp8_output_loads_in_transformers_and_logits_follow_megatron[fp8]"),
+    "test_errors.py": ("test_no_parallel_state", "test_unknown_architecture", "test_config_forms"),
+    "test_outputs.py": "*", "test_cli.py": ("test_bad_config",), "test_demo.py": ("test_demo_end_to_end",),
+    "test_sglang_contract.py": ("test_our_allowlist",),
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the day-to-day subset (conftest.QUICK)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        spec = QUICK.get(os.path.basename(str(item.fspath)))
+        if spec == "*" or (spec and item.name.startswith(spec)):
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def world_pool():
     """Gloo worlds live for the whole session (one start per world size; each call still gets fresh process
