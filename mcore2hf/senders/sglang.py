@@ -31,8 +31,6 @@ import json
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ import torch.distributed as dist
 from ..buckets import Bucket
 from ..errors import EngineError, HTTPStatusError, UnsupportedEngine, UsageError
 from ..plan import EngineRank, colocated_ranks
+from .http import HTTPClient
 from .process_group import destroy_group, host_store, join_weight_update_group
 from .serialize import flattened_payload, serialize
 
@@ -115,28 +114,11 @@ def check_server(info: dict, where: str, tp_size: int | None = None) -> ServerFa
     return facts
 
 
-class SGLangHTTPEngine:
+class SGLangHTTPEngine(HTTPClient):
     """HTTP client of one SGLang server, for the routes weight sync uses (replies read as REPLIES says)."""
 
-    def __init__(self, url: str, timeout: float = 300.0, api_key: str | None = None):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key
-
     def _request(self, path: str, payload: dict | None = None, method: str = "POST", timeout: float | None = None):
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:  # servers started with --api-key (sglang utils/auth.py: "Authorization: Bearer <key>")
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        body = json.dumps(payload or {}).encode() if method == "POST" else None
-        req = urllib.request.Request(self.url + path, data=body, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                text = resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise HTTPStatusError(f"{self.url}{path}: HTTP {e.code}: {detail}", e.code) from None
-        except OSError as e:  # refused, reset, timed out
-            raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+        _, text = self.request(path, payload or {}, method, timeout)  # a POST always carries a JSON object
         kind = REPLIES.get(path, "json")
         if kind == "text":
             return text

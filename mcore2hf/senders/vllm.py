@@ -43,13 +43,12 @@ import contextlib
 import json
 import pickle
 import threading
-import urllib.error
-import urllib.request
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..buckets import Bucket
+from .http import HTTPClient
 from .sglang import EngineError, _BroadcastSender, _call, _ColocatedSender, refuse_broadcast_sharding
 
 VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
@@ -132,32 +131,16 @@ def _validated(module: str, cls: str, fields: dict) -> dict:
     return fields
 
 
-class VLLMHTTPEngine:
+class VLLMHTTPEngine(HTTPClient):
     """HTTP client of one vLLM server started with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config."""
 
     def __init__(self, url: str, timeout: float = 300.0, api_key: str | None = None):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key
+        super().__init__(url, timeout, api_key)
         self.pickle_handles = True  # JSON carries IPC handles as `ipc_handles_pickled` (vllm clients.py)
 
     def _request(self, path: str, payload: dict | None = None, method: str = "POST",
                  ok_codes: tuple = ()) -> tuple[int, dict | str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(self.url + path, data=data if method == "POST" else None, headers=headers,
-                                     method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                code, text = resp.status, resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as e:
-            code, text = e.code, e.read().decode(errors="replace")
-            if code not in ok_codes:
-                raise EngineError(f"{self.url}{path}: HTTP {code}: {text[:500]}") from None
-        except OSError as e:  # refused, reset, timed out
-            raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+        code, text = self.request(path, payload, method, ok_codes=ok_codes)  # no payload: no body
         try:
             return code, json.loads(text) if text.strip() else {}
         except ValueError:
