@@ -39,6 +39,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..buckets import Bucket
+from ..collective import agree
 from ..errors import EngineError, HTTPStatusError, UnsupportedEngine, UsageError
 from ..plan import EngineRank, colocated_ranks
 from .http import HTTPClient
@@ -291,16 +292,9 @@ class _SenderBase:
         if self._error is None:
             self._error = message
 
-    def _gather_errors(self, error: str | None) -> list[str]:
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error, group=self._status_group)
-        return [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-
     def _agree(self) -> None:
         """Raise on every rank if any rank recorded an error."""
-        failed = self._gather_errors(self._error)
-        if failed:
-            raise EngineError("weight update failed: " + "; ".join(failed))
+        agree(self._error, EngineError, "weight update failed: ", self._status_group)
 
     def commit(self) -> None:
         self.version = self._pending
@@ -323,9 +317,7 @@ class _SGLangMixin:
             except EngineError as e:
                 error = str(e)
                 break
-        failed = self._gather_errors(error)
-        if failed:
-            raise UnsupportedEngine("; ".join(failed))
+        agree(error, UnsupportedEngine, group=self._status_group)
         self._probed = True
 
     def pause(self) -> None:
@@ -351,10 +343,11 @@ class _SGLangMixin:
                     st.finish()
                 except EngineError as e:
                     self._fail(str(e))
-        failed = self._gather_errors(self._error)
-        if failed:
+        try:
+            self._agree()
+        except EngineError:
             self._cleanup()
-            raise EngineError("weight update failed: " + "; ".join(failed))
+            raise
 
     def _cleanup(self) -> None:
         for st in self._engines:
