@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import regex
 import torch
-import torch.distributed as dist
 
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
+from .collective import agree
 from .engine_shards import EngineShardError
 from .errors import ConfigMismatchError, Mcore2HFError
 from .gather import EngineBucket, EngineExecutor, Executor
@@ -250,9 +250,7 @@ class HFExporter:
                                            not_held=self.converter.not_held_by_model)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
-        error = self._agree(error, writer_rank)
-        if error:
-            raise Mcore2HFError(f"save_pretrained({out_dir}) failed on rank {writer_rank}: {error}")
+        agree(error, Mcore2HFError, f"save_pretrained({out_dir}) failed on ")  # the writer's error, on every rank
         bar = None
         if writer is not None and progress:
             from tqdm import tqdm
@@ -276,18 +274,8 @@ class HFExporter:
                     error = f"{type(e).__name__}: {e}"
             else:
                 writer.abort()
-        error = self._agree(error, writer_rank)
-        if error:
-            raise Mcore2HFError(f"save_pretrained({out_dir}) failed on rank {writer_rank}: {error}")
+        agree(error, Mcore2HFError, f"save_pretrained({out_dir}) failed on ")
         return os.path.abspath(os.fspath(out_dir))
-
-    def _agree(self, error: str | None, src: int) -> str | None:
-        """Broadcast the writer's status so every rank raises together."""
-        if self.ctx.world_size == 1:
-            return error
-        box = [error]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
 
 
 def model_dims(spec, hf_config, model_config):

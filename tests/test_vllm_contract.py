@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def results(tmp_path_factory) -> dict:
     wheel = unpacked_wheel("vllm", VLLM, ("vllm/*.py", "vllm-*.dist-info/*"))
     out = tmp_path_factory.mktemp("vllm") / "results.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), str(REPO), str(REPO / "tests")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), str(REPO / "tests"), str(REPO)]),
                VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="WARNING")
     r = subprocess.run([sys.executable, "-m", "harness.vllm_real", str(out)], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=900)

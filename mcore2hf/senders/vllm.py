@@ -43,14 +43,14 @@ import contextlib
 import json
 import pickle
 import threading
-import urllib.error
-import urllib.request
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ..buckets import Bucket
-from .sglang import EngineError, _BroadcastSender, _call, _ColocatedSender, refuse_broadcast_sharding
+from ..errors import EngineError
+from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, refuse_broadcast_sharding
+from .http import HTTPClient
 
 VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
 PAUSE_MODES = ("abort", "wait", "keep")  # /pause?mode=, vllm/entrypoints/rl/online/api_router.py
@@ -132,32 +132,16 @@ def _validated(module: str, cls: str, fields: dict) -> dict:
     return fields
 
 
-class VLLMHTTPEngine:
+class VLLMHTTPEngine(HTTPClient):
     """HTTP client of one vLLM server started with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config."""
 
     def __init__(self, url: str, timeout: float = 300.0, api_key: str | None = None):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key
+        super().__init__(url, timeout, api_key)
         self.pickle_handles = True  # JSON carries IPC handles as `ipc_handles_pickled` (vllm clients.py)
 
     def _request(self, path: str, payload: dict | None = None, method: str = "POST",
                  ok_codes: tuple = ()) -> tuple[int, dict | str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(self.url + path, data=data if method == "POST" else None, headers=headers,
-                                     method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                code, text = resp.status, resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as e:
-            code, text = e.code, e.read().decode(errors="replace")
-            if code not in ok_codes:
-                raise EngineError(f"{self.url}{path}: HTTP {code}: {text[:500]}") from None
-        except OSError as e:  # refused, reset, timed out
-            raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+        code, text = self.request(path, payload, method, ok_codes=ok_codes)  # no payload: no body
         try:
             return code, json.loads(text) if text.strip() else {}
         except ValueError:
@@ -265,7 +249,7 @@ class _Session:
         errors = []
         for e in self._engines():
             try:
-                _call(e.check)
+                call(e.check)
             except EngineError as err:
                 errors.append(str(err))
         if errors:
@@ -285,7 +269,7 @@ class _Session:
         self._open = []
         for e in self._engines():
             try:
-                _call(e.start_weight_update)
+                call(e.start_weight_update)
             except EngineError as err:
                 self._fail(f"start_weight_update: {err}")
                 return
@@ -295,35 +279,35 @@ class _Session:
         """A failure is recorded, not raised, so every rank fails the sync together at finish()."""
         for e in self._engines():
             try:
-                _call(e.pause, mode=self.pause_mode)
+                call(e.pause, mode=self.pause_mode)
             except EngineError as err:
                 self._fail(f"pause: {err}")
                 return
 
     def resume(self) -> None:
         for e in self._engines():
-            _call(e.resume)
+            call(e.resume)
 
     def _finish(self) -> None:
         for e in self._open or []:
             try:
                 if self._error is None:
-                    _call(e.finish_weight_update, weight_version=str(self._pending))
+                    call(e.finish_weight_update, weight_version=str(self._pending))
                 else:  # close the session; the worker may have closed it on the failed update
-                    _call(e.finish_weight_update, weight_version=None)
+                    call(e.finish_weight_update, weight_version=None)
             except EngineError as err:
                 if self._error is None:
                     self._fail(f"finish_weight_update: {err}")
         self._open = None
 
 
-class VLLMColocatedSender(_Session, _ColocatedSender):
+class VLLMColocatedSender(_Session, ColocatedSender):
     """Trainer and vLLM share GPUs; vLLM started with --weight-transfer-config '{"backend": "ipc"}'.
 
     Trainer ranks form consecutive groups of `engine_tp_size` (the engine's TP*PP) ranks; group i feeds engine i.
     `engine` on the first rank of a group: a URL, a VLLMHTTPEngine, or an in-process `vllm.LLM`; None elsewhere.
     `packed` must not change between syncs of one engine (it is sent once, at init). Grouping, bucket lifetime
-    and errors: see _ColocatedSender.
+    and errors: see ColocatedSender.
 
     `engine_sharding=True`: each rank receives and sends only what its engine TP rank loads (full-shaped
     tensors, the rest unwritten; vLLM's weight loaders narrow to exactly that); `engine_tp_size` is then the
@@ -337,8 +321,7 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
     def __init__(self, engine, engine_tp_size: int, *, packed: bool = True, timeout: float = 300.0,
                  pause_mode: str = "abort", api_key: str | None = None, engine_sharding: bool = False,
                  engine_ep_size: int = 1, engine_placement: dict | None = None):
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        check_pause_mode(pause_mode, PAUSE_MODES)
         super().__init__(as_engine(engine, timeout, api_key), engine_tp_size, timeout, engine_sharding, engine_ep_size,
                          engine_placement)
         self.packed, self.pause_mode = packed, pause_mode
@@ -355,7 +338,7 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
                 self._check_engines()
                 info = _validated("vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferInitInfo",
                                   {"packed": self.packed})
-                _call(self.engine.init_weight_transfer_engine, init_info=info)
+                call(self.engine.init_weight_transfer_engine, init_info=info)
                 self._initialized = True
             except EngineError as e:
                 self._fail(str(e))
@@ -402,7 +385,7 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
             fields["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
         else:
             fields["ipc_handles"] = handles
-        _call(self.engine.update_weights, update_info=fields)
+        call(self.engine.update_weights, update_info=fields)
 
     def finish(self) -> None:
         if self.is_first:
@@ -416,7 +399,7 @@ class VLLMColocatedSender(_Session, _ColocatedSender):
         super().finish()
 
 
-class VLLMDistributedSender(_Session, _BroadcastSender):
+class VLLMDistributedSender(_Session, BroadcastSender):
     """vLLM on other GPUs or nodes; started with --weight-transfer-config '{"backend": "nccl"}'. Trainer rank 0
     (which needs vllm importable) is rank 0 of vLLM's NCCL group; engine i's workers join at rank_offset 1 + the
     earlier engines' sizes. `engines` on rank 0: URLs, VLLMHTTPEngine or vllm.LLM objects; `engine_world_sizes`
@@ -430,15 +413,14 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
                  packed_num_buffers: int = 2, timeout: float = 300.0, pause_mode: str = "abort",
                  api_key: str | None = None, engine_sharding: bool = False):
         refuse_broadcast_sharding(engine_sharding)
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        check_pause_mode(pause_mode, PAUSE_MODES)
         import torch.distributed as dist
 
         clients = [as_engine(e, timeout, api_key) for e in (engines or [])] if dist.get_rank() == 0 else []
         box: list = [engine_world_sizes]
         if dist.get_rank() == 0 and engine_world_sizes is None:
             try:
-                box = [[_call(e.world_size) for e in clients]]
+                box = [[call(e.world_size) for e in clients]]
             except EngineError as e:
                 box = [f"asking the engines' world sizes: {e}"]
         dist.broadcast_object_list(box, src=0)  # every rank builds the same sender, or raises the same error
@@ -567,7 +549,7 @@ class VLLMDistributedSender(_Session, _BroadcastSender):
             self._release = False
             for e in self.engines:
                 with contextlib.suppress(EngineError):
-                    _call(e.shutdown_weight_transfer_engine)
+                    call(e.shutdown_weight_transfer_engine)
 
     def finish(self) -> None:
         if self.is_source:

@@ -1,0 +1,331 @@
+"""What the engine senders share, whatever the engine's protocol (sglang.py and vllm.py hold only their routes,
+payloads and session rules, and subclass these):
+
+- `call` / `quietly`: an engine call whose every failure is an EngineError (or, during cleanup, its text);
+- `SenderBase`: the weight version, this rank's first error, and the agreement that fails every rank together
+  (collective.agree over a gloo group whose timeout outlasts the engine calls);
+- `ColocatedSender`: trainer and engine share GPUs (CUDA IPC): trainer ranks in groups of the engine's TP size,
+  each group's payloads gathered to its first rank, which calls the engine; buckets kept alive until it answered;
+- `BroadcastSender`: engines elsewhere: trainer rank 0 and every engine rank in a weight-update group, each bucket
+  broadcast while the engines are told what to expect; torn down and formed anew after a failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..buckets import Bucket
+from ..collective import agree
+from ..errors import EngineError, UsageError
+from ..plan import EngineRank, colocated_ranks
+from .process_group import destroy_group, host_store, join_weight_update_group
+
+
+def check_pause_mode(mode: str, modes: tuple[str, ...]) -> None:
+    """ValueError unless `mode` is one of the engine's pause modes."""
+    if mode not in modes:
+        raise ValueError(f"pause_mode: expected one of {modes}, found {mode!r}")
+
+
+def call(fn, **kwargs):
+    """Call an engine method; any failure becomes an EngineError."""
+    try:
+        return fn(**kwargs)
+    except EngineError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise EngineError(f"{type(e).__name__}: {e}") from e
+
+
+def quietly(fn, **kwargs) -> str | None:
+    """Best-effort engine call during cleanup: the error text, or None."""
+    try:
+        call(fn, **kwargs)
+    except EngineError as e:
+        return str(e)
+    return None
+
+
+class SenderBase:
+    """Version bookkeeping and the error agreement every sender needs."""
+
+    receivers: object = "all"
+
+    def __init__(self, timeout: float, engines_per_rank: int = 1):
+        self.timeout = timedelta(seconds=timeout)
+        # our own collectives (small control messages) wait while another rank makes its engine calls, each up to
+        # `timeout`: per engine up to 4 in send (begin, end, begin over a stale session, then the update) and 2 in
+        # finish (flush, end), plus a group teardown. Waiting only `timeout` turned an engine's timeout into a
+        # gloo timeout on the waiting ranks (colocated engine TP 2: the second rank, in the engine group's
+        # broadcast) instead of EngineError on every rank
+        self._control_timeout = self.timeout * (6 * engines_per_rank + 1) + timedelta(seconds=30)
+        self.version = 0  # last version every engine confirmed
+        self._pending = None
+        self._error: str | None = None
+        self._quarantine: list = []
+        self._status_group = dist.new_group(backend="gloo", timeout=self._control_timeout)
+
+    def begin(self, version: int) -> None:
+        self._pending, self._error = version, None
+
+    def _fail(self, message: str) -> None:
+        if self._error is None:
+            self._error = message
+
+    def _agree(self) -> None:
+        """Raise on every rank if any rank recorded an error."""
+        agree(self._error, EngineError, "weight update failed: ", self._status_group)
+
+    def commit(self) -> None:
+        self.version = self._pending
+        self._quarantine.clear()
+
+
+class ColocatedSender(SenderBase):
+    """Trainer and engine share GPUs. Trainer ranks form consecutive groups of `engine_tp_size` ranks; group i
+    feeds engine i, whose first rank gathers the group's payloads (one per engine TP rank, in order) and calls the
+    engine (`engine`: this rank's engine client on the first rank of its group, None elsewhere). Every rank of
+    the group keeps its bucket alive until the engine has answered. Subclasses give `_payload` and `_update`."""
+
+    receivers = "all"
+    engine_kind = ""  # whose engine-sharding rules apply ("sglang" / "vllm")
+
+    def __init__(self, engine, engine_tp_size: int, timeout: float, engine_sharding: bool = False,
+                 engine_ep_size: int = 1, engine_placement: dict | None = None):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % engine_tp_size:
+            raise ValueError(f"world size {world} is not a multiple of engine_tp_size {engine_tp_size}")
+        self.engine_sharding = engine_sharding
+        self._engine_ranks: list[EngineRank] | None = None
+        if engine_sharding:  # refused (EngineShardError, the same on every rank) before any group or engine call
+            # colocated_ranks' default groups are the groups below: instance k on ranks [k*tp, (k+1)*tp), its TP
+            # rank r fed by rank k*tp + r (the GPU that rank's payload is for)
+            self._engine_ranks = colocated_ranks(world, self.engine_kind, engine_tp_size, engine_ep_size,
+                                                 **(engine_placement or {}))
+        elif engine_ep_size != 1 or engine_placement:
+            raise UsageError(f"engine_ep_size={engine_ep_size}, engine_placement={engine_placement}: expected "
+                             "engine_sharding=True (they only say how an engine-sharded sync splits tensors)")
+        super().__init__(timeout)
+        self.tp = engine_tp_size
+        self.first = rank - rank % engine_tp_size
+        self.is_first = rank == self.first
+        if self.is_first and engine is None:
+            raise ValueError(f"rank {rank} is the first rank of its engine group and needs the engine client")
+        self.engine = engine if self.is_first else None
+        self.group = None
+        for start in range(0, world, engine_tp_size):  # every rank creates every group
+            g = dist.new_group(list(range(start, start + engine_tp_size)), backend="gloo",
+                               timeout=self._control_timeout)
+            if start == self.first:
+                self.group = g
+
+    def engine_ranks(self) -> list[EngineRank] | None:
+        """The engine ranks this world feeds when engine-sharded (sync() plans the export for them), else None."""
+        return self._engine_ranks
+
+    def _payload(self, bucket: Bucket):
+        raise NotImplementedError
+
+    def _update(self, payloads: list) -> None:
+        """Call the engine with the group's payloads (first rank only); raises EngineError."""
+        raise NotImplementedError
+
+    def send(self, bucket: Bucket) -> None:
+        try:
+            payload = self._payload(bucket)
+        except Exception as e:  # noqa: BLE001
+            payload = None
+            self._fail(f"serializing bucket {bucket.index}: {e}")
+        gathered = [None] * self.tp if self.is_first else None
+        dist.gather_object(payload, gathered, dst=self.first, group=self.group)
+        status = None
+        if self.is_first and self._error is None:
+            if any(p is None for p in gathered):
+                status = f"bucket {bucket.index}: a rank of the engine group could not serialize its bucket"
+            else:
+                try:
+                    self._update(gathered)
+                except EngineError as e:
+                    status = f"bucket {bucket.index}: {e}"
+        box = [status]
+        dist.broadcast_object_list(box, src=self.first, group=self.group)  # buckets stay alive until here
+        if box[0]:
+            self._fail(box[0])
+            # an engine that timed out may still read this memory through its IPC mapping: keep it until a
+            # later update succeeds, so the allocator cannot hand it to the next bucket meanwhile
+            self._quarantine.append(bucket.flat)
+
+    def finish(self) -> None:
+        self._agree()
+
+
+
+def refuse_broadcast_sharding(engine_sharding: bool) -> None:
+    if engine_sharding:
+        raise UsageError("engine_sharding=True with a distributed sender: expected a colocated sender (the "
+                         "broadcast delivers full tensors to every engine rank; per-rank delivery to engines in "
+                         "another world is the disaggregated path)")
+
+
+class BroadcastSender(SenderBase):
+    """Trainer rank 0 forms a weight-update group with every engine rank (engine i's ranks at rank_offset 1 + the
+    earlier engines' sizes) and broadcasts each bucket's flat buffer, while the engines are told what to expect.
+    Subclasses give the engine calls (`_init_calls`, `_update_calls`)."""
+
+    receivers = (0,)
+    _join_failed = "joining the weight-update group: "
+
+    def __init__(self, engines, engine_world_sizes: list[int], master_address: str, master_port: int,
+                 group_name: str, backend: str, timeout: float):
+        super().__init__(timeout, engines_per_rank=len(engine_world_sizes))  # rank 0 drives every engine
+        self.is_source = dist.get_rank() == 0
+        self.engines = list(engines or []) if self.is_source else []
+        if self.is_source and len(self.engines) != len(engine_world_sizes):
+            raise ValueError("one engine client per entry of engine_world_sizes is needed on rank 0")
+        self.sizes = list(engine_world_sizes)
+        self.world_size = 1 + sum(self.sizes)
+        self.master_address, self.master_port = master_address, master_port
+        self.base_name, self.backend = group_name, backend
+        self.token = uuid.uuid4().hex[:8]  # engines refuse a group name they already have (e.g. after a restart)
+        self.pg = None
+        self.attempt = 0
+
+    @property
+    def group_name(self) -> str:
+        return f"{self.base_name}_{self.token}_{self.attempt}"
+
+    def _init_calls(self, offsets: list[int]) -> list[tuple]:
+        raise NotImplementedError
+
+    def _update_calls(self, bucket: Bucket) -> list[tuple]:
+        raise NotImplementedError
+
+    def _destroy_calls(self) -> list[tuple]:
+        """Engine calls that drop the current group on the engines (none by default)."""
+        return []
+
+    def connect(self) -> None:
+        """Form the weight-update group (rank 0 and every engine rank). Called by begin() when needed."""
+        if not self.is_source or self.pg is not None:
+            return
+        self.attempt += 1
+        offsets = [1 + sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self._prepare_rendezvous()
+        errors = self._parallel(self._init_calls(offsets), self._join)
+        if errors:
+            self._teardown()
+            raise EngineError(self._join_failed + "; ".join(errors))
+
+    def _prepare_rendezvous(self) -> None:
+        """Set `self.port`, the rendezvous port the engines are told; master_port=0: a store on a port the OS picks."""
+        self._store = host_store(self.timeout) if self.master_port == 0 else None
+        self.port = self._store.port if self._store is not None else self.master_port
+
+    def _join(self) -> None:
+        self.pg = join_weight_update_group(self.master_address, self.port, 0, self.world_size,
+                                           self.group_name, self.backend, self.timeout, store=self._store)
+
+    def _start_threads(self, calls, errors: list[str]) -> list[threading.Thread]:
+        def run(fn, kwargs):
+            try:
+                call(fn, **kwargs)
+            except EngineError as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=run, args=c, daemon=True) for c in calls]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _parallel(self, calls, local) -> list[str]:
+        """Engine calls in threads (each blocks until the group op completes), `local` meanwhile; errors."""
+        errors: list[str] = []
+        threads = self._start_threads(calls, errors)
+        try:
+            local()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"trainer rank 0: {type(e).__name__}: {e}")
+        for t in threads:
+            t.join(self.timeout.total_seconds())
+            if t.is_alive():
+                errors.append(f"an engine did not answer within {self.timeout}")
+        return errors
+
+    def _broadcast_with(self, calls, flat) -> list[str]:
+        """Broadcast `flat` while the engine calls run; stops waiting as soon as every engine call has returned,
+        one with an error, and the broadcast is still pending (an engine that refused the update never joins it:
+        no use waiting out the timeout)."""
+        errors: list[str] = []
+        threads = self._start_threads(calls, errors)
+        kwargs = {"group_src": 0} if "group_src" in _broadcast_params() else {"src": 0}
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        try:
+            work = dist.broadcast(flat, group=self.pg, async_op=True, **kwargs)
+            while not work.is_completed():
+                if errors and not any(t.is_alive() for t in threads):  # every engine returned, one refused
+                    errors.append("trainer rank 0: the broadcast was abandoned, no engine is receiving it")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"trainer rank 0: broadcast of {flat.numel()} bytes did not complete within "
+                                  f"{self.timeout}")
+                    break
+                time.sleep(0.002)
+            else:
+                work.wait()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"trainer rank 0: {type(e).__name__}: {e}")
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                errors.append(f"an engine did not answer within {self.timeout}")
+        return errors
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        try:
+            self.connect()
+        except EngineError as e:
+            self._fail(str(e))
+
+    def _before_send(self) -> None:
+        """Engine calls due before the first bucket (e.g. opening an update session); raises EngineError."""
+
+    def send(self, bucket: Bucket) -> None:
+        if not self.is_source or self._error is not None:
+            return
+        try:
+            self._before_send()
+        except EngineError as e:
+            self._fail(f"bucket {bucket.index}: {e}")
+            return
+        errors = self._broadcast_with(self._update_calls(bucket), bucket.flat)
+        if errors:
+            self._fail(f"bucket {bucket.index}: " + "; ".join(errors))
+            self._teardown()  # a lost peer leaves the group unusable: a retry forms a new one
+
+    def _teardown(self) -> None:
+        if self.pg is not None:
+            destroy_group(self.pg)
+            self.pg = None
+        self._store = None
+        for fn, kwargs in self._destroy_calls():  # the engines' end of the group, so a retry starts clean
+            quietly(fn, **kwargs)
+
+    def close(self) -> None:
+        """Tear the weight-update group down on the engines and here (call when done syncing)."""
+        if self.is_source and self.attempt:
+            self._teardown()
+
+    def finish(self) -> None:
+        self._agree()
+
+
+def _broadcast_params():
+    import inspect
+
+    return inspect.signature(dist.broadcast).parameters
