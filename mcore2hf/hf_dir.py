@@ -138,7 +138,8 @@ class HFDirectory:
         root = os.path.abspath(os.fspath(path))
         self.path, self.role = root, role
         if not os.path.isdir(root):
-            raise HFDirectoryError(root, f"{role} {root} is not a directory")
+            gone = "" if os.path.exists(root) else " (it does not exist)"
+            raise HFDirectoryError(root, f"{role} {root} is not a directory{gone}, so not an HF directory")
         index = os.path.join(root, INDEX)
         weight_map: dict[str, str] | None = None
         if os.path.isfile(index):
@@ -247,8 +248,8 @@ class HFDirectory:
         """`n` bytes at absolute `offset` of t's file, as a fresh uint8 tensor."""
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
-        buf = bytearray(n)
-        view = memoryview(buf)
+        out = torch.empty(n, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
+        view = memoryview(out.numpy())
         fd, done = self._fd(t.path), 0
         while done < n:
             try:
@@ -260,7 +261,7 @@ class HFDirectory:
                 raise HFDirectoryError(t.path, f"{t.path} is truncated: tensor {t.name} needs bytes "
                                                f"{offset}..{offset + n}, the file ends at byte {offset + done}")
             done += got
-        return torch.frombuffer(buf, dtype=torch.uint8)
+        return out
 
     def read_region(self, t: StoredTensor, offset: int, shape: tuple[int, ...], ranges: list[range]) -> torch.Tensor:
         """The sub-block `ranges` (one contiguous range per dim) of the C-order array `shape` at `offset`."""
