@@ -45,6 +45,16 @@ def _positive(text: str) -> int:
     return n
 
 
+def _non_negative(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not x >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return x
+
+
 def _layout_args(p: argparse.ArgumentParser, tp=1, pp=1, ep=1, etp=None) -> None:
     g = p.add_argument_group("parallel layout (as the Megatron model is trained)")
     g.add_argument("--tp", type=_positive, default=tp, help=f"tensor-parallel size (default {tp})")
@@ -176,7 +186,7 @@ def cmd_import(a) -> int:
 def cmd_verify(a) -> int:
     from .verify import compare, format_table
 
-    result = compare(a.a, a.b, hf_config=a.hf_config, iteration=a.iteration, atol=a.atol)
+    result = compare(a.a, a.b, hf_config=a.hf_config, iteration=a.iteration, atol=a.atol, fp8=a.fp8)
     print(format_table(result, a.limit))
     return 0 if result.identical else 1
 
@@ -267,8 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("b", help="an HF directory or a Megatron checkpoint (torch_dist or legacy torch)")
     ve.add_argument("--hf-config", default=None, help="HF config for a Megatron checkpoint (default: A's)")
     ve.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
-    ve.add_argument("--atol", type=float, default=0.0, help="largest absolute difference accepted (default 0: exact)")
-    ve.add_argument("--limit", type=_positive, default=50, help="rows of differences shown (default 50)")
+    ve.add_argument("--atol", type=_non_negative, default=0.0,
+                    help="largest absolute difference accepted, compared in fp32 whatever the dtypes (bf16 vs "
+                         "fp32 passes); default 0: exact, dtypes included")
+    ve.add_argument("--fp8", choices=("reference", "bound"), default="reference",
+                    help="an FP8 weight (with its weight_scale_inv) against an unquantized one: 'reference' "
+                         "(default): the unquantized one, quantized by the reference quantizer, gives the same fp8 "
+                         "bytes and scales; 'bound': dequantized within half an FP8 step of its block scale (+ "
+                         "--atol), for checkpoints quantized by other tools")
+    ve.add_argument("--limit", type=_positive, default=10,
+                    help="tensors shown per kind of difference (default 10; the rest are counted)")
     ve.set_defaults(fn=cmd_verify)
     return p
 

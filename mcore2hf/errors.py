@@ -59,6 +59,17 @@ class ImportTargetError(Mcore2HFError):
     """The output checkpoint directory cannot be written without destroying something."""
 
 
+class HFDirectoryError(Mcore2HFError):
+    """An HF directory that is not one, or is inconsistent or damaged: a missing or truncated file, an unreadable
+    header, an index that disagrees with the files. `path` is the file (or directory) at fault, always named in
+    the message; `problems` lists every one found when there were several."""
+
+    def __init__(self, path: str, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.path = path
+        self.problems = problems or [message]
+
+
 class CheckpointError(Mcore2HFError):
     """Not a Megatron checkpoint, a missing iteration, or a truncated / corrupt file."""
 

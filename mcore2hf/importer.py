@@ -54,19 +54,18 @@ import torch
 from .errors import (
     ImportTargetError,
     LayoutError,
-    MissingWeightsError,
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
 )
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .hf_dir import HFDirectory
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
-from .loader import HFReader
 from .mapping import Converter, ModelDims, _compile
 from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout
 from .offline import _parse_dtype, _peak_rss
 from .registry import get_converter
-from .senders.safetensors import SAFETENSORS_DTYPES, _overlap, _umask
+from .senders.safetensors import _overlap, _umask
 from .sizes import parse_size
 
 #: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
@@ -197,7 +196,7 @@ def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool
     return f"decoder.layers.{layer}.{rest}", lead, glob
 
 
-def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
+def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
                 singleton: bool, stacked: bool,
                 hybrid: HybridLayout | None = None) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
     """Every Megatron tensor to write with its chunks, the checkpoint's keys {key: (global shape, dtype)}, and
@@ -230,11 +229,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         if missing:
             problems.append(f"{name}: HF tensor(s) {missing} missing (the table makes {list(r.hf_names)})")
             continue
-        try:
-            hf = [reader.slice(n) for n in r.hf_names]
-        except Exception as e:  # noqa: BLE001 - e.g. an index naming a tensor its file lacks
-            problems.append(f"{name}: cannot read {list(r.hf_names)} from {reader.where} ({type(e).__name__}: {e})")
-            continue
+        hf = [reader.slice(n) for n in r.hf_names]  # the directory was validated when it was opened
         have = [shape_of(x) for x in hf]
         full = _full_shape(r.op, have, padded)
         try:
@@ -246,7 +241,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             problems.append(f"{name} <- {list(r.hf_names)}: shapes {[list(h) for h in have]} do not make one "
                             f"Megatron tensor (expected {[list(w) for w in want]})")
             continue
-        dtype = hf[0].dtype if isinstance(hf[0], torch.Tensor) else _slice_dtype(hf[0])
+        dtype = hf[0].dtype
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
         key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton,
                                          fused_into_in_proj=_LAYER.fullmatch(name) is not None
@@ -287,20 +282,13 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         problems = shape_problems({n: shape_of(reader.slice(n)) for n in held},
                                   hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
     if problems:
-        raise ShapeMismatchError(f"the HF checkpoint {reader.where} cannot become a Megatron checkpoint "
+        raise ShapeMismatchError(f"the HF checkpoint {reader.path} cannot become a Megatron checkpoint "
                                  f"({converter.model_type}):\n  " + "\n  ".join(problems))
     return sources, keys, sorted(objects)
 
 
 #: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one
 GLU_FC1 = (GatedColumn, GatedInterleaved)
-
-
-_FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-
-
-def _slice_dtype(s) -> torch.dtype:
-    return _FROM_SAFETENSORS[s.get_dtype()]
 
 
 class _DistcpWriter:
@@ -448,10 +436,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
             raise LayoutError("stacked_layers=True with model_class='hybrid': hybrid stacks save every layer under "
                               "its own key (mamba_block.py / hybrid_block.py); choose one")
         hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
-    try:
-        reader = HFReader(hf_dir)
-    except FileNotFoundError as e:
-        raise MissingWeightsError([str(e)], hf_dir) from None
+    reader = HFDirectory(hf_dir)
     if stacked_layers and singleton_local_shards:
         reader.close()
         raise LayoutError("stacked_layers=True with singleton_local_shards=True: Megatron's singleton keys are "
@@ -526,20 +511,9 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                         time.perf_counter() - t0, _peak_rss())
 
 
-#: HF bytes read between closing the safetensors files: their memory maps keep every page read resident
-#: (counted in RSS) until the file is closed
-REMAP_BYTES = 64 * 2**20
-
-
-def _tensors(reader: HFReader, sources: list[ImportSource]) -> Iterator[tuple[ImportSource, torch.Tensor]]:
-    """Each Megatron tensor, rebuilt from its HF slices by the layout op's inverse (one at a time)."""
-    read = 0
+def _tensors(reader: HFDirectory, sources: list[ImportSource]) -> Iterator[tuple[ImportSource, torch.Tensor]]:
+    """Each Megatron tensor, rebuilt from its HF slices by the layout op's inverse (one at a time; the reader
+    reads with positioned reads, so nothing read stays resident)."""
     for s in sources:
         hf = [reader.slice(n) for n in s.hf]
-        full = s.op.shard_from_hf(hf, 0, 1, s.shape)
-        del hf
-        read += full.nbytes
-        if read > REMAP_BYTES:
-            reader.close()
-            read = 0
-        yield s, full
+        yield s, s.op.shard_from_hf(hf, 0, 1, s.shape)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -11,63 +10,18 @@ from importlib import import_module
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
 from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
+from .hf_dir import open_tensors
 from .layouts import shape_of
 from .mapping import Converter
 from .naming import local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
-from .plan import _shard_split
+from .plan import shard_split
 
 log = logging.getLogger("mcore2hf")
-
-
-class HFReader:
-    """Lazy access to the tensors of an HF directory (sharded or not) or of an in-memory state dict."""
-
-    def __init__(self, source: str | os.PathLike | Mapping[str, torch.Tensor]):
-        self._files: dict[str, object] = {}
-        if isinstance(source, Mapping):
-            self.where = "the given state dict"
-            self._tensors = dict(source)
-            self._map = None
-            return
-        root = os.fspath(source)
-        self.where = root
-        self._tensors = None
-        self.root = root
-        index = os.path.join(root, "model.safetensors.index.json")
-        single = os.path.join(root, "model.safetensors")
-        if os.path.isfile(index):
-            with open(index) as f:
-                self._map = json.load(f)["weight_map"]
-        elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                self._map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise FileNotFoundError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
-
-    def names(self) -> set[str]:
-        return set(self._tensors) if self._tensors is not None else set(self._map)
-
-    def __contains__(self, name: str) -> bool:
-        return name in (self._tensors if self._tensors is not None else self._map)
-
-    def slice(self, name: str):
-        """A torch tensor or a safetensors slice (read lazily, only the indexed part)."""
-        if self._tensors is not None:
-            return self._tensors[name]
-        fname = self._map[name]
-        f = self._files.get(fname)
-        if f is None:
-            f = self._files[fname] = safe_open(os.path.join(self.root, fname), framework="pt")
-        return f.get_slice(name)
-
-    def close(self) -> None:
-        self._files.clear()
 
 
 @dataclass
@@ -100,7 +54,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     dims = model_dims(spec, cfg, model_config(chunks))
     hf_mtp = spec.dims(cfg).num_mtp_layers
     check_model_config(model_config(chunks), spec, cfg)
-    reader = HFReader(source)
+    reader = open_tensors(source)
     local = local_tensors(chunks, ctx)
 
     unknown = [t.name for t in local if converter.resolve(t.name, dims) is None]
@@ -110,7 +64,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     problems: list[str] = []
     if not unknown and not missing:
         problems = _load_local(local, converter, dims, ctx, reader, used)
-    reader_names = reader.names()
+    reader_names = set(reader.names())
     reader.close()
 
     # errors are collective: a rank whose shards are fine must raise too, or it would hang in the next collective
@@ -118,7 +72,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     if unknown:
         raise UnknownParametersError(converter.model_type, unknown)
     if missing:
-        raise MissingWeightsError(missing, reader.where)
+        raise MissingWeightsError(missing, reader.path)
     if problems:
         raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
     # declared by the converter (e.g. a text-only model's vision tower): skipped by design, never an error
@@ -131,7 +85,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
                    if converter.ignored_on_load(n, dims) or _skipped_mtp_layer(n, dims, hf_mtp)}
         unused = sorted(reader_names - all_used - ignored - set(skipped))
         if unused:
-            raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.where} match no Megatron parameter "
+            raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.path} match no Megatron parameter "
                                 f"(pass strict=False to ignore):\n  " + "\n  ".join(unused[:50]))
     return LoadReport(loaded=len(local), hf_tensors_read=len(used), skipped=skipped)
 
@@ -145,7 +99,7 @@ def _load_local(local, converter, dims, ctx, reader, used: set[str]) -> list[str
             op = r.op
             group = ctx.etp if t.is_expert else ctx.tp
             try:
-                count, dim = _shard_split(t.name, t.local_name, op, t.sharded, t.dim, t.stride, group.size,
+                count, dim = shard_split(t.name, t.local_name, op, t.sharded, t.dim, t.stride, group.size,
                                           t.is_expert, t.shape)
             except ShapeMismatchError as e:
                 problems.append(f"{t.local_name} ({t.name}): {e}")

@@ -241,7 +241,7 @@ def _grouped_item_getter(p: torch.nn.Parameter, i: int, n: int) -> Callable[[], 
 
 
 def _copy_tp_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
-    # the layout op decides the split; the attributes are only cross-checked (plan._shard_split)
+    # the layout op decides the split; the attributes are only cross-checked (plan.shard_split)
     for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode"):
         if hasattr(src, attr):
             setattr(dst, attr, getattr(src, attr))

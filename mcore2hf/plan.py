@@ -242,8 +242,8 @@ def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankR
     return out
 
 
-def _shard_split(name: str, local_name: str, op, sharded: bool, dim, stride: int, group: int,
-                 is_expert: bool, shard_shape: tuple[int, ...] = ()) -> tuple[int, int | None]:
+def shard_split(name: str, local_name: str, op, sharded: bool, dim, stride: int, group: int,
+                is_expert: bool, shard_shape: tuple[int, ...] = ()) -> tuple[int, int | None]:
     """(shard count, dim): the layout op says how Megatron splits the tensor, the attributes are checked against it.
 
     The op is the authority because Megatron sets `tensor_model_parallel` / `partition_dim` only when it
@@ -295,7 +295,7 @@ def build_sources(records: list[RankRecord], converter: Converter, dims: ModelDi
         op = resolved.op
         group = etp_size if is_expert else tp_size
         try:
-            count, split_dim = _shard_split(name, local_name, op, sharded, dim, stride, group, is_expert, shape)
+            count, split_dim = shard_split(name, local_name, op, sharded, dim, stride, group, is_expert, shape)
         except ShapeMismatchError as e:
             raise ShapeMismatchError(f"{local_name} ({name}): {e}") from None
         full = list(shape)

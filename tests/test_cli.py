@@ -98,3 +98,158 @@ def test_ctrl_c_during_import_is_interrupted_exit_130_and_leaves_nothing(hf_sour
     assert err.strip().splitlines()[-1] == "mcore2hf import: interrupted", err[-2000:]
     leftovers = [f for f in (os.listdir(target) if target.exists() else []) if f.startswith("iter_")]
     assert not leftovers, leftovers
+
+
+# -- verify ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8_export(hf_source, tmp_path_factory) -> dict[str, str]:
+    """qwen3_moe in bf16 (the same seed as hf_source: its values rounded to bf16), imported to a Megatron checkpoint
+    and exported as block-FP8 (the API the commands call; the commands themselves are timed in other tests)."""
+    import torch
+
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.offline import export_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8")
+    src16 = make_hf_checkpoint(tiny_config("qwen3_moe"), root / "src16", dtype=torch.bfloat16)
+    import_checkpoint(src16, root / "ckpt", progress=False)
+    export_checkpoint(root / "ckpt", root / "fp8", src16, dtype="bf16", quantize="fp8", progress=False)
+    return {"src32": hf_source, "src16": src16, "fp8": str(root / "fp8"), "ckpt": str(root / "ckpt")}
+
+
+def _passes(r: subprocess.CompletedProcess, *must: str) -> str:
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("IDENTICAL"), r.stdout[-3000:] + r.stderr[-2000:]
+    for text in must:
+        assert text in r.stdout, (text, r.stdout)
+    return r.stdout
+
+
+def _report(a: str, b: str, **kw) -> tuple[bool, str]:
+    from mcore2hf.verify import compare, format_table
+
+    r = compare(a, b, **kw)
+    return r.identical, format_table(r)
+
+
+def test_verify_fp8_export_against_its_bf16_source(fp8_export):
+    """Each FP8 weight equals, bit for bit, the reference quantizer's of the source weight (the scale tensors are
+    part of that comparison, not missing names); either side may be the FP8 one, B may be the Megatron
+    checkpoint; fp8 against fp8 is exact; fp8="bound" accepts it too."""
+    e = fp8_export
+    out = _passes(run("verify", e["fp8"], e["src16"]), "0 missing, 0 unexpected",
+                  "112 x float8_e4m3fn+scale vs bfloat16, by the reference quantizer", "23 x bfloat16 vs bfloat16")
+    assert "FP8 dequantized vs unquantized max |diff|" in out
+    for a, b, kw, must in [
+        (e["src16"], e["fp8"], {}, "112 x bfloat16 vs float8_e4m3fn+scale, by the reference quantizer"),
+        (e["fp8"], e["ckpt"], {}, "112 x float8_e4m3fn+scale vs bfloat16, by the reference quantizer"),
+        (e["fp8"], e["fp8"], {}, "112 x float8_e4m3fn+scale vs float8_e4m3fn+scale, exactly"),
+        (e["fp8"], e["src16"], {"fp8": "bound"}, "112 x float8_e4m3fn+scale vs bfloat16, dequantized, within half"),
+        # the fp32 source: its weights rounded to bf16 (the export's dtype) quantize to the same bytes; the bf16
+        # norms and router gates are within bf16's rounding of the fp32 ones
+        (e["fp8"], e["src32"], {"atol": 1e-2}, "23 x bfloat16 vs float32, in float32"),
+    ]:
+        same, text = _report(a, b, **kw)
+        assert same and must in text and "0 missing, 0 unexpected" in text, text
+    same, text = _report(e["fp8"], e["src32"])  # exact: the unquantized tensors' dtypes differ
+    assert not same and "23 dtype" in text and "0 fp8 difference(s)" in text, text
+
+
+def _flip(directory: str, name: str, element: int, bit: int) -> None:
+    from mcore2hf.hf_dir import HFDirectory
+
+    with HFDirectory(directory) as d:
+        info = d.info(name)
+    with open(info.path, "r+b") as f:
+        f.seek(info.offset + element)
+        byte = f.read(1)[0]
+        f.seek(info.offset + element)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+def test_verify_names_a_corrupted_fp8_byte(fp8_export, tmp_path):
+    import shutil
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(fp8_export["fp8"], bad)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"  # [32, 64] float8_e4m3fn
+    _flip(bad, name, 5 * 64 + 7, 0)  # the lowest mantissa bit: one FP8 step
+    r = run("verify", bad, fp8_export["src16"])
+    assert r.returncode == 1 and "DIFFERENT" in r.stdout, r.stdout[-3000:]
+    line = next(x for x in r.stdout.splitlines() if name in x)
+    assert "1 of 2048 fp8 byte(s) and 0 of 1 scale(s) differ from the reference quantizer's" in line, line
+    assert "first byte at [5, 7]" in line and "fp8 (1):" in r.stdout, r.stdout
+    same, text = _report(bad, fp8_export["fp8"])  # fp8 against fp8
+    assert not same and f"{name}  1 fp8 byte(s) and 0 scale(s) differ" in text, text
+    _flip(bad, name, 5 * 64 + 7, 0)
+    _flip(bad, name, 64 + 2, 7)  # the sign: beyond any quantization error, also for fp8="bound"
+    same, text = _report(bad, fp8_export["src16"], fp8="bound")
+    assert not same and name in text and "beyond half an FP8 step" in text and "first at [1, 2]" in text, text
+
+
+def test_verify_truncated_file_is_named_in_one_line(fp8_export, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_export["src16"], bad)
+    victim = bad / "model.safetensors"
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size - 10)
+    line = one_error_line(run("verify", str(bad), fp8_export["src16"]), 1, str(victim), "is truncated",
+                          f"the file ends at byte {size - 10}", f"..{size})")
+    assert "internal error" not in line and "SafetensorError" not in line
+
+
+def test_verify_atol_across_dtypes_and_a_bounded_grouped_report(fp8_export):
+    """bf16 against fp32: exact, every tensor differs in dtype and values (the report shows --limit of each kind
+    and counts the rest); within --atol, compared in fp32 and identical; below the bf16 rounding error not."""
+    e = fp8_export
+    r = run("verify", e["src16"], e["src32"], "--limit", "3")
+    assert r.returncode == 1, r.stderr
+    assert "135 dtype, 135 values" in r.stdout and "135 x bfloat16 vs float32, exactly" in r.stdout, r.stdout
+    assert r.stdout.count("  ... and 132 more") == 2 and len(r.stdout.splitlines()) < 20, r.stdout
+    out = _passes(run("verify", e["src16"], e["src32"], "--atol", "4e-3"), "135 x bfloat16 vs float32, in float32",
+                  "(atol 0.004)")
+    worst = float(out.split("max |diff| ")[1].split()[0].rstrip(";"))
+    assert 0 < worst <= 4e-3  # bf16 rounds these values (|x| < 2) by at most 2^-8
+    same, text = _report(e["src16"], e["src32"], atol=worst / 2)
+    assert not same and "by more than atol" in text, text
+    one_error_line(run("verify", e["src16"], e["src32"], "--atol", "-1"), 2, "expected a number >= 0")
+
+
+def test_verify_streams_fp8_blocks_and_rows_in_bounded_runs(tmp_path, monkeypatch):
+    """The same verdicts when tensors of several FP8 blocks are compared a few rows at a time (runs of whole
+    blocks): a [300, 260] weight quantized by the reference quantizer, and its source."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mcore2hf import verify
+    from mcore2hf.quantize import per_block_cast_to_fp8
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 260, generator=g).bfloat16()
+    q, s = per_block_cast_to_fp8(w)
+    norm = torch.randn(300, generator=g)
+    (tmp_path / "q").mkdir()
+    (tmp_path / "s").mkdir()
+    save_file({"x.weight": q, "x.weight_scale_inv": s, "n": norm.bfloat16()}, tmp_path / "q" / "model.safetensors")
+    save_file({"x.weight": w, "n": norm}, tmp_path / "s" / "model.safetensors")
+    a, b = str(tmp_path / "q"), str(tmp_path / "s")
+    whole = verify.compare(a, b, atol=1e-2)
+    monkeypatch.setattr(verify, "CHUNK_ELEMENTS", 300)
+    runs = verify.compare(a, b, atol=1e-2)
+    assert whole.identical and runs.identical and whole.pairs == runs.pairs
+    assert (runs.fp8_max_abs_diff, runs.max_abs_diff) == (whole.fp8_max_abs_diff, whole.max_abs_diff) != (0, 0)
+    assert list(verify._row_runs((300, 260), 128)) == [(0, 128), (128, 256), (256, 300)]
+    with open(tmp_path / "q" / "model.safetensors", "r+b") as f:  # one fp8 byte in the third block row
+        from mcore2hf.hf_dir import HFDirectory
+
+        info = HFDirectory(a).info("x.weight")
+        f.seek(info.offset + 270 * 260 + 3)
+        byte = f.read(1)[0]
+        f.seek(info.offset + 270 * 260 + 3)
+        f.write(bytes([byte ^ 0x80]))
+    r = verify.compare(a, b)
+    assert [(n, k) for n, k, _ in r.rows] == [("n", "dtype"), ("n", "values"), ("x.weight", "fp8")], r.rows
+    assert "1 of 78000 fp8 byte(s) and 0 of 9 scale(s) differ" in r.rows[2][2] and "[270, 3]" in r.rows[2][2]

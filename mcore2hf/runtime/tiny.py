@@ -263,18 +263,7 @@ def _add_mtp_tensors(cfg: PretrainedConfig, path: str, seed: int) -> None:
 
 
 def read_hf_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF directory, as saved."""
-    import json
+    """Every tensor of an HF directory, as saved (hf_dir: validated, index or single file)."""
+    from ..hf_dir import read_all
 
-    from safetensors.torch import load_file
-
-    path = os.fspath(path)
-    index = os.path.join(path, "model.safetensors.index.json")
-    files = ["model.safetensors"]
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(os.path.join(path, f)))
-    return out
+    return read_all(path)

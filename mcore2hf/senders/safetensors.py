@@ -23,21 +23,14 @@ import torch
 from ..buckets import Bucket
 from ..errors import Mcore2HFError, ShapeMismatchError
 from ..hf_config import ConfigSource, output_config
+from ..hf_dir import SAFETENSORS_DTYPES, HFDirectory, StoredTensor
 from ..sizes import parse_size
 
 log = logging.getLogger("mcore2hf")
 _MARKER = ".mcore2hf-writer"  # in our temporary directories: host and pid of the writing process
 HF_DIR_MARKS = ("config.json", "model.safetensors.index.json", "model.safetensors")
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
-
 _COPY_CHUNK = 64 * 2**20  # base tensors are copied in chunks of this many bytes: memory stays bounded
-_TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -54,54 +47,13 @@ class TensorInfo:
         return n
 
 
-@dataclass(frozen=True)
-class BaseTensor:
-    """A tensor of a base checkpoint, located by byte range in its file (read straight from the header)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    path: str
-    offset: int  # absolute byte offset in `path`
-    nbytes: int
+BaseTensor = StoredTensor  # a base checkpoint's tensor, located by byte range in its file (hf_dir)
 
 
 def read_base(base_dir: str | os.PathLike) -> dict[str, BaseTensor]:
-    """Every tensor of an HF directory (sharded with model.safetensors.index.json, or model.safetensors), from
-    the safetensors headers only (the format: 8-byte little-endian header length, JSON header, data; safetensors
-    0.8 `safetensors/src/tensor.rs`): nothing is loaded."""
-    root = os.fspath(base_dir)
-    if not os.path.isdir(root):
-        raise Mcore2HFError(f"base checkpoint {root} is not a directory")
-    index = os.path.join(root, "model.safetensors.index.json")
-    weight_map = None  # the index is authoritative: a name in two files is read from the file it names
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(root, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise Mcore2HFError(f"base checkpoint {root} has neither model.safetensors.index.json nor model.safetensors")
-    out: dict[str, BaseTensor] = {}
-    for fname in files:
-        path = os.path.join(root, fname)
-        try:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-        except (OSError, ValueError) as e:
-            raise Mcore2HFError(f"base checkpoint file {path} is not a readable safetensors file: {e}") from e
-        for name, h in header.items():
-            if name == "__metadata__" or (weight_map is not None and weight_map.get(name) != fname):
-                continue
-            if h["dtype"] not in _TORCH_DTYPES:
-                raise Mcore2HFError(f"base tensor {name} in {path} has dtype {h['dtype']}, expected one of "
-                                    f"{sorted(_TORCH_DTYPES)}")
-            begin, end = h["data_offsets"]
-            out[name] = BaseTensor(name, tuple(h["shape"]), _TORCH_DTYPES[h["dtype"]], path, 8 + n + begin,
-                                   end - begin)
-    return out
+    """Every tensor of an HF directory, from its validated headers only (hf_dir.HFDirectory): nothing is loaded."""
+    with HFDirectory(base_dir, role="base checkpoint") as d:
+        return dict(d.tensors)
 
 
 def base_completion(produced: Sequence[TensorInfo], base: dict[str, BaseTensor],
