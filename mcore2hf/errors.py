@@ -55,7 +55,12 @@ class LegacyFormatError(LayoutError):
     """A legacy checkpoint this library cannot read: a disallowed global, missing ranks, an unknown layout."""
 
 
-class ImportTargetError(Mcore2HFError):
+class OutputError(Mcore2HFError):
+    """An output directory or file cannot be written without destroying something of the user's, or writing it
+    failed (a full disk...): the message names the path, and what was left as it was."""
+
+
+class ImportTargetError(OutputError):
     """The output checkpoint directory cannot be written without destroying something."""
 
 
