@@ -53,9 +53,11 @@ from .errors import (
     ImportTargetError,
     LayoutError,
     MissingWeightsError,
+    Problem,
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
+    problem_list,
 )
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
@@ -227,23 +229,27 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
         if missing:
-            problems.append(f"{name}: HF tensor(s) {missing} missing (the table makes {list(r.hf_names)})")
+            problems.append(Problem(name, f"HF tensor(s) {missing} missing (the table makes {list(r.hf_names)})"))
             continue
-        try:
-            hf = [reader.slice(n) for n in r.hf_names]
-        except Exception as e:  # noqa: BLE001 - e.g. an index naming a tensor its file lacks
-            problems.append(f"{name}: cannot read {list(r.hf_names)} from {reader.where} ({type(e).__name__}: {e})")
+        hf = []
+        for n in r.hf_names:
+            try:
+                hf.append(reader.slice(n))
+            except Exception as e:  # noqa: BLE001 - a truncated file, an index naming a tensor its file lacks
+                problems.append(Problem(n, f"cannot read it ({type(e).__name__}: {e})", reader.file_of(n)))
+                break
+        if len(hf) < len(r.hf_names):
             continue
         have = [shape_of(x) for x in hf]
         full = _full_shape(r.op, have, padded)
         try:
             want = [tuple(s) for s in r.op.hf_shapes(full)]
         except ShapeMismatchError as e:
-            problems.append(f"{name} <- {list(r.hf_names)}: {e}")
+            problems.append(Problem(f"{name} <- {list(r.hf_names)}", str(e)))
             continue
         if want != have:
-            problems.append(f"{name} <- {list(r.hf_names)}: shapes {[list(h) for h in have]} do not make one "
-                            f"Megatron tensor (expected {[list(w) for w in want]})")
+            problems.append(Problem(f"{name} <- {list(r.hf_names)}", f"shapes {[list(h) for h in have]} do not "
+                                    f"make one Megatron tensor (expected {[list(w) for w in want]})"))
             continue
         dtype = hf[0].dtype if isinstance(hf[0], torch.Tensor) else _slice_dtype(hf[0])
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
@@ -273,7 +279,7 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             shapes = {key: (*glob, *full)}
         for k, shape in shapes.items():
             if keys.setdefault(k, (shape, dtype))[0] != shape:
-                problems.append(f"{k}: Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}")
+                problems.append(Problem(k, f"Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}"))
         module = key.rsplit(".", 1)[0]
         if name.rsplit(".", 2)[-2] in LINEAR_MODULES:  # the canonical module: norms keyed into fc1 are not linears
             offsets = lead or (0,)
@@ -283,11 +289,11 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
     if hybrid is not None:  # GPTModel.sharded_state_dict drops it; MambaModel / HybridModel keep LanguageModule's
         objects.add("output_layer._extra_state/shard_0_1")  # (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
-        problems = shape_problems({n: shape_of(reader.slice(n)) for n in held},
+        problems = shape_problems({n: shape_of(reader.slice(n)) for n in sorted(held)},
                                   hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
     if problems:
         raise ShapeMismatchError(f"the HF checkpoint {reader.where} cannot become a Megatron checkpoint "
-                                 f"({converter.model_type}):\n  " + "\n  ".join(problems))
+                                 f"({converter.model_type}):\n  " + problem_list(problems))
     return sources, keys, sorted(objects)
 
 

@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
+from .errors import (
+    CheckpointError,
+    Mcore2HFError,
+    MissingWeightsError,
+    ShapeMismatchError,
+    UnknownParametersError,
+    problem_list,
+)
 from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
 from .layouts import shape_of
@@ -42,11 +49,17 @@ class HFReader:
         index = os.path.join(root, "model.safetensors.index.json")
         single = os.path.join(root, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                self._map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    self._map = dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from e
         elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                self._map = dict.fromkeys(f.keys(), "model.safetensors")
+            try:
+                with safe_open(single, framework="pt") as f:
+                    self._map = dict.fromkeys(f.keys(), "model.safetensors")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (truncated file...)
+                raise CheckpointError(f"{single} is not a readable safetensors file ({type(e).__name__}: {e})") from e
         else:
             raise FileNotFoundError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
 
@@ -55,6 +68,12 @@ class HFReader:
 
     def __contains__(self, name: str) -> bool:
         return name in (self._tensors if self._tensors is not None else self._map)
+
+    def file_of(self, name: str) -> str:
+        """The file holding `name` (as the index says), or where the tensors come from."""
+        if self._tensors is not None or name not in self._map:
+            return self.where
+        return os.path.join(self.root, self._map[name])
 
     def slice(self, name: str):
         """A torch tensor or a safetensors slice (read lazily, only the indexed part)."""
@@ -120,7 +139,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     if missing:
         raise MissingWeightsError(missing, reader.where)
     if problems:
-        raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
+        raise ShapeMismatchError("cannot load HF weights:\n  " + problem_list(problems))
     # declared by the converter (e.g. a text-only model's vision tower): skipped by design, never an error
     skipped = sorted(n for n in reader_names - all_used if converter.not_held_by_model(n))
     if skipped and ctx.rank == 0:
@@ -132,7 +151,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
         unused = sorted(reader_names - all_used - ignored - set(skipped))
         if unused:
             raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.where} match no Megatron parameter "
-                                f"(pass strict=False to ignore):\n  " + "\n  ".join(unused[:50]))
+                                f"(pass strict=False to ignore):\n  " + problem_list(unused, groups=16))
     return LoadReport(loaded=len(local), hf_tensors_read=len(used), skipped=skipped)
 
 

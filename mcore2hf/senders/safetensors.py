@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..buckets import Bucket
-from ..errors import Mcore2HFError, ShapeMismatchError
+from ..errors import Mcore2HFError, Problem, ShapeMismatchError, problem_list
 from ..hf_config import ConfigSource, output_config
 from ..paths import OutputKind, Staging, check_output_dir
 from ..sizes import parse_size
@@ -132,11 +132,11 @@ def base_completion(produced: Sequence[TensorInfo], base: dict[str, BaseTensor],
     the base is not a checkpoint of this model; so is any other base tensor the export lacks (filtered out,
     an FP8 base's scales, a model that should hold it): it would silently stand in for a trained one."""
     names = {t.name: t for t in produced}
-    bad = [f"{n}: the model gives {list(names[n].shape)}, the base has {list(b.shape)}"
+    bad = [Problem(n, f"the model gives {list(names[n].shape)}, the base has {list(b.shape)}")
            for n, b in base.items() if n in names and tuple(names[n].shape) != tuple(b.shape)]
     if bad:
         raise ShapeMismatchError(f"{len(bad)} tensor(s) of the base checkpoint conflict with the model's:\n  "
-                                 + "\n  ".join(bad[:50]))
+                                 + problem_list(bad))
     missing = [n for n in base if n not in names and not not_held(n)]
     if missing:
         raise Mcore2HFError(f"the base checkpoint holds {len(missing)} tensor(s) the export does not produce and "
