@@ -2,12 +2,15 @@
 
 Nothing heavy (torch, transformers, megatron-core) is imported until a command runs, so `--help`, `--version`
 and argument errors answer at once. Every error this library raises on purpose, and every bad argument, is one
-line on stderr (exit 2 for usage errors, 1 otherwise); `--debug` prints the traceback instead.
+line on stderr of at most MAX_ERROR characters (exit 2 for usage errors, 1 otherwise; lists of problems arrive
+grouped, `errors.problem_list`); `--debug` prints the traceback and the whole message instead. What the output
+directories' guard removed (`mcore2hf.paths`: a killed run's staging directory) is one line on stderr too.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -299,9 +302,30 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def one_line(e: BaseException) -> str:
-    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+MAX_ERROR = 2000  # characters of an error line: grouped problem lists fit; a longer one is cut, --debug has it all
+
+
+def one_line(e: BaseException, limit: int = MAX_ERROR) -> str:
+    """The error in one line: its lines joined by '; ' (a problem list's items stay apart), at most `limit`."""
+    parts = [part.strip() for part in str(e).splitlines() if part.strip()]
+    text = parts[0] if parts else ""
+    for part in parts[1:]:
+        text += (" " if text.endswith(":") else "; ") + part
+    if len(text) > limit:
+        cut = " ... (cut; --debug shows all)"
+        text = text[:limit - len(cut)] + cut
     return text or type(e).__name__
+
+
+class _StderrLine(logging.Handler):
+    """A message of the library's output guard as one line on stderr, under the command's name."""
+
+    def __init__(self, prog: str):
+        super().__init__(logging.INFO)
+        self.prog = prog
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"{self.prog}: {record.getMessage()}", file=sys.stderr)
 
 
 def _interrupted(e: BaseException, seen: list) -> bool:
@@ -326,12 +350,16 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_sigint)
+    paths_log = logging.getLogger("mcore2hf.paths")
+    handler = _StderrLine(prog)
+    paths_log.addHandler(handler)
     try:
         _quiet_libraries()
         return a.fn(a)
     except BaseException as e:  # noqa: BLE001 - every outcome is one line on stderr (the traceback with --debug)
         return _report(a, prog, e, _interrupted(e, seen))
     finally:
+        paths_log.removeHandler(handler)
         signal.signal(signal.SIGINT, previous)
 
 

@@ -13,7 +13,7 @@ import torch
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .collective import agree
 from .engine_shards import EngineShardError
-from .errors import ConfigMismatchError, Mcore2HFError
+from .errors import ConfigMismatchError, Mcore2HFError, problem_list
 from .gather import EngineBucket, EngineExecutor, Executor
 from .hf_config import HFConfigLike, config_source
 from .mapping import Converter
@@ -303,7 +303,7 @@ def check_model_config(model_config, spec, hf_config) -> None:
         diffs += hybrid_pattern_problems(model_config.hybrid_layout, spec, hf_config)
     if diffs:
         raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
-                                  + "\n  ".join(diffs))
+                                  + problem_list(diffs))
 
 
 def check_structure(sources: dict[str, Source], spec, hf_config, dims) -> None:
@@ -311,7 +311,7 @@ def check_structure(sources: dict[str, Source], spec, hf_config, dims) -> None:
     problems = structure_problems(sources, spec, hf_config, dims)
     if problems:
         raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
-                                  + "\n  ".join(problems))
+                                  + problem_list(problems))
 
 
 def structure_problems(sources: dict[str, Source], spec, hf_config, dims) -> list[str]:

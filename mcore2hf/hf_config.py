@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .errors import ConfigMismatchError
+from .errors import ConfigMismatchError, Problem
 
 HFConfigLike = PretrainedConfig | dict | str | os.PathLike
 
@@ -252,10 +252,12 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
     return shapes
 
 
-def shape_problems(produced: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Every difference between the tensors an export produces and those transformers expects."""
-    problems = [f"{k}: HF config implies shape {list(expected[k])}, the checkpoint gives {list(v)}"
-                for k, v in produced.items() if k in expected and tuple(expected[k]) != tuple(v)]
+def shape_problems(produced: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[Problem | str]:
+    """Every difference between the tensors an export produces and those transformers expects (for
+    `errors.problem_list`: one cause for many tensors is one line)."""
+    problems: list[Problem | str] = [
+        Problem(k, f"HF config implies shape {list(expected[k])}, the checkpoint gives {list(v)}")
+        for k, v in produced.items() if k in expected and tuple(expected[k]) != tuple(v)]
     extra = sorted(set(produced) - set(expected))
     missing = sorted(set(expected) - set(produced))
     if extra:

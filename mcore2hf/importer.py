@@ -40,8 +40,6 @@ import io
 import json
 import os
 import pickle
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -54,9 +52,11 @@ import torch
 from .errors import (
     ImportTargetError,
     LayoutError,
+    Problem,
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
+    problem_list,
 )
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .hf_dir import HFDirectory
@@ -64,8 +64,8 @@ from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
 from .mapping import Converter, ModelDims, _compile
 from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout
 from .offline import _parse_dtype, _peak_rss
+from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
 from .registry import get_converter
-from .senders.safetensors import _overlap, _umask
 from .sizes import parse_size
 
 #: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
@@ -227,7 +227,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
         if missing:
-            problems.append(f"{name}: HF tensor(s) {missing} missing (the table makes {list(r.hf_names)})")
+            problems.append(Problem(name, f"HF tensor(s) {missing} missing (the table makes {list(r.hf_names)})"))
             continue
         hf = [reader.slice(n) for n in r.hf_names]  # the directory was validated when it was opened
         have = [shape_of(x) for x in hf]
@@ -235,11 +235,11 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
         try:
             want = [tuple(s) for s in r.op.hf_shapes(full)]
         except ShapeMismatchError as e:
-            problems.append(f"{name} <- {list(r.hf_names)}: {e}")
+            problems.append(Problem(f"{name} <- {list(r.hf_names)}", str(e)))
             continue
         if want != have:
-            problems.append(f"{name} <- {list(r.hf_names)}: shapes {[list(h) for h in have]} do not make one "
-                            f"Megatron tensor (expected {[list(w) for w in want]})")
+            problems.append(Problem(f"{name} <- {list(r.hf_names)}", f"shapes {[list(h) for h in have]} do not "
+                                    f"make one Megatron tensor (expected {[list(w) for w in want]})"))
             continue
         dtype = hf[0].dtype
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
@@ -269,7 +269,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
             shapes = {key: (*glob, *full)}
         for k, shape in shapes.items():
             if keys.setdefault(k, (shape, dtype))[0] != shape:
-                problems.append(f"{k}: Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}")
+                problems.append(Problem(k, f"Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}"))
         module = key.rsplit(".", 1)[0]
         if name.rsplit(".", 2)[-2] in LINEAR_MODULES:  # the canonical module: norms keyed into fc1 are not linears
             offsets = lead or (0,)
@@ -279,16 +279,27 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     if hybrid is not None:  # GPTModel.sharded_state_dict drops it; MambaModel / HybridModel keep LanguageModule's
         objects.add("output_layer._extra_state/shard_0_1")  # (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
-        problems = shape_problems({n: shape_of(reader.slice(n)) for n in held},
+        problems = shape_problems({n: shape_of(reader.slice(n)) for n in sorted(held)},
                                   hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
     if problems:
         raise ShapeMismatchError(f"the HF checkpoint {reader.path} cannot become a Megatron checkpoint "
-                                 f"({converter.model_type}):\n  " + "\n  ".join(problems))
+                                 f"({converter.model_type}):\n  " + problem_list(problems))
     return sources, keys, sorted(objects)
 
 
 #: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one
 GLU_FC1 = (GatedColumn, GatedInterleaved)
+
+
+def _torch_save(obj, f) -> None:
+    """torch.save, raising the OSError of a failed write (a full disk) as itself: torch 2.13 reports it as a
+    RuntimeError ("unexpected pos", caffe2 inline_container.cc) whose context is the OSError."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as e:
+        if isinstance(e.__context__, OSError):
+            raise e.__context__ from e
+        raise
 
 
 class _DistcpWriter:
@@ -321,7 +332,7 @@ class _DistcpWriter:
             t = t.clone()
         f = self._stream()
         start = f.tell()
-        torch.save(t, f)
+        _torch_save(t, f)
         self._record(MetadataIndex(key, offsets), start, f.tell() - start)
         self.chunks.setdefault(key, []).append(ChunkStorageMetadata(torch.Size(offsets), t.shape))
 
@@ -361,31 +372,49 @@ class _DistcpWriter:
             pickle.dump(meta, f)  # as FileSystemWriter.finish (torch 2.13 filesystem.py) writes it
 
 
-def _iteration_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
+TRACKER = "latest_checkpointed_iteration.txt"
+_DISTCP_FILES = regex.compile(r"\.metadata|metadata\.json|common\.pt|__\d+_\d+\.distcp")
+
+
+def torch_dist_files(directory: str) -> set[str]:
+    """The names of a torch_dist iteration directory's own files (what FileSystemWriter and Megatron write)."""
+    return {n for n in os.listdir(directory)
+            if _DISTCP_FILES.fullmatch(n) and os.path.isfile(os.path.join(directory, n))}
+
+
+#: an iteration directory: `.metadata` and metadata.json (dist_checkpointing's check) say it is complete
+TORCH_DIST_OUTPUT = OutputKind("a torch_dist checkpoint directory (no .metadata or .distcp files)", torch_dist_files,
+                               last=(".metadata", "metadata.json"), error=ImportTargetError)
+
+
+def iteration_dir(ckpt_dir: str, iteration: int) -> str:
+    return os.path.join(ckpt_dir, f"iter_{iteration:07d}")
 
 
 def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: list[str]) -> None:
-    """Refuse, before anything is written, an output that overlaps an input, a file, or an existing iteration
-    (with `overwrite`, only a torch_dist iteration directory is replaced)."""
-    target = os.path.join(ckpt_dir, _iteration_name(iteration))
+    """Refuse, before anything is written, an output that overlaps an input, a file, a directory that is not a
+    Megatron checkpoint directory, or an existing iteration (with `overwrite`, only a torch_dist iteration
+    directory is written over). What killed imports left (`mcore2hf.paths`) is removed first."""
+    target = iteration_dir(ckpt_dir, iteration)
+    tracker = os.path.join(ckpt_dir, TRACKER)
     for inp in inputs:
-        if _overlap(ckpt_dir, inp):
+        if overlaps(ckpt_dir, inp):
             raise ImportTargetError(f"output directory {ckpt_dir} overlaps the input {inp}: choose another output")
-    if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+    if os.path.lexists(ckpt_dir) and not os.path.isdir(ckpt_dir):
         raise ImportTargetError(f"output path {ckpt_dir} exists and is not a directory")
-    tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
-    if os.path.exists(tracker) and not os.path.isfile(tracker):
+    remove_stale(tracker, TORCH_DIST_OUTPUT)
+    if os.path.islink(target) or (os.path.lexists(target) and not os.path.isdir(target)):
+        raise ImportTargetError(f"{target} is not a torch_dist checkpoint directory: refusing to replace it, "
+                                "even with overwrite")
+    remove_stale(target, TORCH_DIST_OUTPUT)
+    if os.path.lexists(tracker) and not os.path.isfile(tracker):
         raise ImportTargetError(f"{tracker} exists and is not a file")
-    if os.path.isdir(ckpt_dir) and not os.path.isfile(tracker) and os.listdir(ckpt_dir):
+    if os.path.isdir(ckpt_dir) and not os.path.isfile(tracker) and user_entries(ckpt_dir):
         raise ImportTargetError(f"output directory {ckpt_dir} is not empty and not a Megatron checkpoint "
-                                "directory (no latest_checkpointed_iteration.txt): refusing to write into it")
-    if os.path.lexists(target):
-        if not overwrite:
-            raise ImportTargetError(f"{target} exists (pass overwrite=True / --overwrite to replace it)")
-        if not os.path.isfile(os.path.join(target, ".metadata")) or os.path.islink(target):
-            raise ImportTargetError(f"{target} is not a torch_dist checkpoint directory (no .metadata): refusing "
-                                    "to replace it, even with overwrite")
+                                f"directory (no {TRACKER}): refusing to write into it")
+    if os.path.lexists(target) and not overwrite:
+        raise ImportTargetError(f"{target} exists (pass overwrite=True / --overwrite to replace it)")
+    check_output_dir(target, overwrite, TORCH_DIST_OUTPUT)
 
 
 def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
@@ -460,9 +489,13 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     key_dtypes = {p.key: out_dtype(s) for s in sources for p in s.parts}
     keys = {k: (shape, key_dtypes[k]) for k, (shape, _) in keys.items()}
     created = not os.path.isdir(ckpt_dir)
-    os.makedirs(ckpt_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{_iteration_name(iteration)}.tmp-", dir=ckpt_dir)
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the checkpoint is a normal directory
+    target = iteration_dir(ckpt_dir, iteration)
+    try:
+        stage = Staging(target, TORCH_DIST_OUTPUT, overwrite)  # creates ckpt_dir
+    except BaseException:
+        reader.close()
+        raise
+    tmp = stage.path
     bar = None
     if progress:
         from tqdm import tqdm
@@ -482,26 +515,18 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         for key in objects:
             writer.blob(key, empty.getvalue())
         writer.finish(keys, objects)
-        torch.save({"checkpoint_version": 3.0, "iteration": iteration}, os.path.join(tmp, "common.pt"))
+        _torch_save({"checkpoint_version": 3.0, "iteration": iteration}, os.path.join(tmp, "common.pt"))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                        "common_backend_version": 1}, f)
-        target = os.path.join(ckpt_dir, _iteration_name(iteration))
-        if os.path.isdir(target):  # overwrite, checked above: a torch_dist iteration directory
-            old = tempfile.mkdtemp(prefix=f".{_iteration_name(iteration)}.old-", dir=ckpt_dir)
-            os.replace(target, os.path.join(old, "x"))
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
-        tracker = os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker + ".tmp", tracker)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created and not os.listdir(ckpt_dir):
+        stage.commit()
+        replace_file(os.path.join(ckpt_dir, TRACKER), str(iteration).encode(), TORCH_DIST_OUTPUT)  # the tracker last
+    except BaseException as e:
+        stage.abort()
+        if created and os.path.isdir(ckpt_dir) and not os.listdir(ckpt_dir):
             os.rmdir(ckpt_dir)  # nothing of a failed import is left behind
+        if isinstance(e, OSError):  # a full disk: named in one line
+            raise stage.failure(e) from e
         raise
     finally:
         reader.close()

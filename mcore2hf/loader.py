@@ -11,7 +11,13 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
-from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, UnknownParametersError
+from .errors import (
+    Mcore2HFError,
+    MissingWeightsError,
+    ShapeMismatchError,
+    UnknownParametersError,
+    problem_list,
+)
 from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
 from .hf_dir import open_tensors
@@ -74,7 +80,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     if missing:
         raise MissingWeightsError(missing, reader.path)
     if problems:
-        raise ShapeMismatchError("cannot load HF weights:\n  " + "\n  ".join(problems))
+        raise ShapeMismatchError("cannot load HF weights:\n  " + problem_list(problems))
     # declared by the converter (e.g. a text-only model's vision tower): skipped by design, never an error
     skipped = sorted(n for n in reader_names - all_used if converter.not_held_by_model(n))
     if skipped and ctx.rank == 0:
@@ -86,7 +92,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
         unused = sorted(reader_names - all_used - ignored - set(skipped))
         if unused:
             raise Mcore2HFError(f"{len(unused)} HF tensor(s) in {reader.path} match no Megatron parameter "
-                                f"(pass strict=False to ignore):\n  " + "\n  ".join(unused[:50]))
+                                f"(pass strict=False to ignore):\n  " + problem_list(unused, groups=16))
     return LoadReport(loaded=len(local), hf_tensors_read=len(used), skipped=skipped)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import regex
 import torch
 
-from .errors import ConfigMismatchError
+from .errors import ConfigMismatchError, problem_list
 from .parallel import ParallelContext
 
 # TE spec name -> local spec name (suffix inside a decoder layer)
@@ -179,7 +179,7 @@ def checkpoint_hybrid_layout(keys, pattern: str) -> HybridLayout | None:
             problems.append(f"checkpoint layer {i} holds {wrong[0]}, the HF config's pattern {layout.pattern!r} has "
                             f"{layout.pattern[i]!r} there")
     if problems:
-        raise ConfigMismatchError("hybrid-model checkpoint:\n  " + "\n  ".join(problems))
+        raise ConfigMismatchError("hybrid-model checkpoint:\n  " + problem_list(problems))
     return layout
 
 
@@ -391,7 +391,7 @@ def filter_outputs(keep: Callable[[str], bool], outputs) -> dict:
         out[key] = kept_copies
     if split:
         raise ValueError("the name filter keeps only some of the HF tensors one Megatron tensor becomes; keep all "
-                         "or none of them:\n  " + "\n  ".join(split))
+                         "or none of them:\n  " + problem_list(split))
     if not out:
         raise ValueError("the name filter keeps no HF tensor")
     return out

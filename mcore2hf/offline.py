@@ -35,9 +35,11 @@ from .buckets import Bucket
 from .errors import (
     CheckpointError,
     ConfigMismatchError,
+    Problem,
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
+    problem_list,
 )
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
@@ -543,7 +545,7 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
         try:
             shapes = r.op.hf_shapes(s.shape)
         except ShapeMismatchError as e:
-            problems.append(f"{s.key} -> {list(r.hf_names)}: {e}")
+            problems.append(Problem(f"{s.key} -> {list(r.hf_names)}", str(e)))
             continue
         s.hf = list(zip(r.hf_names + r.copies, shapes + [shapes[0]] * len(r.copies)))
     structural = structure_problems({s.name: s for s in sources}, spec, cfg, dims)
@@ -553,7 +555,7 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     if structural or problems:
         error = ConfigMismatchError if structural else ShapeMismatchError
         raise error(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "
-                    + "\n  ".join(structural + problems))
+                    + problem_list(structural + problems))
     if name_filter is not None:
         sources = _filtered(sources, name_filter)
     return reader, sources, ignored

@@ -20,10 +20,8 @@ KNOWN = {
     'import cycle: mcore2hf.legacy <-> mcore2hf.offline',
     'mcore2hf/gather.py: imports private name _row_strides of mcore2hf.layouts',
     'mcore2hf/importer.py: imports private name _compile of mcore2hf.mapping',
-    'mcore2hf/importer.py: imports private name _overlap of mcore2hf.senders.safetensors',
     'mcore2hf/importer.py: imports private name _parse_dtype of mcore2hf.offline',
     'mcore2hf/importer.py: imports private name _peak_rss of mcore2hf.offline',
-    'mcore2hf/importer.py: imports private name _umask of mcore2hf.senders.safetensors',
     'mcore2hf/senders/engine_shard.py: imports private name _DTYPES of mcore2hf.plan',
     "mcore2hf/senders/engine_shard.py: reads private attribute _local that only ['mcore2hf.exporter'] define",
 }

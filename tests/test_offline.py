@@ -104,8 +104,10 @@ def test_errors(saved, ckpts, tmp_path):
         export_checkpoint(ckpt, busy, cfg, overwrite=True, progress=False)
     assert (busy / "x").read_text() == "keep"
     (busy / "config.json").write_text("{}")  # an earlier export
-    export_checkpoint(ckpt, busy, cfg, overwrite=True, progress=False)
-    assert not (busy / "x").exists()
+    (busy / "model-00001-of-00003.safetensors").write_text("old")  # a shard of it the new export does not write
+    r = export_checkpoint(ckpt, busy, cfg, overwrite=True, progress=False)
+    assert (busy / "x").read_text() == "keep" and not (busy / "model-00001-of-00003.safetensors").exists()
+    assert r.notes == [f"kept 1 file(s) of {busy} that are not the checkpoint's: x"]  # the user's file, named
 
     # truncated and corrupt shards: a clear error, and nothing left behind
     from torch.distributed.checkpoint import FileSystemReader

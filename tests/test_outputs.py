@@ -135,21 +135,42 @@ def test_output_directory_honours_the_umask(tmp_path):
     assert (tmp_path / "out" / "config.json").stat().st_mode & 0o777 == 0o644
 
 
-def test_stale_temporary_directories_of_killed_writers_are_removed(tmp_path):
-    import socket
+_STAGE = ("import sys, time\nfrom mcore2hf.paths import Staging\nfrom mcore2hf.senders.safetensors import HF_OUTPUT\n"
+          "s = Staging(sys.argv[1], HF_OUTPUT)\nopen(s.path + '/model-00001-of-00001.safetensors', 'wb').write(b'x')\n"
+          "print(s.path, flush=True)\ntime.sleep(600)\n")
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    host = socket.gethostname()
-    stale, live, foreign = tmp_path / ".out.tmp-dead", tmp_path / ".out.tmp-live", tmp_path / ".out.tmp-user"
-    for d, pid in ((stale, dead.pid), (live, os.getpid())):
-        d.mkdir()
-        (d / ".mcore2hf-writer").write_text(f"{host} {pid}\n")
-        (d / "model-00001-of-00001.safetensors").write_bytes(b"x" * 1000)
-    foreign.mkdir()  # not ours: never touched
-    _write(tmp_path / "out", {"w": torch.ones(2)})
-    assert not stale.exists() and live.exists() and foreign.exists()
-    assert not (tmp_path / "out" / ".mcore2hf-writer").exists()
+
+def _staging_process(target) -> tuple[subprocess.Popen, str]:
+    """A process that stages an output for `target` and waits: (the process, its staging directory)."""
+    proc = subprocess.Popen([sys.executable, "-c", _STAGE, str(target)], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_staging_directories_of_killed_writers_are_removed_and_live_ones_block(tmp_path, caplog):
+    """A writer killed with SIGKILL leaves its staging directory (beside a new target, inside an existing one):
+    the next write removes it (one log line each); one whose writer still runs is an error naming it; a directory
+    without our locked marker is never touched."""
+    import signal
+
+    for target in (tmp_path / "new", tmp_path / "existing"):
+        if target.name == "existing":
+            target.mkdir()
+        proc, stage = _staging_process(target)
+        assert os.path.isdir(stage) and (stage.startswith(str(target) + "/.mcore2hf-tmp-") if target.exists()
+                                         else os.path.basename(stage).startswith(f".{target.name}.mcore2hf-tmp-"))
+        with pytest.raises(Mcore2HFError, match=f"{stage} is in use by process {proc.pid}"):
+            _write(target, {"w": torch.ones(2)})
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert os.path.isdir(stage)  # what a killed run leaves
+        with caplog.at_level("WARNING", logger="mcore2hf.paths"):
+            _write(target, {"w": torch.ones(2)})
+        assert not os.path.exists(stage) and f"removed {stage}" in caplog.text
+        assert sorted(os.listdir(target)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    foreign = tmp_path / ".other.mcore2hf-tmp-1-abc"  # named like ours, no marker: not ours
+    foreign.mkdir()
+    _write(tmp_path / "other", {"w": torch.ones(2)})
+    assert foreign.exists()
 
 
 def test_bad_shard_size_creates_nothing(tmp_path):

@@ -2,8 +2,8 @@
 
 All names, shapes and dtypes are known from the plan before the first byte arrives, so every file's header is
 written up front and each tensor is written at its final offset as its bucket arrives: memory stays at one
-bucket (no shard is assembled in RAM), and tensors may arrive in any order. Files go to a temporary
-directory beside the target, which replaces the target only when everything was written.
+bucket (no shard is assembled in RAM), and tensors may arrive in any order. The directory is staged and moved
+into place as `mcore2hf.paths` does it for every output: the index and config.json last.
 """
 
 from __future__ import annotations
@@ -12,23 +12,43 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
-import socket
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..buckets import Bucket
-from ..errors import Mcore2HFError, ShapeMismatchError
+from ..errors import Mcore2HFError, Problem, ShapeMismatchError, problem_list
 from ..hf_config import ConfigSource, output_config
 from ..hf_dir import SAFETENSORS_DTYPES, HFDirectory, StoredTensor
+from ..paths import OutputKind, Staging, check_output_dir
 from ..sizes import parse_size
 
 log = logging.getLogger("mcore2hf")
-_MARKER = ".mcore2hf-writer"  # in our temporary directories: host and pid of the writing process
-HF_DIR_MARKS = ("config.json", "model.safetensors.index.json", "model.safetensors")
+#: the files of an HF checkpoint an earlier export (ours or another tool's) wrote: replaced by an overwrite
+_HF_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json")
+
+
+def hf_files(directory: str) -> set[str]:
+    """The names of an HF checkpoint's own files in `directory`: config.json, the index, model.safetensors,
+    model-NNNNN-of-NNNNN.safetensors and every file the index maps a tensor to. The rest (a README, the
+    tokenizer of another export, notes) is not the checkpoint's."""
+    names = {n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n))}
+    owned = {n for n in names if _HF_FILES.fullmatch(n)}
+    if "model.safetensors.index.json" in owned:
+        try:
+            with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+                mapped = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            mapped = set()  # a damaged index: its shards are still model-*.safetensors above
+        owned |= {n for n in mapped if isinstance(n, str) and n in names}
+    return owned
+
+
+HF_OUTPUT = OutputKind("an HF directory (no config.json, model.safetensors, model-*.safetensors or safetensors index)",
+                       hf_files, last=("model.safetensors", "model.safetensors.index.json", "config.json"))
 
 _COPY_CHUNK = 64 * 2**20  # base tensors are copied in chunks of this many bytes: memory stays bounded
 
@@ -64,11 +84,11 @@ def base_completion(produced: Sequence[TensorInfo], base: dict[str, BaseTensor],
     the base is not a checkpoint of this model; so is any other base tensor the export lacks (filtered out,
     an FP8 base's scales, a model that should hold it): it would silently stand in for a trained one."""
     names = {t.name: t for t in produced}
-    bad = [f"{n}: the model gives {list(names[n].shape)}, the base has {list(b.shape)}"
+    bad = [Problem(n, f"the model gives {list(names[n].shape)}, the base has {list(b.shape)}")
            for n, b in base.items() if n in names and tuple(names[n].shape) != tuple(b.shape)]
     if bad:
         raise ShapeMismatchError(f"{len(bad)} tensor(s) of the base checkpoint conflict with the model's:\n  "
-                                 + "\n  ".join(bad[:50]))
+                                 + problem_list(bad))
     missing = [n for n in base if n not in names and not not_held(n)]
     if missing:
         raise Mcore2HFError(f"the base checkpoint holds {len(missing)} tensor(s) the export does not produce and "
@@ -77,66 +97,11 @@ def base_completion(produced: Sequence[TensorInfo], base: dict[str, BaseTensor],
     return [b for n, b in base.items() if n not in names]
 
 
-def _overlap(a: str, b: str) -> bool:
-    a, b = os.path.realpath(a), os.path.realpath(b)
-    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
-
-
 def check_target(out_dir: str | os.PathLike, overwrite: bool, inputs: Sequence[str | os.PathLike] = ()) -> None:
-    """Refuse an output that would destroy anything of the user's, before anything is touched: one that is,
-    contains or lies inside an input (symlinks resolved), a file, a non-empty directory without `overwrite`,
-    and with `overwrite` a directory that is not an HF directory (no config.json or safetensors index)."""
-    out = os.fspath(out_dir)
-    for inp in inputs:
-        if inp is not None and _overlap(out, os.fspath(inp)):
-            raise Mcore2HFError(f"output directory {out} overlaps the input {os.fspath(inp)} "
-                                f"({os.path.realpath(out)} vs {os.path.realpath(inp)}): choose another output")
-    if os.path.isfile(out) or (os.path.exists(out) and not os.path.isdir(out)):
-        raise Mcore2HFError(f"output path {out} exists and is not a directory")
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            raise Mcore2HFError(f"output directory {out} exists and is not empty (pass overwrite=True / --overwrite)")
-        if not any(os.path.isfile(os.path.join(out, f)) for f in HF_DIR_MARKS):
-            raise Mcore2HFError(f"output directory {out} is not empty and not an HF directory (none of "
-                                f"{', '.join(HF_DIR_MARKS)}): refusing to replace it, even with overwrite")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def remove_stale_temp_dirs(out_dir: str) -> list[str]:
-    """Remove temporary directories an earlier writer of `out_dir` left when it was killed: only ours (marked),
-    only from this host, only when their process is gone."""
-    parent, base = os.path.dirname(out_dir), os.path.basename(out_dir)
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(parent, name)
-        if not name.startswith(f".{base}.tmp-") or not os.path.isfile(os.path.join(path, _MARKER)):
-            continue
-        try:
-            with open(os.path.join(path, _MARKER)) as f:
-                host, pid = f.read().split()
-            if host != socket.gethostname():
-                continue
-            os.kill(int(pid), 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except (OSError, ValueError):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    if removed:
-        log.info("removed %d stale temporary director%s of killed exports: %s", len(removed),
-                 "y" if len(removed) == 1 else "ies", ", ".join(removed))
-    return removed
+    """Refuse an HF output that would destroy anything of the user's, before anything is touched
+    (`paths.check_output_dir`): one that is, contains or lies inside an input (symlinks resolved), a file, a
+    non-empty directory without `overwrite`, and with `overwrite` a directory without an HF checkpoint's files."""
+    check_output_dir(out_dir, overwrite, HF_OUTPUT, inputs)
 
 
 def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_config) -> list[str]:
@@ -170,7 +135,9 @@ class SafetensorsWriter:
 
     `hf_config` is a `ConfigSource` (config.json written as the user's file has it), a `PretrainedConfig`
     (written as transformers writes it) or None (no config.json). `inputs` are paths the output must not overlap.
-    The directory gets the permissions the umask allows, as any directory the user creates.
+    The output is staged and moved into place by `mcore2hf.paths` (an existing directory is written into, never
+    replaced; with `overwrite` only an earlier checkpoint's files are replaced, the user's other files are kept
+    and named in `notes`). New files and directories get the permissions the umask allows.
 
     `base` (an HF directory) completes the output: every base tensor the export does not produce, which must be
     one the converter declares not held (`not_held`: a vision tower the Megatron model lacks), is copied byte for byte, in bounded chunks, into the output's shards and
@@ -193,11 +160,8 @@ class SafetensorsWriter:
             extra_files = _with_base_files(extra_files, base, hf_config)  # first: is it this model's checkpoint
             self.base = base_completion(tensors, read_base(base), not_held)
         check_target(self.out_dir, overwrite, inputs)
-        parent = os.path.dirname(self.out_dir)
-        os.makedirs(parent, exist_ok=True)
-        remove_stale_temp_dirs(self.out_dir)
-        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out_dir)}.tmp-", dir=parent)
-        self.overwrite = overwrite
+        self.stage = Staging(self.out_dir, HF_OUTPUT, overwrite)
+        self.tmp = self.stage.path
         self.config = ConfigSource(hf_config) if hf_config is not None and not isinstance(hf_config, ConfigSource) \
             else hf_config
         self.quantization = quantization
@@ -206,12 +170,12 @@ class SafetensorsWriter:
         self._handles: dict[str, object] = {}
         self._written: set[str] = set()
         try:
-            os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700: a server of another user could not read it
-            with open(os.path.join(self.tmp, _MARKER), "w") as f:
-                f.write(f"{socket.gethostname()} {os.getpid()}\n")
             self._plan_files(list(tensors), limit, [TensorInfo(b.name, b.shape, b.dtype) for b in self.base])
             for fname, infos in self.files.items():
                 self._write_header(fname, infos)
+        except OSError as e:  # a full disk, a file size limit: named in one line, nothing left
+            self.abort()
+            raise self.stage.failure(e) from e
         except BaseException:
             self.abort()
             raise
@@ -272,8 +236,12 @@ class SafetensorsWriter:
             if nbytes != e.nbytes:
                 raise Mcore2HFError(f"{e.name}: planned {nbytes} bytes, bucket has {e.nbytes}")
             f = self._handles[fname]
-            f.seek(offset)
-            f.write(memoryview(data[e.start:e.start + e.nbytes]))
+            try:
+                f.seek(offset)
+                f.write(memoryview(data[e.start:e.start + e.nbytes]))
+            except OSError as err:  # a full disk: named in one line, nothing left
+                self.abort()
+                raise self.stage.failure(err) from err
             self._written.add(e.name)
 
     def _copy_base(self) -> None:
@@ -304,6 +272,9 @@ class SafetensorsWriter:
         if self.base:
             try:
                 self._copy_base()
+            except OSError as e:
+                self.abort()
+                raise self.stage.failure(e) from e
             except BaseException:
                 self.abort()
                 raise
@@ -319,12 +290,20 @@ class SafetensorsWriter:
                 json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2)
             if self.config is not None:
                 self._write_config()
-            for path in self.extra_files:
-                shutil.copy2(path, os.path.join(self.tmp, os.path.basename(path)))
-            self._move_into_place()
+            for path in self.extra_files:  # content only: the mode is the umask's, as for every file written
+                shutil.copyfile(path, os.path.join(self.tmp, os.path.basename(path)))
+        except OSError as e:
+            self.abort()
+            raise self.stage.failure(e) from e
         except BaseException:
             self.abort()
             raise
+        kept = self.stage.commit()
+        if kept:
+            note = (f"kept {len(kept)} file(s) of {self.out_dir} that are not the checkpoint's: "
+                    f"{', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''}")
+            log.warning(note)
+            self.notes.append(note)
         return self.out_dir
 
     def _write_config(self) -> None:
@@ -335,20 +314,8 @@ class SafetensorsWriter:
             log.warning("%s: %s", self.out_dir, note)
         self.notes += notes
 
-    def _move_into_place(self) -> None:
-        os.remove(os.path.join(self.tmp, _MARKER))
-        check_target(self.out_dir, self.overwrite)  # nothing appeared there meanwhile that we would replace
-        old = None
-        if os.path.exists(self.out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out_dir)}.old-", dir=os.path.dirname(self.out_dir))
-            os.rmdir(old)
-            os.rename(self.out_dir, old)
-        os.rename(self.tmp, self.out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
     def abort(self) -> None:
         for f in self._handles.values():
             with contextlib.suppress(OSError):
                 f.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.stage.abort()
