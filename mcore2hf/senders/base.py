@@ -26,7 +26,7 @@ from ..buckets import Bucket
 from ..collective import agree
 from ..errors import EngineError, UsageError
 from ..plan import EngineRank, colocated_ranks
-from .process_group import destroy_group, host_store, join_weight_update_group
+from .process_group import destroy_group, host_store, join_weight_update_group, start_broadcast
 
 
 def check_pause_mode(mode: str, modes: tuple[str, ...]) -> None:
@@ -328,10 +328,9 @@ class BroadcastSender(SenderBase):
         no use waiting out the timeout)."""
         errors: list[str] = []
         threads = self._start_threads(calls, errors)
-        kwargs = {"group_src": 0} if "group_src" in _broadcast_params() else {"src": 0}
         deadline = time.monotonic() + self.timeout.total_seconds()
         try:
-            work = dist.broadcast(flat, group=self.pg, async_op=True, **kwargs)
+            work = start_broadcast(flat, self.pg)
             while not work.is_completed():
                 if errors and not any(t.is_alive() for t in threads):  # every engine returned, one refused
                     errors.append("trainer rank 0: the broadcast was abandoned, no engine is receiving it")
@@ -386,10 +385,3 @@ class BroadcastSender(SenderBase):
         """Tear the weight-update group down on the engines and here (call when done syncing)."""
         if self.is_source and self.attempt:
             self._teardown()
-
-
-
-def _broadcast_params():
-    import inspect
-
-    return inspect.signature(dist.broadcast).parameters

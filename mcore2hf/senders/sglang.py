@@ -23,6 +23,9 @@ one sync, on every engine:
 
 An engine is anything with the method names of `SGLangHTTPEngine` (keyword arguments as above): it talks to a
 server, an in-process engine needs a thin adapter with the same methods.
+
+This module holds only SGLang's protocol: the engine groups, the broadcast group, the framing of a sync and the
+HTTP client are shared with vLLM's senders (base.py, http.py).
 """
 
 from __future__ import annotations

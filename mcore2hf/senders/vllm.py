@@ -33,7 +33,8 @@ Two backends, each matching the engine's `--weight-transfer-config '{"backend": 
 vLLM's trainer-side engines (TrainerWeightTransferEngine.send_weights) run a whole session over a WeightSource
 per call; sync() streams buckets, so these senders open one session per sync and use vLLM's own pieces where
 vllm is importable: its NCCL endpoint and rendezvous, and its update-info dataclasses to validate every payload
-before it is sent.
+before it is sent. The engine groups, the weight-update group's forming and teardown (vLLM's rendezvous plugged
+in), the framing of a sync and the HTTP client are shared with SGLang's senders (base.py, http.py).
 """
 
 from __future__ import annotations
