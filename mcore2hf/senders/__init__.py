@@ -14,14 +14,9 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from ..buckets import Bucket
+from ..errors import EngineError, UnsupportedEngine
 from .safetensors import SafetensorsWriter
-from .sglang import (
-    EngineError,
-    SGLangColocatedSender,
-    SGLangDistributedSender,
-    SGLangHTTPEngine,
-    UnsupportedEngine,
-)
+from .sglang import SGLangColocatedSender, SGLangDistributedSender, SGLangHTTPEngine
 from .sync import SyncReport, sync
 from .vllm import VLLMColocatedSender, VLLMDistributedSender, VLLMHTTPEngine, VLLMLocalEngine
 

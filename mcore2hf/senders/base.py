@@ -2,8 +2,11 @@
 payloads and session rules, and subclass these):
 
 - `call` / `quietly`: an engine call whose every failure is an EngineError (or, during cleanup, its text);
-- `SenderBase`: the weight version, this rank's first error, and the agreement that fails every rank together
-  (collective.agree over a gloo group whose timeout outlasts the engine calls);
+- `SenderBase`: the weight version, this rank's first error, the agreement that fails every rank together
+  (collective.agree over a gloo group whose timeout outlasts the engine calls), and the framing of one sync on
+  the engines this rank drives: pause, the protocol's end of the sync (flush, close the update sessions), the
+  agreement, then resume; after a failure the sessions still open are closed and the paused engines resumed
+  (where the protocol allows: vLLM's stay paused);
 - `ColocatedSender`: trainer and engine share GPUs (CUDA IPC): trainer ranks in groups of the engine's TP size,
   each group's payloads gathered to its first rank, which calls the engine; buckets kept alive until it answered;
 - `BroadcastSender`: engines elsewhere: trainer rank 0 and every engine rank in a weight-update group, each bucket
@@ -23,7 +26,7 @@ from ..buckets import Bucket
 from ..collective import agree
 from ..errors import EngineError, UsageError
 from ..plan import EngineRank, colocated_ranks
-from .process_group import destroy_group, host_store, join_weight_update_group
+from .process_group import destroy_group, host_store, join_weight_update_group, start_broadcast
 
 
 def check_pause_mode(mode: str, modes: tuple[str, ...]) -> None:
@@ -52,9 +55,16 @@ def quietly(fn, **kwargs) -> str | None:
 
 
 class SenderBase:
-    """Version bookkeeping and the error agreement every sender needs."""
+    """Version bookkeeping, the error agreement, and the engine calls around one sync, whatever the protocol.
+
+    An engine protocol gives the hooks: `_driven()` (the engines this rank calls, as the protocol holds them),
+    `_pause_engine` / `_resume_engine`, `_finish_sessions()` (the end of a sync on them: flush, close the update
+    sessions, committing the version when nothing failed; failures recorded) and `_close_sessions()` (after a
+    failure, best effort)."""
 
     receivers: object = "all"
+    _pause_route = "pause"  # the protocol's pause call, named in a recorded failure
+    _resume_on_failure = True  # False: an engine stays paused after a failed sync, until one succeeds
 
     def __init__(self, timeout: float, engines_per_rank: int = 1):
         self.timeout = timedelta(seconds=timeout)
@@ -69,6 +79,7 @@ class SenderBase:
         self._error: str | None = None
         self._quarantine: list = []
         self._status_group = dist.new_group(backend="gloo", timeout=self._control_timeout)
+        self._paused: list = []  # engines this rank paused and has not resumed yet
 
     def begin(self, version: int) -> None:
         self._pending, self._error = version, None
@@ -84,6 +95,63 @@ class SenderBase:
     def commit(self) -> None:
         self.version = self._pending
         self._quarantine.clear()
+
+    def _driven(self) -> list:
+        """The engines this rank calls (none on a rank that only takes part in the collectives)."""
+        return []
+
+    def _pause_engine(self, engine) -> None:
+        raise NotImplementedError
+
+    def _resume_engine(self, engine) -> None:
+        raise NotImplementedError
+
+    def _finish_sessions(self) -> None:
+        """The protocol's end of a sync on this rank's engines, before the agreement; failures recorded."""
+
+    def _close_sessions(self) -> None:
+        """After a failure, best effort: close the update sessions still open on this rank's engines."""
+
+    def pause(self) -> None:
+        """Pause this rank's engines; not once this sync has failed (nothing reaches an engine we refused). A failure
+        is recorded, not raised, so every rank fails the sync together at finish()."""
+        if self._error is not None:
+            return
+        for engine in self._driven():
+            try:
+                self._pause_engine(engine)
+            except EngineError as e:
+                self._fail(f"{self._pause_route}: {e}")
+            else:
+                if not any(engine is p for p in self._paused):  # still paused after a failed sync: once
+                    self._paused.append(engine)
+
+    def resume(self) -> None:
+        while self._paused:
+            self._resume_engine(self._paused[0])
+            self._paused.pop(0)
+
+    def finish(self) -> None:
+        """End the sync on this rank's engines, then raise on every rank if any rank recorded an error (having
+        closed this rank's update sessions and, unless the protocol keeps them paused, resumed its engines)."""
+        self._finish_sessions()
+        try:
+            self._agree()
+        except EngineError:
+            self._after_failure()
+            raise
+
+    def _after_failure(self) -> None:
+        self._close_sessions()
+        if self._resume_on_failure:
+            paused, self._paused = self._paused, []
+            for engine in paused:
+                quietly(self._resume_engine, engine=engine)
+
+    def abort(self) -> None:
+        """Best-effort, local: after an exception inside sync(), close our sessions and resume our engines (as
+        after a failed finish)."""
+        self._after_failure()
 
 
 class ColocatedSender(SenderBase):
@@ -160,8 +228,6 @@ class ColocatedSender(SenderBase):
             # later update succeeds, so the allocator cannot hand it to the next bucket meanwhile
             self._quarantine.append(bucket.flat)
 
-    def finish(self) -> None:
-        self._agree()
 
 
 
@@ -262,10 +328,9 @@ class BroadcastSender(SenderBase):
         no use waiting out the timeout)."""
         errors: list[str] = []
         threads = self._start_threads(calls, errors)
-        kwargs = {"group_src": 0} if "group_src" in _broadcast_params() else {"src": 0}
         deadline = time.monotonic() + self.timeout.total_seconds()
         try:
-            work = dist.broadcast(flat, group=self.pg, async_op=True, **kwargs)
+            work = start_broadcast(flat, self.pg)
             while not work.is_completed():
                 if errors and not any(t.is_alive() for t in threads):  # every engine returned, one refused
                     errors.append("trainer rank 0: the broadcast was abandoned, no engine is receiving it")
@@ -320,12 +385,3 @@ class BroadcastSender(SenderBase):
         """Tear the weight-update group down on the engines and here (call when done syncing)."""
         if self.is_source and self.attempt:
             self._teardown()
-
-    def finish(self) -> None:
-        self._agree()
-
-
-def _broadcast_params():
-    import inspect
-
-    return inspect.signature(dist.broadcast).parameters

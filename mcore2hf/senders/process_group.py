@@ -56,9 +56,16 @@ def destroy_group(pg) -> None:
         pass
 
 
+def start_broadcast(tensor, pg):
+    """Start a broadcast from rank 0 of `pg` (a group outside the default world); returns its work handle."""
+    # newer torch names the source by its rank in the group (group_src); older takes `src`, the same rank here
+    # (the group is registered with an identity rank map)
+    kwargs = {"group_src": 0} if "group_src" in inspect.signature(dist.broadcast).parameters else {"src": 0}
+    return dist.broadcast(tensor, group=pg, async_op=True, **kwargs)
+
+
 def broadcast(tensor, pg, timeout: timedelta):
     """Broadcast from group rank 0 and wait at most `timeout` (raises instead of hanging on a lost peer)."""
-    kwargs = {"group_src": 0} if "group_src" in inspect.signature(dist.broadcast).parameters else {"src": 0}
-    work = dist.broadcast(tensor, group=pg, async_op=True, **kwargs)
+    work = start_broadcast(tensor, pg)
     if not work.wait(timeout=timeout):
         raise TimeoutError(f"broadcast of {tensor.numel()} bytes did not complete within {timeout}")

@@ -23,6 +23,9 @@ one sync, on every engine:
 
 An engine is anything with the method names of `SGLangHTTPEngine` (keyword arguments as above): it talks to a
 server, an in-process engine needs a thin adapter with the same methods.
+
+This module holds only SGLang's protocol: the engine groups, the broadcast group, the framing of a sync and the
+HTTP client are shared with vLLM's senders (base.py, http.py).
 """
 
 from __future__ import annotations
@@ -174,14 +177,13 @@ class SGLangHTTPEngine(HTTPClient):
         return self._request("/flush_cache")
 
 
-
 class _EngineState:
-    """One SGLang engine as a sender drives it: probed facts, paused, session open."""
+    """One SGLang engine as a sender drives it: probed facts, session open."""
 
     def __init__(self, engine, tp_size: int | None, pause_mode: str, flush: bool = True):
         self.engine, self.tp_size, self.pause_mode, self.flush = engine, tp_size, pause_mode, flush
         self.facts: ServerFacts | None = None
-        self.paused = self.session = False
+        self.session = False
         self.cache_flushed = True
 
     @property
@@ -192,10 +194,6 @@ class _EngineState:
         if self.facts is None:
             get = getattr(self.engine, "server_info", None) or self.engine.get_server_info
             self.facts = check_server(call(get), self.where, self.tp_size)
-
-    def pause(self) -> None:
-        call(self.engine.pause_generation, mode=self.pause_mode)
-        self.paused = True
 
     def open_session(self) -> None:
         if self.session or not self.facts.sessions:
@@ -227,29 +225,12 @@ class _EngineState:
             call(self.engine.end_weight_update)
             self.session = False
 
-    def cleanup(self) -> list[str]:
-        """After a failure: close our session, resume generation (never leave the engine paused)."""
-        problems = []
-        if self.session:
-            problems.append(quietly(self.engine.end_weight_update))
-            self.session = False
-        if self.paused:
-            problems.append(quietly(self.engine.continue_generation))
-            self.paused = False
-        return [p for p in problems if p]
-
-    def resume(self) -> None:
-        if self.paused:
-            call(self.engine.continue_generation)
-            self.paused = False
-
-
-
 
 class _SGLangMixin:
-    """Probe, pause, session and cleanup over this rank's `_engines` (list of _EngineState)."""
+    """SGLang's side of SenderBase's hooks over this rank's `_engines` (list of _EngineState), and the probe."""
 
     _engines: list
+    _pause_route = "pause_generation"
 
     def _probe_all(self) -> None:
         """Every rank raises UnsupportedEngine (the same message) if any engine cannot be served."""
@@ -265,43 +246,33 @@ class _SGLangMixin:
         agree(error, UnsupportedEngine, group=self._status_group)
         self._probed = True
 
-    def pause(self) -> None:
-        for st in self._engines:
-            try:
-                st.pause()
-            except EngineError as e:
-                self._fail(f"pause_generation: {e}")
+    def _driven(self) -> list:
+        return self._engines
 
-    def resume(self) -> None:
-        for st in self._engines:
-            st.resume()
+    def _pause_engine(self, engine: _EngineState) -> None:
+        call(engine.engine.pause_generation, mode=engine.pause_mode)
+
+    def _resume_engine(self, engine: _EngineState) -> None:
+        call(engine.engine.continue_generation)
 
     @property
     def cache_flushed(self) -> bool:
         """False when the last sync left a prefix cache unflushed (flush_cache=False, or refused in retract mode)."""
         return all(st.cache_flushed for st in self._engines)
 
-    def _finish_engines(self) -> None:
+    def _finish_sessions(self) -> None:
         if self._error is None:
             for st in self._engines:
                 try:
                     st.finish()
                 except EngineError as e:
                     self._fail(str(e))
-        try:
-            self._agree()
-        except EngineError:
-            self._cleanup()
-            raise
 
-    def _cleanup(self) -> None:
+    def _close_sessions(self) -> None:
         for st in self._engines:
-            st.cleanup()
-
-    def abort(self) -> None:
-        """Best-effort, local: after an exception inside sync(), close our sessions and resume our engines."""
-        self._cleanup()
-
+            if st.session:
+                quietly(st.engine.end_weight_update)
+                st.session = False
 
 
 class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
@@ -343,10 +314,6 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
         self._engines[0].open_session()
         call(self.engine.update_weights_from_tensor, serialized_named_tensors=payloads,
               load_format="flattened_bucket", flush_cache=False, weight_version=str(self._pending))
-
-    def finish(self) -> None:
-        self._finish_engines()
-
 
 
 class SGLangDistributedSender(_SGLangMixin, BroadcastSender):
@@ -403,10 +370,7 @@ class SGLangDistributedSender(_SGLangMixin, BroadcastSender):
                     flush_cache=False, weight_version=str(self._pending), load_format="flattened_bucket")
         return [(e.update_weights_from_distributed, meta) for e in self.engines]
 
-    def _cleanup(self) -> None:
-        super()._cleanup()
+    def _after_failure(self) -> None:
+        super()._after_failure()
         if self.is_source and self.pg is not None:  # a failed sync: the next one forms a fresh group
             self._teardown()
-
-    def finish(self) -> None:
-        self._finish_engines()

@@ -38,7 +38,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     The version (`sender.version + 1`) goes with every engine call and is committed only when every rank and
     engine succeeded; on any failure every rank raises `EngineError`, the version stays, and calling sync again
     retries from the start. Engine senders leave their engines resumed, with no update session open, on success and
-    after a failure (the weights are then partly updated: serve them only after a successful retry); an exception
+    after a failure (the weights are then partly updated: serve them only after a successful retry; vLLM's engines
+    stay paused after a failure, until a sync succeeds); an exception
     raised inside sync on one rank makes that rank's sender clean up its own engines (`sender.abort()`). `timing=True`
     synchronizes the device between phases so the gather / convert split is exact (slower). `name_filter` selects
     HF tensors at plan level (see `HFExporter.plan`). Only `send` and `finish` are required of a sender (see

@@ -33,7 +33,8 @@ Two backends, each matching the engine's `--weight-transfer-config '{"backend": 
 vLLM's trainer-side engines (TrainerWeightTransferEngine.send_weights) run a whole session over a WeightSource
 per call; sync() streams buckets, so these senders open one session per sync and use vLLM's own pieces where
 vllm is importable: its NCCL endpoint and rendezvous, and its update-info dataclasses to validate every payload
-before it is sent.
+before it is sent. The engine groups, the weight-update group's forming and teardown (vLLM's rendezvous plugged
+in), the framing of a sync and the HTTP client are shared with SGLang's senders (base.py, http.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from ..buckets import Bucket
 from ..errors import EngineError
-from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, refuse_broadcast_sharding
+from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, quietly, refuse_broadcast_sharding
 from .http import HTTPClient
 
 VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
@@ -239,15 +240,18 @@ def as_engine(engine, timeout: float = 300.0, api_key: str | None = None):
 
 
 class _Session:
-    """One weight-update session per sync on each engine: start at begin, finish with the version after the last
-    bucket. After a failure the session is closed without a version (the worker may have closed it already)."""
+    """vLLM's side of SenderBase's hooks: one weight-update session per sync on each engine, started at the first
+    bucket, finished with the version after the last. After a failure the session is closed without a version
+    (the worker may have closed it already)."""
 
-    def _engines(self) -> list:
-        raise NotImplementedError
+    _pause_route = "pause"
+    # layers may still be mid-reload after a failed sync: the engine generates again only after one succeeds
+    # (docs/engines.md, vLLM points to know)
+    _resume_on_failure = False
 
     def _check_engines(self) -> None:
         errors = []
-        for e in self._engines():
+        for e in self._driven():
             try:
                 call(e.check)
             except EngineError as err:
@@ -267,7 +271,7 @@ class _Session:
         if self._open is not None or self._error is not None:
             return
         self._open = []
-        for e in self._engines():
+        for e in self._driven():
             try:
                 call(e.start_weight_update)
             except EngineError as err:
@@ -275,18 +279,16 @@ class _Session:
                 return
             self._open.append(e)
 
-    def pause(self) -> None:
-        """A failure is recorded, not raised, so every rank fails the sync together at finish()."""
-        for e in self._engines():
-            try:
-                call(e.pause, mode=self.pause_mode)
-            except EngineError as err:
-                self._fail(f"pause: {err}")
-                return
+    def _pause_engine(self, engine) -> None:
+        call(engine.pause, mode=self.pause_mode)
 
-    def resume(self) -> None:
-        for e in self._engines():
-            call(e.resume)
+    def _resume_engine(self, engine) -> None:
+        call(engine.resume)
+
+    def _close_sessions(self) -> None:
+        for e in self._open or []:
+            quietly(e.finish_weight_update, weight_version=None)
+        self._open = None
 
     def _finish(self) -> None:
         for e in self._open or []:
@@ -328,7 +330,7 @@ class VLLMColocatedSender(_Session, ColocatedSender):
         self._initialized = False
         self._keep: list = []  # unpacked: the worker holds views of our buckets until finish
 
-    def _engines(self) -> list:
+    def _driven(self) -> list:
         return [self.engine] if self.is_first else []
 
     def begin(self, version: int) -> None:
@@ -342,14 +344,6 @@ class VLLMColocatedSender(_Session, ColocatedSender):
                 self._initialized = True
             except EngineError as e:
                 self._fail(str(e))
-
-    def pause(self) -> None:
-        if self.is_first and self._error is None:
-            _Session.pause(self)
-
-    def resume(self) -> None:
-        if self.is_first:
-            _Session.resume(self)
 
     def _payload(self, bucket: Bucket):
         uuid = device_uuid(bucket.flat.device)
@@ -387,7 +381,7 @@ class VLLMColocatedSender(_Session, ColocatedSender):
             fields["ipc_handles"] = handles
         call(self.engine.update_weights, update_info=fields)
 
-    def finish(self) -> None:
+    def _finish_sessions(self) -> None:
         if self.is_first:
             self._start()  # a sync without buckets still opens and closes a session
             self._finish()
@@ -396,7 +390,6 @@ class VLLMColocatedSender(_Session, ColocatedSender):
             self._initialized = False  # a restarted engine has forgotten the init: send it again on the retry
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free exported buffers the workers released (vllm ipc_engine _post_send_sync)
-        super().finish()
 
 
 class VLLMDistributedSender(_Session, BroadcastSender):
@@ -431,7 +424,7 @@ class VLLMDistributedSender(_Session, BroadcastSender):
         self.buffer_size, self.num_buffers = packed_buffer_size_bytes, packed_num_buffers
         self._listen = None
 
-    def _engines(self) -> list:
+    def _driven(self) -> list:
         return self.engines
 
     def connect(self) -> None:
@@ -551,12 +544,11 @@ class VLLMDistributedSender(_Session, BroadcastSender):
                 with contextlib.suppress(EngineError):
                     call(e.shutdown_weight_transfer_engine)
 
-    def finish(self) -> None:
+    def _finish_sessions(self) -> None:
         if self.is_source:
             self._start()  # a sync without buckets still opens and closes a session
             self._finish()
             self._release_engines()
-        self._agree()
 
     def close(self) -> None:
         """Tear the NCCL group down on both sides (between syncs)."""

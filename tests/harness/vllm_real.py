@@ -480,6 +480,25 @@ def scenario_ipc(http: bool, packed: bool) -> None:
                     "resume"] if http else ["init_weight_transfer_engine", "start_weight_update",
                                             "finish_weight_update"]
         assert calls[:len(expected)] == expected, calls
+
+        # an exception inside sync() on this rank (here the exporter's, after one bucket went): the sender's abort()
+        # closes the engine's session, so the next sync can open one (the worker refuses a second start)
+        def one_bucket_then_fail():
+            yield buckets_of(model_tensors(3))[0]
+            raise RuntimeError("exporter failed (simulated)")
+
+        failing = types.SimpleNamespace(executor=lambda bucket_bytes, receivers: types.SimpleNamespace(
+            programs=[None, None], stats={}, run=lambda timing=False: one_bucket_then_fail()))
+        try:
+            sync(failing, sender, progress=False)
+            raise AssertionError("sync did not raise the exporter's exception")
+        except RuntimeError as e:
+            assert "exporter failed" in str(e), e
+        assert sender.version == 2 and not core.workers[0]._weight_update_active, sender.version
+        tensors = model_tensors(4)
+        sync(ListExporter([buckets_of(tensors)]), sender, progress=False)
+        assert sender.version == 3 and core.version == "3", (sender.version, core.version)
+        check_model(core.workers[0].model, tensors)
     finally:
         if server:
             server.stop()
@@ -740,8 +759,8 @@ def scenario_nccl_llm() -> None:
 
 def scenario_nccl_failure_then_retry() -> None:
     """A dtype unpacked NCCL cannot carry is refused before its bucket moves; an engine that fails to load a bucket
-    fails the sync on the trainer (no hang: one chunk per bucket), the session is closed and the group released;
-    the retry forms a new group and succeeds."""
+    fails the sync on the trainer (no hang: one chunk per bucket), the session is closed and the group released,
+    the engine stays paused; the retry forms a new group, succeeds and resumes the engine once."""
     from mcore2hf.senders import sync
     from mcore2hf.senders.vllm import VLLMDistributedSender
 
@@ -763,9 +782,14 @@ def scenario_nccl_failure_then_retry() -> None:
                              "layers.7.weight")
         assert sender.version == 0 and core.version is None and not core.workers[0]._weight_update_active
         assert "shutdown_weight_transfer_engine" in core.events
+        # the engine stays paused after a failed sync (layers may be mid-reload) until a sync succeeds
+        last_pause = len(core.events) - 1 - core.events[::-1].index("pause:abort")
+        assert "resume" not in core.events[last_pause:], core.events
+        resumed = core.events.count("resume")
         tensors = model_tensors(11)
         sync(ListExporter([buckets_of(tensors, 3)]), sender, progress=False)
         assert sender.version == 1 and core.version == "1"
+        assert core.events.count("resume") == resumed + 1 and core.events[-1] == "resume", core.events
         assert core.events.count("init_weight_transfer_engine") == 3  # the unpacked sender's, the first, the retry
         check_model(core.workers[0].model, tensors)
         sender.close()
