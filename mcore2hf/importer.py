@@ -12,9 +12,9 @@ megatron/core/transformer/transformer_block.py `sharded_state_dict`, transformer
 strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `common.pt`, core.py
 `metadata.json`; tests/test_import.py compares them with a checkpoint Megatron itself saved):
 
-* decoder layers stacked under `decoder.layers.<name>` with a leading layer axis when every layer is alike (dense
-  models), else one key per layer (`decoder.layers.<i>.<name>`); MTP layers always per layer, their inner layer
-  under `mtp.layers.<m>.transformer_layer.`;
+* decoder layers stacked under `decoder.layers.<name>` with a leading layer axis (sharded over PP), or one key per
+  layer (`decoder.layers.<i>.<name>`), decided as transformer_block.py `sharded_state_dict` decides it
+  (`layer_keys`); MTP layers always per layer, their inner layer under `mtp.layers.<m>.transformer_layer.`;
 * the local spec's key map (gpt_layer_specs.py `sharded_state_dict_keys_map`): `input_layernorm.` ->
   `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_` (not for MLA);
 * routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
@@ -36,6 +36,7 @@ strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `comm
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -52,6 +53,7 @@ import regex
 import torch
 
 from .errors import (
+    ConfigMismatchError,
     ImportTargetError,
     LayoutError,
     MissingWeightsError,
@@ -117,6 +119,116 @@ class ImportReport:
     bytes_written: int
     seconds: float
     peak_rss_bytes: int
+    layer_keys: str = ""  # which decoder-layer key form was written, and why (layer_keys)
+
+
+#: Megatron-LM's `--moe-layer-freq` default (NVIDIA/Megatron-LM megatron/training/arguments.py `_add_moe_args`, commit
+#: d98e8a64ddf34856e74b24714e3bedb2f5a39553), also TransformerConfig's (megatron-core 0.16.1 transformer_config.py)
+MEGATRON_LM_MOE_LAYER_FREQ = 1
+_MAX_PATTERN = 1 << 20  # layers a pattern expression may spell out (a bound on '[1]*10**...'-style input)
+
+
+def _pattern_value(node: ast.AST, text: str):
+    """The value of a pattern expression's node: ints, lists, + and * only."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern_value(e, text) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        a, b = _pattern_value(node.left, text), _pattern_value(node.right, text)
+        if isinstance(node.op, ast.Add) and type(a) is type(b):
+            return a + b
+        if isinstance(node.op, ast.Mult) and isinstance(a, int) != isinstance(b, int):
+            if (len(a) * b if isinstance(a, list) else a * len(b)) > _MAX_PATTERN:
+                raise UsageError(f"moe_layer_freq {text!r}: more than {_MAX_PATTERN} layers")
+            return a * b
+        if isinstance(node.op, ast.Mult) and isinstance(a, int) and isinstance(b, int):
+            return a * b
+    raise UsageError(f"moe_layer_freq {text!r}: expected an int or a Python list expression of 0s and 1s built "
+                     f"with [], +, * and parentheses (Megatron-LM's --moe-layer-freq), found {ast.unparse(node)[:60]!r}")
+
+
+def parse_moe_layer_freq(value: int | list[int] | str) -> int | list[int]:
+    """Megatron-LM's `--moe-layer-freq` in any of its spellings (arguments.py `moe_freq_type`, commit above): an
+    int N (an MoE layer every N layers), its string, or a Python list expression of 0 (dense) / 1 (MoE) such as
+    '([1]*3+[0])*2' or '[0]+[1]*47'. Megatron-LM `eval`s the expression after allowing only `,` digits `[]()+*`
+    (`_eval_pattern`); here it is evaluated from its syntax tree (ints, lists, + and *), never executed."""
+    text = value
+    if isinstance(value, str):
+        try:
+            tree = ast.parse(value.strip(), mode="eval")
+        except SyntaxError:
+            raise UsageError(f"moe_layer_freq {value!r}: not an int or a Python list expression "
+                             "(e.g. 1, '[0]+[1]*47', '([1]*3+[0])*2')") from None
+        value = _pattern_value(tree.body, text)
+    if type(value) is int:
+        if value < 1:
+            raise UsageError(f"moe_layer_freq {text!r}: an int must be >= 1 (one MoE layer every N layers)")
+        return value
+    if isinstance(value, (list, tuple)) and value and all(type(v) is int and v in (0, 1) for v in value):
+        return list(value)  # megatron-core's layer specs take 1 = MoE, 0 = dense, nothing else (gpt_layer_specs.py)
+    raise UsageError(f"moe_layer_freq {text!r}: expected an int >= 1 or a non-empty list of 0 (dense) / 1 (MoE), "
+                     f"got {value!r}")
+
+
+def pattern_text(pattern: list[int]) -> str:
+    """A list expression of `pattern` as Megatron-LM's --moe-layer-freq takes it, e.g. '[0]*3+[1]*58'."""
+    runs: list[list[int]] = []
+    for v in pattern:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return "+".join(f"[{v}]*{n}" if n > 1 else f"[{v}]" for v, n in runs)
+
+
+def layer_keys(spec, cfg, dims: ModelDims, moe_layer_freq: int | list[int] | str | None, *, singleton: bool,
+               non_homogeneous: bool, hybrid: bool) -> tuple[bool, str]:
+    """(stacked, why): whether the decoder layers are saved under one stacked key per parameter, decided as
+    megatron-core 0.16.1 transformer_block.py `sharded_state_dict` decides `non_homogeneous_layers` (per-layer
+    keys) for the model this HF config describes, built with `moe_layer_freq`:
+
+    * the metadata flag `non_homogeneous_layers` (Megatron-LM's `_build_sharded_state_dict_metadata` never sets
+      it), or `singleton_local_shards`;
+    * `moe_layer_freq` an int > 1 or a list (any list, even all ones: `[1]*48` is per layer, `1` is stacked);
+    * `linear_attention_freq` an int > 1 or a list: every value that gives gated DeltaNet layers is one
+      (experimental_attention_variant_module_specs.py `get_linear_attention_pattern`: the int 1 means none), so
+      models with GDN layers are always per layer;
+    * hybrid stacks (MambaModel / HybridModel) key every layer by its index.
+
+    `moe_layer_freq` is checked against the HF config's dense/MoE layers (the pattern megatron-core derives:
+    gpt_layer_specs.py `get_gpt_decoder_layer_specs`, layer i is MoE iff i % N == 0 for an int N). None: Megatron-LM's
+    default 1 where every layer is MoE; otherwise the HF config's pattern (only a list or an int > 1 builds it)."""
+    if hybrid:
+        if moe_layer_freq is not None:
+            raise UsageError("moe_layer_freq with model_class='hybrid': a hybrid model's layer pattern decides its "
+                             "MoE layers, and its stack keys every layer by its index (mamba_block.py / "
+                             "hybrid_block.py); leave moe_layer_freq unset")
+        return False, "per layer: a hybrid model (every Megatron layer under its own index)"
+    want = [int(bool(spec.is_moe_layer(cfg, i))) for i in range(dims.num_layers)]
+    if moe_layer_freq is None:
+        freq = MEGATRON_LM_MOE_LAYER_FREQ if not dims.num_experts or all(want) else want
+    else:
+        freq = parse_moe_layer_freq(moe_layer_freq)
+        if dims.num_experts:  # megatron-core builds MoE layers from it only for an MoE model
+            have = [int(i % freq == 0) for i in range(dims.num_layers)] if isinstance(freq, int) else freq
+            if have != want:
+                raise ConfigMismatchError(
+                    f"moe_layer_freq={moe_layer_freq!r} gives the dense (0) / MoE (1) layers {pattern_text(have)}, "
+                    f"the HF config has {pattern_text(want)}: pass the value the Megatron model is built with "
+                    f"({'1 (stacked keys) or ' if all(want) else ''}'{pattern_text(want)}' (per-layer keys))")
+    shown = freq if isinstance(freq, int) else pattern_text(freq)
+    if non_homogeneous:
+        return False, "per layer: non_homogeneous_layers"
+    if singleton:
+        return False, "per layer: singleton_local_shards"
+    if dims.linear_num_key_heads is not None:
+        return False, "per layer: gated DeltaNet layers (linear_attention_freq is an int > 1 or a list)"
+    if isinstance(freq, list):
+        return False, f"per layer: moe_layer_freq is a list ({shown})"
+    if freq > 1:
+        return False, f"per layer: moe_layer_freq={freq} > 1"
+    return True, f"stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq={shown}"
 
 
 def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
@@ -211,18 +323,6 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         raise UnknownParametersError(converter.model_type, [f"{n} (an HF tensor no rule of the "
                                                             f"{converter.model_type} table produces)"
                                                             for n in unexplained])
-    if stacked:  # one key for all decoder layers holds only when every layer has the same tensors
-        layers: dict[int, set[str]] = {}
-        for name in resolved:
-            m = _LAYER.fullmatch(name)
-            if m is not None and int(m.group(1)) < dims.num_layers:
-                layers.setdefault(int(m.group(1)), set()).add(m.group(2))
-        kinds = {frozenset(v) for v in layers.values()}
-        if len(kinds) > 1:
-            first = layers[0]
-            other = next(i for i, v in sorted(layers.items()) if v != first)
-            raise LayoutError(f"stacked layer keys need every decoder layer alike: layer 0 and layer {other} differ "
-                             f"(e.g. {sorted(first ^ layers[other])[:2]}); Megatron saves such models per layer")
     padded = dims.vocab_size if tp is None else padded_vocab_size(dims.vocab_size, tp, divisible_by)
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
@@ -404,8 +504,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                       hf_config: HFConfigLike | None = None, iteration: int = 0,
                       dtype: torch.dtype | str | None = None, tp: int | None = None,
                       make_vocab_size_divisible_by: int = 128,
-                      singleton_local_shards: bool = False, stacked_layers: bool | None = None,
-                      file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
+                      singleton_local_shards: bool = False, moe_layer_freq: int | list[int] | str | None = None,
+                      non_homogeneous_layers: bool = False, file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
                       model_class: str = "gpt") -> ImportReport:
     """Write a Megatron torch_dist checkpoint (`ckpt_dir/iter_NNNNNNN` + latest_checkpointed_iteration.txt)
     from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout and any
@@ -414,9 +514,11 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     chunks them exactly as training at that TP saves them; not needed for loading.
 
     `dtype` casts floating tensors (ones HF keeps in fp32, like e_score_correction_bias, stay fp32).
-    `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name);
-    `stacked_layers` (default: dense models stack, MoE and linear-attention hybrids do not, as Megatron
-    decides for the registered specs) picks stacked `decoder.layers.<name>` keys. `model_class="hybrid"` writes the
+    `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name).
+    The decoder layers' keys are stacked or per layer as megatron-core decides for the model that will load them
+    (`layer_keys`): `moe_layer_freq` is that model's (Megatron-LM's `--moe-layer-freq`: an int, or a list / list
+    expression such as '[0]+[1]*47'; default Megatron-LM's 1 where every layer is MoE, else the HF config's
+    pattern), `non_homogeneous_layers` the sharded-state-dict metadata flag of that name. `model_class="hybrid"` writes the
     keys of the hybrid model `build_model(..., model_class="hybrid")` builds (megatron-core 0.19 HybridModel, 0.16
     MambaModel), its layer pattern derived from the HF config as build_model derives it. The iteration directory is
     written under a temporary name and renamed when complete; the tracker file is replaced last."""
@@ -444,23 +546,13 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         if dims.num_mtp_layers:  # build_model refuses them too: nothing could load such keys
             raise LayoutError(f"model_class='hybrid' with {dims.num_mtp_layers} MTP layer(s) in the HF config: hybrid "
                               "models with MTP are not supported (import as model_class='gpt')")
-        if stacked_layers:
-            raise LayoutError("stacked_layers=True with model_class='hybrid': hybrid stacks save every layer under "
-                              "its own key (mamba_block.py / hybrid_block.py); choose one")
         hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
+    stacked, why = layer_keys(spec, cfg, dims, moe_layer_freq, singleton=singleton_local_shards,
+                              non_homogeneous=non_homogeneous_layers, hybrid=hybrid is not None)
     try:
         reader = HFReader(hf_dir)
     except FileNotFoundError as e:
         raise MissingWeightsError([str(e)], hf_dir) from None
-    if stacked_layers and singleton_local_shards:
-        reader.close()
-        raise LayoutError("stacked_layers=True with singleton_local_shards=True: Megatron's singleton keys are "
-                          "per layer (transformer_block.py); choose one")
-    # megatron-core 0.16.1 transformer_block.py sharded_state_dict: MoE layer patterns and linear-attention patterns
-    # (linear_attention_freq) make the layers non-homogeneous, saved per layer; hybrid stacks are always per layer
-    mixed = bool(dims.num_experts) or dims.linear_num_key_heads is not None
-    stacked = not mixed if stacked_layers is None else stacked_layers
-    stacked = stacked and not singleton_local_shards and hybrid is None  # singleton forces per-layer keys
     try:
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
                                              divisible_by=make_vocab_size_divisible_by, stacked=stacked,
@@ -523,7 +615,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         if bar is not None:
             bar.close()
     return ImportReport(ckpt_dir, iteration, len(sources), len(keys) + len(objects), writer.bytes,
-                        time.perf_counter() - t0, _peak_rss())
+                        time.perf_counter() - t0, _peak_rss(), why)
 
 
 #: HF bytes read between closing the safetensors files: their memory maps keep every page read resident
