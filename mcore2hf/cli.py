@@ -12,11 +12,9 @@ import os
 import sys
 
 from . import __version__
+from .dtypes import DTYPE_NAMES as DTYPES
 from .errors import Mcore2HFError, UsageError
 from .sizes import parse_size
-
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -6,19 +6,13 @@ single, TP-1 shard), and written as one chunk (a `torch.save` at a byte range of
 torch.distributed.checkpoint's FileSystemWriter writes them) under the key Megatron's `sharded_state_dict`
 gives it. Only one Megatron tensor is in memory at a time; the HF side is read slice by slice (safetensors).
 
-Keys, global shapes and chunk offsets are the ones megatron-core 0.16.1's sharded state dict uses (read in
-megatron/core/transformer/transformer_block.py `sharded_state_dict`, transformer_layer.py, mlp.py
-`apply_swiglu_sharded_factory`, moe/experts.py, dist_checkpointing/mapping.py `ShardedObject.unique_key`,
-strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `common.pt`, core.py
-`metadata.json`; tests/test_import.py compares them with a checkpoint Megatron itself saved):
+Keys, global shapes and chunk offsets are the ones megatron-core 0.16.1's sharded state dict uses; the key scheme
+(stacked or per-layer decoder layers, key renames, experts, MTP, hybrid stacks, parts, `_extra_state` objects) is
+`mcore2hf.checkpoint_keys`, which the offline export reads back. Written here (mlp.py `apply_swiglu_sharded_factory`,
+dist_checkpointing/mapping.py `ShardedObject.unique_key`, strategies/torch.py `_mcore_to_torch_sharded_object`,
+strategies/common.py `common.pt`, core.py `metadata.json`; tests/test_import.py compares them with a checkpoint
+Megatron itself saved):
 
-* decoder layers stacked under `decoder.layers.<name>` with a leading layer axis (sharded over PP), or one key per
-  layer (`decoder.layers.<i>.<name>`), decided as transformer_block.py `sharded_state_dict` decides it
-  (`layer_keys`); MTP layers always per layer, their inner layer under `mtp.layers.<m>.transformer_layer.`;
-* the local spec's key map (gpt_layer_specs.py `sharded_state_dict_keys_map`): `input_layernorm.` ->
-  `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_` (not for MLA);
-* routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
-  `singleton_local_shards` one key per expert (`experts.experts.<e>.`) and every GLU fc1 split into `_w`/`_v`;
 * every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold; a hybrid
   model's output layer too, which GPTModel drops);
 * the vocab-parallel tensors (embedding, output layer; MTP shares their keys) with exactly vocab_size rows: they
@@ -28,15 +22,12 @@ strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `comm
   ._temporarily_bypass_shape_validation`: only the overlap read) loads at any padded vocab, so at any TP. With
   `tp`, they are padded to a multiple of make_vocab_size_divisible_by x TP and chunked by that TP instead, as
   training at that TP saves them;
-* hybrid models (`model_class="hybrid"`: 0.16.1 MambaModel ssm/mamba_block.py, 0.19.2 HybridModel
-  models/hybrid/hybrid_block.py `sharded_state_dict`, identical there): every layer under its own Megatron index
-  (`decoder.layers.<i>.`, never stacked), the mixer and the MLP of an HF layer as two layers of the pattern
-  `naming.HybridLayout` parses, each keeping its layer spec's key map, and the final norm as `decoder.final_norm.`.
+* hybrid models (`model_class="hybrid"`): the keys of the hybrid stack `build_model(..., model_class="hybrid")`
+  builds, its layer pattern derived from the HF config as build_model derives it.
 """
 
 from __future__ import annotations
 
-import ast
 import io
 import json
 import os
@@ -52,8 +43,16 @@ from importlib import import_module
 import regex
 import torch
 
+from .checkpoint_keys import (
+    GLU_PARTS,
+    HYBRID_OUTPUT_EXTRA_STATE,
+    KeyLayout,
+    extra_state_key,
+    layer_keys,
+    part_key,
+)
+from .dtypes import parse_dtype
 from .errors import (
-    ConfigMismatchError,
     ImportTargetError,
     LayoutError,
     MissingWeightsError,
@@ -65,23 +64,11 @@ from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_prob
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
 from .loader import HFReader
 from .mapping import Converter, ModelDims, _compile
-from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout
-from .offline import _parse_dtype, _peak_rss
+from .naming import HybridLayout
 from .registry import get_converter
 from .senders.safetensors import SAFETENSORS_DTYPES, _overlap, _umask
-from .sizes import parse_size
+from .sizes import parse_size, peak_rss
 
-#: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
-#: `_extra_state` that their sharded state dict saves as a ShardedObject
-LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
-                            "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
-                            "eh_proj", "in_proj", "out_proj"})
-#: gpt_layer_specs.py (megatron-core 0.16.1) get_gpt_layer_local_spec, non-MLA: norms saved under TE's fused names
-LOCAL_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                  "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-#: gated DeltaNet layers: the input norm under in_proj (megatron-core 0.16.1 experimental spec, TE's fused norm)
-GDN_KEYS_MAP = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
-_EXPERT = regex.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
 _LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
@@ -122,115 +109,6 @@ class ImportReport:
     layer_keys: str = ""  # which decoder-layer key form was written, and why (layer_keys)
 
 
-#: Megatron-LM's `--moe-layer-freq` default (NVIDIA/Megatron-LM megatron/training/arguments.py `_add_moe_args`, commit
-#: d98e8a64ddf34856e74b24714e3bedb2f5a39553), also TransformerConfig's (megatron-core 0.16.1 transformer_config.py)
-MEGATRON_LM_MOE_LAYER_FREQ = 1
-_MAX_PATTERN = 1 << 20  # layers a pattern expression may spell out (a bound on '[1]*10**...'-style input)
-
-
-def _pattern_value(node: ast.AST, text: str):
-    """The value of a pattern expression's node: ints, lists, + and * only."""
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.List):
-        return [_pattern_value(e, text) for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        a, b = _pattern_value(node.left, text), _pattern_value(node.right, text)
-        if isinstance(node.op, ast.Add) and type(a) is type(b):
-            return a + b
-        if isinstance(node.op, ast.Mult) and isinstance(a, int) != isinstance(b, int):
-            if (len(a) * b if isinstance(a, list) else a * len(b)) > _MAX_PATTERN:
-                raise UsageError(f"moe_layer_freq {text!r}: more than {_MAX_PATTERN} layers")
-            return a * b
-        if isinstance(node.op, ast.Mult) and isinstance(a, int) and isinstance(b, int):
-            return a * b
-    raise UsageError(f"moe_layer_freq {text!r}: expected an int or a Python list expression of 0s and 1s built "
-                     f"with [], +, * and parentheses (Megatron-LM's --moe-layer-freq), found {ast.unparse(node)[:60]!r}")
-
-
-def parse_moe_layer_freq(value: int | list[int] | str) -> int | list[int]:
-    """Megatron-LM's `--moe-layer-freq` in any of its spellings (arguments.py `moe_freq_type`, commit above): an
-    int N (an MoE layer every N layers), its string, or a Python list expression of 0 (dense) / 1 (MoE) such as
-    '([1]*3+[0])*2' or '[0]+[1]*47'. Megatron-LM `eval`s the expression after allowing only `,` digits `[]()+*`
-    (`_eval_pattern`); here it is evaluated from its syntax tree (ints, lists, + and *), never executed."""
-    text = value
-    if isinstance(value, str):
-        try:
-            tree = ast.parse(value.strip(), mode="eval")
-        except SyntaxError:
-            raise UsageError(f"moe_layer_freq {value!r}: not an int or a Python list expression "
-                             "(e.g. 1, '[0]+[1]*47', '([1]*3+[0])*2')") from None
-        value = _pattern_value(tree.body, text)
-    if type(value) is int:
-        if value < 1:
-            raise UsageError(f"moe_layer_freq {text!r}: an int must be >= 1 (one MoE layer every N layers)")
-        return value
-    if isinstance(value, (list, tuple)) and value and all(type(v) is int and v in (0, 1) for v in value):
-        return list(value)  # megatron-core's layer specs take 1 = MoE, 0 = dense, nothing else (gpt_layer_specs.py)
-    raise UsageError(f"moe_layer_freq {text!r}: expected an int >= 1 or a non-empty list of 0 (dense) / 1 (MoE), "
-                     f"got {value!r}")
-
-
-def pattern_text(pattern: list[int]) -> str:
-    """A list expression of `pattern` as Megatron-LM's --moe-layer-freq takes it, e.g. '[0]*3+[1]*58'."""
-    runs: list[list[int]] = []
-    for v in pattern:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return "+".join(f"[{v}]*{n}" if n > 1 else f"[{v}]" for v, n in runs)
-
-
-def layer_keys(spec, cfg, dims: ModelDims, moe_layer_freq: int | list[int] | str | None, *, singleton: bool,
-               non_homogeneous: bool, hybrid: bool) -> tuple[bool, str]:
-    """(stacked, why): whether the decoder layers are saved under one stacked key per parameter, decided as
-    megatron-core 0.16.1 transformer_block.py `sharded_state_dict` decides `non_homogeneous_layers` (per-layer
-    keys) for the model this HF config describes, built with `moe_layer_freq`:
-
-    * the metadata flag `non_homogeneous_layers` (Megatron-LM's `_build_sharded_state_dict_metadata` never sets
-      it), or `singleton_local_shards`;
-    * `moe_layer_freq` an int > 1 or a list (any list, even all ones: `[1]*48` is per layer, `1` is stacked);
-    * `linear_attention_freq` an int > 1 or a list: every value that gives gated DeltaNet layers is one
-      (experimental_attention_variant_module_specs.py `get_linear_attention_pattern`: the int 1 means none), so
-      models with GDN layers are always per layer;
-    * hybrid stacks (MambaModel / HybridModel) key every layer by its index.
-
-    `moe_layer_freq` is checked against the HF config's dense/MoE layers (the pattern megatron-core derives:
-    gpt_layer_specs.py `get_gpt_decoder_layer_specs`, layer i is MoE iff i % N == 0 for an int N). None: Megatron-LM's
-    default 1 where every layer is MoE; otherwise the HF config's pattern (only a list or an int > 1 builds it)."""
-    if hybrid:
-        if moe_layer_freq is not None:
-            raise UsageError("moe_layer_freq with model_class='hybrid': a hybrid model's layer pattern decides its "
-                             "MoE layers, and its stack keys every layer by its index (mamba_block.py / "
-                             "hybrid_block.py); leave moe_layer_freq unset")
-        return False, "per layer: a hybrid model (every Megatron layer under its own index)"
-    want = [int(bool(spec.is_moe_layer(cfg, i))) for i in range(dims.num_layers)]
-    if moe_layer_freq is None:
-        freq = MEGATRON_LM_MOE_LAYER_FREQ if not dims.num_experts or all(want) else want
-    else:
-        freq = parse_moe_layer_freq(moe_layer_freq)
-        if dims.num_experts:  # megatron-core builds MoE layers from it only for an MoE model
-            have = [int(i % freq == 0) for i in range(dims.num_layers)] if isinstance(freq, int) else freq
-            if have != want:
-                raise ConfigMismatchError(
-                    f"moe_layer_freq={moe_layer_freq!r} gives the dense (0) / MoE (1) layers {pattern_text(have)}, "
-                    f"the HF config has {pattern_text(want)}: pass the value the Megatron model is built with "
-                    f"({'1 (stacked keys) or ' if all(want) else ''}'{pattern_text(want)}' (per-layer keys))")
-    shown = freq if isinstance(freq, int) else pattern_text(freq)
-    if non_homogeneous:
-        return False, "per layer: non_homogeneous_layers"
-    if singleton:
-        return False, "per layer: singleton_local_shards"
-    if dims.linear_num_key_heads is not None:
-        return False, "per layer: gated DeltaNet layers (linear_attention_freq is an int > 1 or a list)"
-    if isinstance(freq, list):
-        return False, f"per layer: moe_layer_freq is a list ({shown})"
-    if freq > 1:
-        return False, f"per layer: moe_layer_freq={freq} > 1"
-    return True, f"stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq={shown}"
-
-
 def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
     """{canonical Megatron name: Resolved} for the HF tensors, by reading each rule's first HF template back
     (placeholders become numbers; MTP rules' {L} is num_layers + M); also the HF names no rule explains."""
@@ -267,48 +145,6 @@ def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tupl
     return op.full_shape(hf_shapes)
 
 
-def _gdn_layer(name: str, resolved: dict) -> bool:
-    """Whether the decoder layer of `name` is a gated DeltaNet layer (it has self_attention.in_proj)."""
-    layer = _LAYER.fullmatch(name).group(1)
-    return f"decoder.layers.{layer}.self_attention.in_proj.weight" in resolved
-
-
-def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool,
-                   fused_into_in_proj: bool = False,
-                   hybrid: HybridLayout | None = None) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """(key, leading offsets, leading global dims) of a canonical Megatron name in Megatron's sharded state
-    dict: the inverse of `offline.checkpoint_sources`. `fused_into_in_proj`: a gated DeltaNet layer, whose input
-    norm is saved under in_proj (TE's spec; model_specs/qwen3_next.py keeps that key for the local spec).
-    `hybrid`: a hybrid model's keys, each HF layer's parts under its mixer's or MLP's Megatron layer."""
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        if hybrid is not None and name == FINAL_NORM:
-            return HYBRID_FINAL_NORM, (), ()  # mamba_block.py / hybrid_block.py `final_norm`
-        return name, (), ()
-    layer, rest = int(m.group(1)), m.group(2)
-    mtp = layer >= dims.num_layers
-    if hybrid is not None and not mtp:
-        layer = hybrid.megatron_layer(layer, rest)
-    if dims.kv_lora_rank is None:
-        keys_map = {**LOCAL_KEYS_MAP, **GDN_KEYS_MAP} if fused_into_in_proj else LOCAL_KEYS_MAP
-        for local, key in keys_map.items():
-            if rest.startswith(local):
-                rest = key + rest[len(local):]
-    lead, glob = (), ()
-    e = _EXPERT.fullmatch(rest)
-    if e is not None:
-        if singleton:
-            rest = f"mlp.experts.experts.{e.group(1)}.{e.group(2)}"
-        else:
-            rest = f"mlp.experts.experts.{e.group(2)}"
-            lead, glob = (int(e.group(1)),), (dims.num_experts,)
-    if mtp:
-        return f"mtp.layers.{layer - dims.num_layers}.transformer_layer.{rest}", lead, glob
-    if stacked:
-        return f"decoder.layers.{rest}", (layer, *lead), (dims.num_layers, *glob)
-    return f"decoder.layers.{layer}.{rest}", lead, glob
-
-
 def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
                 singleton: bool, stacked: bool,
                 hybrid: HybridLayout | None = None) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
@@ -324,6 +160,11 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
                                                             f"{converter.model_type} table produces)"
                                                             for n in unexplained])
     padded = dims.vocab_size if tp is None else padded_vocab_size(dims.vocab_size, tp, divisible_by)
+    # gated DeltaNet layers (those with in_proj) save their input norm under in_proj
+    gdn = frozenset(int(m.group(1)) for m in map(_LAYER.fullmatch, resolved)
+                    if m is not None and m.group(2) == "self_attention.in_proj.weight")
+    layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
+                       mla=dims.kv_lora_rank is not None, gdn_layers=gdn, hybrid=hybrid)
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
@@ -348,23 +189,21 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
             continue
         dtype = hf[0].dtype if isinstance(hf[0], torch.Tensor) else _slice_dtype(hf[0])
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
-        key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton,
-                                         fused_into_in_proj=_LAYER.fullmatch(name) is not None
-                                         and _gdn_layer(name, resolved), hybrid=hybrid)
+        key, lead, glob = layout.key(name)
         zeros = (0,) * len(full)
         split = r.op.checkpoint_parts()
         if split:  # gated DeltaNet in_proj / conv1d: one key per component (gated_delta_net.py sharded_state_dict)
             src.parts, shapes, row = [], {}, 0
             for suffix, rows in split:
                 shape = (*glob, rows, *full[1:])
-                src.parts.append(Part(f"{key}.{suffix}", (*lead, *zeros), (*(1,) * len(lead), rows, *full[1:]),
+                src.parts.append(Part(part_key(key, suffix), (*lead, *zeros), (*(1,) * len(lead), rows, *full[1:]),
                                       row, rows))
-                shapes[f"{key}.{suffix}"] = shape
+                shapes[part_key(key, suffix)] = shape
                 row += rows
         elif singleton and isinstance(getattr(r.op, "inner", r.op), GLU_FC1):  # apply_swiglu_sharded_factory: _w, _v
             half = (full[0] // 2, *full[1:])
-            src.parts = [Part(key + "_w", zeros, half, 0, half[0]), Part(key + "_v", zeros, half, half[0], half[0])]
-            shapes = {key + "_w": half, key + "_v": half}
+            src.parts = [Part(part_key(key, p), zeros, half, i * half[0], half[0]) for i, p in enumerate(GLU_PARTS)]
+            shapes = {part_key(key, p): half for p in GLU_PARTS}
         elif isinstance(r.op, VocabRows) and tp is not None and tp > 1:  # chunked as training at this TP writes it
             rows = full[0] // tp
             src.parts = [Part(key, (i * rows, *zeros[1:]), (rows, *full[1:]), i * rows, rows) for i in range(tp)]
@@ -375,14 +214,12 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         for k, shape in shapes.items():
             if keys.setdefault(k, (shape, dtype))[0] != shape:
                 problems.append(f"{k}: Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}")
-        module = key.rsplit(".", 1)[0]
-        if name.rsplit(".", 2)[-2] in LINEAR_MODULES:  # the canonical module: norms keyed into fc1 are not linears
-            offsets = lead or (0,)
-            objects.add(f"{module}._extra_state/shard_{'.'.join(map(str, offsets))}_"
-                        f"{'.'.join(map(str, glob or (1,)))}")
+        extra = extra_state_key(name, key, lead, glob)
+        if extra is not None:
+            objects.add(extra)
         sources.append(src)
-    if hybrid is not None:  # GPTModel.sharded_state_dict drops it; MambaModel / HybridModel keep LanguageModule's
-        objects.add("output_layer._extra_state/shard_0_1")  # (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
+    if hybrid is not None:
+        objects.add(HYBRID_OUTPUT_EXTRA_STATE)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
         problems = shape_problems({n: shape_of(reader.slice(n)) for n in held},
                                   hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
@@ -525,7 +362,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     t0 = time.perf_counter()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
-    cast = _parse_dtype(dtype)
+    cast = parse_dtype(dtype)
     limit = parse_size(file_size, "file_size")
     if model_class not in ("gpt", "hybrid"):
         raise UsageError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
@@ -615,7 +452,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         if bar is not None:
             bar.close()
     return ImportReport(ckpt_dir, iteration, len(sources), len(keys) + len(objects), writer.bytes,
-                        time.perf_counter() - t0, _peak_rss(), why)
+                        time.perf_counter() - t0, peak_rss(), why)
 
 
 #: HF bytes read between closing the safetensors files: their memory maps keep every page read resident

@@ -21,6 +21,7 @@ from oracle import logit_problems
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from mcore2hf.checkpoint_keys import pattern_text
 from mcore2hf.errors import (
     ConfigMismatchError,
     Mcore2HFError,
@@ -29,7 +30,7 @@ from mcore2hf.errors import (
     UsageError,
 )
 from mcore2hf.hf_config import load_hf_config, text_config
-from mcore2hf.importer import ImportTargetError, import_checkpoint, pattern_text
+from mcore2hf.importer import ImportTargetError, import_checkpoint
 from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
 from mcore2hf.registry import get_converter, get_model_spec
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
