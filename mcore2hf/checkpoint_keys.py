@@ -149,8 +149,8 @@ class KeyLayout:
     hybrid: HybridLayout | None = None
 
     def key(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        """(key, leading offsets, leading global dims) of a canonical Megatron name: its tensor is item `offsets`
-        of the key's tensor, whose leading dims are `dims` (stacked layers, stacked experts)."""
+        """(key, lead, dims) of a canonical Megatron name: its tensor is item `lead` of the key's tensor, whose
+        leading dims are `dims` (stacked layers, stacked experts; both empty when the key holds it alone)."""
         m = _CANONICAL_LAYER.fullmatch(name)
         if m is None:
             if self.hybrid is not None and name == FINAL_NORM:
