@@ -15,11 +15,9 @@ import os
 import sys
 
 from . import __version__
+from .dtypes import DTYPE_NAMES as DTYPES
 from .errors import Mcore2HFError, UsageError
 from .sizes import parse_size
-
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -178,11 +176,13 @@ def cmd_import(a) -> int:
 
     r = import_checkpoint(a.hf_dir, a.ckpt_dir, iteration=a.iteration, dtype=a.dtype, tp=a.tp,
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-                          singleton_local_shards=a.singleton_local_shards, file_size=a.file_size,
+                          singleton_local_shards=a.singleton_local_shards, moe_layer_freq=a.moe_layer_freq,
+                          non_homogeneous_layers=a.non_homogeneous_layers, file_size=a.file_size,
                           overwrite=a.overwrite, progress=not a.quiet, model_class=a.model_class)
     if not a.quiet:
         print(f"wrote {r.tensors} Megatron tensors ({r.keys} keys, {format_size(r.bytes_written)}) to "
               f"{r.ckpt_dir}/iter_{r.iteration:07d} in {r.seconds:.1f} s; peak RSS {format_size(r.peak_rss_bytes)}")
+        print(f"decoder layer keys: {r.layer_keys}")
     return 0
 
 
@@ -265,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Megatron's vocab padding divisor, with --tp (default 128)")
     im.add_argument("--singleton-local-shards", action="store_true",
                     help="per-expert keys and GLU fc1 as _w/_v (for training with singleton_local_shards)")
+    im.add_argument("--moe-layer-freq", default=None, metavar="FREQ",
+                    help="the --moe-layer-freq the Megatron model is built with: an int or a list expression such as "
+                         "'[0]+[1]*47' (default: Megatron-LM's 1 where every layer is MoE, else the HF config's "
+                         "pattern). Decides stacked (the int 1) or per-layer (a list, an int > 1) layer keys, as "
+                         "megatron-core does")
+    im.add_argument("--non-homogeneous-layers", action="store_true",
+                    help="per-layer keys, for code that builds its sharded state dict with the metadata flag "
+                         "non_homogeneous_layers=True (Megatron-LM does not)")
     im.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt",
                     help="the Megatron model that will load it: GPTModel (default) or hybrid (megatron-core 0.19 "
                          "HybridModel / 0.16 MambaModel, as build_model(..., model_class='hybrid') builds it)")

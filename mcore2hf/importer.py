@@ -6,19 +6,13 @@ single, TP-1 shard), and written as one chunk (a `torch.save` at a byte range of
 torch.distributed.checkpoint's FileSystemWriter writes them) under the key Megatron's `sharded_state_dict`
 gives it. Only one Megatron tensor is in memory at a time; the HF side is read slice by slice (safetensors).
 
-Keys, global shapes and chunk offsets are the ones megatron-core 0.16.1's sharded state dict uses (read in
-megatron/core/transformer/transformer_block.py `sharded_state_dict`, transformer_layer.py, mlp.py
-`apply_swiglu_sharded_factory`, moe/experts.py, dist_checkpointing/mapping.py `ShardedObject.unique_key`,
-strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `common.pt`, core.py
-`metadata.json`; tests/test_import.py compares them with a checkpoint Megatron itself saved):
+Keys, global shapes and chunk offsets are the ones megatron-core 0.16.1's sharded state dict uses; the key scheme
+(stacked or per-layer decoder layers, key renames, experts, MTP, hybrid stacks, parts, `_extra_state` objects) is
+`mcore2hf.checkpoint_keys`, which the offline export reads back. Written here (mlp.py `apply_swiglu_sharded_factory`,
+dist_checkpointing/mapping.py `ShardedObject.unique_key`, strategies/torch.py `_mcore_to_torch_sharded_object`,
+strategies/common.py `common.pt`, core.py `metadata.json`; tests/test_import.py compares them with a checkpoint
+Megatron itself saved):
 
-* decoder layers stacked under `decoder.layers.<name>` with a leading layer axis when every layer is alike (dense
-  models), else one key per layer (`decoder.layers.<i>.<name>`); MTP layers always per layer, their inner layer
-  under `mtp.layers.<m>.transformer_layer.`;
-* the local spec's key map (gpt_layer_specs.py `sharded_state_dict_keys_map`): `input_layernorm.` ->
-  `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_` (not for MLA);
-* routed experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...], or with
-  `singleton_local_shards` one key per expert (`experts.experts.<e>.`) and every GLU fc1 split into `_w`/`_v`;
 * every linear's `_extra_state` (a ShardedObject: `torch.save([None])`, what the local spec's linears hold; a hybrid
   model's output layer too, which GPTModel drops);
 * the vocab-parallel tensors (embedding, output layer; MTP shares their keys) with exactly vocab_size rows: they
@@ -28,10 +22,8 @@ strategies/torch.py `_mcore_to_torch_sharded_object`, strategies/common.py `comm
   ._temporarily_bypass_shape_validation`: only the overlap read) loads at any padded vocab, so at any TP. With
   `tp`, they are padded to a multiple of make_vocab_size_divisible_by x TP and chunked by that TP instead, as
   training at that TP saves them;
-* hybrid models (`model_class="hybrid"`: 0.16.1 MambaModel ssm/mamba_block.py, 0.19.2 HybridModel
-  models/hybrid/hybrid_block.py `sharded_state_dict`, identical there): every layer under its own Megatron index
-  (`decoder.layers.<i>.`, never stacked), the mixer and the MLP of an HF layer as two layers of the pattern
-  `naming.HybridLayout` parses, each keeping its layer spec's key map, and the final norm as `decoder.final_norm.`.
+* hybrid models (`model_class="hybrid"`): the keys of the hybrid stack `build_model(..., model_class="hybrid")`
+  builds, its layer pattern derived from the HF config as build_model derives it.
 """
 
 from __future__ import annotations
@@ -49,6 +41,15 @@ from importlib import import_module
 import regex
 import torch
 
+from .checkpoint_keys import (
+    GLU_PARTS,
+    HYBRID_OUTPUT_EXTRA_STATE,
+    KeyLayout,
+    extra_state_key,
+    layer_keys,
+    part_key,
+)
+from .dtypes import parse_dtype
 from .errors import (
     ImportTargetError,
     LayoutError,
@@ -62,23 +63,11 @@ from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_prob
 from .hf_dir import HFDirectory
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
 from .mapping import Converter, ModelDims, _compile
-from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout
-from .offline import _parse_dtype, _peak_rss
+from .naming import HybridLayout
 from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
 from .registry import get_converter
-from .sizes import parse_size
+from .sizes import parse_size, peak_rss
 
-#: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
-#: `_extra_state` that their sharded state dict saves as a ShardedObject
-LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
-                            "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
-                            "eh_proj", "in_proj", "out_proj"})
-#: gpt_layer_specs.py (megatron-core 0.16.1) get_gpt_layer_local_spec, non-MLA: norms saved under TE's fused names
-LOCAL_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                  "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-#: gated DeltaNet layers: the input norm under in_proj (megatron-core 0.16.1 experimental spec, TE's fused norm)
-GDN_KEYS_MAP = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
-_EXPERT = regex.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
 _LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
@@ -116,6 +105,7 @@ class ImportReport:
     bytes_written: int
     seconds: float
     peak_rss_bytes: int
+    layer_keys: str = ""  # which decoder-layer key form was written, and why (layer_keys)
 
 
 def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
@@ -154,48 +144,6 @@ def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tupl
     return op.full_shape(hf_shapes)
 
 
-def _gdn_layer(name: str, resolved: dict) -> bool:
-    """Whether the decoder layer of `name` is a gated DeltaNet layer (it has self_attention.in_proj)."""
-    layer = _LAYER.fullmatch(name).group(1)
-    return f"decoder.layers.{layer}.self_attention.in_proj.weight" in resolved
-
-
-def checkpoint_key(name: str, dims: ModelDims, *, stacked: bool, singleton: bool,
-                   fused_into_in_proj: bool = False,
-                   hybrid: HybridLayout | None = None) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """(key, leading offsets, leading global dims) of a canonical Megatron name in Megatron's sharded state
-    dict: the inverse of `offline.checkpoint_sources`. `fused_into_in_proj`: a gated DeltaNet layer, whose input
-    norm is saved under in_proj (TE's spec; model_specs/qwen3_next.py keeps that key for the local spec).
-    `hybrid`: a hybrid model's keys, each HF layer's parts under its mixer's or MLP's Megatron layer."""
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        if hybrid is not None and name == FINAL_NORM:
-            return HYBRID_FINAL_NORM, (), ()  # mamba_block.py / hybrid_block.py `final_norm`
-        return name, (), ()
-    layer, rest = int(m.group(1)), m.group(2)
-    mtp = layer >= dims.num_layers
-    if hybrid is not None and not mtp:
-        layer = hybrid.megatron_layer(layer, rest)
-    if dims.kv_lora_rank is None:
-        keys_map = {**LOCAL_KEYS_MAP, **GDN_KEYS_MAP} if fused_into_in_proj else LOCAL_KEYS_MAP
-        for local, key in keys_map.items():
-            if rest.startswith(local):
-                rest = key + rest[len(local):]
-    lead, glob = (), ()
-    e = _EXPERT.fullmatch(rest)
-    if e is not None:
-        if singleton:
-            rest = f"mlp.experts.experts.{e.group(1)}.{e.group(2)}"
-        else:
-            rest = f"mlp.experts.experts.{e.group(2)}"
-            lead, glob = (int(e.group(1)),), (dims.num_experts,)
-    if mtp:
-        return f"mtp.layers.{layer - dims.num_layers}.transformer_layer.{rest}", lead, glob
-    if stacked:
-        return f"decoder.layers.{rest}", (layer, *lead), (dims.num_layers, *glob)
-    return f"decoder.layers.{layer}.{rest}", lead, glob
-
-
 def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
                 singleton: bool, stacked: bool,
                 hybrid: HybridLayout | None = None) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
@@ -210,19 +158,12 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
         raise UnknownParametersError(converter.model_type, [f"{n} (an HF tensor no rule of the "
                                                             f"{converter.model_type} table produces)"
                                                             for n in unexplained])
-    if stacked:  # one key for all decoder layers holds only when every layer has the same tensors
-        layers: dict[int, set[str]] = {}
-        for name in resolved:
-            m = _LAYER.fullmatch(name)
-            if m is not None and int(m.group(1)) < dims.num_layers:
-                layers.setdefault(int(m.group(1)), set()).add(m.group(2))
-        kinds = {frozenset(v) for v in layers.values()}
-        if len(kinds) > 1:
-            first = layers[0]
-            other = next(i for i, v in sorted(layers.items()) if v != first)
-            raise LayoutError(f"stacked layer keys need every decoder layer alike: layer 0 and layer {other} differ "
-                             f"(e.g. {sorted(first ^ layers[other])[:2]}); Megatron saves such models per layer")
     padded = dims.vocab_size if tp is None else padded_vocab_size(dims.vocab_size, tp, divisible_by)
+    # gated DeltaNet layers (those with in_proj) save their input norm under in_proj
+    gdn = frozenset(int(m.group(1)) for m in map(_LAYER.fullmatch, resolved)
+                    if m is not None and m.group(2) == "self_attention.in_proj.weight")
+    layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
+                       mla=dims.kv_lora_rank is not None, gdn_layers=gdn, hybrid=hybrid)
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
@@ -243,23 +184,21 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
             continue
         dtype = hf[0].dtype
         src = ImportSource(name, r.hf_names, r.op, full, dtype, r.rule.keep_dtype)
-        key, lead, glob = checkpoint_key(name, dims, stacked=stacked, singleton=singleton,
-                                         fused_into_in_proj=_LAYER.fullmatch(name) is not None
-                                         and _gdn_layer(name, resolved), hybrid=hybrid)
+        key, lead, glob = layout.key(name)
         zeros = (0,) * len(full)
         split = r.op.checkpoint_parts()
         if split:  # gated DeltaNet in_proj / conv1d: one key per component (gated_delta_net.py sharded_state_dict)
             src.parts, shapes, row = [], {}, 0
             for suffix, rows in split:
                 shape = (*glob, rows, *full[1:])
-                src.parts.append(Part(f"{key}.{suffix}", (*lead, *zeros), (*(1,) * len(lead), rows, *full[1:]),
+                src.parts.append(Part(part_key(key, suffix), (*lead, *zeros), (*(1,) * len(lead), rows, *full[1:]),
                                       row, rows))
-                shapes[f"{key}.{suffix}"] = shape
+                shapes[part_key(key, suffix)] = shape
                 row += rows
         elif singleton and isinstance(getattr(r.op, "inner", r.op), GLU_FC1):  # apply_swiglu_sharded_factory: _w, _v
             half = (full[0] // 2, *full[1:])
-            src.parts = [Part(key + "_w", zeros, half, 0, half[0]), Part(key + "_v", zeros, half, half[0], half[0])]
-            shapes = {key + "_w": half, key + "_v": half}
+            src.parts = [Part(part_key(key, p), zeros, half, i * half[0], half[0]) for i, p in enumerate(GLU_PARTS)]
+            shapes = {part_key(key, p): half for p in GLU_PARTS}
         elif isinstance(r.op, VocabRows) and tp is not None and tp > 1:  # chunked as training at this TP writes it
             rows = full[0] // tp
             src.parts = [Part(key, (i * rows, *zeros[1:]), (rows, *full[1:]), i * rows, rows) for i in range(tp)]
@@ -270,14 +209,12 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
         for k, shape in shapes.items():
             if keys.setdefault(k, (shape, dtype))[0] != shape:
                 problems.append(Problem(k, f"Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}"))
-        module = key.rsplit(".", 1)[0]
-        if name.rsplit(".", 2)[-2] in LINEAR_MODULES:  # the canonical module: norms keyed into fc1 are not linears
-            offsets = lead or (0,)
-            objects.add(f"{module}._extra_state/shard_{'.'.join(map(str, offsets))}_"
-                        f"{'.'.join(map(str, glob or (1,)))}")
+        extra = extra_state_key(name, key, lead, glob)
+        if extra is not None:
+            objects.add(extra)
         sources.append(src)
-    if hybrid is not None:  # GPTModel.sharded_state_dict drops it; MambaModel / HybridModel keep LanguageModule's
-        objects.add("output_layer._extra_state/shard_0_1")  # (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
+    if hybrid is not None:
+        objects.add(HYBRID_OUTPUT_EXTRA_STATE)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
         problems = shape_problems({n: shape_of(reader.slice(n)) for n in sorted(held)},
                                   hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
@@ -421,8 +358,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                       hf_config: HFConfigLike | None = None, iteration: int = 0,
                       dtype: torch.dtype | str | None = None, tp: int | None = None,
                       make_vocab_size_divisible_by: int = 128,
-                      singleton_local_shards: bool = False, stacked_layers: bool | None = None,
-                      file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
+                      singleton_local_shards: bool = False, moe_layer_freq: int | list[int] | str | None = None,
+                      non_homogeneous_layers: bool = False, file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
                       model_class: str = "gpt") -> ImportReport:
     """Write a Megatron torch_dist checkpoint (`ckpt_dir/iter_NNNNNNN` + latest_checkpointed_iteration.txt)
     from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout and any
@@ -431,16 +368,18 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     chunks them exactly as training at that TP saves them; not needed for loading.
 
     `dtype` casts floating tensors (ones HF keeps in fp32, like e_score_correction_bias, stay fp32).
-    `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name);
-    `stacked_layers` (default: dense models stack, MoE and linear-attention hybrids do not, as Megatron
-    decides for the registered specs) picks stacked `decoder.layers.<name>` keys. `model_class="hybrid"` writes the
+    `singleton_local_shards` writes per-expert keys with GLU fc1 as `_w`/`_v` (the metadata flag of the same name).
+    The decoder layers' keys are stacked or per layer as megatron-core decides for the model that will load them
+    (`layer_keys`): `moe_layer_freq` is that model's (Megatron-LM's `--moe-layer-freq`: an int, or a list / list
+    expression such as '[0]+[1]*47'; default Megatron-LM's 1 where every layer is MoE, else the HF config's
+    pattern), `non_homogeneous_layers` the sharded-state-dict metadata flag of that name. `model_class="hybrid"` writes the
     keys of the hybrid model `build_model(..., model_class="hybrid")` builds (megatron-core 0.19 HybridModel, 0.16
     MambaModel), its layer pattern derived from the HF config as build_model derives it. The iteration directory is
     written under a temporary name and renamed when complete; the tracker file is replaced last."""
     t0 = time.perf_counter()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
-    cast = _parse_dtype(dtype)
+    cast = parse_dtype(dtype)
     limit = parse_size(file_size, "file_size")
     if model_class not in ("gpt", "hybrid"):
         raise UsageError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
@@ -461,20 +400,10 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         if dims.num_mtp_layers:  # build_model refuses them too: nothing could load such keys
             raise LayoutError(f"model_class='hybrid' with {dims.num_mtp_layers} MTP layer(s) in the HF config: hybrid "
                               "models with MTP are not supported (import as model_class='gpt')")
-        if stacked_layers:
-            raise LayoutError("stacked_layers=True with model_class='hybrid': hybrid stacks save every layer under "
-                              "its own key (mamba_block.py / hybrid_block.py); choose one")
         hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
+    stacked, why = layer_keys(spec, cfg, dims, moe_layer_freq, singleton=singleton_local_shards,
+                              non_homogeneous=non_homogeneous_layers, hybrid=hybrid is not None)
     reader = HFDirectory(hf_dir)
-    if stacked_layers and singleton_local_shards:
-        reader.close()
-        raise LayoutError("stacked_layers=True with singleton_local_shards=True: Megatron's singleton keys are "
-                          "per layer (transformer_block.py); choose one")
-    # megatron-core 0.16.1 transformer_block.py sharded_state_dict: MoE layer patterns and linear-attention patterns
-    # (linear_attention_freq) make the layers non-homogeneous, saved per layer; hybrid stacks are always per layer
-    mixed = bool(dims.num_experts) or dims.linear_num_key_heads is not None
-    stacked = not mixed if stacked_layers is None else stacked_layers
-    stacked = stacked and not singleton_local_shards and hybrid is None  # singleton forces per-layer keys
     try:
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
                                              divisible_by=make_vocab_size_divisible_by, stacked=stacked,
@@ -533,7 +462,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         if bar is not None:
             bar.close()
     return ImportReport(ckpt_dir, iteration, len(sources), len(keys) + len(objects), writer.bytes,
-                        time.perf_counter() - t0, _peak_rss())
+                        time.perf_counter() - t0, peak_rss(), why)
 
 
 def _tensors(reader: HFDirectory, sources: list[ImportSource]) -> Iterator[tuple[ImportSource, torch.Tensor]]:

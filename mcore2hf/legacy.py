@@ -36,15 +36,14 @@ import regex
 import torch
 from torch import _weights_only_unpickler
 
+from .checkpoint_keys import LAYER_KEY, MODEL_PREFIXES, CkptSource
 from .errors import ConfigMismatchError, LegacyFormatError
 from .naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = regex.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
-_LAYER_KEY = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.(?:weight|bias)(\d+)$)")
 _EXPERT = regex.compile(r"(?:^|\.)mlp\.experts\.\d+\.")
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
 
 class Placeholder:
@@ -245,14 +244,12 @@ class LegacyCheckpointReader:
     def sources(self, num_layers: int, tied: bool, hybrid=None):
         """CkptSources (reads = the TP or expert-TP shards in rank order) and the keys that are not weights."""
         assert hybrid is None  # hybrid legacy checkpoints are refused when read (__init__)
-        from .offline import CkptSource
-
         counts: dict[tuple[int, int], int] = {}  # (virtual stage, stage) -> decoder layers it holds
         layers: dict[tuple[str, str], set[str]] = defaultdict(set)  # (file, chunk) -> its decoder layer numbers
         experts: dict[tuple[str, str, str, str], set[int]] = defaultdict(set)  # its layers' local expert indices
         for key in self.tensors:
             d, mk, name = key.split("/", 2)
-            m = _LAYER_KEY.fullmatch(name)
+            m = LAYER_KEY.fullmatch(name)
             if m is None:
                 continue
             if m.group(1) == "decoder":
@@ -280,7 +277,7 @@ class LegacyCheckpointReader:
             d, mk, name = key.split("/", 2)
             tp, pp, ep = self.files[d]
             v = self.chunks[d].index(mk)
-            m = _LAYER_KEY.fullmatch(name)
+            m = LAYER_KEY.fullmatch(name)
             if m is None:
                 canon = name
             else:

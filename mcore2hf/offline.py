@@ -6,10 +6,8 @@ exactly the bytes it needs (a layer of a stacked-layers chunk is one contiguous 
 bucket through the streaming safetensors writer. Peak memory is about one bucket plus the tensor being
 converted, whatever the model size; every byte read is covered by the chunk's CRC32.
 
-Checkpoint keys are global already (layer and expert indices), in Megatron's sharded-state-dict names: TE-style
-fused norms, experts stacked as `mlp.experts.experts.linear_fc{1,2}.weight` [E, ...] (SequentialMLP and TE grouped
-experts save the same format), or per expert with `singleton_local_shards`, whose GLU fc1 is split into
-`..._w` (gate) and `..._v` (up). They are mapped to the canonical names the converter tables use.
+Checkpoint keys are global already (layer and expert indices), in Megatron's sharded-state-dict names, which
+`mcore2hf.checkpoint_keys` maps to the canonical names the converter tables use (the same scheme the import writes).
 
 Megatron-LM's legacy `torch` format (`iter_N/mp_rank_*/model_optim_rng.pt`, per-rank local shards) is read by
 `mcore2hf.legacy` into the same sources, whose reads are then the TP shards the layout ops take.
@@ -20,7 +18,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import resource
 import time
 import zipfile
 import zlib
@@ -28,10 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from importlib import import_module
 
-import regex
 import torch
 
 from .buckets import Bucket
+from .checkpoint_keys import PARTS, CkptSource, canonical_parts
+from .dtypes import parse_dtype
 from .errors import (
     CheckpointError,
     ConfigMismatchError,
@@ -43,29 +41,21 @@ from .errors import (
 )
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .layouts import GDN_PARTS, Stacked, full_shape_of_shard
+from .layouts import Stacked, full_shape_of_shard
 from .naming import (
-    FINAL_NORM,
     HYBRID_FINAL_NORM,
     HybridLayout,
-    canonical_layer_name,
     checkpoint_hybrid_layout,
     filter_outputs,
-    mtp_inner,
 )
-from .plan import align, natural_key, pack_tight, stack_units
+from .plan import align, pack_tight, stack_units
 from .quantize import get_scheme, quantize_flat, quantized_tensors
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
-from .sizes import parse_size
+from .sizes import parse_size, peak_rss
 
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
-_LAYER_KEY = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
-_STACKED_EXPERTS = regex.compile(r"mlp\.experts\.experts\.(linear_fc[12])\.(weight|bias)")
-_SEQ_EXPERT = regex.compile(r"mlp\.experts\.(?:experts\.)?(\d+)\.(linear_fc[12])\.(weight|bias)")
-_STACKED_LAYERS = "decoder.layers."
 
 
 def resolve_iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | None = None) -> str:
@@ -319,77 +309,14 @@ def _verify_crc(window: _Window, start: int, length: int, crc: int, where: str) 
         raise CheckpointError(f"{where} is corrupt: CRC32 mismatch")
 
 
-@dataclass
-class CkptSource:
-    """One canonical Megatron tensor and how to read it from the checkpoint."""
-
-    name: str
-    key: str
-    # TP shards in rank order (one: the whole tensor), each read as (key, leading indices) parts concatenated
-    # along dim 0 (GLU _w/_v); shape: of a shard until prepare_sources resolves the op, then the whole tensor's
-    reads: list[list[tuple[str, tuple[int, ...]]]]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    hf: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
-    op: object = None
-    n_out: int = 1
-    keep_dtype: bool = False
-
-
-#: megatron-core 0.16.1 gated_delta_net.py sharded_state_dict: in_proj saved as .query .key .value .z .beta .alpha,
-#: conv1d as .query .key .value (each component whole); read back in this order they make the TP-1 tensor
-_SPLIT_PART = regex.compile(rf"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.({'|'.join(GDN_PARTS)})")
-PART_ORDER = ("", "w", "v", *GDN_PARTS)
-
-
 def checkpoint_sources(reader: DistCheckpointReader, num_layers: int,
                        hybrid: HybridLayout | None = None) -> tuple[list[CkptSource], list[str]]:
-    """Canonical sources of every model tensor of the checkpoint; also the keys that are not model weights.
-    `hybrid`: a hybrid model's checkpoint (naming.checkpoint_hybrid_layout), its layers renumbered to HF layers.
-
-    Homogeneous models stack all decoder layers in one key (`decoder.layers.<name>` with a leading layer dim);
-    others, and MTP layers, have one key per layer. Experts may be stacked inside either."""
-    found: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}  # canonical name -> part -> (key, lead)
-    ignored = []
-
-    def add(kind: str, number: int, rest: str, key: str, lead: tuple[int, ...], part: str) -> None:
-        if hybrid is not None and kind == "decoder":
-            number = hybrid.hf_layer[number]
-        kind, number, rest = mtp_inner(kind, number, rest, num_layers)
-        stacked = _STACKED_EXPERTS.fullmatch(rest)
-        if stacked is not None:
-            for e in range(reader.shape(key)[len(lead)]):
-                rest_e = f"mlp.experts.{e}.{stacked.group(1)}.{stacked.group(2)}"
-                found.setdefault(canonical_layer_name(kind, number, rest_e, num_layers), {})[part] = (key, (*lead, e))
-            return
-        seq = _SEQ_EXPERT.fullmatch(rest)
-        if seq is not None:
-            rest = f"mlp.experts.local_experts.{seq.group(1)}.{seq.group(2)}.{seq.group(3)}"
-        found.setdefault(canonical_layer_name(kind, number, rest, num_layers), {})[part] = (key, lead)
-
-    for key in sorted(reader.tensors, key=natural_key):
-        if not key.startswith(MODEL_PREFIXES):
-            ignored.append(key)  # optimizer state, rng state, ...
-            continue
-        base, part = key, ""
-        if key[-2:] in ("_w", "_v"):  # GLU fc1 halves saved with singleton_local_shards
-            base, part = key[:-2], key[-1]
-        elif (split := _SPLIT_PART.fullmatch(key)) is not None:  # gated DeltaNet in_proj / conv1d components
-            base, part = split.group(1), split.group(2)
-        m = _LAYER_KEY.fullmatch(base)
-        if m is not None:
-            add(m.group(1), int(m.group(2)), m.group(3), key, (), part)
-        elif base.startswith(_STACKED_LAYERS):
-            for layer in range(reader.shape(key)[0]):
-                add("decoder", layer, base[len(_STACKED_LAYERS):], key, (layer,), part)
-        else:
-            if hybrid is not None and base == HYBRID_FINAL_NORM:
-                base = FINAL_NORM
-            found.setdefault(base, {})[part] = (key, ())
-
+    """Canonical sources of every model tensor of the checkpoint (its keys read by `checkpoint_keys`); also the
+    keys that are not model weights. `hybrid`: a hybrid model's checkpoint (naming.checkpoint_hybrid_layout)."""
+    found, ignored = canonical_parts(reader.tensors, reader.shape, num_layers, hybrid)
     sources = []
     for name, parts in found.items():
-        order = [parts[p] for p in PART_ORDER if p in parts]  # gate (_w) before up (_v); GDN: Megatron's order
+        order = [parts[p] for p in PARTS if p in parts]  # gate (_w) before up (_v); GDN: Megatron's order
         key, lead = order[0]
         shape = list(reader.shape(key))[len(lead):]
         for k, ld in order[1:]:
@@ -408,10 +335,6 @@ class ExportReport:
     seconds: float
     peak_rss_bytes: int
     notes: list[str] = field(default_factory=list)
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: HFConfigLike | None, *,
@@ -436,7 +359,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
         raise UsageError(missing_hf_config(resolve_iteration_dir(ckpt_dir, iteration)))
     budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
     parse_size(max_shard_size, "max_shard_size")
-    cast = _parse_dtype(dtype)
+    cast = parse_dtype(dtype)
     scheme = get_scheme(quantize)
     out_dir = os.path.abspath(os.fspath(out_dir))
     source = config_source(hf_config)
@@ -493,7 +416,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
         if bar is not None:
             bar.close()
     return ExportReport(out_dir, len(infos), written, reader.checkpoint_bytes(),
-                        len(ignored), time.perf_counter() - t0, _peak_rss(), writer.notes)
+                        len(ignored), time.perf_counter() - t0, peak_rss(), writer.notes)
 
 
 def open_checkpoint(it_dir: str):
@@ -598,16 +521,6 @@ def _filtered(sources: list[CkptSource], keep) -> list[CkptSource]:
                                  for s in sources))
     return [replace(s, hf=s.hf[:s.n_out] + [h for h in s.hf[s.n_out:] if h[0] in kept[s.name]])
             for s in sources if s.name in kept]
-
-
-def _parse_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32}
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
-    return names[dtype]
 
 
 def _groups(sources: Sequence[CkptSource], budget: int, out_dtype):

@@ -1,8 +1,10 @@
-"""Byte sizes as users spell them (`5GB`, `5GiB`, `5G`, `1.5 MB`, `123`): parsed once, before anything is created."""
+"""Byte sizes as users spell them (`5GB`, `5GiB`, `5G`, `1.5 MB`, `123`): parsed once, before anything is created;
+formatted for reports, with the process's peak memory they state."""
 
 from __future__ import annotations
 
 import re
+import resource
 
 # SI units are powers of 1000, IEC units (KiB...) and bare letters (K, M, G, T: as GNU coreutils reads them)
 # powers of 1024
@@ -35,3 +37,8 @@ def format_size(n: float) -> str:
         if abs(n) >= mult:
             return f"{n / mult:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (what the offline commands report)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

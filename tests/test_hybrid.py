@@ -10,7 +10,7 @@ import pytest
 import worlds
 from oracle import logit_problems
 
-from mcore2hf.errors import ConfigMismatchError, LayoutError
+from mcore2hf.errors import ConfigMismatchError, UsageError
 from mcore2hf.importer import import_checkpoint
 from mcore2hf.naming import HybridLayout
 from mcore2hf.offline import export_checkpoint
@@ -110,8 +110,8 @@ def test_hybrid_import_keys_follow_the_pattern(ckpts, tmp_path):
             "decoder.layers.7.mlp.linear_fc1.layer_norm_weight", "decoder.layers.7.mlp.linear_fc2.weight"} <= keys
     assert not any(k.startswith("decoder.layers.7.self_attention") or k.startswith("decoder.layers.6.mlp") or
                    k.startswith("decoder.layers.8.") for k in keys)
-    with pytest.raises(LayoutError, match="stacked_layers=True with model_class='hybrid'"):
-        import_checkpoint(ckpts["qwen3"], tmp_path / "s", model_class="hybrid", stacked_layers=True, progress=False)
+    with pytest.raises(UsageError, match="moe_layer_freq with model_class='hybrid'"):
+        import_checkpoint(ckpts["qwen3"], tmp_path / "s", model_class="hybrid", moe_layer_freq=1, progress=False)
     assert not (tmp_path / "s").exists()
 
 

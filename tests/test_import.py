@@ -1,10 +1,14 @@
 """`mcore2hf import`: HF directory -> Megatron torch_dist checkpoint. Megatron's own dist_checkpointing.load
 reads one import (vocab unpadded) at layouts of TP 1 and 2, and the live export is bit-identical to the HF
 source; Megatron re-saving the loaded model writes our keys, shapes and dtypes but for its padded vocab rows;
-import -> offline export is bit-identical without Megatron."""
+import -> offline export is bit-identical without Megatron. The decoder layers' key form follows the model's
+moe_layer_freq as megatron-core 0.16.1 decides it (transformer_block.py `sharded_state_dict`): an all-MoE model
+built as Megatron-LM builds it by default (moe_layer_freq=1) loads stacked keys, one built with a list per-layer
+keys, both at PP 2 x VPP 2."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,12 +21,14 @@ from oracle import logit_problems
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from mcore2hf.checkpoint_keys import pattern_text
 from mcore2hf.errors import (
+    ConfigMismatchError,
     HFDirectoryError,
-    LayoutError,
     Mcore2HFError,
     ShapeMismatchError,
     UnknownParametersError,
+    UsageError,
 )
 from mcore2hf.hf_config import load_hf_config, text_config
 from mcore2hf.importer import ImportTargetError, import_checkpoint
@@ -71,37 +77,72 @@ def test_every_registered_architecture_is_imported():
     assert {canonical_model_type(m) for m in list_architectures()} == set(ARCHS) | set(HYBRID_ATTENTION)
 
 
+def moe_pattern(ckpt: str) -> list[int] | None:
+    """The moe_layer_freq build_model gives an MoE model (model_specs/common.py `moe_fields`: the HF config's
+    dense/MoE pattern as a list), None for a dense one."""
+    cfg = load_hf_config(ckpt)
+    spec = get_model_spec(cfg.model_type)
+    dims = spec.dims(cfg)
+    return [int(spec.is_moe_layer(cfg, i)) for i in range(dims.num_layers)] if dims.num_experts else None
+
+
+#: an all-MoE model built with Megatron-LM's default --moe-layer-freq (the int 1), in the PP 2 x VPP 2 world
+MEGATRON_LM_BUILT = "qwen3_moe"
+
+
 @pytest.fixture(scope="module")
-def imported(all_ckpts, tmp_path_factory) -> dict[bool, str]:
+def imported(all_ckpts, tmp_path_factory) -> dict[object, str]:
     """One import per architecture and key layout (singleton_local_shards or not), with no --tp: every layout
-    below loads the same checkpoint."""
+    below loads the same checkpoint. Each with the moe_layer_freq the model is built with (build_model: a list;
+    Qwen3-MoE's as Megatron-LM's list expression); under "freq1" Qwen3-MoE's with the default (the int 1)."""
     roots = {s: tmp_path_factory.mktemp(f"imported-{int(s)}") for s in (False, True)}
     for singleton, root in roots.items():
         for mt, ckpt in all_ckpts.items():
-            import_checkpoint(ckpt, root / mt, singleton_local_shards=singleton, iteration=5, progress=False)
-    return {s: str(r) for s, r in roots.items()}
+            freq = moe_pattern(ckpt)
+            if mt == MEGATRON_LM_BUILT:
+                assert freq == [1] * 4
+                freq = "([1]*4)"
+            r = import_checkpoint(ckpt, root / mt, singleton_local_shards=singleton, iteration=5, progress=False,
+                                  moe_layer_freq=freq)
+            gdn = mt in HYBRID_ATTENTION  # gated DeltaNet layers: per layer whatever moe_layer_freq is
+            assert r.layer_keys.startswith("per layer" if freq or singleton or gdn else "stacked"), (mt, r.layer_keys)
+    root = tmp_path_factory.mktemp("imported-freq1")
+    r = import_checkpoint(all_ckpts[MEGATRON_LM_BUILT], root / MEGATRON_LM_BUILT, iteration=5, progress=False)
+    assert r.layer_keys == "stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq=1"
+    return {**{s: str(r) for s, r in roots.items()}, "freq1": str(root)}
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[f"{lay}{'-singleton' if s else ''}" for lay, s in LAYOUTS])
 def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_ckpts, imported, tmp_path):
     layout, singleton = case
-    root, ckpts = imported[singleton], all_ckpts
-    per_rank = run_world(worlds.for_each_arch, layout, worlds.load_imported, ckpts, layout, root, singleton,
-                         str(tmp_path / "resaved"))
+    root, ckpts = imported[singleton], dict(all_ckpts)
+    # PP 2 x VPP 2: also the import with Megatron-LM's default moe_layer_freq, into a model built with the int 1
+    built = {"freq1": (MEGATRON_LM_BUILT, imported["freq1"], {"moe_layer_freq": 1})} if layout.vpp else {}
+    per_rank = run_world(worlds.load_imports, layout, ckpts, layout, root, singleton, str(tmp_path / "resaved"), built)
+    roots = {mt: (root, mt, tmp_path / "resaved") for mt in ckpts}
     # what Megatron's own dist_checkpointing.load put into the model from our import: its forward is transformers'
-    problems = logit_problems([{mt: r.pop("logits") for mt, r in res.items()} for res in per_rank], ckpts,
-                              worlds.TOKENS, f"{layout} import")
+    problems = logit_problems([{mt: res[mt].pop("logits") for mt in ckpts}
+                               for res in per_rank], ckpts, worlds.TOKENS, f"{layout} import")
+    for name, (mt, other, config) in built.items():
+        roots[name] = (other, mt, tmp_path / f"resaved-{name}")
+        problems += logit_problems([{mt: res[name].pop("logits")} for res in per_rank], ckpts, worlds.TOKENS,
+                                   f"{layout} import into a model built with {config}")
     same_on_every_rank(per_rank)
     assert not problems, "\n".join(problems)
-    for mt in ckpts:  # what Megatron writes for the model it loaded is what we wrote, but for its vocab padding
-        ours, megatron = model_keys(os.path.join(root, mt, "iter_0000005")), model_keys(tmp_path / "resaved" / mt)
+    assert set(per_rank[0]) == set(roots)
+    for name, (where, mt, resaved) in roots.items():  # what Megatron writes for the model it loaded is what we
+        ours, megatron = model_keys(os.path.join(where, mt, "iter_0000005")), model_keys(resaved / mt)  # wrote
+        if mt == MEGATRON_LM_BUILT:  # but for its vocab padding; the int 1 stacks the layers, a list does not
+            stacked = "decoder.layers.self_attention.linear_proj.weight"
+            per_layer = "decoder.layers.0.self_attention.linear_proj.weight"
+            assert (stacked in ours, per_layer in ours) == ((True, False) if name == "freq1" else (False, True)), name
         vocab = text_config(tiny_config(mt)).vocab_size
         padded = -(-vocab // (128 * layout.tp)) * 128 * layout.tp
         for k in ours:  # ours: exactly vocab_size rows; Megatron's: padded to 128 x TP (zeros, loaded at any TP)
             if k in VOCAB_KEYS or k.endswith(".embedding.word_embeddings.weight"):
                 assert ours[k][0][0] == vocab and megatron[k][0] == (padded, *ours[k][0][1:]), (mt, k, megatron[k])
                 megatron[k] = ours[k]
-        assert ours == megatron, (mt, sorted(set(ours) ^ set(megatron))[:6],
+        assert ours == megatron, (name, sorted(set(ours) ^ set(megatron))[:6],
                                   [k for k in ours if k in megatron and ours[k] != megatron[k]][:6])
 
 
@@ -112,20 +153,26 @@ def test_import_then_offline_export_is_bit_identical_without_megatron(all_ckpts,
         tc = text_config(cfg)  # nor are those mixing linear and full attention (qwen3_next, qwen3_5)
         linear = [t == "linear_attention" for t in getattr(tc, "layer_types", None) or [None] * tc.num_hidden_layers]
         kinds = {(get_model_spec(mt).is_moe_layer(cfg, i), linear[i]) for i in range(tc.num_hidden_layers)}
-        alike = len(kinds) == 1
-        for singleton, stacked, tp in ((False, None, None), (False, None, 1), (True, None, 2), (False, alike, 2)):
-            name = f"{mt}-{int(singleton)}{stacked}{tp}"
-            import_checkpoint(ckpt, tmp_path / name, tp=tp, singleton_local_shards=singleton, stacked_layers=stacked,
-                              file_size="20KB", progress=False)
+        alike = len(kinds) == 1 and not any(linear)
+        pattern = moe_pattern(ckpt) or [0] * tc.num_hidden_layers  # any list: per-layer keys, dense models too
+        for singleton, freq, tp in ((False, None, None), (False, None, 1), (True, None, 2), (False, pattern, 2)):
+            name = f"{mt}-{int(singleton)}{freq is None}{tp}"
+            r = import_checkpoint(ckpt, tmp_path / name, tp=tp, singleton_local_shards=singleton, moe_layer_freq=freq,
+                                  file_size="20KB", progress=False)
+            keys = model_keys(tmp_path / name / "iter_0000000")
+            stacked = alike and freq is None and not singleton
+            assert {bool(re.match(r"decoder\.layers\.\d+\.", k)) for k in keys if k.startswith("decoder.layers.")} \
+                == {not stacked}, (name, r.layer_keys)
+            assert r.layer_keys.startswith("stacked" if stacked else "per layer"), (name, r.layer_keys)
             assert len([f for f in os.listdir(tmp_path / name / "iter_0000000") if f.endswith(".distcp")]) > 1
-            rows = model_keys(tmp_path / name / "iter_0000000")["embedding.word_embeddings.weight"][0][0]
+            rows = keys["embedding.word_embeddings.weight"][0][0]
             assert rows == (100 if tp is None else 128 * tp), (name, rows)  # vocab_size 100: unpadded, or padded
             export_checkpoint(tmp_path / name, tmp_path / f"{name}-hf", ckpt, progress=False)
             worlds.assert_same(read_hf_checkpoint(tmp_path / f"{name}-hf"), ref, name)
-        if not alike:
-            with pytest.raises(LayoutError, match=r"layer 0 and layer \d+ differ"):
-                import_checkpoint(ckpt, tmp_path / f"{mt}-stacked", stacked_layers=True, progress=False)
-            assert not (tmp_path / f"{mt}-stacked").exists()
+        if 0 < sum(pattern) < len(pattern):  # dense and MoE layers: Megatron-LM's default int 1 cannot build it
+            with pytest.raises(ConfigMismatchError, match=re.escape(f"the HF config has {pattern_text(pattern)}")):
+                import_checkpoint(ckpt, tmp_path / f"{mt}-freq1", moe_layer_freq=1, progress=False)
+            assert not (tmp_path / f"{mt}-freq1").exists()
         # --dtype bf16: floating tensors cast, except those HF keeps in fp32 (e_score_correction_bias)
         import_checkpoint(ckpt, tmp_path / f"{mt}-bf16", dtype="bf16", progress=False)
         meta = model_keys(tmp_path / f"{mt}-bf16" / "iter_0000000")
@@ -195,9 +242,16 @@ def test_output_guards_overwrite_and_atomicity(ckpts, tmp_path, monkeypatch):
 
 
 def test_bad_input_is_reported_at_once_before_anything_is_written(ckpts, tmp_path):
-    with pytest.raises(LayoutError, match="choose one"):  # an explicit choice is never silently overridden
-        import_checkpoint(ckpts["qwen3"], tmp_path / "both", stacked_layers=True, singleton_local_shards=True)
-    assert not (tmp_path / "both").exists()
+    # moe_layer_freq: Megatron-LM's spellings, never executed; a value that does not build the HF model
+    for bad in ("__import__('os').system('true')", "[1]*4+[2]", "0", "(1, 1, 1, 1)", "[1]*10**9"):
+        with pytest.raises(UsageError, match="moe_layer_freq"):
+            import_checkpoint(ckpts["qwen3_moe"], tmp_path / "bad", moe_layer_freq=bad, progress=False)
+    for bad, found in ((2, "[1]+[0]+[1]+[0]"), ("[1]*3", "[1]*3"), ([0, 1, 1, 1], "[0]+[1]*3")):
+        with pytest.raises(ConfigMismatchError, match=re.escape(f"gives the dense (0) / MoE (1) layers {found}, the HF "
+                                                                "config has [1]*4: pass the value the Megatron model "
+                                                                "is built with (1 (stacked keys) or '[1]*4'")):
+            import_checkpoint(ckpts["qwen3_moe"], tmp_path / "bad", moe_layer_freq=bad, progress=False)
+    assert not (tmp_path / "bad").exists()
     src = tmp_path / "src"
     shutil.copytree(ckpts["glm4_moe"], src)
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
@@ -242,8 +296,10 @@ def test_bad_input_is_reported_at_once_before_anything_is_written(ckpts, tmp_pat
 def test_cli(ckpts, tmp_path):
     run = [sys.executable, "-m", "mcore2hf.cli", "import"]
     r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12", "--tp", "2",
-                              "--singleton-local-shards", "--dtype", "bf16"], capture_output=True, text=True)
+                              "--singleton-local-shards", "--dtype", "bf16", "--moe-layer-freq", "[0]+[1]*3"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    assert "decoder layer keys: per layer: singleton_local_shards" in r.stdout, r.stdout
     assert "peak RSS" in r.stdout and (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "12"
     meta = model_keys(tmp_path / "c" / "iter_0000012")
     assert meta["embedding.word_embeddings.weight"] == ((256, 64), torch.bfloat16)  # 100 padded to 128 x TP 2
@@ -254,6 +310,10 @@ def test_cli(ckpts, tmp_path):
     r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "d"), "--file-size", "lots"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--file-size" in r.stderr
+    r = subprocess.run(run + [ckpts["qwen3_moe"], str(tmp_path / "f"), "--moe-layer-freq", "[0]+[1]*3"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "[0]+[1]*3" in r.stderr, r.stderr
+    assert not (tmp_path / "f").exists()
 
 
 def test_tied_embeddings_import_has_no_output_layer(tmp_path):

@@ -19,9 +19,11 @@ from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout
 
 
-def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True, model_class: str = "gpt"):
+def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True, model_class: str = "gpt",
+          **config):
+    """The model chunks at `layout`; `config`: TransformerConfig fields over the spec's (e.g. moe_layer_freq)."""
     cfg = load_hf_config(ckpt)
-    overrides = dict(layout.config_overrides())
+    overrides = dict(layout.config_overrides(), **config)
     if not mtp:
         overrides["mtp_num_layers"] = None
     if dtype != torch.float32:
@@ -630,17 +632,18 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
 
 
 def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None,
-                  model_class: str = "gpt") -> int:
+                  model_class: str = "gpt", **config) -> int:
     """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
     checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
     builds), then exported live: bit-identical to the HF source. With `resave`, Megatron then saves the model
-    under resave/<arch> (to compare keys). Returns the number of tensors checked."""
+    under resave/<arch> (to compare keys). `config`: TransformerConfig fields the model is built with over the
+    spec's (`moe_layer_freq=1`: as Megatron-LM builds it by default). Returns the number of tensors checked."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from mcore2hf.registry import get_converter
 
-    cfg, chunks = build(ckpt, layout, model_class=model_class)
+    cfg, chunks = build(ckpt, layout, model_class=model_class, **config)
     zero_(chunks)
     md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
 
@@ -666,6 +669,20 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
         dist.barrier()
         dist_checkpointing.save(sharded(), out)
     return {"tensors": len(ref), "logits": logits}
+
+
+def load_imports(ckpts: dict[str, str], layout: Layout, root: str, singleton: bool, resave: str,
+                 built: dict[str, tuple[str, str, dict]] | None = None) -> dict:
+    """load_imported for every architecture (models as build_model builds them), then for each entry of `built`
+    ({name: (arch, root, TransformerConfig fields)}) the import under that root into a model built with those
+    fields (Megatron re-saving it under resave-<name>/<arch>), in the same world."""
+    import functools
+
+    out = for_each_arch(load_imported, ckpts, layout, root, singleton, resave)
+    for name, (mt, other_root, config) in (built or {}).items():
+        out.update(for_each_arch(functools.partial(load_imported, **config), {name: ckpts[mt]}, layout, other_root,
+                                 singleton, f"{resave}-{name}"))
+    return out
 
 
 def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor | None,

@@ -1,0 +1,354 @@
+"""Megatron's checkpoint keys <-> the canonical names the converter tables use: the key scheme, written once.
+
+The offline import writes keys (`KeyLayout.key`: canonical name -> key), the offline export and `verify` read them
+(`canonical_parts`: keys -> canonical names); both are derived from the declarations below. The forms are the ones
+megatron-core 0.16.1's `sharded_state_dict` gives (tests/test_import.py compares them with a checkpoint Megatron
+itself saved; tests/test_checkpoint_keys.py checks the two directions are inverse over every form):
+
+* `LAYER_RENAMES`: names inside a layer saved under another key (the local spec's `sharded_state_dict_keys_map`,
+  gated DeltaNet's fused input norm); not for MLA layers, whose local spec has no such map;
+* decoder layers stacked under `decoder.layers.<name>` (the layer a leading axis, sharded over PP) or keyed per
+  layer `decoder.layers.<i>.<name>` (transformer/transformer_block.py `sharded_state_dict`; which one: the
+  import's `layer_keys`); MTP layers always per layer, their inner layer under `mtp.layers.<m>.transformer_layer.`
+  (multi_token_prediction.py);
+* routed experts (`mlp.experts.<e>.linear_fc{1,2}.*`) stacked as `mlp.experts.experts.linear_fc{1,2}.*` (the
+  expert a leading axis) or, with `singleton_local_shards`, `mlp.experts.experts.<e>.linear_fc{1,2}.*`
+  (transformer/moe/experts.py SequentialMLP / TEGroupedMLP `sharded_state_dict`, alike);
+* `PARTS`: one tensor saved as several keys: a GLU fc1 with `singleton_local_shards` as `_w` (gate) and `_v` (up)
+  (mlp.py `apply_swiglu_sharded_factory`), gated DeltaNet's in_proj / conv1d per component (`.query`, ...;
+  ssm/gated_delta_net.py `sharded_state_dict`);
+* hybrid stacks (0.16.1 MambaModel ssm/mamba_block.py, 0.19.2 HybridModel models/hybrid/hybrid_block.py): every
+  layer under its Megatron index (an HF layer's mixer and MLP are two, `naming.HybridLayout`), the final norm
+  `decoder.final_norm.`;
+* every linear's `_extra_state` as a ShardedObject (`extra_state_key`; dist_checkpointing/mapping.py
+  `ShardedObject.unique_key`).
+
+Reading also accepts what other writers spell differently: Transformer Engine's fused-norm names (`naming.TE_RENAMES`,
+e.g. MLA's `linear_q_up_proj.layer_norm_weight`), per-expert keys without `experts.`, 0.19's `mtp_model_layer.`.
+Megatron-LM's legacy `torch` format has per-rank local names instead (mcore2hf.legacy), read into the same
+`CkptSource`s.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import regex
+import torch
+
+from .errors import ConfigMismatchError, UsageError
+from .layouts import GDN_PARTS
+from .mapping import ModelDims
+from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout, canonical_layer_name, mtp_inner
+from .plan import natural_key
+
+#: top-level modules of a GPT / hybrid model's weights; other keys are optimizer or RNG state
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+#: a key (or local name) inside decoder or MTP layer <i>
+LAYER_KEY = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
+STACKED_LAYERS = "decoder.layers."
+#: the MTP layer's inner transformer layer (multi_token_prediction.py; what the import writes)
+MTP_INNER = "transformer_layer."
+
+#: the layer kinds a rename applies to: self-attention with the local spec's keys map, gated DeltaNet
+ATTENTION, GDN = "attention", "gdn"
+
+
+@dataclass(frozen=True)
+class Rename:
+    """A name inside a layer (`canonical` prefix) saved under another key (`key` prefix) in `kinds` of layers."""
+
+    canonical: str
+    key: str
+    kinds: frozenset[str]
+
+
+#: megatron-core 0.16.1 gpt_layer_specs.py get_gpt_layer_local_spec (non-MLA) `sharded_state_dict_keys_map`: the
+#: norms under TE's fused names; gated DeltaNet layers keep the input norm under in_proj (the experimental spec's
+#: TE fused norm, which model_specs/qwen3_next.py keeps for the local spec)
+LAYER_RENAMES = (
+    Rename("input_layernorm.", "self_attention.linear_qkv.layer_norm_", frozenset({ATTENTION})),
+    Rename("input_layernorm.", "self_attention.in_proj.layer_norm_", frozenset({GDN})),
+    Rename("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", frozenset({ATTENTION, GDN})),
+)
+_FROM_KEY = {r.key: r.canonical for r in LAYER_RENAMES}
+assert all(_FROM_KEY[r.key] == r.canonical for r in LAYER_RENAMES), "a key must name one canonical prefix"
+
+#: routed experts: the canonical name, the stacked key (expert = a leading axis), the per-expert key
+_EXPERT = regex.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+_STACKED_EXPERTS = regex.compile(r"mlp\.experts\.experts\.(linear_fc[12]\.(?:weight|bias))")
+_SINGLETON_EXPERT = regex.compile(r"mlp\.experts\.(?:experts\.)?(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+_CANONICAL_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+#: key suffixes of the parts one tensor is saved as, in the order that concatenates them into the tensor: whole,
+#: GLU gate `_w` and up `_v`, gated DeltaNet components `.query` ... `.alpha`
+GLU_PARTS = ("w", "v")
+PARTS = ("", *GLU_PARTS, *GDN_PARTS)
+_GDN_PART = regex.compile(rf"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.({'|'.join(GDN_PARTS)})")
+
+#: modules whose Megatron implementations (ColumnParallelLinear, RowParallelLinear, TE linears) carry an
+#: `_extra_state` that their sharded state dict saves as a ShardedObject
+LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
+                            "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                            "eh_proj", "in_proj", "out_proj"})
+#: a hybrid model's output layer `_extra_state`: GPTModel.sharded_state_dict drops it, MambaModel / HybridModel keep
+#: LanguageModule's (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
+HYBRID_OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
+
+
+def part_key(key: str, part: str) -> str:
+    """The key of `part` (one of PARTS) of the tensor saved under `key`."""
+    if not part:
+        return key
+    return f"{key}_{part}" if part in GLU_PARTS else f"{key}.{part}"
+
+
+def split_part(key: str) -> tuple[str, str]:
+    """(the tensor's key, part) of a checkpoint key: the inverse of `part_key`."""
+    if key[-2:] in ("_w", "_v"):
+        return key[:-2], key[-1]
+    m = _GDN_PART.fullmatch(key)
+    return (m.group(1), m.group(2)) if m is not None else (key, "")
+
+
+def layer_kind(mla: bool, gdn: bool) -> str | None:
+    """Which renames a layer's names get: None for MLA layers (no keys map in their local spec)."""
+    return None if mla else GDN if gdn else ATTENTION
+
+
+def rename_to_key(rest: str, kind: str | None) -> str:
+    """A name inside a layer of `kind` as its checkpoint key spells it (LAYER_RENAMES)."""
+    for r in LAYER_RENAMES:
+        if kind in r.kinds and rest.startswith(r.canonical):
+            return r.key + rest[len(r.canonical):]
+    return rest
+
+
+def rename_from_key(rest: str) -> str:
+    """The inverse of `rename_to_key` (a key prefix names one canonical prefix, whatever the layer kind)."""
+    for key, canonical in _FROM_KEY.items():
+        if rest.startswith(key):
+            return canonical + rest[len(key):]
+    return rest
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How one model's canonical names are keyed in its checkpoint: the forms megatron-core's sharded state dict
+    chooses for it (`stacked` decoder layers, `singleton` experts, MLA without keys map, the gated DeltaNet
+    layers, a hybrid stack's layout)."""
+
+    num_layers: int
+    num_experts: int = 0
+    stacked: bool = False
+    singleton: bool = False
+    mla: bool = False
+    gdn_layers: frozenset[int] = frozenset()
+    hybrid: HybridLayout | None = None
+
+    def key(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """(key, lead, dims) of a canonical Megatron name: its tensor is item `lead` of the key's tensor, whose
+        leading dims are `dims` (stacked layers, stacked experts; both empty when the key holds it alone)."""
+        m = _CANONICAL_LAYER.fullmatch(name)
+        if m is None:
+            if self.hybrid is not None and name == FINAL_NORM:
+                return HYBRID_FINAL_NORM, (), ()
+            return name, (), ()
+        layer, rest = int(m.group(1)), m.group(2)
+        mtp = layer >= self.num_layers
+        rest = rename_to_key(rest, layer_kind(self.mla, layer in self.gdn_layers))
+        if self.hybrid is not None and not mtp:
+            layer = self.hybrid.megatron_layer(layer, m.group(2))
+        lead, glob = (), ()
+        e = _EXPERT.fullmatch(rest)
+        if e is not None:
+            if self.singleton:
+                rest = f"mlp.experts.experts.{e.group(1)}.{e.group(2)}"
+            else:
+                rest = f"mlp.experts.experts.{e.group(2)}"
+                lead, glob = (int(e.group(1)),), (self.num_experts,)
+        if mtp:
+            return f"mtp.layers.{layer - self.num_layers}.{MTP_INNER}{rest}", lead, glob
+        if self.stacked and self.hybrid is None:
+            return f"{STACKED_LAYERS}{rest}", (layer, *lead), (self.num_layers, *glob)
+        return f"decoder.layers.{layer}.{rest}", lead, glob
+
+
+def extra_state_key(name: str, key: str, lead: tuple[int, ...], glob: tuple[int, ...]) -> str | None:
+    """The `_extra_state` ShardedObject key saved beside the tensor `key` of canonical name `name`, or None when
+    its module is not a linear (a norm keyed into fc1 is not)."""
+    if name.rsplit(".", 2)[-2] not in LINEAR_MODULES:
+        return None
+    return (f"{key.rsplit('.', 1)[0]}._extra_state/shard_{'.'.join(map(str, lead or (0,)))}_"
+            f"{'.'.join(map(str, glob or (1,)))}")
+
+
+def canonical_parts(keys: Iterable[str], shape: Callable[[str], tuple[int, ...]], num_layers: int,
+                    hybrid: HybridLayout | None = None
+                    ) -> tuple[dict[str, dict[str, tuple[str, tuple[int, ...]]]], list[str]]:
+    """{canonical name: {part: (key, leading indices)}} of every model tensor among `keys` (`shape(key)`: its
+    global shape), the inverse of `KeyLayout.key` and `part_key`; also the keys that are not model weights.
+    `hybrid`: a hybrid model's checkpoint (naming.checkpoint_hybrid_layout), its layers renumbered to HF layers."""
+    found: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+    ignored = []
+
+    def add(kind: str, number: int, rest: str, key: str, lead: tuple[int, ...], part: str) -> None:
+        if hybrid is not None and kind == "decoder":
+            number = hybrid.hf_layer[number]
+        kind, number, rest = mtp_inner(kind, number, rest, num_layers)
+        rest = rename_from_key(rest)
+        stacked = _STACKED_EXPERTS.fullmatch(rest)
+        if stacked is not None:
+            for e in range(shape(key)[len(lead)]):
+                name = canonical_layer_name(kind, number, f"mlp.experts.{e}.{stacked.group(1)}", num_layers)
+                found.setdefault(name, {})[part] = (key, (*lead, e))
+            return
+        one = _SINGLETON_EXPERT.fullmatch(rest)
+        if one is not None:
+            rest = f"mlp.experts.{one.group(1)}.{one.group(2)}"
+        found.setdefault(canonical_layer_name(kind, number, rest, num_layers), {})[part] = (key, lead)
+
+    for key in sorted(keys, key=natural_key):
+        if not key.startswith(MODEL_PREFIXES):
+            ignored.append(key)
+            continue
+        base, part = split_part(key)
+        m = LAYER_KEY.fullmatch(base)
+        if m is not None:
+            add(m.group(1), int(m.group(2)), m.group(3), key, (), part)
+        elif base.startswith(STACKED_LAYERS):
+            for layer in range(shape(key)[0]):
+                add("decoder", layer, base[len(STACKED_LAYERS):], key, (layer,), part)
+        else:
+            if hybrid is not None and base == HYBRID_FINAL_NORM:
+                base = FINAL_NORM
+            found.setdefault(base, {})[part] = (key, ())
+    return found, ignored
+
+
+#: Megatron-LM's `--moe-layer-freq` default (NVIDIA/Megatron-LM megatron/training/arguments.py `_add_moe_args`, commit
+#: d98e8a64ddf34856e74b24714e3bedb2f5a39553), also TransformerConfig's (megatron-core 0.16.1 transformer_config.py)
+MEGATRON_LM_MOE_LAYER_FREQ = 1
+_MAX_PATTERN = 1 << 20  # layers a pattern expression may spell out (a bound on '[1]*10**...'-style input)
+
+
+def _pattern_value(node: ast.AST, text: str):
+    """The value of a pattern expression's node: ints, lists, + and * only."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern_value(e, text) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        a, b = _pattern_value(node.left, text), _pattern_value(node.right, text)
+        if isinstance(node.op, ast.Add) and type(a) is type(b):
+            return a + b
+        if isinstance(node.op, ast.Mult) and isinstance(a, int) != isinstance(b, int):
+            if (len(a) * b if isinstance(a, list) else a * len(b)) > _MAX_PATTERN:
+                raise UsageError(f"moe_layer_freq {text!r}: more than {_MAX_PATTERN} layers")
+            return a * b
+        if isinstance(node.op, ast.Mult) and isinstance(a, int) and isinstance(b, int):
+            return a * b
+    raise UsageError(f"moe_layer_freq {text!r}: expected an int or a Python list expression of 0s and 1s built "
+                     f"with [], +, * and parentheses (Megatron-LM's --moe-layer-freq), found {ast.unparse(node)[:60]!r}")
+
+
+def parse_moe_layer_freq(value: int | list[int] | str) -> int | list[int]:
+    """Megatron-LM's `--moe-layer-freq` in any of its spellings (arguments.py `moe_freq_type`, commit above): an
+    int N (an MoE layer every N layers), its string, or a Python list expression of 0 (dense) / 1 (MoE) such as
+    '([1]*3+[0])*2' or '[0]+[1]*47'. Megatron-LM `eval`s the expression after allowing only `,` digits `[]()+*`
+    (`_eval_pattern`); here it is evaluated from its syntax tree (ints, lists, + and *), never executed."""
+    text = value
+    if isinstance(value, str):
+        try:
+            tree = ast.parse(value.strip(), mode="eval")
+        except SyntaxError:
+            raise UsageError(f"moe_layer_freq {value!r}: not an int or a Python list expression "
+                             "(e.g. 1, '[0]+[1]*47', '([1]*3+[0])*2')") from None
+        value = _pattern_value(tree.body, text)
+    if type(value) is int:
+        if value < 1:
+            raise UsageError(f"moe_layer_freq {text!r}: an int must be >= 1 (one MoE layer every N layers)")
+        return value
+    if isinstance(value, (list, tuple)) and value and all(type(v) is int and v in (0, 1) for v in value):
+        return list(value)  # megatron-core's layer specs take 1 = MoE, 0 = dense, nothing else (gpt_layer_specs.py)
+    raise UsageError(f"moe_layer_freq {text!r}: expected an int >= 1 or a non-empty list of 0 (dense) / 1 (MoE), "
+                     f"got {value!r}")
+
+
+def pattern_text(pattern: list[int]) -> str:
+    """A list expression of `pattern` as Megatron-LM's --moe-layer-freq takes it, e.g. '[0]*3+[1]*58'."""
+    runs: list[list[int]] = []
+    for v in pattern:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return "+".join(f"[{v}]*{n}" if n > 1 else f"[{v}]" for v, n in runs)
+
+
+def layer_keys(spec, cfg, dims: ModelDims, moe_layer_freq: int | list[int] | str | None, *, singleton: bool,
+               non_homogeneous: bool, hybrid: bool) -> tuple[bool, str]:
+    """(stacked, why): whether the decoder layers are saved under one stacked key per parameter, decided as
+    megatron-core 0.16.1 transformer_block.py `sharded_state_dict` decides `non_homogeneous_layers` (per-layer
+    keys) for the model this HF config describes, built with `moe_layer_freq`:
+
+    * the metadata flag `non_homogeneous_layers` (Megatron-LM's `_build_sharded_state_dict_metadata` never sets
+      it), or `singleton_local_shards`;
+    * `moe_layer_freq` an int > 1 or a list (any list, even all ones: `[1]*48` is per layer, `1` is stacked);
+    * `linear_attention_freq` an int > 1 or a list: every value that gives gated DeltaNet layers is one
+      (experimental_attention_variant_module_specs.py `get_linear_attention_pattern`: the int 1 means none), so
+      models with GDN layers are always per layer;
+    * hybrid stacks (MambaModel / HybridModel) key every layer by its index.
+
+    `moe_layer_freq` is checked against the HF config's dense/MoE layers (the pattern megatron-core derives:
+    gpt_layer_specs.py `get_gpt_decoder_layer_specs`, layer i is MoE iff i % N == 0 for an int N). None: Megatron-LM's
+    default 1 where every layer is MoE; otherwise the HF config's pattern (only a list or an int > 1 builds it)."""
+    if hybrid:
+        if moe_layer_freq is not None:
+            raise UsageError("moe_layer_freq with model_class='hybrid': a hybrid model's layer pattern decides its "
+                             "MoE layers, and its stack keys every layer by its index (mamba_block.py / "
+                             "hybrid_block.py); leave moe_layer_freq unset")
+        return False, "per layer: a hybrid model (every Megatron layer under its own index)"
+    want = [int(bool(spec.is_moe_layer(cfg, i))) for i in range(dims.num_layers)]
+    if moe_layer_freq is None:
+        freq = MEGATRON_LM_MOE_LAYER_FREQ if not dims.num_experts or all(want) else want
+    else:
+        freq = parse_moe_layer_freq(moe_layer_freq)
+        if dims.num_experts:  # megatron-core builds MoE layers from it only for an MoE model
+            have = [int(i % freq == 0) for i in range(dims.num_layers)] if isinstance(freq, int) else freq
+            if have != want:
+                raise ConfigMismatchError(
+                    f"moe_layer_freq={moe_layer_freq!r} gives the dense (0) / MoE (1) layers {pattern_text(have)}, "
+                    f"the HF config has {pattern_text(want)}: pass the value the Megatron model is built with "
+                    f"({'1 (stacked keys) or ' if all(want) else ''}'{pattern_text(want)}' (per-layer keys))")
+    shown = freq if isinstance(freq, int) else pattern_text(freq)
+    if non_homogeneous:
+        return False, "per layer: non_homogeneous_layers"
+    if singleton:
+        return False, "per layer: singleton_local_shards"
+    if dims.linear_num_key_heads is not None:
+        return False, "per layer: gated DeltaNet layers (linear_attention_freq is an int > 1 or a list)"
+    if isinstance(freq, list):
+        return False, f"per layer: moe_layer_freq is a list ({shown})"
+    if freq > 1:
+        return False, f"per layer: moe_layer_freq={freq} > 1"
+    return True, f"stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq={shown}"
+
+
+@dataclass
+class CkptSource:
+    """One canonical Megatron tensor and how to read it from a checkpoint (torch_dist or legacy)."""
+
+    name: str
+    key: str
+    # TP shards in rank order (one: the whole tensor), each read as (key, leading indices) parts concatenated
+    # along dim 0 (GLU _w/_v); shape: of a shard until prepare_sources resolves the op, then the whole tensor's
+    reads: list[list[tuple[str, tuple[int, ...]]]]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    hf: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    op: object = None
+    n_out: int = 1
+    keep_dtype: bool = False

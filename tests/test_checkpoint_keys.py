@@ -1,0 +1,191 @@
+"""The checkpoint key scheme (mcore2hf.checkpoint_keys), pure: what the import writes (`KeyLayout.key`, `part_key`)
+reads back (`canonical_parts`) as exactly the canonical names and parts it came from, for every key form: stacked
+and per-layer decoder layers, the local spec's key renames, gated DeltaNet layers and parts, MLA (no renames),
+stacked and per-expert experts with GLU halves, MTP layers, hybrid stacks. That the forms are megatron-core's own is
+tests/test_import.py's part (Megatron loads the import and re-saves the same keys)."""
+
+import pytest
+
+from mcore2hf.checkpoint_keys import (
+    GLU_PARTS,
+    LAYER_RENAMES,
+    KeyLayout,
+    canonical_parts,
+    extra_state_key,
+    layer_keys,
+    parse_moe_layer_freq,
+    part_key,
+    pattern_text,
+    split_part,
+)
+from mcore2hf.errors import ConfigMismatchError, UsageError
+from mcore2hf.layouts import GDN_PARTS
+from mcore2hf.naming import HybridLayout
+from mcore2hf.registry import get_model_spec
+from mcore2hf.runtime.tiny import tiny_config
+
+E = 4  # experts
+TOP = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
+ATTENTION = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+             "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
+             "self_attention.linear_proj.weight"]
+MLA = ["input_layernorm.weight", "self_attention.linear_q_down_proj.weight", "self_attention.q_layernorm.weight",
+       "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight",
+       "self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.weight",
+       "self_attention.linear_proj.weight"]
+GDN = ["input_layernorm.weight", "self_attention.in_proj.weight", "self_attention.conv1d.weight",
+       "self_attention.A_log", "self_attention.out_norm.weight", "self_attention.out_proj.weight"]
+DENSE_MLP = ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+MOE = ["pre_mlp_layernorm.weight", "mlp.router.weight", "mlp.router.expert_bias",
+       "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+       *[f"mlp.experts.{e}.linear_fc{i}.{p}" for e in range(E) for i in (1, 2) for p in ("weight", "bias")]]
+MTP = ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+       "mtp.layers.0.final_layernorm.weight"]
+
+
+def names(layers: list[list[str]], mtp: list[str] | None = None) -> list[str]:
+    """Canonical names of a model whose decoder layer i holds layers[i] (and one MTP layer holding `mtp`)."""
+    out = TOP + [f"decoder.layers.{i}.{n}" for i, held in enumerate(layers) for n in held]
+    if mtp is not None:
+        out += MTP + [f"decoder.layers.{len(layers)}.{n}" for n in mtp]
+    return out
+
+
+def parts_of(name: str, layout: KeyLayout) -> tuple[str, ...]:
+    """The parts the import saves a tensor as (its layout op's checkpoint_parts, GLU halves with singleton)."""
+    if name.endswith(("self_attention.in_proj.weight",)):
+        return GDN_PARTS
+    if name.endswith("self_attention.conv1d.weight"):
+        return GDN_PARTS[:3]
+    if layout.singleton and name.endswith("linear_fc1.weight"):
+        return GLU_PARTS
+    return ("",)
+
+
+CASES = {
+    "dense, stacked layers": (KeyLayout(3, stacked=True), names([ATTENTION + DENSE_MLP] * 3)),
+    "dense, per layer": (KeyLayout(3), names([ATTENTION + DENSE_MLP] * 3)),
+    "all MoE, stacked layers and experts (moe_layer_freq=1)": (KeyLayout(3, E, stacked=True),
+                                                               names([ATTENTION + MOE] * 3)),
+    "dense first layer, MoE, MTP": (KeyLayout(3, E), names([ATTENTION + DENSE_MLP] + [ATTENTION + MOE] * 2,
+                                                           ATTENTION + MOE)),
+    "singleton: per expert, GLU halves": (KeyLayout(3, E, singleton=True),
+                                          names([ATTENTION + DENSE_MLP] + [ATTENTION + MOE] * 2, ATTENTION + MOE)),
+    "MLA, MTP": (KeyLayout(2, E, mla=True), names([MLA + DENSE_MLP, MLA + MOE], MLA + MOE)),
+    "gated DeltaNet and full attention": (KeyLayout(3, E, gdn_layers=frozenset({0, 1})),
+                                          names([GDN + MOE, GDN + MOE, ATTENTION + MOE])),
+    "hybrid stack": (KeyLayout(3, E, gdn_layers=frozenset({1}), hybrid=HybridLayout.parse("*-G*E")),
+                     names([ATTENTION + DENSE_MLP, GDN, ATTENTION + MOE])),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_keys_read_back_as_the_names_they_were_written_from(case):
+    layout, canonical = CASES[case]
+    written: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in canonical:
+        key, lead, glob = layout.key(name)
+        assert len(lead) == len(glob) and all(0 <= i < n for i, n in zip(lead, glob)), (name, key, lead, glob)
+        for part in parts_of(name, layout):
+            k = part_key(key, part)
+            assert split_part(k) == (key, part)
+            assert shapes.setdefault(k, (*glob, 2, 3)) == (*glob, 2, 3), k  # one global shape per key
+            written.setdefault(name, {})[part] = (k, lead)
+    pairs = [item for parts in written.values() for item in parts.values()]
+    assert len(pairs) == len(set(pairs)), "two names written to one (key, index)"
+    found, ignored = canonical_parts([*shapes, "optimizer.state.exp_avg.x", "rng_state"], shapes.__getitem__,
+                                     layout.num_layers, layout.hybrid)
+    assert found == written
+    assert ignored == ["optimizer.state.exp_avg.x", "rng_state"]
+
+
+def test_the_key_forms_are_megatrons():
+    """Spot checks of each form against megatron-core 0.16.1's spelling (transformer_block.py, gpt_layer_specs.py
+    keys map, moe/experts.py, multi_token_prediction.py, gated_delta_net.py, mamba_block.py)."""
+    stacked = KeyLayout(4, E, stacked=True)
+    assert stacked.key("decoder.layers.2.input_layernorm.weight") == (
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (2,), (4,))
+    assert stacked.key("decoder.layers.2.mlp.experts.3.linear_fc2.weight") == (
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight", (2, 3), (4, E))
+    assert stacked.key("decoder.layers.4.pre_mlp_layernorm.weight") == (  # MTP: never stacked
+        "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight", (), ())
+    single = KeyLayout(4, E, singleton=True)
+    assert single.key("decoder.layers.1.mlp.experts.3.linear_fc1.weight") == (
+        "decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight", (), ())
+    assert part_key("decoder.layers.1.mlp.linear_fc1.weight", "w") == "decoder.layers.1.mlp.linear_fc1.weight_w"
+    assert KeyLayout(2, mla=True).key("decoder.layers.0.input_layernorm.weight")[0] == \
+        "decoder.layers.0.input_layernorm.weight"
+    gdn = KeyLayout(2, gdn_layers=frozenset({0}))
+    assert gdn.key("decoder.layers.0.input_layernorm.weight")[0] == "decoder.layers.0.self_attention.in_proj.layer_norm_weight"
+    assert part_key("decoder.layers.0.self_attention.in_proj.weight", "beta") == \
+        "decoder.layers.0.self_attention.in_proj.weight.beta"
+    hybrid = KeyLayout(2, hybrid=HybridLayout.parse("*-*-"), stacked=True)  # a hybrid stack is never stacked
+    assert hybrid.key("decoder.layers.1.pre_mlp_layernorm.weight") == (
+        "decoder.layers.3.mlp.linear_fc1.layer_norm_weight", (), ())
+    assert hybrid.key("decoder.final_layernorm.weight")[0] == "decoder.final_norm.weight"
+    assert extra_state_key("decoder.layers.2.mlp.experts.3.linear_fc2.weight",
+                           *stacked.key("decoder.layers.2.mlp.experts.3.linear_fc2.weight")) == \
+        "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_2.3_4.4"
+    assert extra_state_key("decoder.layers.0.pre_mlp_layernorm.weight",
+                           *stacked.key("decoder.layers.0.pre_mlp_layernorm.weight")) is None  # a norm in fc1's key
+
+
+def test_other_writers_spellings_are_read():
+    """Read only: Transformer Engine's MLA fused norms (naming.TE_RENAMES), per-expert keys without `experts.`,
+    megatron-core 0.19's `mtp_model_layer.`."""
+    keys = {"decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight": (8,),
+            "decoder.layers.0.mlp.experts.3.linear_fc1.weight": (4, 2),
+            "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight": (4, 2)}
+    found, _ = canonical_parts(keys, keys.__getitem__, 2)
+    assert set(found) == {"decoder.layers.0.self_attention.q_layernorm.weight",
+                          "decoder.layers.0.mlp.experts.3.linear_fc1.weight",
+                          "decoder.layers.2.self_attention.linear_qkv.weight"}
+
+
+def test_renames_read_back_whatever_the_layer_kind():
+    """A key prefix names one canonical prefix, so reading needs no layer kind."""
+    for r in LAYER_RENAMES:
+        assert all(o.canonical == r.canonical for o in LAYER_RENAMES if o.key == r.key)
+
+
+def test_moe_layer_freq_spellings():
+    """Megatron-LM's --moe-layer-freq (arguments.py moe_freq_type): ints, their strings, list expressions."""
+    assert [parse_moe_layer_freq(v) for v in (1, "3", " [1]*2 ", "([1]*2+[0])*2", "[0]+[1]*3")] == \
+        [1, 3, [1, 1], [1, 1, 0, 1, 1, 0], [0, 1, 1, 1]]
+    assert pattern_text([0, 0, 0, 1, 1, 0]) == "[0]*3+[1]*2+[0]" and pattern_text([1]) == "[1]"
+    for bad in ("__import__('os').system('true')", "[1]*2**40", "[1]*99999999", "0", "-1", "[2]", "[]", "[[1]]",
+                "(1, 0)", "1.5", "x", True, [1, 2], "[1"):
+        with pytest.raises(UsageError, match="moe_layer_freq"):
+            parse_moe_layer_freq(bad)
+
+
+@pytest.mark.parametrize("mt, freq, extra, form", [
+    ("qwen3_moe", None, {}, "stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq=1"),
+    ("qwen3_moe", "([1]*4)", {}, "per layer: moe_layer_freq is a list ([1]*4)"),
+    ("qwen3_moe", None, {"non_homogeneous": True}, "per layer: non_homogeneous_layers"),
+    ("qwen3_moe", 1, {"singleton": True}, "per layer: singleton_local_shards"),
+    ("glm4_moe", None, {}, "per layer: moe_layer_freq is a list ([0]+[1]*3)"),
+    ("glm4_moe", [0, 1, 1, 1], {}, "per layer: moe_layer_freq is a list ([0]+[1]*3)"),
+    ("qwen3", None, {}, "stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq=1"),
+    ("qwen3", 2, {}, "per layer: moe_layer_freq=2 > 1"),  # a dense model's freq still decides (transformer_block.py)
+    ("qwen3", "[0]*4", {}, "per layer: moe_layer_freq is a list ([0]*4)"),
+    ("qwen3_next", None, {}, "per layer: gated DeltaNet layers (linear_attention_freq is an int > 1 or a list)"),
+    ("qwen3", None, {"hybrid": True}, "per layer: a hybrid model (every Megatron layer under its own index)"),
+])
+def test_layer_keys_decide_as_megatron_core(mt, freq, extra, form):
+    cfg = tiny_config(mt)
+    spec = get_model_spec(mt)
+    kw = {"singleton": False, "non_homogeneous": False, "hybrid": False, **extra}
+    stacked, why = layer_keys(spec, cfg, spec.dims(cfg), freq, **kw)
+    assert (stacked, why) == (form.startswith("stacked"), form)
+
+
+def test_layer_keys_refuse_a_freq_that_does_not_build_the_model():
+    cfg, spec = tiny_config("glm4_moe"), get_model_spec("glm4_moe")
+    with pytest.raises(ConfigMismatchError, match=r"moe_layer_freq=1 gives the dense \(0\) / MoE \(1\) layers \[1\]\*4, "
+                                                  r"the HF config has \[0\]\+\[1\]\*3: pass the value the Megatron "
+                                                  r"model is built with \('\[0\]\+\[1\]\*3' \(per-layer keys\)\)"):
+        layer_keys(spec, cfg, spec.dims(cfg), 1, singleton=False, non_homogeneous=False, hybrid=False)
+    with pytest.raises(UsageError, match="moe_layer_freq with model_class='hybrid'"):
+        layer_keys(spec, cfg, spec.dims(cfg), 1, singleton=False, non_homogeneous=False, hybrid=True)
