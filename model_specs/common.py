@@ -80,7 +80,9 @@ def moe_fields(cfg, num_experts: int, topk: int, moe_ffn: int, pattern: list[int
         num_moe_experts=num_experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=moe_ffn,
-        moe_layer_freq=pattern,
+        # Megatron-LM's default --moe-layer-freq is the int 1; a model of MoE layers only built with it saves its
+        # layers stacked under one key (transformer_block.py sharded_state_dict), one with a list per layer
+        moe_layer_freq=1 if all(pattern) else pattern,
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="none",

@@ -77,47 +77,55 @@ def test_every_registered_architecture_is_imported():
     assert {canonical_model_type(m) for m in list_architectures()} == set(ARCHS) | set(HYBRID_ATTENTION)
 
 
-def moe_pattern(ckpt: str) -> list[int] | None:
-    """The moe_layer_freq build_model gives an MoE model (model_specs/common.py `moe_fields`: the HF config's
-    dense/MoE pattern as a list), None for a dense one."""
+def moe_pattern(ckpt: str) -> int | list[int] | None:
+    """The moe_layer_freq build_model gives an MoE model (model_specs/common.py `moe_fields`, as Megatron-LM's
+    arguments do: the int 1 when every layer is MoE, else the HF config's dense/MoE pattern as a list), None for a
+    dense one."""
     cfg = load_hf_config(ckpt)
     spec = get_model_spec(cfg.model_type)
     dims = spec.dims(cfg)
-    return [int(spec.is_moe_layer(cfg, i)) for i in range(dims.num_layers)] if dims.num_experts else None
+    if not dims.num_experts:
+        return None
+    pattern = [int(spec.is_moe_layer(cfg, i)) for i in range(dims.num_layers)]
+    return 1 if all(pattern) else pattern
 
 
-#: an all-MoE model built with Megatron-LM's default --moe-layer-freq (the int 1), in the PP 2 x VPP 2 world
-MEGATRON_LM_BUILT = "qwen3_moe"
+#: an all-MoE model also built with a list (`--moe-layer-freq '([1]*4)'`), in the PP 2 x VPP 2 world
+LIST_BUILT = "qwen3_moe"
 
 
 @pytest.fixture(scope="module")
 def imported(all_ckpts, tmp_path_factory) -> dict[object, str]:
     """One import per architecture and key layout (singleton_local_shards or not), with no --tp: every layout
-    below loads the same checkpoint. Each with the moe_layer_freq the model is built with (build_model: a list;
-    Qwen3-MoE's as Megatron-LM's list expression); under "freq1" Qwen3-MoE's with the default (the int 1)."""
+    below loads the same checkpoint. Each with the moe_layer_freq the model is built with (build_model: Megatron-LM's
+    default, the int 1, for all-MoE models); under "list" Qwen3-MoE's as Megatron-LM's list expression."""
     roots = {s: tmp_path_factory.mktemp(f"imported-{int(s)}") for s in (False, True)}
     for singleton, root in roots.items():
         for mt, ckpt in all_ckpts.items():
             freq = moe_pattern(ckpt)
-            if mt == MEGATRON_LM_BUILT:
-                assert freq == [1] * 4
-                freq = "([1]*4)"
+            if mt == LIST_BUILT:
+                assert freq == 1
+                freq = None  # the default: Megatron-LM's
             r = import_checkpoint(ckpt, root / mt, singleton_local_shards=singleton, iteration=5, progress=False,
                                   moe_layer_freq=freq)
             gdn = mt in HYBRID_ATTENTION  # gated DeltaNet layers: per layer whatever moe_layer_freq is
-            assert r.layer_keys.startswith("per layer" if freq or singleton or gdn else "stacked"), (mt, r.layer_keys)
-    root = tmp_path_factory.mktemp("imported-freq1")
-    r = import_checkpoint(all_ckpts[MEGATRON_LM_BUILT], root / MEGATRON_LM_BUILT, iteration=5, progress=False)
-    assert r.layer_keys == "stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq=1"
-    return {**{s: str(r) for s, r in roots.items()}, "freq1": str(root)}
+            per_layer = isinstance(freq, list) or singleton or gdn
+            assert r.layer_keys.startswith("per layer" if per_layer else "stacked"), (mt, r.layer_keys)
+            if mt == LIST_BUILT and not singleton:
+                assert r.layer_keys == "stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq=1"
+    root = tmp_path_factory.mktemp("imported-list")
+    r = import_checkpoint(all_ckpts[LIST_BUILT], root / LIST_BUILT, iteration=5, progress=False,
+                          moe_layer_freq="([1]*4)")
+    assert r.layer_keys.startswith("per layer"), r.layer_keys
+    return {**{s: str(r) for s, r in roots.items()}, "list": str(root)}
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[f"{lay}{'-singleton' if s else ''}" for lay, s in LAYOUTS])
 def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_ckpts, imported, tmp_path):
     layout, singleton = case
     root, ckpts = imported[singleton], dict(all_ckpts)
-    # PP 2 x VPP 2: also the import with Megatron-LM's default moe_layer_freq, into a model built with the int 1
-    built = {"freq1": (MEGATRON_LM_BUILT, imported["freq1"], {"moe_layer_freq": 1})} if layout.vpp else {}
+    # PP 2 x VPP 2: also the per-layer import of a list moe_layer_freq, into a model built with that list
+    built = {"list": (LIST_BUILT, imported["list"], {"moe_layer_freq": [1] * 4})} if layout.vpp else {}
     per_rank = run_world(worlds.load_imports, layout, ckpts, layout, root, singleton, str(tmp_path / "resaved"), built)
     roots = {mt: (root, mt, tmp_path / "resaved") for mt in ckpts}
     # what Megatron's own dist_checkpointing.load put into the model from our import: its forward is transformers'
@@ -132,10 +140,11 @@ def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_
     assert set(per_rank[0]) == set(roots)
     for name, (where, mt, resaved) in roots.items():  # what Megatron writes for the model it loaded is what we
         ours, megatron = model_keys(os.path.join(where, mt, "iter_0000005")), model_keys(resaved / mt)  # wrote
-        if mt == MEGATRON_LM_BUILT:  # but for its vocab padding; the int 1 stacks the layers, a list does not
+        if mt == LIST_BUILT:  # but for its vocab padding; the int 1 stacks the layers, a list does not
             stacked = "decoder.layers.self_attention.linear_proj.weight"
             per_layer = "decoder.layers.0.self_attention.linear_proj.weight"
-            assert (stacked in ours, per_layer in ours) == ((True, False) if name == "freq1" else (False, True)), name
+            listed = name == "list" or singleton
+            assert (stacked in ours, per_layer in ours) == ((False, True) if listed else (True, False)), name
         vocab = text_config(tiny_config(mt)).vocab_size
         padded = -(-vocab // (128 * layout.tp)) * 128 * layout.tp
         for k in ours:  # ours: exactly vocab_size rows; Megatron's: padded to 128 x TP (zeros, loaded at any TP)
@@ -154,7 +163,8 @@ def test_import_then_offline_export_is_bit_identical_without_megatron(all_ckpts,
         linear = [t == "linear_attention" for t in getattr(tc, "layer_types", None) or [None] * tc.num_hidden_layers]
         kinds = {(get_model_spec(mt).is_moe_layer(cfg, i), linear[i]) for i in range(tc.num_hidden_layers)}
         alike = len(kinds) == 1 and not any(linear)
-        pattern = moe_pattern(ckpt) or [0] * tc.num_hidden_layers  # any list: per-layer keys, dense models too
+        # any list: per-layer keys, dense models too
+        pattern = [int(get_model_spec(mt).is_moe_layer(cfg, i)) for i in range(tc.num_hidden_layers)]
         for singleton, freq, tp in ((False, None, None), (False, None, 1), (True, None, 2), (False, pattern, 2)):
             name = f"{mt}-{int(singleton)}{freq is None}{tp}"
             r = import_checkpoint(ckpt, tmp_path / name, tp=tp, singleton_local_shards=singleton, moe_layer_freq=freq,
