@@ -253,3 +253,28 @@ def test_verify_streams_fp8_blocks_and_rows_in_bounded_runs(tmp_path, monkeypatc
     r = verify.compare(a, b)
     assert [(n, k) for n, k, _ in r.rows] == [("n", "dtype"), ("n", "values"), ("x.weight", "fp8")], r.rows
     assert "1 of 78000 fp8 byte(s) and 0 of 9 scale(s) differ" in r.rows[2][2] and "[270, 3]" in r.rows[2][2]
+
+
+def test_verify_exact_values_nan_signed_zero_integers_and_scalars(tmp_path):
+    """Exact: -0.0 equals 0.0, NaN equals NaN where both hold one, NaN in one only is a difference; integers,
+    bools and 0-d tensors compare exactly, also with atol."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mcore2hf.verify import compare
+
+    base = {"f": torch.tensor([0.0, float("nan"), float("inf"), 1.0]), "i": torch.tensor([1, 2, 3]),
+            "b": torch.tensor([True, False]), "s": torch.tensor(2.5, dtype=torch.bfloat16)}
+    other = {**base, "f": torch.tensor([-0.0, float("nan"), float("inf"), 1.0])}
+    for d, t in (("a", base), ("b", other)):
+        (tmp_path / d).mkdir()
+        save_file(t, tmp_path / d / "model.safetensors")
+    assert compare(tmp_path / "a", tmp_path / "b").identical
+    other.update(f=torch.tensor([0.0, 1.0, float("inf"), 1.0]), i=torch.tensor([1, 2, 4]),
+                 s=torch.tensor(2.0, dtype=torch.bfloat16))
+    save_file(other, tmp_path / "b" / "model.safetensors")
+    r = compare(tmp_path / "a", tmp_path / "b", atol=10.0)
+    assert sorted((n, k) for n, k, _ in r.rows) == [("f", "values"), ("i", "values")], r.rows
+    assert "first at [1]" in dict((n, d) for n, _, d in r.rows)["f"] and r.max_abs_diff == float("inf")
+    r = compare(tmp_path / "a", tmp_path / "b")
+    assert sorted((n, k) for n, k, _ in r.rows) == [("f", "values"), ("i", "values"), ("s", "values")], r.rows
