@@ -16,7 +16,6 @@ into a larger row), so memory is the result plus at most one chunk.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -310,9 +309,9 @@ class HFDirectory:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):
-        with contextlib.suppress(Exception):  # at interpreter exit `os` may be gone; the process closes them anyway
-            self.close()
+    def __del__(self, _close=os.close):  # bound now: at interpreter exit the module's globals may be gone
+        for fd in getattr(self, "_handles", {}).values():
+            _close(fd)
 
 
 class LazyTensor:
