@@ -137,10 +137,9 @@ def _over(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, atol: float) -> 
     """(max |x - y|, mask of the elements whose difference exceeds atol) computed in `dtype`; equal values (equal
     infinities, -0.0 and 0.0) and NaN in both are no difference, NaN in one only an infinite one."""
     x, y = x.to(dtype), y.to(dtype)
-    diff = (x - y).abs_()  # in place from here: one temporary of the run's size
+    diff = x - y
+    diff = diff.abs() if diff.is_complex() else diff.abs_()  # in place from here: one temporary of the run's size
     diff[(x == y) | (x.isnan() & y.isnan())] = 0
-    if diff.is_complex():
-        diff = diff.real
     diff.nan_to_num_(nan=float("inf"))
     worst = float(diff.max()) if diff.numel() else 0.0
     return worst, diff > atol
