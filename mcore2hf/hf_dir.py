@@ -134,14 +134,15 @@ def _file_name_problem(root: str, fname) -> str | None:
 
 
 class HFDirectory:
-    """The validated tensors of one HF directory. `role` names it in errors ("HF directory", "base checkpoint")."""
+    """The validated tensors of one HF directory. `role` names it in errors (e.g. "base checkpoint")."""
 
-    def __init__(self, path: str | os.PathLike, role: str = "HF directory"):
+    def __init__(self, path: str | os.PathLike, role: str = ""):
         root = os.path.abspath(os.fspath(path))
         self.path, self.role = root, role
+        who = f"{role} {root}" if role else root
         if not os.path.isdir(root):
             gone = "" if os.path.exists(root) else " (it does not exist)"
-            raise HFDirectoryError(root, f"{role} {root} is not a directory{gone}, so not an HF directory")
+            raise HFDirectoryError(root, f"{who} is not a directory{gone}, so not an HF directory")
         index = os.path.join(root, INDEX)
         weight_map: dict[str, str] | None = None
         if os.path.isfile(index):
@@ -150,7 +151,7 @@ class HFDirectory:
         elif os.path.isfile(os.path.join(root, SINGLE)):
             files = [SINGLE]
         else:
-            raise HFDirectoryError(root, f"{role} {root} is not an HF directory: it has neither {INDEX} nor {SINGLE}")
+            raise HFDirectoryError(root, f"{who} is not an HF directory: it has neither {INDEX} nor {SINGLE}")
         self._handles: dict[str, int] = {}
         problems: list[str] = []
         unreadable: set[str] = set()
@@ -187,7 +188,7 @@ class HFDirectory:
                                     f"lacks it")
         if problems:
             first = problems[0] if len(problems) == 1 else \
-                f"{role} {root}: {len(problems)} problems: " + "; ".join(problems[:5]) \
+                f"{who}: {len(problems)} problems: " + "; ".join(problems[:5]) \
                 + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise HFDirectoryError(root, first, problems)
 
@@ -225,7 +226,7 @@ class HFDirectory:
         try:
             return self.tensors[name]
         except KeyError:
-            raise HFDirectoryError(self.path, f"{self.role} {self.path} has no tensor {name}") from None
+            raise HFDirectoryError(self.path, f"{self.path} has no tensor {name}") from None
 
     # -- reading ----------------------------------------------------------------------------------------------------
 
