@@ -3,8 +3,8 @@ compared tensor by tensor.
 
 Memory: HF tensors are read in runs of rows (`CHUNK_ELEMENTS` per side, through hf_dir's positioned reads), so
 comparing two HF directories holds about two chunks and their fp32 temporaries, whatever the tensor sizes; a
-Megatron checkpoint is converted bucket by bucket (offline.checkpoint_tensors), each of its tensors compared in the
-same runs.
+Megatron checkpoint is converted in buckets of `CKPT_BUCKET` (offline.checkpoint_tensors), each of its tensors
+compared in the same runs.
 
 What counts as equal:
 
@@ -37,6 +37,9 @@ from .errors import UsageError
 from .hf_dir import HFDirectory
 
 CHUNK_ELEMENTS = 1 << 21  # elements per side compared at a time (fp32 temporaries: 8 MiB each)
+#: a Megatron checkpoint's tensors are converted in buckets of this size (a larger tensor is a bucket alone), so
+#: its side holds about max(bucket, largest tensor)
+CKPT_BUCKET = "64MiB"
 FP8_MODES = ("reference", "bound")
 KINDS = ("missing", "unexpected", "shape", "dtype", "values", "fp8")
 
@@ -322,7 +325,7 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, hf_config=None, itera
 
             scheme = _fp8_scheme(left)
             seen = set()
-            for name, tb in checkpoint_tensors(b, hf_config or a, iteration=iteration):
+            for name, tb in checkpoint_tensors(b, hf_config or a, iteration=iteration, bucket_bytes=CKPT_BUCKET):
                 seen.add(name)
                 if name not in left:
                     result.unexpected.append(name)
