@@ -200,7 +200,7 @@ class HFDirectory:
         except (OSError, ValueError) as e:
             raise HFDirectoryError(index, f"cannot read {index}: {e}") from None
         wm = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise HFDirectoryError(index, f"{index} has no 'weight_map' object of tensor name -> file name")
         for fname in set(wm.values()):
             problem = _file_name_problem(os.path.dirname(index), fname)
