@@ -17,7 +17,8 @@ _LAZY = {
     "load_hf_weights": "loader", "get_converter": "registry", "list_architectures": "registry",
     "Mcore2HFError": "errors", "ConfigMismatchError": "errors", "LayoutError": "errors",
     "MissingWeightsError": "errors", "ParallelStateError": "errors", "ShapeMismatchError": "errors",
-    "UnknownParametersError": "errors", "UnsupportedArchitectureError": "errors",
+    "UnknownParametersError": "errors", "UnsupportedArchitectureError": "errors", "HFDirectoryError": "errors",
+    "HFDirectory": "hf_dir",
 }
 
 __all__ = [*_LAZY, "__version__"]

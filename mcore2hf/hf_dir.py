@@ -9,8 +9,9 @@ headers agree on which file holds each tensor, and no tensor is in two files. Ev
 `HFDirectoryError` naming the file (a truncated file with the byte range its header promises).
 
 Tensors are read with positioned reads (no memory map: an mmap's pages count in the reader's RSS until the file
-is closed), whole or as a slice: `slice(name)[a:b]`, `[:, a:b]`, `[i:i + 1, :, a:b]`. A slice reads runs of whole
-rows of at most `CHUNK_BYTES` (or recurses into a larger row), so memory is the result plus one chunk.
+is closed), whole or as a slice: `slice(name)[a:b]`, `[:, a:b]`, `[i:i + 1, :, a:b]`. A slice reads each row's
+selection on its own where it is long (`RUN_BYTES`), else runs of whole rows of at most `CHUNK_BYTES` (recursing
+into a larger row), so memory is the result plus at most one chunk.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER = 100_000_000  # safetensors 0.8 `MAX_HEADER_SIZE`: it refuses larger headers
 CHUNK_BYTES = 16 * 2**20  # a sliced read holds at most this much beyond its result
+RUN_BYTES = 1024  # a row's selection at least this long is read on its own (less: whole rows, narrowed)
 
 #: torch dtype <-> safetensors dtype string (safetensors 0.8 `Dtype`; the sub-byte F4 / F6 ones torch cannot hold)
 SAFETENSORS_DTYPES = {
@@ -132,14 +134,15 @@ def _file_name_problem(root: str, fname) -> str | None:
 
 
 class HFDirectory:
-    """The validated tensors of one HF directory. `role` names it in errors ("HF directory", "base checkpoint")."""
+    """The validated tensors of one HF directory. `role` names it in errors (e.g. "base checkpoint")."""
 
-    def __init__(self, path: str | os.PathLike, role: str = "HF directory"):
+    def __init__(self, path: str | os.PathLike, role: str = ""):
         root = os.path.abspath(os.fspath(path))
         self.path, self.role = root, role
+        who = f"{role} {root}" if role else root
         if not os.path.isdir(root):
             gone = "" if os.path.exists(root) else " (it does not exist)"
-            raise HFDirectoryError(root, f"{role} {root} is not a directory{gone}, so not an HF directory")
+            raise HFDirectoryError(root, f"{who} is not a directory{gone}, so not an HF directory")
         index = os.path.join(root, INDEX)
         weight_map: dict[str, str] | None = None
         if os.path.isfile(index):
@@ -148,7 +151,7 @@ class HFDirectory:
         elif os.path.isfile(os.path.join(root, SINGLE)):
             files = [SINGLE]
         else:
-            raise HFDirectoryError(root, f"{role} {root} is not an HF directory: it has neither {INDEX} nor {SINGLE}")
+            raise HFDirectoryError(root, f"{who} is not an HF directory: it has neither {INDEX} nor {SINGLE}")
         self._handles: dict[str, int] = {}
         problems: list[str] = []
         unreadable: set[str] = set()
@@ -185,7 +188,7 @@ class HFDirectory:
                                     f"lacks it")
         if problems:
             first = problems[0] if len(problems) == 1 else \
-                f"{role} {root}: {len(problems)} problems: " + "; ".join(problems[:5]) \
+                f"{who}: {len(problems)} problems: " + "; ".join(problems[:5]) \
                 + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise HFDirectoryError(root, first, problems)
 
@@ -197,7 +200,7 @@ class HFDirectory:
         except (OSError, ValueError) as e:
             raise HFDirectoryError(index, f"cannot read {index}: {e}") from None
         wm = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise HFDirectoryError(index, f"{index} has no 'weight_map' object of tensor name -> file name")
         for fname in set(wm.values()):
             problem = _file_name_problem(os.path.dirname(index), fname)
@@ -223,7 +226,7 @@ class HFDirectory:
         try:
             return self.tensors[name]
         except KeyError:
-            raise HFDirectoryError(self.path, f"{self.role} {self.path} has no tensor {name}") from None
+            raise HFDirectoryError(self.path, f"{self.path} has no tensor {name}") from None
 
     # -- reading ----------------------------------------------------------------------------------------------------
 
@@ -246,11 +249,13 @@ class HFDirectory:
 
     def read_bytes(self, t: StoredTensor, offset: int, n: int) -> torch.Tensor:
         """`n` bytes at absolute `offset` of t's file, as a fresh uint8 tensor."""
-        if n == 0:
-            return torch.empty(0, dtype=torch.uint8)
         out = torch.empty(n, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
-        view = memoryview(out.numpy())
-        fd, done = self._fd(t.path), 0
+        if n:
+            self._read_into(t, offset, memoryview(out.numpy()))
+        return out
+
+    def _read_into(self, t: StoredTensor, offset: int, view: memoryview) -> None:
+        n, fd, done = len(view), self._fd(t.path), 0
         while done < n:
             try:
                 got = os.preadv(fd, [view[done:]], offset + done)
@@ -261,7 +266,6 @@ class HFDirectory:
                 raise HFDirectoryError(t.path, f"{t.path} is truncated: tensor {t.name} needs bytes "
                                                f"{offset}..{offset + n}, the file ends at byte {offset + done}")
             done += got
-        return out
 
     def read_region(self, t: StoredTensor, offset: int, shape: tuple[int, ...], ranges: list[range]) -> torch.Tensor:
         """The sub-block `ranges` (one contiguous range per dim) of the C-order array `shape` at `offset`."""
@@ -273,16 +277,26 @@ class HFDirectory:
             return raw.view(t.dtype).view(len(r0), *shape[1:])
         out = torch.empty([len(r) for r in ranges], dtype=t.dtype)
         row = inner * item
+        below = _numel(shape[2:]) * item  # bytes of one index of dim 1
+        run = len(ranges[1]) * below
+        if all(len(r) == d for r, d in zip(ranges[2:], shape[2:], strict=True)) and run >= RUN_BYTES:
+            # each row's selection is one contiguous run worth its own read: straight into the result
+            dst = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+            for i, r in enumerate(r0):
+                self._read_into(t, offset + r * row + ranges[1].start * below, dst[i * run:(i + 1) * run])
+            return out
         rest = tuple(slice(r.start, r.stop) for r in ranges[1:])
         if row > CHUNK_BYTES:  # a row larger than a chunk: read each row's own sub-block
             for i, r in enumerate(r0):
                 out[i] = self.read_region(t, offset + r * row, shape[1:], list(ranges[1:]))
             return out
-        per = max(1, CHUNK_BYTES // max(row, 1))
+        per = min(len(r0), max(1, CHUNK_BYTES // max(row, 1)))  # small selections: runs of whole rows, narrowed
+        buf = torch.empty(per * row, dtype=torch.uint8)  # one buffer for every run: its pages are faulted in once
+        view = memoryview(buf.numpy())
         for i in range(0, len(r0), per):
             n = min(per, len(r0) - i)
-            rows = self.read_bytes(t, offset + (r0.start + i) * row, n * row).view(t.dtype).view(n, *shape[1:])
-            out[i:i + n] = rows[(slice(None), *rest)]
+            self._read_into(t, offset + (r0.start + i) * row, view[:n * row])
+            out[i:i + n] = buf[:n * row].view(t.dtype).view(n, *shape[1:])[(slice(None), *rest)]
         return out
 
     def close(self) -> None:
@@ -296,9 +310,9 @@ class HFDirectory:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self, _close=os.close):  # bound now: at interpreter exit the module's globals may be gone
         for fd in getattr(self, "_handles", {}).values():
-            os.close(fd)
+            _close(fd)
 
 
 class LazyTensor:

@@ -12,8 +12,8 @@ build an intermediate "full Megatron tensor". Each op is declared once, as data:
 
 and `to_hf(shards, outs)` (the pure function) executes `copies` directly.
 
-`hf` items may be torch tensors or safetensors slices (anything with `[a:b]` / `[:, a:b]` indexing), which is
-how loading reads only the bytes a rank's shard needs. Each op is the exact inverse of the other direction:
+`hf` items may be torch tensors or lazily read ones (hf_dir's `slice(name)`: anything with `[a:b]` / `[:, a:b]`
+indexing and `get_shape()`), which is how loading reads only the bytes a rank's shard needs. Each op is the exact inverse of the other direction:
 the round trip is a permutation, tested bit for bit for every shard count.
 """
 
@@ -31,12 +31,12 @@ Shape = tuple[int, ...]
 
 
 def shape_of(x) -> Shape:
-    """Shape of a torch tensor or of a safetensors slice."""
+    """Shape of a torch tensor or of a lazily read one (hf_dir)."""
     return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x.get_shape())
 
 
 def _take(x, dim: int, start: int, stop: int) -> torch.Tensor:
-    """x[start:stop] along `dim` (0 or 1), for tensors and safetensors slices alike."""
+    """x[start:stop] along `dim` (0 or 1), for tensors and lazily read ones alike."""
     if dim == 0:
         return x[start:stop]
     if dim == 1:
@@ -420,7 +420,7 @@ class RowTransposed(LayoutOp):
 
 
 class _Part:
-    """Item `index` along dim 0 of a stacked HF tensor or safetensors slice, sliced lazily like one."""
+    """Item `index` along dim 0 of a stacked HF tensor or lazily read one, sliced lazily like one."""
 
     def __init__(self, x, index: int):
         self.x, self.index = x, index

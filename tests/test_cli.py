@@ -137,14 +137,13 @@ def test_verify_fp8_export_against_its_bf16_source(fp8_export):
     part of that comparison, not missing names); either side may be the FP8 one, B may be the Megatron
     checkpoint; fp8 against fp8 is exact; fp8="bound" accepts it too."""
     e = fp8_export
-    out = _passes(run("verify", e["fp8"], e["src16"]), "0 missing, 0 unexpected",
+    _passes(run("verify", e["fp8"], e["src16"]), "0 missing, 0 unexpected",
                   "112 x float8_e4m3fn+scale vs bfloat16, by the reference quantizer", "23 x bfloat16 vs bfloat16")
-    assert "FP8 dequantized vs unquantized max |diff|" in out
     for a, b, kw, must in [
         (e["src16"], e["fp8"], {}, "112 x bfloat16 vs float8_e4m3fn+scale, by the reference quantizer"),
         (e["fp8"], e["ckpt"], {}, "112 x float8_e4m3fn+scale vs bfloat16, by the reference quantizer"),
         (e["fp8"], e["fp8"], {}, "112 x float8_e4m3fn+scale vs float8_e4m3fn+scale, exactly"),
-        (e["fp8"], e["src16"], {"fp8": "bound"}, "112 x float8_e4m3fn+scale vs bfloat16, dequantized, within half"),
+        (e["fp8"], e["src16"], {"fp8": "bound"}, "FP8 dequantized vs unquantized max |diff| "),
         # the fp32 source: its weights rounded to bf16 (the export's dtype) quantize to the same bytes; the bf16
         # norms and router gates are within bf16's rounding of the fp32 ones
         (e["fp8"], e["src32"], {"atol": 1e-2}, "23 x bfloat16 vs float32, in float32"),
@@ -236,9 +235,10 @@ def test_verify_streams_fp8_blocks_and_rows_in_bounded_runs(tmp_path, monkeypatc
     save_file({"x.weight": q, "x.weight_scale_inv": s, "n": norm.bfloat16()}, tmp_path / "q" / "model.safetensors")
     save_file({"x.weight": w, "n": norm}, tmp_path / "s" / "model.safetensors")
     a, b = str(tmp_path / "q"), str(tmp_path / "s")
-    whole = verify.compare(a, b, atol=1e-2)
+    whole = verify.compare(a, b, atol=1e-2, fp8="bound")
     monkeypatch.setattr(verify, "CHUNK_ELEMENTS", 300)
-    runs = verify.compare(a, b, atol=1e-2)
+    runs = verify.compare(a, b, atol=1e-2, fp8="bound")
+    assert runs.identical and verify.compare(a, b, atol=1e-2).identical
     assert whole.identical and runs.identical and whole.pairs == runs.pairs
     assert (runs.fp8_max_abs_diff, runs.max_abs_diff) == (whole.fp8_max_abs_diff, whole.max_abs_diff) != (0, 0)
     assert list(verify._row_runs((300, 260), 128)) == [(0, 128), (128, 256), (256, 300)]
@@ -253,3 +253,28 @@ def test_verify_streams_fp8_blocks_and_rows_in_bounded_runs(tmp_path, monkeypatc
     r = verify.compare(a, b)
     assert [(n, k) for n, k, _ in r.rows] == [("n", "dtype"), ("n", "values"), ("x.weight", "fp8")], r.rows
     assert "1 of 78000 fp8 byte(s) and 0 of 9 scale(s) differ" in r.rows[2][2] and "[270, 3]" in r.rows[2][2]
+
+
+def test_verify_exact_values_nan_signed_zero_integers_and_scalars(tmp_path):
+    """Exact: -0.0 equals 0.0, NaN equals NaN where both hold one, NaN in one only is a difference; integers,
+    bools and 0-d tensors compare exactly, also with atol."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mcore2hf.verify import compare
+
+    base = {"f": torch.tensor([0.0, float("nan"), float("inf"), 1.0]), "i": torch.tensor([1, 2, 3]),
+            "b": torch.tensor([True, False]), "s": torch.tensor(2.5, dtype=torch.bfloat16)}
+    other = {**base, "f": torch.tensor([-0.0, float("nan"), float("inf"), 1.0])}
+    for d, t in (("a", base), ("b", other)):
+        (tmp_path / d).mkdir()
+        save_file(t, tmp_path / d / "model.safetensors")
+    assert compare(tmp_path / "a", tmp_path / "b").identical
+    other.update(f=torch.tensor([0.0, 1.0, float("inf"), 1.0]), i=torch.tensor([1, 2, 4]),
+                 s=torch.tensor(2.0, dtype=torch.bfloat16))
+    save_file(other, tmp_path / "b" / "model.safetensors")
+    r = compare(tmp_path / "a", tmp_path / "b", atol=10.0)
+    assert sorted((n, k) for n, k, _ in r.rows) == [("f", "values"), ("i", "values")], r.rows
+    assert "first at [1]" in dict((n, d) for n, _, d in r.rows)["f"] and r.max_abs_diff == float("inf")
+    r = compare(tmp_path / "a", tmp_path / "b")
+    assert sorted((n, k) for n, k, _ in r.rows) == [("f", "values"), ("i", "values"), ("s", "values")], r.rows

@@ -77,8 +77,10 @@ def test_slices_equal_the_safetensors_slices(dirs, tmp_path, monkeypatch):
             rows, cols = info.shape
             keys = [(slice(1, rows - 1),), (slice(None), slice(3, cols - 2)), (slice(2, 5), slice(1, 7)), (3,),
                     (slice(None),)]
-            for chunk in (hf_dir.CHUNK_BYTES, 3 * cols * 2, 5):  # whole rows per read, a few rows, within a row
+            # runs of whole rows, a few rows, within a row; each row's selection read on its own
+            for chunk, run in ((hf_dir.CHUNK_BYTES, 1 << 30), (3 * cols * 2, 1 << 30), (5, 1 << 30), (5, 2)):
                 monkeypatch.setattr(hf_dir, "CHUNK_BYTES", chunk)
+                monkeypatch.setattr(hf_dir, "RUN_BYTES", run)
                 lazy = d.slice(name)
                 assert lazy.get_shape() == list(info.shape) and lazy.dtype == torch.bfloat16
                 for k in keys:
@@ -86,8 +88,9 @@ def test_slices_equal_the_safetensors_slices(dirs, tmp_path, monkeypatch):
     stacked = torch.arange(4 * 6 * 10, dtype=torch.float32).view(4, 6, 10)  # gpt-oss style [E, ...]
     save_file({"e": stacked}, tmp_path / "model.safetensors")
     with HFDirectory(tmp_path) as d:
-        for chunk in (1 << 20, 50, 7):
+        for chunk, run in ((1 << 20, 1 << 30), (50, 1 << 30), (7, 1 << 30), (1 << 20, 4)):
             monkeypatch.setattr(hf_dir, "CHUNK_BYTES", chunk)
+            monkeypatch.setattr(hf_dir, "RUN_BYTES", run)
             assert torch.equal(d.slice("e")[2:3, :, 4:9], stacked[2:3, :, 4:9])
             assert torch.equal(d.slice("e")[1, 2:4], stacked[1, 2:4])
 

@@ -296,8 +296,9 @@ def test_cli_export_base_is_checked_before_anything_is_written(saved, ckpts, tmp
         base = tmp_path / name
         shutil.copytree(ckpts["qwen3_moe"], base)
         save_file(extra, base / "extra.safetensors", metadata={"format": "pt"})
-        names = read_hf_checkpoint(base)  # model.safetensors only: no index yet
-        index = {"metadata": {}, "weight_map": {**dict.fromkeys(names, "model.safetensors"),
+        own = {n: t for n, t in read_hf_checkpoint(base).items() if n not in extra}  # model.safetensors: no index yet
+        save_file(own, base / "model.safetensors", metadata={"format": "pt"})  # a tensor is in one file only
+        index = {"metadata": {}, "weight_map": {**dict.fromkeys(own, "model.safetensors"),
                                                 **dict.fromkeys(extra, "extra.safetensors")}}
         (base / "model.safetensors.index.json").write_text(json.dumps(index))
         (base / "preprocessor_config.json").write_text("{}")
