@@ -50,6 +50,7 @@ import regex
 import torch
 
 from .errors import (
+    CheckpointError,
     ImportTargetError,
     LayoutError,
     MissingWeightsError,
@@ -235,7 +236,10 @@ def plan_import(reader: HFReader, cfg, converter: Converter, dims: ModelDims, *,
         for n in r.hf_names:
             try:
                 hf.append(reader.slice(n))
-            except Exception as e:  # noqa: BLE001 - a truncated file, an index naming a tensor its file lacks
+            except CheckpointError as e:  # a missing or truncated file: the message names it
+                problems.append(Problem(n, f"cannot read it: {e}"))
+                break
+            except Exception as e:  # noqa: BLE001 - e.g. an index naming a tensor its file lacks
                 problems.append(Problem(n, f"cannot read it ({type(e).__name__}: {e})", reader.file_of(n)))
                 break
         if len(hf) < len(r.hf_names):

@@ -79,11 +79,26 @@ class HFReader:
         """A torch tensor or a safetensors slice (read lazily, only the indexed part)."""
         if self._tensors is not None:
             return self._tensors[name]
+        return self._open(name).get_slice(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor."""
+        if self._tensors is not None:
+            return self._tensors[name]
+        return self._open(name).get_tensor(name)
+
+    def _open(self, name: str):
         fname = self._map[name]
         f = self._files.get(fname)
         if f is None:
-            f = self._files[fname] = safe_open(os.path.join(self.root, fname), framework="pt")
-        return f.get_slice(name)
+            path = os.path.join(self.root, fname)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path} is missing (the index maps {name} to it)")
+            try:
+                f = self._files[fname] = safe_open(path, framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (truncated file...)
+                raise CheckpointError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        return f
 
     def close(self) -> None:
         self._files.clear()

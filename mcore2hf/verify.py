@@ -4,7 +4,6 @@ them). Differences are missing and unexpected names, shapes, dtypes and values (
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -35,37 +34,15 @@ def is_megatron_checkpoint(path: str) -> bool:
             or is_legacy_dir(path))
 
 
-class HFDirectory:
-    """The tensors of an HF directory (index or single file), read one at a time."""
+def _hf_directory(path: str):
+    """The tensors of an HF directory (index or single file), read one at a time (`loader.HFReader`)."""
+    from .loader import HFReader
 
-    def __init__(self, path: str):
-        self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                self.files = dict(json.load(f)["weight_map"])
-        elif os.path.isfile(os.path.join(path, "model.safetensors")):
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-                self.files = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise Mcore2HFError(f"{path} is not an HF directory: no model.safetensors.index.json or model.safetensors")
-        self._open: dict[str, object] = {}
-
-    def names(self) -> list[str]:
-        return list(self.files)
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        fname = self.files[name]
-        if fname not in self._open:
-            path = os.path.join(self.path, fname)
-            if not os.path.isfile(path):
-                raise Mcore2HFError(f"{path} is missing (the index maps {name} to it)")
-            self._open[fname] = safe_open(path, "pt")
-        return self._open[fname].get_tensor(name)
+    try:
+        return HFReader(path)
+    except FileNotFoundError:
+        raise Mcore2HFError(f"{path} is not an HF directory: no model.safetensors.index.json or "
+                            "model.safetensors") from None
 
 
 def _check(result: Comparison, name: str, ta: torch.Tensor, tb: torch.Tensor, atol: float) -> None:
@@ -90,7 +67,8 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, hf_config=None, itera
     """Compare HF directory `a` with `b` (an HF directory or a Megatron checkpoint, converted with `hf_config`,
     default `a`'s config). Exact unless `atol` is given."""
     a, b = os.fspath(a), os.fspath(b)
-    left = HFDirectory(a)
+    left = _hf_directory(a)
+    left_names = left.names()
     result = Comparison(a, b)
     if is_megatron_checkpoint(b):
         from .offline import checkpoint_tensors
@@ -98,17 +76,17 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, hf_config=None, itera
         seen = set()
         for name, tb in checkpoint_tensors(b, hf_config or a, iteration=iteration):
             seen.add(name)
-            if name not in left.files:
+            if name not in left_names:
                 result.unexpected.append(name)
                 continue
-            _check(result, name, left.get(name), tb, atol)
-        result.missing = sorted(set(left.files) - seen)
+            _check(result, name, left.tensor(name), tb, atol)
+        result.missing = sorted(left_names - seen)
     else:
-        right = HFDirectory(b)
-        result.missing = sorted(set(left.files) - set(right.files))
-        result.unexpected = sorted(set(right.files) - set(left.files))
-        for name in sorted(set(left.files) & set(right.files)):
-            _check(result, name, left.get(name), right.get(name), atol)
+        right = _hf_directory(b)
+        result.missing = sorted(left_names - right.names())
+        result.unexpected = sorted(right.names() - left_names)
+        for name in sorted(left_names & right.names()):
+            _check(result, name, left.tensor(name), right.tensor(name), atol)
     result.unexpected.sort()
     return result
 

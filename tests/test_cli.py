@@ -315,6 +315,7 @@ def test_many_problems_of_one_cause_are_one_bounded_line_naming_the_file(megatro
     line = one_error_line(run("import", str(src), str(tmp_path / "c1")), 1, str(shard), "cannot read it",
                           limit=2000)
     assert line.count(str(shard)) == 1, line
+    one_error_line(run("verify", hf_source, str(src)), 1, f"{shard} is not a readable safetensors file")
     config = json.loads((src / "config.json").read_text())
     (tmp_path / "wide").mkdir()
     (tmp_path / "wide" / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
