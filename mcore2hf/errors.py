@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 SHOWN = 4  # names (or name patterns) shown per group of problems of one cause
-GROUPS = 6  # groups (causes) shown; the rest are counted
+GROUPS = 8  # groups (causes) shown; the rest are counted
 _CAUSE_CHARS = 300  # a cause (an exception's text) is cut here
 _ITEM_CHARS = 160
 _NUMBER = re.compile(r"\d+")

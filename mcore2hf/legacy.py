@@ -37,7 +37,7 @@ import torch
 from torch import _weights_only_unpickler
 
 from .checkpoint_keys import LAYER_KEY, MODEL_PREFIXES, CkptSource
-from .errors import ConfigMismatchError, LegacyFormatError
+from .errors import ConfigMismatchError, LegacyFormatError, Problem, problem_list
 from .naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner
 
 FILE = "model_optim_rng.pt"
@@ -203,7 +203,7 @@ class LegacyCheckpointReader:
         return (tp, int(a), 0) if pp > 1 else (tp, 0, int(a))
 
     def _check_layout(self) -> None:
-        problems = []
+        problems: list[Problem | str] = []
         for what, found, arg in (("TP", self.tp, "tensor_model_parallel_size"),
                                  ("PP", self.pp, "pipeline_model_parallel_size"),
                                  ("EP", self.ep, "expert_model_parallel_size")):
@@ -218,15 +218,15 @@ class LegacyCheckpointReader:
         for pp in range(self.pp):
             for tp in range(self.tp):
                 if not any((tp, pp) == r[:2] for r in have):
-                    problems.append(f"no file of TP rank {tp}, PP stage {pp} (mp_rank_{tp:02d}...)")
+                    problems.append(Problem(f"TP rank {tp}, PP stage {pp}", "no mp_rank_* file"))
             for ep in range(self.ep):
                 if not any((pp, ep) == r[1:] for r in have):
-                    problems.append(f"no file of PP stage {pp}, EP rank {ep}")
+                    problems.append(Problem(f"PP stage {pp}, EP rank {ep}", "no mp_rank_* file"))
         if self.tp % self.etp:  # a file's expert-TP rank is tp % ETP only when ETP divides TP (RankGenerator)
             problems.append(f"expert-TP {self.etp} does not divide TP {self.tp}: a file's expert-TP rank "
                             "cannot be told from its name")
         if problems:
-            raise LegacyFormatError(f"{self.path}: " + "; ".join(problems))
+            raise LegacyFormatError(f"{self.path}:\n  " + problem_list(problems))
 
     def read(self, key: str, lead: tuple[int, ...] = ()) -> torch.Tensor:
         t = self.tensors[key]

@@ -278,3 +278,228 @@ def test_verify_exact_values_nan_signed_zero_integers_and_scalars(tmp_path):
     assert "first at [1]" in dict((n, d) for n, _, d in r.rows)["f"] and r.max_abs_diff == float("inf")
     r = compare(tmp_path / "a", tmp_path / "b")
     assert sorted((n, k) for n, k, _ in r.rows) == [("f", "values"), ("i", "values"), ("s", "values")], r.rows
+
+
+# -- output directories as users have them (mcore2hf.paths) ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron_ckpt(hf_source, tmp_path_factory) -> str:
+    """A torch_dist checkpoint of the tiny model, written by `mcore2hf import` (what `export` reads)."""
+    out = tmp_path_factory.mktemp("megatron") / "ckpt"
+    r = run("import", hf_source, str(out), "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return str(out)
+
+
+def export(ckpt: str, config: str, out, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([CLI, "export", ckpt, str(out), "--hf-config", config, "--quiet", *args],
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def _identity(path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_dev, st.st_mode, st.st_gid
+
+
+def _umask_027():
+    os.umask(0o027)
+
+
+def test_export_into_an_existing_setgid_directory_keeps_it_and_the_users_files(megatron_ckpt, hf_source, tmp_path):
+    """An existing directory is written into, never replaced: its inode, mode, setgid bit and group stay, the
+    files get its group and the umask's mode; an overwrite replaces the earlier export's files only and names the
+    user's file it kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chmod(out, 0o2770)
+    if os.geteuid() == 0:  # root can give the directory another group: the files must get it, not root's
+        os.chown(out, -1, 1)
+    before = _identity(out)
+    r = export(megatron_ckpt, hf_source, out, preexec_fn=_umask_027)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    assert _identity(out) == before and before[2] & 0o2000
+    files = sorted(os.listdir(out))
+    assert files == ["config.json", "generation_config.json", "model-00001-of-00001.safetensors",
+                     "model.safetensors.index.json"], files
+    for f in files:
+        st = os.stat(out / f)
+        assert (st.st_mode & 0o777, st.st_gid) == (0o640, before[3]), (f, oct(st.st_mode), st.st_gid)
+
+    (out / "README.md").write_text("mine")
+    one_error_line(export(megatron_ckpt, hf_source, out), 1, str(out), "--overwrite")
+    r = subprocess.run([CLI, "export", megatron_ckpt, str(out), "--hf-config", hf_source, "--overwrite",
+                        "--shard-size", "300KB"], capture_output=True, text=True, timeout=300)  # notes: not --quiet
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"note: kept 1 file(s) of {out} that are not the checkpoint's: README.md" in r.stdout, r.stdout
+    assert _identity(out) == before and (out / "README.md").read_text() == "mine"
+    shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert shards == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)], shards  # the old one removed
+    assert not [f for f in os.listdir(out) if f.startswith(".")]
+
+
+def _read_only(directory) -> None:
+    """Make `directory` refuse new entries, also to root (the immutable attribute: chmod does not bind root)."""
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        return
+    r = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"running as root, where a read-only mode does not bind, and chattr +i fails: {r.stderr.strip()}")
+
+
+def _writable(directory) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+    else:
+        os.chmod(directory, 0o755)
+
+
+def test_export_into_a_directory_whose_parent_is_read_only(megatron_ckpt, hf_source, tmp_path):
+    """The output directory exists, its parent takes no new entries (a shared mount's root, a home directory's
+    parent): the export is written inside it, never renamed beside it. A new directory there cannot be created:
+    one line naming it, nothing left."""
+    parent = tmp_path / "ro"
+    (parent / "out").mkdir(parents=True)
+    before = _identity(parent / "out")
+    _read_only(parent)
+    try:
+        r = export(megatron_ckpt, hf_source, parent / "out")
+        assert r.returncode == 0, r.stderr[-2000:]
+        one_error_line(export(megatron_ckpt, hf_source, parent / "new"), 1, f"cannot write {parent / 'new'}", str(parent))
+        assert sorted(os.listdir(parent)) == ["out"]
+    finally:
+        _writable(parent)
+    assert _identity(parent / "out") == before and "model.safetensors.index.json" in os.listdir(parent / "out")
+
+
+_NAMESPACE = r"""
+import json, os, subprocess, sys
+cli, ckpt, config, out = sys.argv[1:5]
+def mount(size):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=2775", "tmpfs", out], check=True)
+def export():
+    return subprocess.run([cli, "export", ckpt, out, "--hf-config", config, "--quiet"], capture_output=True, text=True)
+def ident():
+    st = os.stat(out)
+    return [st.st_ino, st.st_dev, st.st_mode]
+res = {}
+mount("8m")
+before = ident()
+r = export()
+res["fits"] = dict(rc=r.returncode, err=r.stderr, files=sorted(os.listdir(out)), same=ident() == before)
+subprocess.run(["umount", out], check=True)
+mount("256k")
+before = ident()
+r = export()
+res["full"] = dict(rc=r.returncode, err=r.stderr, files=sorted(os.listdir(out)), same=ident() == before)
+r = subprocess.run([cli, "import", config, os.path.join(out, "ckpt"), "--quiet"], capture_output=True, text=True)
+res["import"] = dict(rc=r.returncode, err=r.stderr, files=sorted(os.listdir(out)))
+print(json.dumps(res))
+"""
+
+
+def test_export_into_an_empty_mount_point_and_onto_a_full_disk(megatron_ckpt, hf_source, tmp_path):
+    """A tmpfs mounted on the output directory (in a private mount namespace): renaming a mount point gives
+    EBUSY, so the export must write inside it; on a 256 KiB tmpfs the 1 MiB export meets a real ENOSPC: one
+    line naming the directory, nothing left, the mount point as it was; the import likewise."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and unshare -m to mount a tmpfs on the output directory (the read-only-parent "
+                    "test covers the never-renamed property without them)")
+    out = tmp_path / "mnt"
+    out.mkdir()
+    r = subprocess.run(["unshare", "-m", sys.executable, "-c", _NAMESPACE, CLI, megatron_ckpt, hf_source,
+                        str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    fits, full, imp = res["fits"], res["full"], res["import"]
+    assert fits["rc"] == 0 and fits["same"] and "model.safetensors.index.json" in fits["files"], fits
+    assert full["rc"] == 1 and full["same"] and full["files"] == [], full
+    lines = full["err"].strip().splitlines()
+    assert len(lines) == 1 and f"cannot write {out}: [Errno 28] No space left on device" in lines[0], lines
+    assert imp["rc"] == 1 and imp["files"] == [], imp
+    lines = imp["err"].strip().splitlines()
+    assert len(lines) == 1 and f"cannot write {out}/ckpt/iter_0000000: [Errno 28]" in lines[0], lines
+    assert os.listdir(out) == []  # the namespace's mount is gone: the directory below it was never touched
+
+
+def _file_size_limit():
+    """Writes beyond 64 KiB fail with EFBIG (Python ignores SIGXFSZ, so write(2) returns the error): the same
+    OSError path as a full disk, without privileges."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+
+def test_a_write_error_is_one_line_naming_the_output_and_leaves_nothing(megatron_ckpt, hf_source, tmp_path):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    before = _identity(existing)
+    r = export(megatron_ckpt, hf_source, existing, preexec_fn=_file_size_limit)
+    one_error_line(r, 1, f"cannot write {existing}: [Errno 27] File too large", f"{existing} is as it was")
+    assert os.listdir(existing) == [] and _identity(existing) == before
+    r = export(megatron_ckpt, hf_source, tmp_path / "new", preexec_fn=_file_size_limit)
+    one_error_line(r, 1, f"cannot write {tmp_path / 'new'}: [Errno 27] File too large", "was not created")
+    r = subprocess.run([CLI, "import", hf_source, str(tmp_path / "ckpt"), "--quiet"], capture_output=True, text=True,
+                       timeout=300, preexec_fn=_file_size_limit)
+    one_error_line(r, 1, f"cannot write {tmp_path / 'ckpt' / 'iter_0000000'}: [Errno 27] File too large")
+    assert sorted(os.listdir(tmp_path)) == ["existing"]
+
+
+def _kill_when_staging(args: list[str], where) -> str:
+    """Start `mcore2hf *args`, SIGKILL it once its staging directory exists in `where`; returns that directory."""
+    proc = subprocess.Popen([CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        found = [n for n in (os.listdir(where) if os.path.isdir(where) else []) if ".mcore2hf-tmp-" in n]
+        if found:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return os.path.join(where, found[0])
+        if proc.poll() is not None:
+            pytest.fail(f"mcore2hf {' '.join(args)} ended ({proc.returncode}) before it was killed")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail("no staging directory appeared")
+
+
+def test_import_killed_with_sigkill_then_run_again(hf_source, tmp_path):
+    """SIGKILL leaves the staging directory; the next run removes it (one line saying so), with or without
+    --overwrite, and the checkpoint directory holds nothing stale afterwards."""
+    ckpt = tmp_path / "ckpt"
+    stage = _kill_when_staging(["import", hf_source, str(ckpt), "--quiet"], ckpt)
+    assert os.path.isdir(stage) and os.path.basename(stage).startswith(".iter_0000000.mcore2hf-tmp-")
+    r = run("import", hf_source, str(ckpt), "--quiet")
+    assert r.returncode == 0 and r.stderr.splitlines() == [
+        f"mcore2hf import: removed {stage}, left by an earlier run that was killed"], r.stderr[-2000:]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    files = sorted(os.listdir(ckpt / "iter_0000000"))
+
+    stage = _kill_when_staging(["import", hf_source, str(ckpt), "--overwrite", "--quiet"], ckpt / "iter_0000000")
+    r = run("import", hf_source, str(ckpt), "--quiet")  # the earlier iteration is intact: --overwrite is needed
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"mcore2hf import: removed {stage}, left by an earlier run that was killed",
+        f"mcore2hf import: error: {ckpt / 'iter_0000000'} exists (pass overwrite=True / --overwrite to replace it)"]
+    r = run("import", hf_source, str(ckpt), "--overwrite", "--quiet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt / "iter_0000000")) == files
+
+
+def test_many_problems_of_one_cause_are_one_bounded_line_naming_the_file(megatron_ckpt, hf_source, tmp_path):
+    """A truncated shard makes every tensor in it unreadable: one group naming the file, not a line per tensor;
+    a config that disagrees with every tensor: its causes grouped, each tensor family one pattern."""
+    src = tmp_path / "sharded"
+    assert export(megatron_ckpt, hf_source, src, "--shard-size", "300KB").returncode == 0
+    shard = src / "model-00002-of-00004.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100_000])
+    line = one_error_line(run("import", str(src), str(tmp_path / "c1")), 1, str(shard), "cannot read it",
+                          limit=2000)
+    assert line.count(str(shard)) == 1, line
+    one_error_line(run("verify", hf_source, str(src)), 1, f"{shard} is not a readable safetensors file")
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "wide").mkdir()
+    (tmp_path / "wide" / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    line = one_error_line(export(megatron_ckpt, str(tmp_path / "wide"), tmp_path / "o"), 1,
+                          "model.layers.{0-3}.mlp.experts.{0-7}.gate_proj.weight: HF config implies shape [32, 96], "
+                          "the checkpoint gives [32, 64]", limit=2000)
+    assert sorted(os.listdir(tmp_path)) == ["sharded", "wide"], line

@@ -5,6 +5,7 @@ refused before anything in it runs."""
 import argparse
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -145,6 +146,18 @@ def test_verify_reads_legacy(saved, ckpts):
     for path in (root, os.path.join(root, "iter_0000009")):  # the checkpoint root or one iteration's directory
         result = compare(ckpts["qwen3_moe"], path)
         assert result.identical and not result.missing and not result.unexpected, path
+
+
+def test_missing_rank_files_are_named_as_one_pattern(saved, ckpts, tmp_path):
+    """A checkpoint copied without some rank directories: the layout check names what is missing, grouped."""
+    layout = next(lay for lay in LAYOUTS if lay.pp > 1)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(saved[str(layout)]["qwen3_moe"], "ckpt"), ckpt)
+    shutil.rmtree(ckpt / "iter_0000009" / "mp_rank_01_001_001")
+    with pytest.raises(LegacyFormatError, match=r"iter_0000009:\n  PP stage 1, EP rank 1: no mp_rank_\* file; the same "
+                                                r"for TP rank 1, PP stage 1 \(2 in all\)$"):
+        export_checkpoint(ckpt, tmp_path / "out", ckpts["qwen3_moe"], progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 class _Evil:

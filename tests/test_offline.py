@@ -176,11 +176,9 @@ def test_every_config_mismatch_is_reported_before_anything_is_written(saved, ckp
     with pytest.raises(ShapeMismatchError) as e:
         export_checkpoint(ckpt, tmp_path / "o1", tiny_config("qwen3_moe", hidden_size=96, moe_intermediate_size=48),
                           progress=False)
-    # every mismatch found at once, grouped by cause: the first causes shown with their tensors, the rest counted,
-    # the message bounded (issue 29: a real model's would otherwise be megabytes)
-    for needle in ("model.layers.{0-3}.mlp.experts.{0-7}.gate_proj.weight", "[48, 96]", "more of 2 other causes"):
+    for needle in ("model.embed_tokens.weight", "model.layers.{0-3}.mlp.experts.{0-7}.gate_proj.weight", "[48, 96]"):
         assert needle in str(e.value), str(e.value)
-    assert len(str(e.value)) < 2500, len(str(e.value))
+    assert len(str(e.value)) < 2000, str(e.value)  # 123 problems of 8 causes: grouped (errors.problem_list)
     glm = os.path.join(base["glm4_moe"], "ckpt")
     with pytest.raises(ShapeMismatchError, match=r"model.layers.0.mlp.gate_proj.weight: HF config implies shape \[128, 64\]"):
         export_checkpoint(glm, tmp_path / "o2", tiny_config("glm4_moe", intermediate_size=128), progress=False)

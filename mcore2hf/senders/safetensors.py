@@ -33,7 +33,7 @@ _HF_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.in
 
 def hf_files(directory: str) -> set[str]:
     """The names of an HF checkpoint's own files in `directory`: config.json, the index, model.safetensors,
-    model-NNNNN-of-NNNNN.safetensors and every file the index maps a tensor to. The rest (a README, the
+    model-NNNNN-of-NNNNN.safetensors and every *.safetensors file the index maps a tensor to. The rest (a README, the
     tokenizer of another export, notes) is not the checkpoint's."""
     names = {n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n))}
     owned = {n for n in names if _HF_FILES.fullmatch(n)}
@@ -43,7 +43,7 @@ def hf_files(directory: str) -> set[str]:
                 mapped = set(json.load(f)["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             mapped = set()  # a damaged index: its shards are still model-*.safetensors above
-        owned |= {n for n in mapped if isinstance(n, str) and n in names}
+        owned |= {n for n in mapped if isinstance(n, str) and n.endswith(".safetensors") and n in names}
     return owned
 
 
