@@ -41,6 +41,31 @@ def shared_indexer_layers(cfg) -> list[int]:
     return [i for i, t in enumerate(getattr(cfg, "indexer_types", None) or []) if t == "shared"]
 
 
+def index_share_sources(cfg) -> dict[int, int]:
+    """Each shared layer -> the full layer whose top-k it reuses (the previous full layer: transformers 5.24
+    GlmMoeDsaModel.forward passes the last top-k on; megatron-core 0.19.2 dsa.py `source_dsa_compute_layer`)."""
+    shared, out, source = set(shared_indexer_layers(cfg)), {}, None
+    for i in range(cfg.num_hidden_layers):
+        if i in shared:
+            if source is None:
+                raise ConfigMismatchError(f"indexer_types: layer {i} is 'shared' with no full layer before it")
+            out[i] = source
+        else:
+            source = i
+    return out
+
+
+def index_share_stage_problems(cfg, stages: list[list[int]]) -> list[str]:
+    """IndexShare across pipeline stages: a shared layer must sit on its source layer's stage (the top-k is not
+    sent between stages; megatron-core 0.19.2 experimental_attention_variant_module_specs.py
+    `_validate_dsa_index_share_pipeline_split` refuses such a split). `stages`: the HF layers of each stage (or
+    virtual chunk)."""
+    where = {layer: s for s, layers in enumerate(stages) for layer in layers}
+    return [f"layer {i} reuses layer {src}'s top-k but sits on pipeline stage/chunk {where[i]}, layer {src} on "
+            f"{where[src]}" for i, src in index_share_sources(cfg).items()
+            if i in where and src in where and where[i] != where[src]]
+
+
 def index_share_fields(cfg) -> dict:
     """megatron-core 0.19.2's IndexShare (dsa_indexer_topk_freq / dsa_indexer_skip_topk_offset,
     experimental_attention_variant/dsa.py `is_dsa_skip_topk_layer`: 1-based layer L reuses iff
@@ -75,8 +100,6 @@ def dsa_fields(cfg, rope_interleaved: bool) -> dict:
 def dims(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED):
     import dataclasses
 
-    if cfg.q_lora_rank is None:
-        raise ConfigMismatchError("q_lora_rank null: the DSA indexer reads the query latent (q_lora_rank)")
     return dataclasses.replace(mla_dims(cfg), index_head_dim=cfg.index_head_dim,
                                indexer_rope=indexer_rope_layout(rope_interleaved))
 

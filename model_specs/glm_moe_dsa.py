@@ -9,6 +9,8 @@ from .deepseek_v32 import dims as dsa_dims
 from .deepseek_v32 import (  # noqa: F401
     dsa_core_attention,
     gpt_kwargs,
+    index_share_sources,
+    index_share_stage_problems,
     is_moe_layer,
     shared_indexer_layers,
     structural_fields,
