@@ -30,7 +30,13 @@ def indexer_rope_layout(interleaved_in_hf: bool) -> str:
     """Where the installed megatron-core keeps the indexer's rotary rows (layouts.IndexerRope): "first" (0.19: as
     HF, its `dsa_indexer_rope_interleaved` choosing the rope), else "last" (0.16-0.18 always interleave, as an
     interleaved-rope HF model does) or "last_interleaved" (a half-split HF rope, rows re-interleaved)."""
-    if megatron_at_least(0, 19):
+    try:
+        first = megatron_at_least(0, 19)
+    except ImportError:  # the offline tools run without megatron-core: the layout is the release's, not guessed
+        raise ConfigMismatchError("DeepSeek sparse attention: where the indexer's rotary rows sit depends on the "
+                                  "megatron-core release (0.16-0.18: last, 0.19: first); install the release that "
+                                  "trains the model") from None
+    if first:
         return "first"
     return "last" if interleaved_in_hf else "last_interleaved"
 
