@@ -93,8 +93,19 @@ def index_share_fields(cfg) -> dict:
                               "dsa_indexer_skip_topk_offset) gives this pattern of shared layers")
 
 
+def check_indexer_rope(cfg, rope_interleaved: bool) -> None:
+    """A config.json may say which rope the indexer uses (`indexer_rope_interleave`, which sglang 0.5.23
+    models/deepseek_v2.py reads: missing = half-split); transformers 5.24 fixes it per model_type. A value that
+    contradicts transformers' class is refused: the two would compute different models."""
+    said = getattr(cfg, "indexer_rope_interleave", None)
+    if said is not None and bool(said) != rope_interleaved:
+        raise ConfigMismatchError(f"indexer_rope_interleave={said}: transformers' {cfg.model_type} indexer applies "
+                                  f"{'interleaved' if rope_interleaved else 'half-split (non-interleaved)'} rope")
+
+
 def dsa_fields(cfg, rope_interleaved: bool) -> dict:
     """The MLATransformerConfig fields of the indexer (names a release lacks are dropped by make_config)."""
+    check_indexer_rope(cfg, rope_interleaved)
     return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=cfg.index_n_heads,
                 dsa_indexer_head_dim=cfg.index_head_dim, dsa_indexer_topk=cfg.index_topk,
                 dsa_indexer_loss_coeff=0.0,
@@ -106,6 +117,7 @@ def dsa_fields(cfg, rope_interleaved: bool) -> dict:
 def dims(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED):
     import dataclasses
 
+    check_indexer_rope(cfg, rope_interleaved)
     return dataclasses.replace(mla_dims(cfg), index_head_dim=cfg.index_head_dim,
                                indexer_rope=indexer_rope_layout(rope_interleaved))
 

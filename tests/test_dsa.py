@@ -69,6 +69,12 @@ def test_index_share_config_and_refusals():
         "layer 1 reuses layer 0's top-k but sits on pipeline stage/chunk 1, layer 0 on 0"]
     with pytest.raises(ConfigMismatchError, match=r"layers \[1, 3\] 'shared' \(IndexShare\): megatron-core < 0.19"):
         spec.transformer_config(cfg)
+    # sglang reads indexer_rope_interleave; transformers fixes the rope per model_type: a contradiction is refused
+    with pytest.raises(ConfigMismatchError, match="indexer_rope_interleave=False: transformers' glm_moe_dsa"):
+        spec.dims(tiny_config("glm_moe_dsa", indexer_rope_interleave=False))
+    with pytest.raises(ConfigMismatchError, match="indexer_rope_interleave=True: .* half-split"):
+        get_model_spec("deepseek_v32").transformer_config(tiny_config("deepseek_v32", indexer_rope_interleave=True))
+    assert get_model_spec("glm_moe_dsa").dims(tiny_config("glm_moe_dsa", indexer_rope_interleave=True))
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(tp=2, pp=2, ep=2, etp=1)], ids=str)
