@@ -3,8 +3,10 @@
 from . import (  # noqa: F401
     deepseek_v2,
     deepseek_v3,
+    deepseek_v32,
     glm4_moe,
     glm4_moe_lite,
+    glm_moe_dsa,
     gpt_oss,
     llama,
     minimax_m2,

@@ -3,7 +3,17 @@
 A rule for a parameter that a given config does not have (q/k norm, attention bias) is harmless: rules match
 by name. Whether the model *should* have it is checked against the HF config by the model spec."""
 
-from mcore2hf.layouts import QKV, Column, GatedColumn, LatentDown, LayoutOp, Replicated, Row, VocabRows
+from mcore2hf.layouts import (
+    QKV,
+    Column,
+    GatedColumn,
+    IndexerRope,
+    LatentDown,
+    LayoutOp,
+    Replicated,
+    Row,
+    VocabRows,
+)
 from mcore2hf.mapping import Rule
 from mcore2hf.quantize import FP8Policy
 
@@ -53,6 +63,29 @@ def mla_attention() -> list[Rule]:
         Rule(f"{a}.linear_kv_up_proj.weight", f"{h}.kv_b_proj.weight", Column),
         Rule(f"{a}.linear_proj.weight", f"{h}.o_proj.weight", Row),
         Rule(f"{L}.pre_mlp_layernorm.weight", f"{HL}.post_attention_layernorm.weight"),
+    ]
+
+
+def indexer_rope(dims) -> LayoutOp:
+    """The indexer's rows with rotary dims (wq_b, wk, k_norm) as the installed megatron-core keeps them
+    (`ModelDims.indexer_rope`, from the model spec; layouts.IndexerRope)."""
+    if dims.indexer_rope == "first":
+        return Replicated()
+    return IndexerRope(dims.index_head_dim, dims.qk_rope_head_dim, dims.indexer_rope == "last_interleaved")
+
+
+def dsa_indexer() -> list[Rule]:
+    """DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2, GLM-5): megatron-core >= 0.16
+    experimental_attention_variant/dsa.py builds its linears with parallel_mode="duplicated" (every TP rank holds
+    all of it: one copy is exported) and k_norm as a LayerNorm (weight and bias). Layers of GLM-5.2's IndexShare
+    marked "shared" have none of these tensors (on either side). weights_proj has no rotary rows: a plain copy."""
+    i, h = f"{L}.self_attention.core_attention.indexer", f"{HL}.self_attn.indexer"
+    return [
+        Rule(f"{i}.linear_wq_b.weight", f"{h}.wq_b.weight", indexer_rope),
+        Rule(f"{i}.linear_wk.weight", f"{h}.wk.weight", indexer_rope),
+        Rule(f"{i}.k_norm.weight", f"{h}.k_norm.weight", indexer_rope),
+        Rule(f"{i}.k_norm.bias", f"{h}.k_norm.bias", indexer_rope),
+        Rule(f"{i}.linear_weights_proj.weight", f"{h}.weights_proj.weight", Replicated),
     ]
 
 
@@ -121,10 +154,20 @@ FP8_KEEP = (r"model\.embed_tokens\.weight", r"lm_head\.weight", r"model\.layers\
 FP8_KEEP_MTP = (r"model\.layers\.\d+\.(embed_tokens|eh_proj|shared_head\.head)\.weight",)
 
 
+# DeepSeek sparse attention: the indexer's weights_proj (its per-head score weights) stays bf16 in the published FP8
+# checkpoints while wq_b and wk are block-FP8: GLM-5.1-FP8 lists it in modules_to_not_convert and quantizes
+# indexer.wk (sgl-project/sglang-jax#1111, which loads zai-org/GLM-5.1-FP8); DeepSeek-V3.2's FP8 checkpoint stores
+# indexer.wk as FP8 with weight_scale_inv (ROCm/ATOM#788); transformers 5.24 keeps weights_proj in fp32 on load
+# (modeling_deepseek_v32.py `_keep_in_fp32_modules = ["indexer.weights_proj"]`). The published config.json files
+# themselves were not read here (no access): the exact modules_to_not_convert list of GLM-5-FP8 is not checked.
+FP8_KEEP_DSA = (r"model\.layers\.\d+\.self_attn\.indexer\.weights_proj\.weight",)
+
+
 def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str = "",
-               block_sparse_moe: bool = False) -> FP8Policy:
-    """Embeddings, lm_head and routers stay unquantized (Mixtral-style names: the router is block_sparse_moe.gate)."""
-    keep = FP8_KEEP + (FP8_KEEP_MTP if mtp else ())
+               block_sparse_moe: bool = False, dsa_indexer: bool = False) -> FP8Policy:
+    """Embeddings, lm_head and routers stay unquantized (Mixtral-style names: the router is block_sparse_moe.gate;
+    `dsa_indexer`: and the sparse-attention indexer's weights_proj)."""
+    keep = FP8_KEEP + (FP8_KEEP_MTP if mtp else ()) + (FP8_KEEP_DSA if dsa_indexer else ())
     if block_sparse_moe:
         keep += (r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight",)
     return FP8Policy(keep=keep, list_not_converted=list_not_converted, source=source)

@@ -16,7 +16,7 @@ Read from the engines' published code (the wheels tests/harness/wheels.py unpack
   _load_w13, _load_w2), models/deepseek_v2.py (fused_qkv_a_proj_with_mqa ReplicatedLinear, q_b/kv_b column),
   models/deepseek_nextn.py and glm4_moe_nextn.py (eh_proj replicated), models/minimax_m2.py (MiniMaxM2RMSNormTP:
   q_norm by heads, k_norm by kv heads with replicas), models/olmoe.py (full-width RMSNorm, replicated),
-  models/gpt_oss.py (sinks by heads); gated DeltaNet (Qwen3-Next, Qwen3.5): models/qwen3_next.py
+  models/gpt_oss.py (sinks by heads), layers/attention/dsa/dsa_indexer.py (DSA indexer replicated); gated DeltaNet (Qwen3-Next, Qwen3.5): models/qwen3_next.py
   Qwen3GatedDeltaNet (in_proj_qkvz / in_proj_ba: _make_packed_weight_loader, a contiguous slice of the packed
   per-key-head groups; conv1d: layers/attention/mamba/mamba.py mamba_v2_sharded_weight_loader over the parts
   [q; k; v]; A_log / dt_bias: model_loader/weight_utils.py sharded_weight_loader(0); out_proj RowParallelLinear;
@@ -156,7 +156,13 @@ KINDS: list[tuple[str, str]] = [
     (rf"{_L}\.self_attn\.sinks", COLUMN),  # gpt-oss: one per query head, the rank's heads
     # MLA's latent down-projections: SGLang fused_qkv_a_proj_with_mqa / vLLM MergedReplicatedLinear
     (rf"{_L}\.self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.weight", REPLICATED),
-    (rf"{_L}\.self_attn\.o_proj\.bias", REPLICATED),  # RowParallelLinear bias: no input_dim, loaded whole
+    (rf"{_L}\.self_attn\.o_proj\.bias", REPLICATED),
+    # DeepSeek sparse attention's indexer: replicated whole in both engines (sglang layers/attention/dsa/
+    # dsa_indexer.py ReplicatedLinear wq_b / wk / weights_proj (or their fused bf16 wk_weights_proj, filled whole
+    # by models/deepseek_common/deepseek_weight_loader.py), LayerNorm k_norm; vllm models/deepseek_v32/attention.py
+    # ReplicatedLinear wq_b, MergedColumnParallelLinear(disable_tp=True) wk_weights_proj, LayerNorm k_norm)
+    (rf"{_L}\.self_attn\.indexer\.(?:wq_b|wk|weights_proj)\.weight|{_L}\.self_attn\.indexer\.k_norm\.(?:weight|bias)",
+     REPLICATED),  # RowParallelLinear bias: no input_dim, loaded whole
     # norms (q_norm / k_norm: per-head or full-width replicated; MiniMax-M2 overrides below)
     (rf"{_L}\.(?:input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight"
      rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight"

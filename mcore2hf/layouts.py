@@ -363,6 +363,53 @@ class LatentDown(Concat):
         return [tuple(full_shape)]
 
 
+class IndexerRope(LayoutOp):
+    """DeepSeek sparse attention's indexer (`linear_wq_b`, `linear_wk`, `k_norm` weight and bias) -> HF
+    `indexer.{wq_b, wk, k_norm}`: replicated on every TP rank (megatron-core builds the indexer's linears with
+    parallel_mode="duplicated"), rows in blocks of `head_dim` (one per indexer head; wk and k_norm: one block).
+
+    HF (transformers 5.24 modeling_deepseek_v32.py / modeling_glm_moe_dsa.py `Indexer.forward`) puts each head's
+    `rope_dim` rotary rows first; megatron-core 0.16-0.18 (transformer/experimental_attention_variant/dsa.py
+    `DSAIndexer._apply_rope`: `x_nope, x_pe = torch.split(...)`) puts them last and always applies MLA's
+    interleaved rope to them (rope_utils.py `_apply_rotary_pos_emb_bshd(multi_latent_attention=True)` reads the
+    pairs (0, 1), (2, 3), ...). So per block Megatron rows are [pass; rope'], HF rows [rope; pass], where rope' =
+    rope for an interleaved-rope model (GLM-5) and, with `interleave`, rope' = the HF rope rows' two halves
+    interleaved (DeepSeek-V3.2, whose HF indexer applies non-interleaved half-split rope): Megatron's
+    de-interleave then gives exactly HF's half-split input. megatron-core 0.19 splits [pe, nope] as HF does, with
+    `dsa_indexer_rope_interleaved` choosing the rope: no op there (Replicated)."""
+
+    def __init__(self, head_dim: int, rope_dim: int, interleave: bool):
+        if rope_dim > head_dim or (interleave and rope_dim % 2):
+            raise ShapeMismatchError(f"indexer rope dims {rope_dim} within head_dim {head_dim} (even to interleave)")
+        self.head_dim, self.rope_dim, self.interleave = head_dim, rope_dim, interleave
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[0] % self.head_dim == 0, "indexer rows: whole heads of index_head_dim", self.head_dim,
+               full_shape[0])
+        return [tuple(full_shape)]
+
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        d, r = self.head_dim, self.rope_dim
+        c = _numel(shard_shape[1:])  # elements per row
+        nb = shard_shape[0] // d
+        out = [StridedCopy(0, (nb, (d - r) * c), (d * c, 1), (d * c, 1), dst_offset=r * c)]  # pass rows
+        if not self.interleave:
+            out.append(StridedCopy(0, (nb, r * c), (d * c, 1), (d * c, 1), src_offset=(d - r) * c))
+        else:  # HF rope row i <- Megatron rope row 2i, HF row r/2 + i <- Megatron rope row 2i + 1
+            out.append(StridedCopy(0, (nb, 2, r // 2, c), (d * c, r // 2 * c, c, 1), (d * c, c, 2 * c, 1),
+                                   src_offset=(d - r) * c))
+        return out
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        x = _full(hf[0])
+        d, r, rest = self.head_dim, self.rope_dim, tuple(x.shape[1:])
+        x = x.reshape(-1, d, *rest)
+        rope, rest_rows = x[:, :r], x[:, r:]
+        if self.interleave:  # Megatron rope row 2i = HF row i, 2i + 1 = HF row r/2 + i
+            rope = torch.stack([rope[:, :r // 2], rope[:, r // 2:]], dim=2).reshape(rope.shape)
+        return torch.cat([rest_rows, rope], dim=1).reshape(tuple(full_shape)).contiguous()
+
+
 class GatedInterleaved(LayoutOp):
     """GLU `linear_fc1` of an expert -> gpt-oss's `gate_up_proj` slice: gate and up interleaved by column
     (gate = x[..., ::2], up = x[..., 1::2]; transformers 5.23 models/gpt_oss/modeling_gpt_oss.py, _apply_gate),

@@ -46,6 +46,10 @@ class ModelDims:
     linear_num_value_heads: int | None = None
     linear_key_head_dim: int | None = None
     linear_value_head_dim: int | None = None
+    # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5): head dim, and where the installed
+    # megatron-core keeps its rotary rows ("first" as HF, "last", "last_interleaved": layouts.IndexerRope)
+    index_head_dim: int | None = None
+    indexer_rope: str | None = None
 
 
 OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]

@@ -60,7 +60,7 @@ VERIFIED: dict[str, str] = {
        for mt in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "minimax_m2")},
     "gpt_oss": f"6 layout worlds (all at expert-TP 1); {_EVERY}",
     **{mt: f"3 layout worlds (TP x PP x EP, PP x VPP, uneven PP: every parallel dimension); {_EVERY}"
-       for mt in ("glm4_moe_lite", "deepseek_v2", "mixtral", "mistral", "olmoe")},
+       for mt in ("glm4_moe_lite", "deepseek_v2", "mixtral", "mistral", "olmoe", "deepseek_v32", "glm_moe_dsa")},
     "qwen3_next": "its own layout world (TP2 x PP2 x VPP2 x EP2, bf16); logits (and fp32 round-off) = transformers' "
                   "at TP1 and TP2 x EP2, import loaded by Megatron, offline export, engine shards, demo",
     **{mt: "its own worlds (TP2 x EP2, PP2, TP1 x DP2); logits (and fp32 round-off) = transformers' at each, "

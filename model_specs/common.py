@@ -470,3 +470,23 @@ def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = 
             vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
             vp_stage=vp_stage, **{pattern_arg: pattern}, **kwargs)))
     return chunks
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """A linear layer every tensor-parallel rank holds whole: what Transformer Engine's `TELinear(parallel_mode=
+    "duplicated")` is, for the local spec (megatron-core 0.16.1's LocalSpecProvider has no `linear()`; the DSA
+    indexer's linears need one, experimental_attention_variant_module_specs.py `get_dsa_module_spec_for_backend`).
+    Same parameter name (`weight`), no TP attributes, returns (output, None) as Megatron's linears do."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method=None, bias: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False, parallel_mode=None,
+                 **_):
+        super().__init__()
+        if bias or parallel_mode not in (None, "duplicated"):
+            raise NotImplementedError(f"DuplicatedLinear: bias={bias}, parallel_mode={parallel_mode!r}")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        if init_method is not None:
+            init_method(self.weight)
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.weight), None

@@ -126,7 +126,7 @@ def with_eps(module, eps: float):
                                               "__module__": module.__module__})
 
 
-def _megatron_at_least(*version: int) -> bool:
+def megatron_at_least(*version: int) -> bool:
     from megatron.core import __version__
 
     return tuple(int(x) for x in __version__.split(".")[:2]) >= version
@@ -140,7 +140,7 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     block = copy.deepcopy(get_gpt_decoder_block_spec(**supported_kwargs(
         get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te, normalization="RMSNorm",
         vp_stage=vp_stage)))
-    if config.q_lora_rank is None and _megatron_at_least(0, 19):
+    if config.q_lora_rank is None and megatron_at_least(0, 19):
         # megatron-core 0.19.2 mla_qk_norm_config.py `_resolve_mla_qk_layernorm`: with qk_layernorm and no
         # q_lora_rank, linear_q_proj must be Transformer Engine's fused norm+linear; unverified against HF
         raise ConfigMismatchError("q_lora_rank null (Moonlight, DeepSeek-V2-Lite): megatron-core >= 0.19 builds MLA "

@@ -12,13 +12,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join([_TESTS] + [p for p in os.environ.get
                                                       if p and p != _TESTS])
 
 ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "glm4_moe_lite", "deepseek_v2", "mixtral",
-         "mistral", "gpt_oss", "minimax_m2", "olmoe"]
+         "mistral", "gpt_oss", "minimax_m2", "olmoe", "deepseek_v32", "glm_moe_dsa"]
 #: family members whose checkpoint format, converter rules and spec code another architecture above already runs
 #: everywhere (glm4_moe_lite, deepseek_v2 ~ deepseek_v3; mistral ~ llama/qwen2; mixtral, olmoe ~ minimax_m2's names
-#: and full-width norm; their own config values differ). To keep CI within its budget they run in the worlds that
+#: and full-width norm; deepseek_v32, glm_moe_dsa ~ deepseek_v3 plus the sparse-attention indexer, whose tensors
+#: are replicated over TP, so the worlds with PP stage boundaries and TP 2 cover them; their own config values
+#: differ). To keep CI within its budget they run in the worlds that
 #: cover every parallel dimension (TP2 x PP2 x EP2 with expert-TP != TP, PP2 x VPP2, uneven PP), in parity at both
 #: layouts, the default-layout demo, import and one FP8 world; the others run everywhere.
-FORMAT_MATES = {"glm4_moe_lite", "deepseek_v2", "mistral", "mixtral", "olmoe"}
+FORMAT_MATES = {"glm4_moe_lite", "deepseek_v2", "mistral", "mixtral", "olmoe", "deepseek_v32", "glm_moe_dsa"}
 #: architectures whose megatron-core TE spec the `te_specs` fixture derives (ARCHS and the gated-DeltaNet ones)
 TE_SPEC_ARCHS = ARCHS + ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 #: MCORE2HF_ARCHS=qwen3,deepseek_v3: the architecture checkpoints (fixtures ckpts, ckpts_bf16) hold only these, so

@@ -316,10 +316,11 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
 # (c) all-NaN tensors (the loader must read something: NaN reaches the parameters, or the case proves nothing).
 
 CASES = ("column", "row", "qkv", "merged_column", "vocab_embedding", "lm_head", "fused_moe", "minimax_qk_norm",
-         "gpt_oss_experts", "mla_fused_a", "vocab_tp3", "gdn_qwen3_next", "gdn_qwen3_5", "gated_qkv")
+         "gpt_oss_experts", "mla_fused_a", "vocab_tp3", "gdn_qwen3_next", "gdn_qwen3_5", "gated_qkv", "dsa_indexer")
 #: engine TP sizes per case (vocab_tp3: 128 rows do not divide over 3: sglang pads to 192, vllm refuses)
 CASE_TPS = {"vocab_tp3": (3,)}
 Q_LORA, KV_LORA = 12, 6
+IH, ID = 3, 8  # DeepSeek sparse attention's indexer: heads, head dim
 #: the architecture whose per-architecture rules a case exercises
 CASE_MODEL_TYPE = {"minimax_qk_norm": "minimax_m2", "gpt_oss_experts": "gpt_oss", "gdn_qwen3_next": "qwen3_next",
                    "gdn_qwen3_5": "qwen3_5", "gated_qkv": "qwen3_5"}
@@ -357,6 +358,10 @@ def _hf_tensors(case: str, seed: int = 0) -> dict[str, torch.Tensor]:
     if case == "mla_fused_a":
         return {f"{L}.self_attn.q_a_proj.weight": rnd(Q_LORA, H),
                 f"{L}.self_attn.kv_a_proj_with_mqa.weight": rnd(KV_LORA, H)}
+    if case == "dsa_indexer":  # transformers 5.24 DeepseekV32Indexer / GlmMoeDsaIndexer
+        a = f"{L}.self_attn.indexer"
+        return {f"{a}.wq_b.weight": rnd(IH * ID, Q_LORA), f"{a}.wk.weight": rnd(ID, H),
+                f"{a}.k_norm.weight": rnd(ID), f"{a}.k_norm.bias": rnd(ID), f"{a}.weights_proj.weight": rnd(IH, H)}
     if case == "gdn_qwen3_next":  # transformers 5.23 Qwen3NextGatedDeltaNet: packed per key head, conv [q; k; v]
         a = f"{L}.linear_attn"
         return {f"{a}.in_proj_qkvz.weight": rnd(2 * KD + 2 * VD, H), f"{a}.in_proj_ba.weight": rnd(2 * NV, H),
@@ -449,6 +454,21 @@ def _sglang_engine():
             # concatenates q_a_proj and kv_a_proj_with_mqa (dim 0) before its weight_loader
             m = lin.ReplicatedLinear(H, Q_LORA + KV_LORA, bias=False, **f32)
             m.weight.weight_loader(m.weight, torch.cat([k("q_a_proj.weight"), k("kv_a_proj_with_mqa.weight")]))
+        elif case == "dsa_indexer":
+            # layers/attention/dsa/dsa_indexer.py Indexer.__init__ without the CUDA-only fused wk_weights_proj
+            # (models/deepseek_common/deepseek_weight_loader.py fills that one whole, wk rows then weights_proj rows):
+            # ReplicatedLinear wq_b / wk / weights_proj, LayerNorm k_norm (default_weight_loader)
+            from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+            m = torch.nn.Module()
+            m.wq_b = lin.ReplicatedLinear(Q_LORA, IH * ID, bias=False, **f32)
+            m.wk = lin.ReplicatedLinear(H, ID, bias=False, **f32)
+            m.weights_proj = lin.ReplicatedLinear(H, IH, bias=False, **f32)
+            for n in ("wq_b", "wk", "weights_proj"):
+                getattr(m, n).weight.weight_loader(getattr(m, n).weight, k(f"{n}.weight"))
+            m.k_norm = torch.nn.LayerNorm(ID)
+            for n in ("weight", "bias"):
+                default_weight_loader(getattr(m.k_norm, n), k(f"k_norm.{n}"))
         elif case == "gpt_oss_experts":
             return _sglang_gpt_oss(fm, t, p)
         elif case in ("gdn_qwen3_next", "gdn_qwen3_5"):
@@ -594,6 +614,20 @@ def _vllm_engine():
             m = DeepSeekV2FusedQkvAProjLinear(H, [Q_LORA, KV_LORA])
             m.weight.weight_loader(m.weight, k("q_a_proj.weight"), 0)
             m.weight.weight_loader(m.weight, k("kv_a_proj_with_mqa.weight"), 1)
+        elif case == "dsa_indexer":
+            # models/deepseek_v32/attention.py Indexer.__init__: ReplicatedLinear wq_b, wk + weights_proj merged
+            # into MergedColumnParallelLinear(disable_tp=True) wk_weights_proj (shard ids 0, 1), LayerNorm k_norm
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            m = torch.nn.Module()
+            m.wq_b = lin.ReplicatedLinear(Q_LORA, IH * ID, bias=False)
+            m.wq_b.weight.weight_loader(m.wq_b.weight, k("wq_b.weight"))
+            m.wk_weights_proj = lin.MergedColumnParallelLinear(H, [ID, IH], bias=False, disable_tp=True)
+            m.wk_weights_proj.weight.weight_loader(m.wk_weights_proj.weight, k("wk.weight"), 0)
+            m.wk_weights_proj.weight.weight_loader(m.wk_weights_proj.weight, k("weights_proj.weight"), 1)
+            m.k_norm = torch.nn.LayerNorm(ID)
+            for n in ("weight", "bias"):
+                default_weight_loader(getattr(m.k_norm, n), k(f"k_norm.{n}"))
         elif case == "minimax_qk_norm":
             import vllm.model_executor.layers.minimax_rms_norm.rms_norm_tp as rn
             from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config

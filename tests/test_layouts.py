@@ -14,6 +14,7 @@ from mcore2hf.layouts import (
     GatedInterleaved,
     GatedQKV,
     GDNInProj,
+    IndexerRope,
     Replicated,
     Row,
     RowTransposed,
@@ -169,7 +170,7 @@ def test_to_hf_writes_into_views_of_one_flat_buffer_qkv_tp2():
     (QKV(8, 2, 4), (48, 16)), (VocabRows(100), (100, 8)), (GatedInterleaved(), (16, 6)), (GatedInterleaved(), (16,)),
     (RowTransposed(), (6, 8)), (Stacked(GatedInterleaved(), 1, 3), (16, 6)), (Stacked(RowTransposed(), 2, 3), (6, 8)),
     (GatedQKV(8, 2, 4), (80, 16)), (GDNInProj(2, 4, 4, 3), (48, 8)), (ColumnParts((8, 8, 12)), (28, 1, 4)),
-    (ZeroCentered(), (12,)),
+    (ZeroCentered(), (12,)), (IndexerRope(8, 4, True), (24, 6)), (IndexerRope(8, 4, False), (8,)),
 ], ids=lambda x: type(x).__name__ if not isinstance(x, tuple) else "x".join(map(str, x)))
 def test_full_shape_inverts_hf_shapes(op, full):
     """What the offline import rebuilds a Megatron tensor's shape with (unpadded vocab: VocabRows gives vocab_size)."""
@@ -300,3 +301,45 @@ def test_zero_centered_megatron_round_trip_loses_low_bits_in_bf16_4096():
         back = op.shard_from_hf(op.hf_tensors([w]), 0, 1, (4096,))
         err = (back.double() - w.double()).abs().max().item()
         assert 0 < err <= bound, (dtype, err)
+
+
+# DeepSeek sparse attention: the indexer's rotary rows (megatron-core 0.16-0.18 vs transformers 5.24)
+
+
+@pytest.mark.parametrize("hf_interleaved", [False, True], ids=["deepseek_v32", "glm_moe_dsa"])
+def test_indexer_rope_rows_give_megatron_the_scores_transformers_computes(hf_interleaved):
+    """The oracle is both libraries' own rope: transformers' indexer rope on HF rows (DeepSeek-V3.2: half-split
+    `apply_rotary_pos_emb`; GLM-5: `apply_rotary_pos_emb_interleave`, rows first) and megatron-core 0.16.1's
+    `_apply_rotary_pos_emb_bshd(multi_latent_attention=True)` on the rows IndexerRope gives Megatron (rope rows
+    last, what `DSAIndexer._apply_rope` splits off) score every (query head, key) pair alike, at every position."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
+
+    heads, d, r, c, s = 3, 8, 4, 5, 6
+    wq, wk, x = rand(heads * d, c).double(), rand(d, c).double(), rand(s, c).double()
+    inv = 1.0 / 10000 ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+    freqs = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)  # [s, r]: both libraries' cos/sin layout
+    q, k = (x @ wq.T).view(s, heads, d), (x @ wk.T).view(s, 1, d)
+    rope = apply_rotary_pos_emb_interleave if hf_interleaved else apply_rotary_pos_emb
+    qr, kr = rope(q[..., :r].transpose(0, 1)[None], k[..., :r].transpose(0, 1)[None], emb.cos()[None],
+                  emb.sin()[None], unsqueeze_dim=1)
+    hf_q = torch.cat([qr[0].transpose(0, 1), q[..., r:]], -1)
+    hf_k = torch.cat([kr[0].transpose(0, 1), k[..., r:]], -1)
+    hf = torch.einsum("shd,tgd->sht", hf_q, hf_k)
+
+    op = IndexerRope(d, r, interleave=not hf_interleaved)  # the DeepSeek-V3.2 rows interleaved, GLM-5's not
+    mq, mk = (x @ op.shard_from_hf([wq], 0, 1, tuple(wq.shape)).T).view(s, heads, d), \
+        (x @ op.shard_from_hf([wk], 0, 1, tuple(wk.shape)).T).view(s, 1, d)
+    f = emb[:, None, None, :]  # megatron's freqs [s, 1, 1, r]; input [s, b=1, heads, d]
+
+    def megatron(t):
+        pe = _apply_rotary_pos_emb_bshd(t[:, None, :, d - r:], f, rotary_interleaved=False,
+                                        multi_latent_attention=True)
+        return torch.cat([t[..., :d - r], pe[:, 0]], -1)
+
+    assert torch.allclose(torch.einsum("shd,tgd->sht", megatron(mq), megatron(mk)), hf, atol=1e-12)
+    # without the row move (a one-to-one copy) the scores differ
+    wrong = torch.einsum("shd,tgd->sht", megatron(q), megatron(k))
+    assert (wrong - hf).abs().max() > 1e-2

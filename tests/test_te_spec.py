@@ -33,6 +33,16 @@ def _layer_rules(layer: dict) -> list[str]:
     if attention == "SelfAttention":  # input norm fused into linear_qkv
         want("input_layernorm", "IdentityOp")
         want("self_attention.linear_qkv", LN_LINEAR)
+    elif attention == "MLASelfAttention" and _cls(layer, "self_attention.core_attention") == "DSAttention":
+        # DeepSeek sparse attention: the latent norms unfused (the indexer reads the normalized query latent;
+        # model_specs/deepseek_v32.py), the indexer's linears duplicated TELinear, k_norm a TENorm
+        want("input_layernorm", "TENorm")
+        for norm, proj in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
+            want(f"self_attention.{norm}", "TENorm")
+            want(f"self_attention.{proj}", "TEColumnParallelLinear")
+        for lin in ("linear_wq_b", "linear_wk", "linear_weights_proj"):
+            want(f"self_attention.core_attention.indexer.{lin}", "TELinear")
+        want("self_attention.core_attention.indexer.k_norm", "TENorm")
     elif attention == "MLASelfAttention":  # separate input norm; q/kv latent norms fused into the up projections
         want("input_layernorm", "TENorm")
         for norm, proj in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):

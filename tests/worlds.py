@@ -1168,3 +1168,85 @@ def engine_problems(model_type: str, per_rank: list[dict], layout: Layout) -> li
             bad.append(f"{key}: the world sent {[r['sent'] for r in results]}, received "
                        f"{[r['received'] for r in results]}")
     return [f"{model_type} at {layout}: {b}" for b in bad]
+
+
+# --- DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) -------------------------------------------------------------
+
+def indexer_rows_as_hf(chunks) -> None:
+    """Overwrite each DSA indexer's wq_b / wk / k_norm rows with the HF order of its own rows (no rotary-row
+    move): what a converter that copied the indexer one to one would load on megatron-core 0.16-0.18. The negative
+    control of the sparse-regime parity test: its logits must then be far from transformers'."""
+    from mcore2hf.layouts import IndexerRope
+
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if ".indexer." in name and "weights_proj" not in name:
+                    cfg = chunk.config
+                    op = IndexerRope(cfg.dsa_indexer_head_dim, cfg.qk_pos_emb_head_dim, interleave=True)
+                    p.copy_(op.hf_tensors([p.data])[0])
+
+
+def dsa_forward(ckpt: str, layout: Layout, scramble: bool = False) -> dict:
+    """The Megatron logits of the weights mcore2hf loaded at `layout` (fp32), with `scramble` the indexer rows in
+    HF order instead (indexer_rows_as_hf); and whether every TP rank holds the same indexer tensors (megatron-core
+    builds them duplicated, parallel_mode="duplicated": one copy is exported)."""
+    from megatron.core import parallel_state as ps
+
+    _, chunks = build(ckpt, layout)
+    load_hf_weights(chunks, ckpt)
+    indexer = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters() if ".indexer." in n}
+    copies: list = [None] * ps.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(copies, indexer, group=ps.get_tensor_model_parallel_group())
+    same = all(c.keys() == indexer.keys() and all(torch.equal(c[n], t) for n, t in indexer.items()) for c in copies)
+    if scramble:
+        indexer_rows_as_hf(chunks)
+    from mcore2hf.hf_config import text_config
+
+    logits = megatron_logits(chunks, TOKENS, text_config(load_hf_config(ckpt)).vocab_size)
+    return {"logits": logits, "replicas_agree": same, "indexer_tensors": len(indexer)}
+
+
+def build_index_share(ckpt: str, layout: Layout):
+    """A GLM-5.2 IndexShare model as megatron-core 0.19 builds it (dsa.py: `DSAttention.indexer = None` on the
+    layers that reuse a previous layer's top-k), simulated on megatron-core 0.16.1, which has no IndexShare: the
+    model of the same config with every indexer, whose shared layers' indexers are then removed. Names, shapes and
+    parallel layout are 0.19's; its forward is not (0.16.1's DSAttention always runs its own indexer)."""
+    import copy
+
+    from mcore2hf.model_specs.deepseek_v32 import shared_indexer_layers
+
+    cfg = load_hf_config(ckpt)
+    shared = set(shared_indexer_layers(cfg))
+    full = copy.deepcopy(cfg)
+    full.indexer_types = ["full"] * cfg.num_hidden_layers
+    chunks = build_model(full, use_te=False, **layout.config_overrides(), mtp_num_layers=None)
+    held = []
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            held.append(layer.layer_number - 1)
+            if layer.layer_number - 1 in shared:
+                layer.self_attention.core_attention.indexer = None
+    return cfg, chunks, held
+
+
+def index_share_matrix(ckpt: str, layout: Layout, out_root: str) -> dict:
+    """The IndexShare model (build_index_share) loaded at `layout` exports the HF checkpoint bit for bit (all
+    ranks, 4 KiB buckets, a receiver, save_pretrained), shared layers without indexer tensors on both sides."""
+    from megatron.core import parallel_state as ps
+
+    cfg, chunks, held = build_index_share(ckpt, layout)
+    stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, held, group=ps.get_pipeline_model_parallel_group())
+    load_hf_weights(chunks, ckpt)
+    ref = read_hf_checkpoint(ckpt)
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), ref, f"{layout} IndexShare all ranks")
+    small = {n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}
+    assert_same(small, ref, f"{layout} IndexShare 4 KiB buckets")
+    got0 = ex.state_dict(receivers=0)
+    agree(checked(lambda: assert_same(got0, ref, f"{layout} IndexShare receivers=[0]") if dist.get_rank() == 0
+                  else None))
+    out = os.path.join(out_root, str(layout))
+    ex.save_pretrained(out)
+    return {"stages": stages, "out": out, "indexers": sorted({n.split(".indexer.")[0] for n in ref if ".indexer." in n})}

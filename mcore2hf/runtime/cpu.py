@@ -21,6 +21,12 @@ The one place for them (measured with megatron-core 0.16.1, torch 2.13 CPU); eac
    megatron-core 0.19.2 (ssm/gated_delta_net/{common,gdn}.py) also calls fla's causal_conv1d: a torch depthwise
    conv1d as its deterministic mode computes it.
 
+9. DeepSeek sparse attention (megatron-core 0.16.1 transformer/experimental_attention_variant/dsa.py:41-46
+   `rotate_activation`): the indexer's Hadamard rotation of q and k asserts bf16 and calls the CUDA kernel of
+   fast_hadamard_transform. The same transform in torch (Sylvester's H / sqrt(n), any float dtype) instead; it
+   is orthogonal, so the indexer's q.k scores are unchanged but for rounding (transformers 5.24 skips it for
+   that reason, modeling_deepseek_v32.py `DeepseekV32Indexer.forward`).
+
 Not a shim but a module: `SDPACoreAttention`, the core attention the local-spec MLA layer needs (Megatron's
 `DotProductAttention` rejects MLA's `k_channels` / `v_channels` / `softmax_scale`); model_specs.deepseek_v3
 puts it into the layer spec when Transformer Engine is not used.
@@ -62,6 +68,7 @@ def apply_cpu_shims() -> None:
     fused_softmax.get_sliding_window_causal_mask = window_mask_cpu
 
     _gdn_without_fla()
+    _dsa_without_hadamard_kernel()
 
     try:
         from megatron.core.extensions import transformer_engine as te_ext
@@ -103,6 +110,30 @@ def fla_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     elif activation is not None:
         raise NotImplementedError(f"causal_conv1d shim: activation {activation!r}")
     return y.transpose(1, 2), None
+
+
+def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """fast_hadamard_transform's `hadamard_transform(x, scale)`: x @ H_n * scale over the last dim (n a power of
+    two; H_n Sylvester's, entries +-1), as a butterfly in x's dtype."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise NotImplementedError(f"hadamard_transform shim: last dim {n} is not a power of two")
+    y, h = x.reshape(-1, n), 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        y = torch.cat([y[:, :, :1] + y[:, :, 1:], y[:, :, :1] - y[:, :, 1:]], dim=2).view(-1, n)
+        h *= 2
+    return (y * scale).view(x.shape)
+
+
+def _dsa_without_hadamard_kernel() -> None:
+    try:
+        from megatron.core.transformer.experimental_attention_variant import dsa
+    except ImportError:  # releases without DeepSeek sparse attention
+        return
+    if getattr(dsa, "hadamard_transform", None) is None and hasattr(dsa, "rotate_activation"):
+        dsa.hadamard_transform = hadamard_transform
+        dsa.rotate_activation = lambda x: hadamard_transform(x, scale=x.size(-1) ** -0.5)
 
 
 def _eager(cls, name: str) -> None:

@@ -21,6 +21,7 @@ MARGIN = 3.0
 FAMILY = {"qwen3": "dense", "qwen2": "dense", "llama": "dense", "mistral": "dense",
           "qwen3_moe": "moe", "glm4_moe": "moe", "mixtral": "moe", "olmoe": "moe", "minimax_m2": "moe",
           "deepseek_v3": "mla", "deepseek_v2": "mla", "glm4_moe_lite": "mla", "kimi_k2": "mla", "moonlight": "mla",
+          "deepseek_v32": "mla", "glm_moe_dsa": "mla",
           "gpt_oss": "gpt_oss", "qwen3_next": "gated_deltanet", "qwen3_5": "gated_deltanet",
           "qwen3_5_moe": "gated_deltanet"}
 

@@ -76,7 +76,9 @@ def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool
     elif hasattr(attn, "in_proj"):  # gated DeltaNet: the input norm fused into in_proj
         if "weight" in layer.input_layernorm._parameters:
             _move(layer.input_layernorm, "weight", attn.in_proj, "layer_norm_weight")
-    else:  # MLA: separate input norm, q/kv norms fused into the up projections
+    elif not hasattr(getattr(attn, "core_attention", None), "indexer"):
+        # MLA: separate input norm, q/kv norms fused into the up projections (not with DeepSeek sparse attention,
+        # whose indexer reads the normalized query latent: model_specs/deepseek_v32.py layer_spec)
         for norm, proj in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
             if hasattr(attn, norm) and hasattr(attn, proj) and "weight" in getattr(attn, norm)._parameters:
                 _move(getattr(attn, norm), "weight", getattr(attn, proj), "layer_norm_weight")

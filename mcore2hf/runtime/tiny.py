@@ -77,6 +77,28 @@ TINY_CONFIGS: dict[str, dict] = {
         num_nextn_predict_layers=1, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=256, attention_bias=False, tie_word_embeddings=False,
     ),
+    # DeepSeek-V3.2 scaled down: DeepSeek-V3's MLA and routing plus the sparse-attention indexer with an odd head
+    # count (5), head dim 16 (a power of two: megatron-core's Hadamard rotation) holding the 8 rope dims, and
+    # index_topk 6 < the parity tests' 16 tokens, so each query attends to the indexer's choice (the sparse regime)
+    "deepseek_v32": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, index_n_heads=5, index_head_dim=16, index_topk=6, num_nextn_predict_layers=1,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    # GLM-5 scaled down (transformers 5.24 GlmMoeDsaConfig defaults: v_head_dim > qk_nope_head_dim, rms_norm_eps 1e-5,
+    # n_group 1, the first layers dense): its indexer applies interleaved rope; 7 indexer heads, index_topk 5
+    "glm_moe_dsa": dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        index_n_heads=7, index_head_dim=16, index_topk=5, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=256,
+        attention_bias=False, tie_word_embeddings=False,
+    ),
     # DeepSeek-V2-Lite scaled down (its published config.json: q_lora_rank null, softmax "greedy" routing without
     # renormalization, 2 shared experts, yarn rope factor 40, mscale 0.707); routed_scaling_factor 2.5 (published 1.0;
     # DeepSeek-V2 16.0) so the parity test sees the factor

@@ -1,0 +1,186 @@
+"""DeepSeek-V3.2 (HF `deepseek_v32`): DeepSeek-V3's multi-latent attention with DeepSeek sparse attention (DSA):
+a lightning indexer per layer (`self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`) picks each query's top
+`index_topk` keys. Megatron: MLATransformerConfig with experimental_attention_variant="dsa" (megatron-core >=
+0.16.0, transformer/experimental_attention_variant/dsa.py `DSAttention` / `DSAIndexer`).
+
+The DSA family (glm_moe_dsa) reuses this module: `dsa_fields` and `layer_spec` take the members' differences
+(the indexer's rope, GLM-5.2's IndexShare) from the HF config."""
+
+
+from mcore2hf.errors import ConfigMismatchError
+
+from .common import sigmoid_router_fields, spec_builder
+from .deepseek_v3 import dims as mla_dims
+from .deepseek_v3 import gpt_kwargs, megatron_at_least, mla_transformer_config, with_eps  # noqa: F401
+from .deepseek_v3 import layer_spec as mla_layer_spec
+from .deepseek_v3 import structural_fields as mla_structural_fields
+from .glm4_moe_lite import is_moe_layer  # noqa: F401  (transformers 5.24: MoE iff mlp_layer_types[i] == "sparse")
+
+HF_ARCHITECTURE = "DeepseekV32ForCausalLM"
+
+# transformers 5.24 modeling_deepseek_v32.py `DeepseekV32Indexer.__init__`: `nn.LayerNorm(head_dim, eps=1e-6)`,
+# whatever rms_norm_eps says; megatron-core 0.16.1 dsa.py builds k_norm with config.layernorm_epsilon
+INDEXER_K_NORM_EPS = 1e-6
+#: whether the HF indexer applies interleaved rope (transformers 5.24: DeepSeek-V3.2 `apply_rotary_pos_emb`,
+#: half-split; GLM-5 `apply_rotary_pos_emb_interleave`)
+INDEXER_ROPE_INTERLEAVED = False
+
+
+def indexer_rope_layout(interleaved_in_hf: bool) -> str:
+    """Where the installed megatron-core keeps the indexer's rotary rows (layouts.IndexerRope): "first" (0.19: as
+    HF, its `dsa_indexer_rope_interleaved` choosing the rope), else "last" (0.16-0.18 always interleave, as an
+    interleaved-rope HF model does) or "last_interleaved" (a half-split HF rope, rows re-interleaved)."""
+    try:
+        first = megatron_at_least(0, 19)
+    except ImportError:  # the offline tools run without megatron-core: the layout is the release's, not guessed
+        raise ConfigMismatchError("DeepSeek sparse attention: where the indexer's rotary rows sit depends on the "
+                                  "megatron-core release (0.16-0.18: last, 0.19: first); install the release that "
+                                  "trains the model") from None
+    if first:
+        return "first"
+    return "last" if interleaved_in_hf else "last_interleaved"
+
+
+def shared_indexer_layers(cfg) -> list[int]:
+    """GLM-5.2 IndexShare: the layers that reuse the previous full layer's top-k and have no indexer
+    (transformers 5.24 configuration_glm_moe_dsa.py `indexer_types`)."""
+    return [i for i, t in enumerate(getattr(cfg, "indexer_types", None) or []) if t == "shared"]
+
+
+def index_share_sources(cfg) -> dict[int, int]:
+    """Each shared layer -> the full layer whose top-k it reuses (the previous full layer: transformers 5.24
+    GlmMoeDsaModel.forward passes the last top-k on; megatron-core 0.19.2 dsa.py `source_dsa_compute_layer`)."""
+    shared, out, source = set(shared_indexer_layers(cfg)), {}, None
+    for i in range(cfg.num_hidden_layers):
+        if i in shared:
+            if source is None:
+                raise ConfigMismatchError(f"indexer_types: layer {i} is 'shared' with no full layer before it")
+            out[i] = source
+        else:
+            source = i
+    return out
+
+
+def index_share_stage_problems(cfg, stages: list[list[int]]) -> list[str]:
+    """IndexShare across pipeline stages: a shared layer must sit on its source layer's stage (the top-k is not
+    sent between stages; megatron-core 0.19.2 experimental_attention_variant_module_specs.py
+    `_validate_dsa_index_share_pipeline_split` refuses such a split). `stages`: the HF layers of each stage (or
+    virtual chunk)."""
+    where = {layer: s for s, layers in enumerate(stages) for layer in layers}
+    return [f"layer {i} reuses layer {src}'s top-k but sits on pipeline stage/chunk {where[i]}, layer {src} on "
+            f"{where[src]}" for i, src in index_share_sources(cfg).items()
+            if i in where and src in where and where[i] != where[src]]
+
+
+def index_share_fields(cfg) -> dict:
+    """megatron-core 0.19.2's IndexShare (dsa_indexer_topk_freq / dsa_indexer_skip_topk_offset,
+    experimental_attention_variant/dsa.py `is_dsa_skip_topk_layer`: 1-based layer L reuses iff
+    max(L - max(offset, 1), 0) % freq != 0) for the HF `indexer_types`; refused where no (freq, offset) gives them
+    or the installed megatron-core has no IndexShare (< 0.19)."""
+    shared = shared_indexer_layers(cfg)
+    if not shared:
+        return {}
+    n = cfg.num_hidden_layers
+    want = [i in shared for i in range(n)]
+    if not megatron_at_least(0, 19):
+        raise ConfigMismatchError(f"indexer_types marks layers {shared} 'shared' (IndexShare): megatron-core < 0.19 "
+                                  "has no cross-layer top-k sharing (dsa_indexer_topk_freq); use megatron-core >= 0.19")
+    for freq in range(2, n + 1):
+        for offset in range(1, n + 1):
+            if [(max(i + 1 - offset, 0) % freq) != 0 for i in range(n)] == want:
+                return dict(dsa_indexer_topk_freq=freq, dsa_indexer_skip_topk_offset=offset)
+    raise ConfigMismatchError(f"indexer_types {cfg.indexer_types}: no megatron-core (dsa_indexer_topk_freq, "
+                              "dsa_indexer_skip_topk_offset) gives this pattern of shared layers")
+
+
+def check_indexer_rope(cfg, rope_interleaved: bool) -> None:
+    """A config.json may say which rope the indexer uses (`indexer_rope_interleave`, which sglang 0.5.23
+    models/deepseek_v2.py reads: missing = half-split); transformers 5.24 fixes it per model_type. A value that
+    contradicts transformers' class is refused: the two would compute different models."""
+    said = getattr(cfg, "indexer_rope_interleave", None)
+    if said is not None and bool(said) != rope_interleaved:
+        raise ConfigMismatchError(f"indexer_rope_interleave={said}: transformers' {cfg.model_type} indexer applies "
+                                  f"{'interleaved' if rope_interleaved else 'half-split (non-interleaved)'} rope")
+
+
+def dsa_fields(cfg, rope_interleaved: bool) -> dict:
+    """The MLATransformerConfig fields of the indexer (names a release lacks are dropped by make_config)."""
+    check_indexer_rope(cfg, rope_interleaved)
+    return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=cfg.index_n_heads,
+                dsa_indexer_head_dim=cfg.index_head_dim, dsa_indexer_topk=cfg.index_topk,
+                dsa_indexer_loss_coeff=0.0,
+                # megatron-core 0.19.2 transformer_config.py: the indexer's rope and k_norm eps as HF computes them
+                dsa_indexer_rope_interleaved=rope_interleaved, dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
+                **index_share_fields(cfg))
+
+
+def dims(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED):
+    import dataclasses
+
+    check_indexer_rope(cfg, rope_interleaved)
+    return dataclasses.replace(mla_dims(cfg), index_head_dim=cfg.index_head_dim,
+                               indexer_rope=indexer_rope_layout(rope_interleaved))
+
+
+def transformer_config(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED, **overrides):
+    router = sigmoid_router_fields(cfg, num_experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok)
+    return mla_transformer_config(cfg, is_moe_layer, router, {**dsa_fields(cfg, rope_interleaved), **overrides})
+
+
+def structural_fields(cfg) -> dict:
+    return dict(mla_structural_fields(cfg), dsa_indexer_n_heads=cfg.index_n_heads,
+                dsa_indexer_head_dim=cfg.index_head_dim)
+
+
+def dsa_core_attention(use_te: bool):
+    """megatron-core's DSAttention with its indexer (as `get_dsa_module_spec_for_backend` builds it), k_norm at
+    transformers' eps; without Transformer Engine the duplicated linears are local modules."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexer,
+        DSAIndexerSubmodules,
+        DSAttention,
+        DSAttentionSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .common import DuplicatedLinear
+
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+        linear = backend.linear()
+    else:
+        backend, linear = LocalSpecProvider(), DuplicatedLinear
+    k_norm = with_eps(backend.layer_norm(rms_norm=False, for_qk=True), INDEXER_K_NORM_EPS)
+    return ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
+        module=DSAIndexer, submodules=DSAIndexerSubmodules(linear_wq_b=linear, linear_wk=linear, k_norm=k_norm,
+                                                           linear_weights_proj=linear))))
+
+
+def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
+    """The MLA decoder block spec (deepseek_v3.layer_spec) with DSAttention as every layer's core attention.
+
+    The latent norms stay unfused (q_layernorm / kv_layernorm) with Transformer Engine too: the indexer reads the
+    normalized query latent (HF `q_resid = q_a_layernorm(q_a_proj(x))`), which megatron-core 0.16-0.18's fused
+    TE up projection never materializes (0.19's DSA spec unfuses them for this reason,
+    experimental_attention_variant_module_specs.py `get_dsa_module_spec_for_backend`)."""
+    from .deepseek_v3 import MLA_LATENT_NORM_EPS
+
+    block = mla_layer_spec(config, cfg, vp_stage=vp_stage, use_te=use_te)
+    core = dsa_core_attention(use_te)
+    for spec in block.layer_specs:
+        attn = spec.submodules.self_attention.submodules
+        attn.core_attention = core
+        if use_te:  # not run here (no Transformer Engine on these machines)
+            from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+            te = TESpecProvider()
+            attn.linear_q_up_proj = attn.linear_kv_up_proj = te.column_parallel_linear()
+            attn.q_layernorm = attn.kv_layernorm = with_eps(te.layer_norm(rms_norm=True, for_qk=True),
+                                                            MLA_LATENT_NORM_EPS)
+    return block
+
+
+build_model = spec_builder(__name__)

@@ -1,0 +1,94 @@
+"""DeepSeek sparse attention (DeepSeek-V3.2 `deepseek_v32`, GLM-5 `glm_moe_dsa`; megatron-core 0.16.1
+transformer/experimental_attention_variant/dsa.py, transformers 5.24).
+
+The indexer only matters when it chooses: with index_topk >= the sequence every query attends to every earlier
+key (the dense regime), with index_topk below it (the tiny configs: 6 and 5 of 16 tokens, the sparse regime) the
+logits depend on the indexer's choice, so on the indexer's weights and on where its rotary rows sit
+(layouts.IndexerRope). Both regimes are compared with transformers' forward at TP 1 and TP 2 x EP 2 (the sparse one
+at TP 2 x EP 2 in test_parity, exported and loaded by transformers), the sparse regime also in the layout matrix's
+PP worlds (conftest.FORMAT_MATES: TP2 x PP2 x EP2, PP2 x VPP2, uneven PP). A negative
+control shows the sparse oracle sees the indexer: the same weights with the indexer's rows left in HF order (what a
+one-to-one copy would load on megatron-core 0.16-0.18) are far off.
+
+GLM-5.2's IndexShare (layers marked "shared" reuse the previous full layer's top-k and have no indexer) exists in
+megatron-core only from 0.19: on 0.16.1 build_model refuses it; its export is checked on a simulation of 0.19's
+model structure (worlds.build_index_share) at TP 1 and TP 2 x PP 2 x EP 2 (stages that keep each shared layer with
+its source, as 0.19 requires)."""
+
+import pytest
+import worlds
+from oracle import hf_logits, logit_problems
+
+from mcore2hf.errors import ConfigMismatchError
+from mcore2hf.hf_config import load_hf_config
+from mcore2hf.registry import get_model_spec
+from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world
+
+DSA = ("deepseek_v32", "glm_moe_dsa")
+LAYOUTS = [Layout(), Layout(tp=2, ep=2, etp=1)]
+
+
+@pytest.fixture(scope="module")
+def regimes(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Per regime, a checkpoint per DSA architecture: sparse (the tiny configs) and dense (index_topk 64 > 16)."""
+    root = tmp_path_factory.mktemp("dsa")
+    return {regime: {mt: make_hf_checkpoint(tiny_config(mt, **over), root / regime / mt) for mt in DSA}
+            for regime, over in (("sparse", {}), ("dense", {"index_topk": 64}))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_logits_equal_transformers_dense_and_sparse(layout, regimes):
+    """Both regimes at TP 1; at TP 2 x EP 2 the dense one (test_parity runs the sparse one there, exported), and
+    at TP 1 the negative control."""
+    problems = []
+    runs = [("dense", False)] + ([("sparse", False), ("sparse", True)] if layout.size == 1 else [])
+    for regime, scramble in runs:
+        ckpts = regimes[regime]
+        res = run_world(worlds.for_each_arch, layout, worlds.dsa_forward, ckpts, layout, scramble)
+        for r in res:
+            assert all(x["replicas_agree"] and x["indexer_tensors"] for x in r.values()), r
+        logits = [{mt: x["logits"] for mt, x in r.items()} for r in res]
+        if not scramble:
+            problems += logit_problems(logits, ckpts, worlds.TOKENS, f"{layout} {regime}")
+            continue
+        for mt in ckpts:  # the indexer's choice changes the sparse logits by far more than the tolerance
+            off = (logits[0][mt].double() - hf_logits(ckpts[mt], worlds.TOKENS)).abs().max().item()
+            print(f"{layout} sparse {mt}, indexer rows in HF order: max |diff| {off:.2f}")
+            assert off > 1.0, (mt, off)
+    assert not problems, "\n".join(problems)
+
+
+def test_index_share_config_and_refusals():
+    cfg = tiny_config("glm_moe_dsa", index_topk_freq=2, index_skip_topk_offset=1)
+    assert cfg.indexer_types == ["full", "shared", "full", "shared"]
+    spec = get_model_spec("glm_moe_dsa")
+    assert spec.index_share_sources(cfg) == {1: 0, 3: 2}
+    assert spec.index_share_stage_problems(cfg, [[0, 1], [2, 3]]) == []
+    assert spec.index_share_stage_problems(cfg, [[0], [1, 2, 3]]) == [
+        "layer 1 reuses layer 0's top-k but sits on pipeline stage/chunk 1, layer 0 on 0"]
+    with pytest.raises(ConfigMismatchError, match=r"layers \[1, 3\] 'shared' \(IndexShare\): megatron-core < 0.19"):
+        spec.transformer_config(cfg)
+    # sglang reads indexer_rope_interleave; transformers fixes the rope per model_type: a contradiction is refused
+    with pytest.raises(ConfigMismatchError, match="indexer_rope_interleave=False: transformers' glm_moe_dsa"):
+        spec.dims(tiny_config("glm_moe_dsa", indexer_rope_interleave=False))
+    with pytest.raises(ConfigMismatchError, match="indexer_rope_interleave=True: .* half-split"):
+        get_model_spec("deepseek_v32").transformer_config(tiny_config("deepseek_v32", indexer_rope_interleave=True))
+    assert get_model_spec("glm_moe_dsa").dims(tiny_config("glm_moe_dsa", indexer_rope_interleave=True))
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(tp=2, pp=2, ep=2, etp=1)], ids=str)
+def test_index_share_exports_bit_identical(layout, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    # without MTP: megatron-core 0.19 numbers the MTP layer after the decoder (it may reuse a top-k where the last
+    # decoder layer does not), and which indexer tensors a published IndexShare MTP layer holds was not checked
+    cfg = tiny_config("glm_moe_dsa", index_topk_freq=2, index_skip_topk_offset=1, num_nextn_predict_layers=0)
+    ckpt = make_hf_checkpoint(cfg, tmp_path / "src")
+    hf = read_hf_checkpoint(ckpt)
+    assert {n.split(".self_attn.indexer.")[0] for n in hf if ".indexer." in n} == {"model.layers.0", "model.layers.2"}
+    res = run_world(worlds.index_share_matrix, layout, ckpt, layout, str(tmp_path))
+    spec = get_model_spec("glm_moe_dsa")
+    assert not spec.index_share_stage_problems(load_hf_config(ckpt), res[0]["stages"])
+    _, info = AutoModelForCausalLM.from_pretrained(res[0]["out"], output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
