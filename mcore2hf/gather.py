@@ -230,6 +230,76 @@ def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int,
     return prog
 
 
+def stage_bytes(prog: Program) -> tuple[list[int], int]:
+    """(byte offset of each stage's region in the arena, arena bytes the program needs)."""
+    if prog.rounds:
+        return [], max(stage_bytes(r)[1] for r in prog.rounds)
+    offs, total = [], 0
+    if prog.p2p is not None:
+        total = prog.p2p.recv_total + sum(prog.p2p.send_bytes.values())
+        return [0], align(total)
+    for st in prog.stages:
+        offs.append(total)
+        if not st.direct:  # a direct stage gathers into the output, not the arena
+            total += align(st.axis.size * st.slot)
+    return offs, total
+
+
+def memory_estimate(plan: ExportPlan, arena_bytes: list[int], rank: int, receivers: tuple[int, ...] | None,
+                    arenas: int) -> dict[str, int]:
+    """A rank's extra memory for an export, from the arena bytes its program needs per bucket (`stage_bytes`):
+    the staging arena(s) (bucket k stages in arena k % arenas) and the largest output bucket it builds."""
+    per_arena = [max([sz for i, sz in enumerate(arena_bytes) if i % arenas == a] or [0]) for a in range(arenas)]
+    # a quantized export holds the gathered bucket and its quantized copy at once
+    out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in plan.buckets
+               if receivers is None or rank in receivers] or [0])
+    # a bucket whose collective lands in its output allocates that output when it starts, while the consumer
+    # still holds the previous bucket
+    nxt = max([b.nbytes for b in plan.buckets if b.direct is not None and receivers is None] or [0])
+    return {"arena_bytes": sum(per_arena), "largest_bucket_bytes": out, "next_bucket_bytes": nxt,
+            "total_bytes": sum(per_arena) + out + nxt}
+
+
+def memory_estimates(plan: ExportPlan, contexts: list[ParallelContext], arenas: int = 1) -> list[dict[str, int]]:
+    """`Executor.memory_estimate()` of every rank of `contexts` (all ranks receive), in one process.
+
+    A rank's program for a bucket is fixed by its PP stage and the bucket's sources it holds (its dense sources
+    in the stage, its EP rank's experts): ranks that agree on both differ only in rank ids, so each such
+    program is built once and its arena bytes shared (1,024 ranks plan in seconds)."""
+    # per bucket: the (stage, EP rank) pairs holding experts of it (any rank of a stage holds its dense sources)
+    experts = [{(st, s.ep) for s in b.sources if s.is_expert for st in s.stages} for b in plan.buckets]
+    sizes: dict[tuple, int] = {}  # (bucket, stage, EP rank or -1 when it holds none of the bucket's experts)
+    per_class: dict[tuple[int, int], dict[str, int]] = {}  # (stage, EP rank): every bucket's key is fixed by it
+    out = []
+    for ctx in contexts:
+        pp, ep = ctx.pp.rank, ctx.ep.rank
+        if (pp, ep) not in per_class:
+            arena = []
+            for b, held in zip(plan.buckets, experts):
+                key = (b.index, pp, ep if (pp, ep) in held else -1)
+                if key not in sizes:
+                    sizes[key] = stage_bytes(bucket_program(b, ctx, None))[1]
+                arena.append(sizes[key])
+            per_class[(pp, ep)] = memory_estimate(plan, arena, ctx.rank, None, arenas)
+        out.append(per_class[(pp, ep)])
+    return out
+
+
+def bucket_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int, ...] | None) -> Program:
+    """What rank `ctx` does for bucket `b`: all ranks receive (receivers None), or the chosen receivers."""
+    def make(bp: BucketPlan) -> Program:
+        if receivers is None:
+            return all_ranks_program(bp, ctx)
+        return receivers_program(bp, ctx, receivers)
+
+    if not b.rounds:
+        return make(b)
+    # each round is a bucket of its own for the collectives (staging of <= the budget, reused by the next
+    # round); its copies write its pieces' items into the one output the whole bucket describes
+    rounds = [make(replace(b, sources=r, rounds=None)) for r in b.rounds]
+    return Program(b, receive=rounds[0].receive, rounds=rounds)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # compilation: arena layout, precomputed views, merged copies
 
@@ -316,17 +386,7 @@ class Executor:
         self._compiled: list[CBucket] | None = None
 
     def _program(self, b: BucketPlan) -> Program:
-        def make(bp: BucketPlan) -> Program:
-            if self.receivers is None:
-                return all_ranks_program(bp, self.ctx)
-            return receivers_program(bp, self.ctx, self.receivers)
-
-        if not b.rounds:
-            return make(b)
-        # each round is a bucket of its own for the collectives (staging of <= the budget, reused by the next
-        # round); its copies write its pieces' items into the one output the whole bucket describes
-        rounds = [make(replace(b, sources=r, rounds=None)) for r in b.rounds]
-        return Program(b, receive=rounds[0].receive, rounds=rounds)
+        return bucket_program(b, self.ctx, self.receivers)
 
     def _src(self, s: Source):
         """What a source's local shard is read from: the parameter (or a buffer getter), or for a tensor
@@ -353,37 +413,15 @@ class Executor:
         return blob
 
     # -- compilation ---------------------------------------------------------------------------------------------
-    def _stage_bytes(self, prog: Program) -> tuple[list[int], int]:
-        if prog.rounds:
-            return [], max(self._stage_bytes(r)[1] for r in prog.rounds)
-        offs, total = [], 0
-        if prog.p2p is not None:
-            total = prog.p2p.recv_total + sum(prog.p2p.send_bytes.values())
-            return [0], align(total)
-        for st in prog.stages:
-            offs.append(total)
-            if not st.direct:  # a direct stage gathers into the output, not the arena
-                total += align(st.axis.size * st.slot)
-        return offs, total
-
     def memory_estimate(self) -> dict[str, int]:
         """This rank's extra memory for an export: the staging arena(s) and the largest output bucket it builds."""
-        sizes = [self._stage_bytes(p)[1] for p in self.programs]
-        arenas = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0]) for a in range(self.arenas_n)]
-        me = self.ctx.rank
-        # a quantized export holds the gathered bucket and its quantized copy at once
-        out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in self.plan.buckets
-                   if self.receivers is None or me in self.receivers] or [0])
-        # a bucket whose collective lands in its output allocates that output when it starts, while the consumer
-        # still holds the previous bucket
-        nxt = max([b.nbytes for b in self.plan.buckets if b.direct is not None and self.receivers is None] or [0])
-        return {"arena_bytes": sum(arenas), "largest_bucket_bytes": out, "next_bucket_bytes": nxt,
-                "total_bytes": sum(arenas) + out + nxt}
+        return memory_estimate(self.plan, [stage_bytes(p)[1] for p in self.programs], self.ctx.rank,
+                               self.receivers, self.arenas_n)
 
     def compile(self) -> None:
         if self._compiled is not None:
             return
-        sizes = [self._stage_bytes(p)[1] for p in self.programs]
+        sizes = [stage_bytes(p)[1] for p in self.programs]
         per_arena = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                      for a in range(self.arenas_n)]
         self.arenas = [torch.empty(max(n, 64), dtype=torch.uint8, device=self.device) for n in per_arena]
@@ -410,7 +448,7 @@ class Executor:
             cb.moved = tuple(sum(r.moved[i] for r in cb.rounds) for i in range(3))
             return cb
         arena = self.arenas[a]
-        stage_offs, _ = self._stage_bytes(prog)
+        stage_offs, _ = stage_bytes(prog)
         cb = CBucket(prog.bucket, prog.receive, a, program=prog)
         groups: dict[tuple, tuple] = {}
         for s in prog.bucket.sources:

@@ -228,13 +228,18 @@ class ExportPlan:
         return "\n".join(lines)
 
 
-def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankRecord]:
-    """Every rank's tensor list (one all_gather_object, at plan time only)."""
-    mine = RankRecord(
+def rank_record(local: list[LocalTensor], ctx: ParallelContext) -> RankRecord:
+    """What this rank contributes to the plan: its place and its local tensors' metadata (no data)."""
+    return RankRecord(
         rank=ctx.rank, pp=ctx.pp.rank, tp=ctx.tp.rank, ep=ctx.ep.rank, etp=ctx.etp.rank,
         tensors=tuple((t.name, t.local_name, t.shape, str(t.dtype), t.is_expert, t.sharded, t.dim, t.stride)
                       for t in local),
     )
+
+
+def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankRecord]:
+    """Every rank's record (one all_gather_object, at plan time only); the plan is a pure function of them."""
+    mine = rank_record(local, ctx)
     if ctx.world_size == 1:
         return [mine]
     out: list = [None] * ctx.world_size
