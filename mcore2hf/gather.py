@@ -112,7 +112,12 @@ def _my_sources(b: BucketPlan, ctx: ParallelContext) -> list[Source]:
     return [s for s in b.sources if ctx.pp.rank in s.stages and (not s.is_expert or s.ep == ctx.ep.rank)]
 
 
-def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
+def all_ranks_program(b: BucketPlan, ctx: ParallelContext, shared: dict | None = None,
+                      locations: bool = True) -> Program:
+    """What rank `ctx` does for bucket `b` when every rank receives. `shared`: a cache of the grouped stages'
+    member layouts, which depend on the bucket and the PP stage only, kept by a caller that builds the programs
+    of many ranks; `locations=False`: the stages only (what the arena needs), not where every source lands after
+    them (such a program sizes memory, it cannot be compiled)."""
     prog = Program(b, receive=True)
     where = prog.where
     held = _my_sources(b, ctx)
@@ -131,43 +136,63 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
         for s, o in packs:  # shard i is in member i's slot
             where[s.name] = Loc(k, tuple(i * slot + o for i in range(s.count)))
 
-    def grouped(axis: Axis, members: list[list[Source]], mine: int, last: bool) -> None:
+    def from_stage(srcs: list[Source]) -> bool:
+        # a source without a location here came out of an earlier stage (only `locations=False` leaves it out)
+        return any(s.name not in where or where[s.name].region != LOCAL for s in srcs)
+
+    def grouped(axis: Axis, members: dict[int, list[Source]], mine: int, last: bool, layouts: dict, slot: int) -> None:
+        # members and layouts: the members that contribute anything (of up to EP 64 x PP 16), by member index
         if last and b.direct is not None:  # the plan laid member m's HF tensors out at [m * slot, (m + 1) * slot)
-            depends = any(where[s.name].region != LOCAL for s in members[mine])
-            prog.add(Stage(axis, b.direct, [(s, 0) for s in members[mine]], striped=False, depends=depends,
+            srcs = members.get(mine, [])
+            prog.add(Stage(axis, b.direct, [(s, 0) for s in srcs], striped=False, depends=from_stage(srcs),
                            direct=True))
-            for s in (s for srcs in members for s in srcs):
-                where[s.name] = Loc(OUT)
+            if locations:
+                for s in (s for srcs in members.values() for s in srcs):
+                    where[s.name] = Loc(OUT)
             return
-        layouts = []
-        for srcs in members:
-            offs, off = [], 0
-            for s in srcs:
-                offs.append(off)
-                off += s.stacked_nbytes
-            layouts.append((srcs, offs))
-        slot = max((offs[-1] + srcs[-1].stacked_nbytes) if srcs else 0 for srcs, offs in layouts)
         if slot == 0:
             return
-        srcs, offs = layouts[mine]
-        depends = any(where[s.name].region != LOCAL for s in srcs)
-        k = prog.add(Stage(axis, slot, list(zip(srcs, offs)), striped=False, depends=depends))
+        srcs, offs = layouts.get(mine, ([], []))
+        k = prog.add(Stage(axis, slot, list(zip(srcs, offs)), striped=False, depends=from_stage(srcs)))
         # everything delivered here is read from here afterwards, own part included: one region, constant
         # strides, so same-shaped tensors of every member merge into batched copies
-        for m, (srcs_m, offs_m) in enumerate(layouts):
-            for s, off in zip(srcs_m, offs_m):
-                step = align(s.shard_nbytes)
-                where[s.name] = Loc(k, tuple(m * slot + off + i * step for i in range(s.count)))
+        if locations:
+            for m, (srcs_m, offs_m) in layouts.items():
+                for s, off in zip(srcs_m, offs_m):
+                    step = align(s.shard_nbytes)
+                    where[s.name] = Loc(k, tuple(m * slot + off + i * step for i in range(s.count)))
 
+    def members_of(key: tuple, member) -> tuple[dict[int, list[Source]], dict, int]:
+        found = shared.get(key) if shared is not None else None
+        if found is None:
+            members: dict[int, list[Source]] = {}
+            for s in b.sources:
+                m = member(s)
+                if m is not None:
+                    members.setdefault(m, []).append(s)
+            layouts = {}
+            for m, srcs in members.items():
+                offs, off = [], 0
+                for s in srcs:
+                    offs.append(off)
+                    off += s.stacked_nbytes
+                layouts[m] = (srcs, offs)
+            slot = max((offs[-1] + srcs[-1].stacked_nbytes for srcs, offs in layouts.values()), default=0)
+            found = (members, layouts, slot)
+            if shared is not None:
+                shared[key] = found
+        return found
+
+    pp = ctx.pp.rank
     if ctx.ep.size > 1:
-        members = [[s for s in b.sources if s.is_expert and ctx.pp.rank in s.stages and s.ep == m]
-                   for m in range(ctx.ep.size)]
-        grouped(ctx.ep, members, ctx.ep.rank, last=ctx.pp.size == 1)
+        found = members_of((id(b.sources), "ep", pp), lambda s: s.ep if s.is_expert and pp in s.stages else None)
+        grouped(ctx.ep, found[0], ctx.ep.rank, ctx.pp.size == 1, *found[1:])
     if ctx.pp.size > 1:
-        grouped(ctx.pp, [[s for s in b.sources if s.stage == st] for st in range(ctx.pp.size)], ctx.pp.rank,
-                last=True)
-    missing = [s.name for s in b.sources if s.name not in where]
-    assert not missing, f"internal error: no route to {missing[:5]}"
+        found = members_of((id(b.sources), "pp"), lambda s: s.stage)
+        grouped(ctx.pp, found[0], pp, True, *found[1:])
+    if locations:
+        missing = [s.name for s in b.sources if s.name not in where]
+        assert not missing, f"internal error: no route to {missing[:5]}"
     return prog
 
 
@@ -250,6 +275,11 @@ def memory_estimate(plan: ExportPlan, arena_bytes: list[int], rank: int, receive
     """A rank's extra memory for an export, from the arena bytes its program needs per bucket (`stage_bytes`):
     the staging arena(s) (bucket k stages in arena k % arenas) and the largest output bucket it builds."""
     per_arena = [max([sz for i, sz in enumerate(arena_bytes) if i % arenas == a] or [0]) for a in range(arenas)]
+    return memory_line(plan, per_arena, rank, receivers)
+
+
+def memory_line(plan: ExportPlan, per_arena: list[int], rank: int, receivers: tuple[int, ...] | None) -> dict[str, int]:
+    """`memory_estimate` from the size of each arena."""
     # a quantized export holds the gathered bucket and its quantized copy at once
     out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in plan.buckets
                if receivers is None or rank in receivers] or [0])
@@ -261,35 +291,63 @@ def memory_estimate(plan: ExportPlan, arena_bytes: list[int], rank: int, receive
 
 
 def memory_estimates(plan: ExportPlan, contexts: list[ParallelContext], arenas: int = 1) -> list[dict[str, int]]:
-    """`Executor.memory_estimate()` of every rank of `contexts` (all ranks receive), in one process.
+    """`Executor.memory_estimate()` of every rank of `contexts` (all ranks receive), in one process, in seconds
+    for 1,024 ranks.
 
-    A rank's program for a bucket is fixed by its PP stage and the bucket's sources it holds (its dense sources
-    in the stage, its EP rank's experts): ranks that agree on both differ only in rank ids, so each such
-    program is built once and its arena bytes shared (1,024 ranks plan in seconds)."""
-    # per bucket: the (stage, EP rank) pairs holding experts of it (any rank of a stage holds its dense sources)
-    experts = [{(st, s.ep) for s in b.sources if s.is_expert for st in s.stages} for b in plan.buckets]
-    sizes: dict[tuple, int] = {}  # (bucket, stage, EP rank or -1 when it holds none of the bucket's experts)
-    per_class: dict[tuple[int, int], dict[str, int]] = {}  # (stage, EP rank): every bucket's key is fixed by it
+    A rank's program for a bucket is fixed, up to rank ids, by its PP stage and the bucket's experts it holds (its
+    EP rank's; every rank of a stage holds the stage's dense sources): ranks of one stage that hold none of the
+    bucket's experts share one program, each holding EP rank has its own. So the arena bytes are computed once
+    per bucket and stage (`default`) and once per bucket and holding (stage, EP rank), from the same programs
+    (without the locations only compilation needs); a rank's arena is then the largest over its holdings and
+    the stage's default of the buckets it does not hold."""
+    shared: dict = {}  # the grouped stages' layouts, per bucket and stage
+    by_stage: dict[int, dict[int, ParallelContext]] = {}  # stage -> EP rank -> a rank there
+    for ctx in contexts:
+        by_stage.setdefault(ctx.pp.rank, {}).setdefault(ctx.ep.rank, ctx)
+
+    def size(b: BucketPlan, ctx: ParallelContext) -> int:
+        return stage_bytes(bucket_program(b, ctx, None, shared, locations=False))[1]
+
+    n = len(plan.buckets)
+    default: dict[int, list[int | None]] = {pp: [None] * n for pp in by_stage}
+    held: dict[tuple[int, int], dict[int, int]] = {}  # (stage, EP rank) -> bucket -> arena bytes
+    for k, b in enumerate(plan.buckets):
+        holders = {(st, s.ep) for s in b.sources if s.is_expert for st in s.stages}
+        for pp, ranks in by_stage.items():
+            free = next((c for ep, c in ranks.items() if (pp, ep) not in holders), None)
+            if free is not None:
+                default[pp][k] = size(b, free)
+        for pp, ep in holders:
+            ctx = by_stage.get(pp, {}).get(ep)
+            if ctx is not None:
+                held.setdefault((pp, ep), {})[k] = size(b, ctx)
+    # per stage and arena: the buckets by default bytes, largest first
+    order = {pp: [sorted((k for k in range(a, n, arenas) if d[k] is not None), key=lambda k: -d[k])
+                  for a in range(arenas)] for pp, d in default.items()}
+    lines: dict[tuple[int, ...], dict[str, int]] = {}  # rank ids do not matter when every rank receives
     out = []
     for ctx in contexts:
         pp, ep = ctx.pp.rank, ctx.ep.rank
-        if (pp, ep) not in per_class:
-            arena = []
-            for b, held in zip(plan.buckets, experts):
-                key = (b.index, pp, ep if (pp, ep) in held else -1)
-                if key not in sizes:
-                    sizes[key] = stage_bytes(bucket_program(b, ctx, None))[1]
-                arena.append(sizes[key])
-            per_class[(pp, ep)] = memory_estimate(plan, arena, ctx.rank, None, arenas)
-        out.append(per_class[(pp, ep)])
+        mine = held.get((pp, ep), {})
+        per_arena = []
+        for a in range(arenas):
+            best = max([sz for k, sz in mine.items() if k % arenas == a] or [0])
+            first = next((k for k in order[pp][a] if k not in mine), None)
+            per_arena.append(max(best, default[pp][first]) if first is not None else best)
+        key = tuple(per_arena)
+        if key not in lines:
+            lines[key] = memory_line(plan, per_arena, ctx.rank, None)
+        out.append(dict(lines[key]))
     return out
 
 
-def bucket_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int, ...] | None) -> Program:
-    """What rank `ctx` does for bucket `b`: all ranks receive (receivers None), or the chosen receivers."""
+def bucket_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int, ...] | None,
+                   shared: dict | None = None, locations: bool = True) -> Program:
+    """What rank `ctx` does for bucket `b`: all ranks receive (receivers None), or the chosen receivers.
+    `shared`, `locations`: see `all_ranks_program`."""
     def make(bp: BucketPlan) -> Program:
         if receivers is None:
-            return all_ranks_program(bp, ctx)
+            return all_ranks_program(bp, ctx, shared, locations)
         return receivers_program(bp, ctx, receivers)
 
     if not b.rounds:

@@ -22,6 +22,8 @@ equal what the live ranks built.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 
 from .sizes import format_size
@@ -52,6 +54,25 @@ def rank_contexts(layout) -> list:
                             vpp=layout.vpp, backend="fake") for r in range(world)]
 
 
+@contextlib.contextmanager
+def _no_rope_tables():
+    """YaRN rotary embeddings (DeepSeek-V3's MLA) compute their cos/sin tables on the CPU in __init__, in every
+    layer (megatron-core 0.16.1 models/common/embeddings/yarn_rotary_pos_embedding.py `_set_cos_sin_cache`,
+    device "cpu" whatever the default device): a forward cache, no parameter; skipped while the dry run builds."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    cls = yarn.YarnRotaryEmbedding
+    real = cls.__dict__.get("_set_cos_sin_cache")
+    if real is None:  # another release: nothing to skip
+        yield
+        return
+    cls._set_cos_sin_cache = lambda self, *a, **k: None
+    try:
+        yield
+    finally:
+        cls._set_cos_sin_cache = real
+
+
 def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_names: bool):
     """The model chunks of `rank` on the meta device, built under Megatron's parallel state at `layout` in a
     fake torch.distributed world (as `rank` of `world`); also the ParallelContext megatron-core gives that rank.
@@ -65,15 +86,16 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
     from .runtime.world import init_megatron
 
     dtype = getattr(torch, dtype_name)
+    hook = sys.excepthook  # init_process_group prefixes errors with "[rank{r}]:" (torch 2.13): not ours to keep
     dist.init_process_group("fake", rank=rank, world_size=world, store=dist.HashStore())
     try:
         init_megatron(layout, gloo_groups=False)
         overrides = dict(layout.config_overrides(), params_dtype=dtype)
         if dtype != torch.float32:  # as Megatron-LM configures bf16 / fp16 training
             overrides.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
-        with torch.device("meta"):  # shapes and names only: no memory, no initialization
+        with torch.device("meta"), _no_rope_tables():  # shapes and names only: no memory, no initialization
             # local spec: TE names, when asked for, are applied below (Transformer Engine needs no GPU then)
-            chunks = build_model(hf_config, use_te=False, perform_initialization=False, **overrides)
+            chunks = build_model(hf_config, use_te=False, **overrides)  # initialized as in training (on meta)
             chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
         if te_names:
             from .runtime.te_naming import to_te_names
@@ -83,6 +105,7 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: bool = False):
@@ -93,7 +116,7 @@ def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: boo
     import torch.distributed as dist
 
     from .errors import ParallelStateError
-    from .naming import local_tensors, model_config
+    from .naming import local_tensors, model_config, shift_experts
     from .plan import rank_record
 
     if dist.is_available() and dist.is_initialized():
@@ -116,10 +139,13 @@ def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: boo
             raise AssertionError(f"internal error: rank {first.rank}: megatron-core's parallel state {mine} differs "
                                  f"from the dry run's {first}")
         config = config or model_config(chunks)
-        by_ep: dict[int, list] = {}
+        local = local_tensors(chunks, first)
+        experts = getattr(config, "num_moe_experts", None) or 0
+        by_ep: dict[int, list] = {first.ep.rank: local}
         for ctx in ranks:  # names depend on the EP rank only (the local experts' global indices)
             if ctx.ep.rank not in by_ep:
-                by_ep[ctx.ep.rank] = local_tensors(chunks, ctx)
+                offset = (ctx.ep.rank - first.ep.rank) * (experts // ctx.ep.size)
+                by_ep[ctx.ep.rank] = shift_experts(local, offset)
             records[ctx.rank] = rank_record(by_ep[ctx.ep.rank], ctx)
     return records, contexts, config
 
