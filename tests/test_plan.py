@@ -113,3 +113,19 @@ def test_dry_run_deepseek_v3_at_pp16_ep64(tmp_path, capsys):
             assert t["ep"] == expert // 4 and t["shards"] == 1, t
     with capsys.disabled():
         print(f"\n{plan_report(report, limit=0)}\n`mcore2hf plan` wall time {wall:.1f} s (CLI start included)")
+
+
+def test_memory_per_rank_class_equals_each_ranks_own_programs():
+    """gather.memory_estimates builds a program once per bucket and rank class; at 32 ranks (TP 2, PP 4 x EP 8: more
+    classes than the layout worlds have) every rank's estimate equals the one its own Executor computes."""
+    import worlds
+
+    from mcore2hf.runtime.world import Layout
+
+    got = worlds.in_fresh_process(worlds.memory_by_rank_class, "deepseek_v3", Layout(tp=2, pp=4, ep=8, etp=1),
+                                  4096)
+    assert got["buckets"] > 20
+    for arenas in (1, 2):
+        shared, own = got[arenas]
+        assert len(own) == 32 and shared == own, (arenas, shared, own)
+    assert got["classes"] == got[1][0]  # dry_run's own memory is the one-arena estimate

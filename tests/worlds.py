@@ -188,6 +188,25 @@ def dry_run_plans(ckpts: dict[str, str], layout: Layout, dtype_name: str, bucket
     return out
 
 
+def memory_by_rank_class(model_type: str, layout: Layout, bucket_bytes: int) -> dict:
+    """The dry run's memory per rank (programs shared per rank class, gather.memory_estimates) and each rank's
+    Executor.memory_estimate() from its own programs, one and two arenas, for a tiny model at `layout`."""
+    import torch
+
+    from mcore2hf.gather import Executor, memory_estimates
+    from mcore2hf.planning import dry_run, rank_contexts
+    from mcore2hf.runtime.tiny import tiny_config
+
+    plan, shared = dry_run(tiny_config(model_type), layout, bucket_bytes=bucket_bytes, dtype="float32")
+    contexts = rank_contexts(layout)
+    out = {"buckets": len(plan.buckets), "classes": shared}
+    for arenas in (1, 2):
+        out[arenas] = (memory_estimates(plan, contexts, arenas),
+                       [Executor(plan, ctx, {}, None, torch.device("cpu"), arenas).memory_estimate()
+                        for ctx in contexts])
+    return out
+
+
 def in_fresh_process(fn, *args):
     """fn(*args) in a spawned process (for what must not touch this one's torch.distributed or shims)."""
     import concurrent.futures
