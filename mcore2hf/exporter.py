@@ -23,6 +23,7 @@ from .plan import (
     EngineRank,
     EngineShardPlan,
     ExportPlan,
+    RankRecord,
     Source,
     assign_buckets,
     build_sources,
@@ -74,24 +75,23 @@ class HFExporter:
         self.ctx = ParallelContext.from_megatron()
         self.dims = model_dims(self.spec, self.hf_config, model_config(self.chunks))
         self._local: dict[str, LocalTensor] | None = None
-        self._sources: dict[str, Source] | None = None
-        self._records = None
-        self._plans: dict[tuple, ExportPlan] = {}
+        self._planner: Planner | None = None
+        self._plans: dict[tuple, EngineShardPlan] = {}
         self._executors: dict[tuple, Executor] = {}
         p = next(self.chunks[0].parameters())
         self.device = p.device
 
     # -- planning --------------------------------------------------------------------------------------------
-    def _build_sources(self) -> dict[str, Source]:
-        if self._sources is None:
+    @property
+    def planner(self) -> Planner:
+        """The plan's builder, from every rank's record (collective on first use: one metadata all-gather)."""
+        if self._planner is None:
             check_model_config(model_config(self.chunks), self.spec, self.hf_config)
             local = local_tensors(self.chunks, self.ctx)
             self._local = {t.name: t for t in local}
-            self._records = gather_records(local, self.ctx)
-            self._sources = build_sources(self._records, self.converter, self.dims, self.ctx.tp.size,
-                                          self.ctx.etp.size)
-            check_structure(self._sources, self.spec, self.hf_config, self.dims)
-        return self._sources
+            self._planner = Planner(gather_records(local, self.ctx), self.hf_config, self.converter, self.dims,
+                                    self.ctx.tp.size, self.ctx.etp.size, verbose=self.ctx.rank == 0)
+        return self._planner
 
     def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
              quantize: Quantize = None) -> ExportPlan:
@@ -103,33 +103,11 @@ class HFExporter:
         `weight_scale_inv` [ceil(out/128), ceil(in/128)] (DeepSeek-V3 / Qwen3-FP8 format), bit-identical to
         quantizing each full HF tensor; tensors whose 128x128 blocks never straddle a shard are quantized where
         they are held, before the collectives (half the bytes on the wire), the others after the gather."""
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        scheme = get_scheme(quantize)
-        if scheme is not None:
-            key = (bucket_bytes, name_filter, scheme.name)
-            if key not in self._plans:
-                self._plans[key] = quantized_plan(self.plan(bucket_bytes, name_filter), self.fp8_policy(), scheme)
-            return self._plans[key]
-        key = (bucket_bytes, name_filter)
-        if key not in self._plans:
-            sources = filter_sources(self._build_sources(), name_filter)
-            plan = self._plans[key] = ExportPlan(
-                model_type=self.converter.model_type, sources=sources,
-                buckets=assign_buckets(sources, bucket_bytes), bucket_bytes=bucket_bytes,
-                records=self._records, world_size=self.ctx.world_size)
-            if self.ctx.rank == 0:
-                log.info("plan for %s: %d HF tensors, %s in %d bucket(s) of <= %s, world size %d%s",
-                         plan.model_type, plan.num_tensors, format_size(plan.total_bytes), len(plan.buckets),
-                         format_size(bucket_bytes), plan.world_size, ", filtered" if name_filter else "")
-        return self._plans[key]
+        return self.planner.plan(bucket_bytes, name_filter, quantize)
 
     def fp8_policy(self):
         """The architecture's FP8 table (which HF tensors stay unquantized), from its converter."""
-        if self.converter.fp8 is None:
-            raise ValueError(f"FP8 export is not supported for model_type {self.converter.model_type!r}: its "
-                             "converter has no fp8 policy (which tensors stay unquantized)")
-        return self.converter.fp8
+        return fp8_policy(self.converter)
 
     def _receivers(self, receivers: Receivers) -> tuple[int, ...] | None:
         if receivers is None or (isinstance(receivers, str) and receivers == "all"):
@@ -153,8 +131,8 @@ class HFExporter:
         scheme = get_scheme(quantize)
         key = (bucket_bytes, recv, overlap, name_filter, scheme)
         if key not in self._executors:
-            self._executors[key] = Executor(self.plan(bucket_bytes, name_filter, scheme), self.ctx, self._local,
-                                            recv, self.device, arenas=2 if overlap else 1)
+            plan = self.plan(bucket_bytes, name_filter, scheme)
+            self._executors[key] = Executor(plan, self.ctx, self._local, recv, self.device, arenas=2 if overlap else 1)
         return self._executors[key]
 
     # -- export ----------------------------------------------------------------------------------------------
@@ -276,6 +254,69 @@ class HFExporter:
                 writer.abort()
         agree(error, Mcore2HFError, f"save_pretrained({out_dir}) failed on ")
         return os.path.abspath(os.fspath(out_dir))
+
+
+class Planner:
+    """The export plan as a pure function of every rank's record (`plan.RankRecord`: names, shapes, dtypes and
+    holder coordinates of its local tensors), the HF config and the settings; no tensor, no communication.
+
+    The live exporter builds it from the all-gathered records (`HFExporter.planner`), the dry run
+    (`mcore2hf.planning`) from records it derives in one process: both get the same plan from the same records.
+    Sources are built (and checked against the HF config) once; plans are cached per settings."""
+
+    def __init__(self, records: Sequence[RankRecord], hf_config, converter: Converter, dims, tp_size: int,
+                 etp_size: int, *, verbose: bool = False):
+        from importlib import import_module
+
+        self.records = list(records)
+        self.hf_config, self.converter, self.dims = hf_config, converter, dims
+        self.spec = import_module(converter.spec)
+        self.tp_size, self.etp_size, self.world_size = tp_size, etp_size, len(self.records)
+        self.verbose = verbose  # log each new plan (rank 0 of a live world)
+        self._sources: dict[str, Source] | None = None
+        self._plans: dict[tuple, ExportPlan] = {}
+
+    @property
+    def sources(self) -> dict[str, Source]:
+        """The global source table, checked against the HF config (layers, dense/MoE pattern, experts, ties)."""
+        if self._sources is None:
+            sources = build_sources(self.records, self.converter, self.dims, self.tp_size, self.etp_size)
+            check_structure(sources, self.spec, self.hf_config, self.dims)
+            self._sources = sources
+        return self._sources
+
+    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
+             quantize: Quantize = None) -> ExportPlan:
+        """The export plan for these settings (see `HFExporter.plan`)."""
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        scheme = get_scheme(quantize)
+        if scheme is not None:
+            key = (bucket_bytes, name_filter, scheme.name)
+            if key not in self._plans:
+                self._plans[key] = quantized_plan(self.plan(bucket_bytes, name_filter), fp8_policy(self.converter),
+                                                  scheme)
+            return self._plans[key]
+        key = (bucket_bytes, name_filter)
+        if key not in self._plans:
+            sources = filter_sources(self.sources, name_filter)
+            plan = self._plans[key] = ExportPlan(
+                model_type=self.converter.model_type, sources=sources,
+                buckets=assign_buckets(sources, bucket_bytes), bucket_bytes=bucket_bytes,
+                records=self.records, world_size=self.world_size)
+            if self.verbose:
+                log.info("plan for %s: %d HF tensors, %s in %d bucket(s) of <= %s, world size %d%s",
+                         plan.model_type, plan.num_tensors, format_size(plan.total_bytes), len(plan.buckets),
+                         format_size(bucket_bytes), plan.world_size, ", filtered" if name_filter else "")
+        return self._plans[key]
+
+
+def fp8_policy(converter: Converter):
+    """The architecture's FP8 table (which HF tensors stay unquantized), from its converter."""
+    if converter.fp8 is None:
+        raise ValueError(f"FP8 export is not supported for model_type {converter.model_type!r}: its "
+                         "converter has no fp8 policy (which tensors stay unquantized)")
+    return converter.fp8
 
 
 def model_dims(spec, hf_config, model_config):

@@ -112,7 +112,12 @@ def _my_sources(b: BucketPlan, ctx: ParallelContext) -> list[Source]:
     return [s for s in b.sources if ctx.pp.rank in s.stages and (not s.is_expert or s.ep == ctx.ep.rank)]
 
 
-def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
+def all_ranks_program(b: BucketPlan, ctx: ParallelContext, shared: dict | None = None,
+                      locations: bool = True) -> Program:
+    """What rank `ctx` does for bucket `b` when every rank receives. `shared`: a cache of the grouped stages'
+    member layouts, which depend on the bucket and the PP stage only, kept by a caller that builds the programs
+    of many ranks; `locations=False`: the stages only (what the arena needs), not where every source lands after
+    them (such a program sizes memory, it cannot be compiled)."""
     prog = Program(b, receive=True)
     where = prog.where
     held = _my_sources(b, ctx)
@@ -131,43 +136,63 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
         for s, o in packs:  # shard i is in member i's slot
             where[s.name] = Loc(k, tuple(i * slot + o for i in range(s.count)))
 
-    def grouped(axis: Axis, members: list[list[Source]], mine: int, last: bool) -> None:
+    def from_stage(srcs: list[Source]) -> bool:
+        # a source without a location here came out of an earlier stage (only `locations=False` leaves it out)
+        return any(s.name not in where or where[s.name].region != LOCAL for s in srcs)
+
+    def grouped(axis: Axis, members: dict[int, list[Source]], mine: int, last: bool, layouts: dict, slot: int) -> None:
+        # members and layouts: the members that contribute anything (of up to EP 64 x PP 16), by member index
         if last and b.direct is not None:  # the plan laid member m's HF tensors out at [m * slot, (m + 1) * slot)
-            depends = any(where[s.name].region != LOCAL for s in members[mine])
-            prog.add(Stage(axis, b.direct, [(s, 0) for s in members[mine]], striped=False, depends=depends,
+            srcs = members.get(mine, [])
+            prog.add(Stage(axis, b.direct, [(s, 0) for s in srcs], striped=False, depends=from_stage(srcs),
                            direct=True))
-            for s in (s for srcs in members for s in srcs):
-                where[s.name] = Loc(OUT)
+            if locations:
+                for s in (s for srcs in members.values() for s in srcs):
+                    where[s.name] = Loc(OUT)
             return
-        layouts = []
-        for srcs in members:
-            offs, off = [], 0
-            for s in srcs:
-                offs.append(off)
-                off += s.stacked_nbytes
-            layouts.append((srcs, offs))
-        slot = max((offs[-1] + srcs[-1].stacked_nbytes) if srcs else 0 for srcs, offs in layouts)
         if slot == 0:
             return
-        srcs, offs = layouts[mine]
-        depends = any(where[s.name].region != LOCAL for s in srcs)
-        k = prog.add(Stage(axis, slot, list(zip(srcs, offs)), striped=False, depends=depends))
+        srcs, offs = layouts.get(mine, ([], []))
+        k = prog.add(Stage(axis, slot, list(zip(srcs, offs)), striped=False, depends=from_stage(srcs)))
         # everything delivered here is read from here afterwards, own part included: one region, constant
         # strides, so same-shaped tensors of every member merge into batched copies
-        for m, (srcs_m, offs_m) in enumerate(layouts):
-            for s, off in zip(srcs_m, offs_m):
-                step = align(s.shard_nbytes)
-                where[s.name] = Loc(k, tuple(m * slot + off + i * step for i in range(s.count)))
+        if locations:
+            for m, (srcs_m, offs_m) in layouts.items():
+                for s, off in zip(srcs_m, offs_m):
+                    step = align(s.shard_nbytes)
+                    where[s.name] = Loc(k, tuple(m * slot + off + i * step for i in range(s.count)))
 
+    def members_of(key: tuple, member) -> tuple[dict[int, list[Source]], dict, int]:
+        found = shared.get(key) if shared is not None else None
+        if found is None:
+            members: dict[int, list[Source]] = {}
+            for s in b.sources:
+                m = member(s)
+                if m is not None:
+                    members.setdefault(m, []).append(s)
+            layouts = {}
+            for m, srcs in members.items():
+                offs, off = [], 0
+                for s in srcs:
+                    offs.append(off)
+                    off += s.stacked_nbytes
+                layouts[m] = (srcs, offs)
+            slot = max((offs[-1] + srcs[-1].stacked_nbytes for srcs, offs in layouts.values()), default=0)
+            found = (members, layouts, slot)
+            if shared is not None:
+                shared[key] = found
+        return found
+
+    pp = ctx.pp.rank
     if ctx.ep.size > 1:
-        members = [[s for s in b.sources if s.is_expert and ctx.pp.rank in s.stages and s.ep == m]
-                   for m in range(ctx.ep.size)]
-        grouped(ctx.ep, members, ctx.ep.rank, last=ctx.pp.size == 1)
+        found = members_of((id(b.sources), "ep", pp), lambda s: s.ep if s.is_expert and pp in s.stages else None)
+        grouped(ctx.ep, found[0], ctx.ep.rank, ctx.pp.size == 1, *found[1:])
     if ctx.pp.size > 1:
-        grouped(ctx.pp, [[s for s in b.sources if s.stage == st] for st in range(ctx.pp.size)], ctx.pp.rank,
-                last=True)
-    missing = [s.name for s in b.sources if s.name not in where]
-    assert not missing, f"internal error: no route to {missing[:5]}"
+        found = members_of((id(b.sources), "pp"), lambda s: s.stage)
+        grouped(ctx.pp, found[0], pp, True, *found[1:])
+    if locations:
+        missing = [s.name for s in b.sources if s.name not in where]
+        assert not missing, f"internal error: no route to {missing[:5]}"
     return prog
 
 
@@ -228,6 +253,109 @@ def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int,
                 prog.where[s.name] = Loc(0, tuple(offs))
     prog.p2p = P2PRound(sends, send_bytes, recv_from, recv_bytes, total)
     return prog
+
+
+def stage_bytes(prog: Program) -> tuple[list[int], int]:
+    """(byte offset of each stage's region in the arena, arena bytes the program needs)."""
+    if prog.rounds:
+        return [], max(stage_bytes(r)[1] for r in prog.rounds)
+    offs, total = [], 0
+    if prog.p2p is not None:
+        total = prog.p2p.recv_total + sum(prog.p2p.send_bytes.values())
+        return [0], align(total)
+    for st in prog.stages:
+        offs.append(total)
+        if not st.direct:  # a direct stage gathers into the output, not the arena
+            total += align(st.axis.size * st.slot)
+    return offs, total
+
+
+def memory_estimate(plan: ExportPlan, arena_bytes: list[int], rank: int, receivers: tuple[int, ...] | None,
+                    arenas: int) -> dict[str, int]:
+    """A rank's extra memory for an export, from the arena bytes its program needs per bucket (`stage_bytes`):
+    the staging arena(s) (bucket k stages in arena k % arenas) and the largest output bucket it builds."""
+    per_arena = [max([sz for i, sz in enumerate(arena_bytes) if i % arenas == a] or [0]) for a in range(arenas)]
+    return memory_line(plan, per_arena, rank, receivers)
+
+
+def memory_line(plan: ExportPlan, per_arena: list[int], rank: int, receivers: tuple[int, ...] | None) -> dict[str, int]:
+    """`memory_estimate` from the size of each arena."""
+    # a quantized export holds the gathered bucket and its quantized copy at once
+    out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in plan.buckets
+               if receivers is None or rank in receivers] or [0])
+    # a bucket whose collective lands in its output allocates that output when it starts, while the consumer
+    # still holds the previous bucket
+    nxt = max([b.nbytes for b in plan.buckets if b.direct is not None and receivers is None] or [0])
+    return {"arena_bytes": sum(per_arena), "largest_bucket_bytes": out, "next_bucket_bytes": nxt,
+            "total_bytes": sum(per_arena) + out + nxt}
+
+
+def memory_estimates(plan: ExportPlan, contexts: list[ParallelContext], arenas: int = 1) -> list[dict[str, int]]:
+    """`Executor.memory_estimate()` of every rank of `contexts` (all ranks receive), in one process, in seconds
+    for 1,024 ranks.
+
+    A rank's program for a bucket is fixed, up to rank ids, by its PP stage and the bucket's experts it holds (its
+    EP rank's; every rank of a stage holds the stage's dense sources): ranks of one stage that hold none of the
+    bucket's experts share one program, each holding EP rank has its own. So the arena bytes are computed once
+    per bucket and stage (`default`) and once per bucket and holding (stage, EP rank), from the same programs
+    (without the locations only compilation needs); a rank's arena is then the largest over its holdings and
+    the stage's default of the buckets it does not hold."""
+    shared: dict = {}  # the grouped stages' layouts, per bucket and stage
+    by_stage: dict[int, dict[int, ParallelContext]] = {}  # stage -> EP rank -> a rank there
+    for ctx in contexts:
+        by_stage.setdefault(ctx.pp.rank, {}).setdefault(ctx.ep.rank, ctx)
+
+    def size(b: BucketPlan, ctx: ParallelContext) -> int:
+        return stage_bytes(bucket_program(b, ctx, None, shared, locations=False))[1]
+
+    n = len(plan.buckets)
+    default: dict[int, list[int | None]] = {pp: [None] * n for pp in by_stage}
+    held: dict[tuple[int, int], dict[int, int]] = {}  # (stage, EP rank) -> bucket -> arena bytes
+    for k, b in enumerate(plan.buckets):
+        holders = {(st, s.ep) for s in b.sources if s.is_expert for st in s.stages}
+        for pp, ranks in by_stage.items():
+            free = next((c for ep, c in ranks.items() if (pp, ep) not in holders), None)
+            if free is not None:
+                default[pp][k] = size(b, free)
+        for pp, ep in holders:
+            ctx = by_stage.get(pp, {}).get(ep)
+            if ctx is not None:
+                held.setdefault((pp, ep), {})[k] = size(b, ctx)
+    # per stage and arena: the buckets by default bytes, largest first
+    order = {pp: [sorted((k for k in range(a, n, arenas) if d[k] is not None), key=lambda k: -d[k])
+                  for a in range(arenas)] for pp, d in default.items()}
+    lines: dict[tuple[int, ...], dict[str, int]] = {}  # rank ids do not matter when every rank receives
+    out = []
+    for ctx in contexts:
+        pp, ep = ctx.pp.rank, ctx.ep.rank
+        mine = held.get((pp, ep), {})
+        per_arena = []
+        for a in range(arenas):
+            best = max([sz for k, sz in mine.items() if k % arenas == a] or [0])
+            first = next((k for k in order[pp][a] if k not in mine), None)
+            per_arena.append(max(best, default[pp][first]) if first is not None else best)
+        key = tuple(per_arena)
+        if key not in lines:
+            lines[key] = memory_line(plan, per_arena, ctx.rank, None)
+        out.append(dict(lines[key]))
+    return out
+
+
+def bucket_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int, ...] | None,
+                   shared: dict | None = None, locations: bool = True) -> Program:
+    """What rank `ctx` does for bucket `b`: all ranks receive (receivers None), or the chosen receivers.
+    `shared`, `locations`: see `all_ranks_program`."""
+    def make(bp: BucketPlan) -> Program:
+        if receivers is None:
+            return all_ranks_program(bp, ctx, shared, locations)
+        return receivers_program(bp, ctx, receivers)
+
+    if not b.rounds:
+        return make(b)
+    # each round is a bucket of its own for the collectives (staging of <= the budget, reused by the next
+    # round); its copies write its pieces' items into the one output the whole bucket describes
+    rounds = [make(replace(b, sources=r, rounds=None)) for r in b.rounds]
+    return Program(b, receive=rounds[0].receive, rounds=rounds)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -316,17 +444,7 @@ class Executor:
         self._compiled: list[CBucket] | None = None
 
     def _program(self, b: BucketPlan) -> Program:
-        def make(bp: BucketPlan) -> Program:
-            if self.receivers is None:
-                return all_ranks_program(bp, self.ctx)
-            return receivers_program(bp, self.ctx, self.receivers)
-
-        if not b.rounds:
-            return make(b)
-        # each round is a bucket of its own for the collectives (staging of <= the budget, reused by the next
-        # round); its copies write its pieces' items into the one output the whole bucket describes
-        rounds = [make(replace(b, sources=r, rounds=None)) for r in b.rounds]
-        return Program(b, receive=rounds[0].receive, rounds=rounds)
+        return bucket_program(b, self.ctx, self.receivers)
 
     def _src(self, s: Source):
         """What a source's local shard is read from: the parameter (or a buffer getter), or for a tensor
@@ -353,37 +471,15 @@ class Executor:
         return blob
 
     # -- compilation ---------------------------------------------------------------------------------------------
-    def _stage_bytes(self, prog: Program) -> tuple[list[int], int]:
-        if prog.rounds:
-            return [], max(self._stage_bytes(r)[1] for r in prog.rounds)
-        offs, total = [], 0
-        if prog.p2p is not None:
-            total = prog.p2p.recv_total + sum(prog.p2p.send_bytes.values())
-            return [0], align(total)
-        for st in prog.stages:
-            offs.append(total)
-            if not st.direct:  # a direct stage gathers into the output, not the arena
-                total += align(st.axis.size * st.slot)
-        return offs, total
-
     def memory_estimate(self) -> dict[str, int]:
         """This rank's extra memory for an export: the staging arena(s) and the largest output bucket it builds."""
-        sizes = [self._stage_bytes(p)[1] for p in self.programs]
-        arenas = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0]) for a in range(self.arenas_n)]
-        me = self.ctx.rank
-        # a quantized export holds the gathered bucket and its quantized copy at once
-        out = max([b.nbytes + (b.out_nbytes if b.out_entries is not None else 0) for b in self.plan.buckets
-                   if self.receivers is None or me in self.receivers] or [0])
-        # a bucket whose collective lands in its output allocates that output when it starts, while the consumer
-        # still holds the previous bucket
-        nxt = max([b.nbytes for b in self.plan.buckets if b.direct is not None and self.receivers is None] or [0])
-        return {"arena_bytes": sum(arenas), "largest_bucket_bytes": out, "next_bucket_bytes": nxt,
-                "total_bytes": sum(arenas) + out + nxt}
+        return memory_estimate(self.plan, [stage_bytes(p)[1] for p in self.programs], self.ctx.rank,
+                               self.receivers, self.arenas_n)
 
     def compile(self) -> None:
         if self._compiled is not None:
             return
-        sizes = [self._stage_bytes(p)[1] for p in self.programs]
+        sizes = [stage_bytes(p)[1] for p in self.programs]
         per_arena = [max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                      for a in range(self.arenas_n)]
         self.arenas = [torch.empty(max(n, 64), dtype=torch.uint8, device=self.device) for n in per_arena]
@@ -410,7 +506,7 @@ class Executor:
             cb.moved = tuple(sum(r.moved[i] for r in cb.rounds) for i in range(3))
             return cb
         arena = self.arenas[a]
-        stage_offs, _ = self._stage_bytes(prog)
+        stage_offs, _ = stage_bytes(prog)
         cb = CBucket(prog.bucket, prog.receive, a, program=prog)
         groups: dict[tuple, tuple] = {}
         for s in prog.bucket.sources:

@@ -19,6 +19,7 @@ Canonical names are local-spec names with global indices, whatever the layout an
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -346,6 +347,21 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
                 is_buffer=is_buffer,
                 param=None if is_buffer else t,
             ))
+    return out
+
+
+_CANONICAL_EXPERT = regex.compile(r"((?:decoder|mtp)\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)")
+
+
+def shift_experts(local: list[LocalTensor], offset: int) -> list[LocalTensor]:
+    """`local` (one rank's tensors) as a rank that differs only in its EP rank names them: the routed experts'
+    global indices moved by `offset` (EP rank difference x local experts), everything else as it is. The dry run
+    (planning.py) names the ranks of a stage from one model."""
+    out = []
+    for t in local:
+        m = _CANONICAL_EXPERT.fullmatch(t.name) if t.is_expert else None
+        out.append(t if m is None else
+                   dataclasses.replace(t, name=f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"))
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import regex
 import torch
@@ -80,14 +81,14 @@ class Source:
         """The PP stage that contributes it to gathers."""
         return self.stages[0]
 
-    @property
+    @cached_property  # read per rank and bucket when many ranks' programs are built (the dry run)
     def shard_nbytes(self) -> int:
         n = self.dtype.itemsize
         for s in self.shard_shape:
             n *= s
         return n
 
-    @property
+    @cached_property
     def stacked_nbytes(self) -> int:
         """Bytes of all shards laid out one after the other (each aligned)."""
         return self.count * align(self.shard_nbytes)
@@ -228,13 +229,18 @@ class ExportPlan:
         return "\n".join(lines)
 
 
-def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankRecord]:
-    """Every rank's tensor list (one all_gather_object, at plan time only)."""
-    mine = RankRecord(
+def rank_record(local: list[LocalTensor], ctx: ParallelContext) -> RankRecord:
+    """What this rank contributes to the plan: its place and its local tensors' metadata (no data)."""
+    return RankRecord(
         rank=ctx.rank, pp=ctx.pp.rank, tp=ctx.tp.rank, ep=ctx.ep.rank, etp=ctx.etp.rank,
         tensors=tuple((t.name, t.local_name, t.shape, str(t.dtype), t.is_expert, t.sharded, t.dim, t.stride)
                       for t in local),
     )
+
+
+def gather_records(local: list[LocalTensor], ctx: ParallelContext) -> list[RankRecord]:
+    """Every rank's record (one all_gather_object, at plan time only); the plan is a pure function of them."""
+    mine = rank_record(local, ctx)
     if ctx.world_size == 1:
         return [mine]
     out: list = [None] * ctx.world_size
@@ -276,7 +282,8 @@ def build_sources(records: list[RankRecord], converter: Converter, dims: ModelDi
         for t in rec.tensors:
             seen[t[0]].append((rec, t))
     names = sorted(seen, key=natural_key)
-    unknown = [n for n in names if converter.resolve(n, dims) is None]
+    resolved_all = {n: converter.resolve(n, dims) for n in names}
+    unknown = [n for n in names if resolved_all[n] is None]
     if unknown:
         raise UnknownParametersError(converter.model_type, [f"{n}  (local name: {seen[n][0][1][1]})" for n in unknown])
 
@@ -291,7 +298,7 @@ def build_sources(records: list[RankRecord], converter: Converter, dims: ModelDi
                     f"{name} differs between ranks: rank {rec0.rank} has shape {tuple(shape)} {dtype} "
                     f"(sharded={sharded}, dim={dim}), rank {rec.rank} has {tuple(t[2])} {t[3]} "
                     f"(sharded={t[5]}, dim={t[6]})")
-        resolved = converter.resolve(name, dims)
+        resolved = resolved_all[name]
         op = resolved.op
         group = etp_size if is_expert else tp_size
         try:
@@ -362,10 +369,13 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
     remaining = sum(len(q) for q in queues.values())
     pp_size, ep_size = holder_sizes(sources)
     added: list[tuple] = []  # (class, unit, bytes) of the current bucket, in the order taken
+    # the classes with units left, per stage (a world of 1,024 ranks has ~1,000 classes: no scan of all per unit)
+    live: dict[int, set[tuple[int, int]]] = defaultdict(set)
+    for c in queues:
+        live[c[0]].add(c)
     while remaining:
-        live = [c for c in queues if heads[c] < len(queues[c])]
-        stage = min({c[0] for c in live}, key=lambda st: (per_stage[st], st))
-        cls = min((c for c in live if c[0] == stage), key=lambda c: (per_class[c], c))
+        stage = min(live, key=lambda st: (per_stage[st], st))
+        cls = min(live[stage], key=lambda c: (per_class[c], c))
         unit = queues[cls][heads[cls]]
         size = sum(src.hf_nbytes for src in unit)
         if current.sources and current.nbytes + size > bucket_bytes:
@@ -373,6 +383,7 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
             for k in back:  # back to their queues (each the last taken from its class), for the next bucket
                 c, _, n = added[k]
                 heads[c] -= 1
+                live[c[0]].add(c)
                 remaining += 1
                 current.nbytes -= n
             drop = {id(s) for k in back for s in added[k][1]}
@@ -386,6 +397,10 @@ def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[Bucket
                 continue  # the unit picked may no longer be its class's next
         added.append((cls, unit, size))
         heads[cls] += 1
+        if heads[cls] == len(queues[cls]):
+            live[stage].discard(cls)
+            if not live[stage]:
+                del live[stage]
         remaining -= 1
         current.sources.extend(unit)
         current.nbytes += size
@@ -417,11 +432,15 @@ def holder_sizes(sources: dict[str, Source]) -> tuple[int, int]:
 def gather_members(sources: list[Source], pp_size: int, ep_size: int) -> list[list[Source]] | None:
     """What each member of a bucket's last grouped all-gather contributes, grouped as `all_ranks_program` groups
     it: the PP stages when PP > 1, else the EP ranks' experts; None without such a gather."""
-    if pp_size > 1:
-        return [[s for s in sources if s.stage == st] for st in range(pp_size)]
-    if ep_size > 1:
-        return [[s for s in sources if s.is_expert and s.ep == m] for m in range(ep_size)]
-    return None
+    if pp_size == 1 and ep_size == 1:
+        return None
+    members: list[list[Source]] = [[] for _ in range(pp_size if pp_size > 1 else ep_size)]
+    for s in sources:  # one pass (EP 64, PP 16)
+        if pp_size > 1:
+            members[s.stage].append(s)
+        elif s.is_expert:
+            members[s.ep].append(s)
+    return members
 
 
 def direct_layout(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]],

@@ -1,49 +1,215 @@
-"""The dry run behind `mcore2hf plan`: the export plan of a model built on the meta device (no weights) in gloo
-worker processes at the training layout, with each rank's extra memory, as text or JSON."""
+"""The dry run behind `mcore2hf plan`: the export plan and each rank's extra memory, for any world size, in one
+process and in seconds, as text or JSON.
+
+The plan is a pure function of every rank's record (`plan.RankRecord`: its place and the names, shapes, dtypes
+and TP attributes of its local tensors; `exporter.Planner`). A live world all-gathers the records; here they are
+derived in this process, with megatron-core's own machinery:
+
+* the ranks' coordinates and groups: megatron-core's `RankGenerator`s, built as `initialize_model_parallel` builds
+  them (order tp-cp-ep-dp-pp, the expert grid with expert-TP and expert-DP);
+* each rank's local tensors: the model chunks of its PP stage built on the meta device (no memory) with the real
+  `build_model`, under Megatron's parallel state initialized at that stage's first rank in a `fake`
+  torch.distributed world of the full size (torch's no-op backend: no process, no communication). Ranks of one
+  stage differ only in their TP / expert-TP shard (same shapes, Megatron splits evenly) and their EP rank (the
+  local experts' global indices, which `naming.local_tensors` derives from the EP rank), so one build per stage
+  gives every rank's record;
+* the plan: the exporter's `Planner` on those records; the memory: `gather.memory_estimates`, the executor's own
+  estimate per rank, its programs shared by ranks that differ only in rank ids.
+
+tests/test_layout_matrix.py checks, in every layout world, that this plan's `describe()` and every rank's memory
+equal what the live ranks built.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import sys
+import time
 
 from .sizes import format_size
 
 
-def _plan_rank(hf_config, layout, bucket_bytes: int, dtype_name: str, te_names: bool, name_filter,
-               quantize=None) -> dict:
+def rank_contexts(layout) -> list:
+    """Every rank's `ParallelContext` (no process group) at `layout`, from megatron-core's `RankGenerator`s,
+    built as megatron-core 0.16.1 parallel_state.initialize_model_parallel builds them (default order
+    "tp-cp-ep-dp-pp", no context parallelism)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from .parallel import Axis, ParallelContext
+
+    world, tp, pp, ep, etp = layout.size, layout.tp, layout.pp, layout.ep, layout.expert_tp
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order=order, rank_offset=0)
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order, rank_offset=0)
+
+    def axes(gen, token: str) -> dict[int, Axis]:
+        out = {}
+        for ranks in gen.get_ranks(token):
+            for i, r in enumerate(ranks):
+                out[r] = Axis(len(ranks), i, tuple(ranks), None)
+        return out
+
+    tps, pps, eps, etps = axes(dense, "tp"), axes(dense, "pp"), axes(expert, "ep"), axes(expert, "tp")
+    return [ParallelContext(rank=r, world_size=world, tp=tps[r], pp=pps[r], ep=eps[r], etp=etps[r],
+                            vpp=layout.vpp, backend="fake") for r in range(world)]
+
+
+@contextlib.contextmanager
+def _no_rope_tables():
+    """YaRN rotary embeddings (DeepSeek-V3's MLA) compute their cos/sin tables on the CPU in __init__, in every
+    layer (megatron-core 0.16.1 models/common/embeddings/yarn_rotary_pos_embedding.py `_set_cos_sin_cache`,
+    device "cpu" whatever the default device): a forward cache, no parameter; skipped while the dry run builds."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    cls = yarn.YarnRotaryEmbedding
+    real = cls.__dict__.get("_set_cos_sin_cache")
+    if real is None:  # another release: nothing to skip
+        yield
+        return
+    cls._set_cos_sin_cache = lambda self, *a, **k: None
+    try:
+        yield
+    finally:
+        cls._set_cos_sin_cache = real
+
+
+def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_names: bool):
+    """The model chunks of `rank` on the meta device, built under Megatron's parallel state at `layout` in a
+    fake torch.distributed world (as `rank` of `world`); also the ParallelContext megatron-core gives that rank.
+    The world and the parallel state are torn down before returning."""
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    from . import HFExporter, build_model
+    from .build import build_model
+    from .parallel import ParallelContext
+    from .runtime.world import init_megatron
 
     dtype = getattr(torch, dtype_name)
-    with torch.device("meta"):  # shapes and names only: no memory, no initialization
-        # local spec: TE names, when asked for, are applied below (Transformer Engine needs no GPU then)
-        chunks = build_model(hf_config, use_te=False, perform_initialization=False, params_dtype=dtype,
-                             **layout.config_overrides())
-        chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
-    if te_names:
-        from .runtime.te_naming import to_te_names
+    hook = sys.excepthook  # init_process_group prefixes errors with "[rank{r}]:" (torch 2.13): not ours to keep
+    dist.init_process_group("fake", rank=rank, world_size=world, store=dist.HashStore())
+    try:
+        init_megatron(layout, gloo_groups=False)
+        overrides = dict(layout.config_overrides(), params_dtype=dtype)
+        if dtype != torch.float32:  # as Megatron-LM configures bf16 / fp16 training
+            overrides.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+        with torch.device("meta"), _no_rope_tables():  # shapes and names only: no memory, no initialization
+            # local spec: TE names, when asked for, are applied below (Transformer Engine needs no GPU then)
+            chunks = build_model(hf_config, use_te=False, **overrides)  # initialized as in training (on meta)
+            chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
+        if te_names:
+            from .runtime.te_naming import to_te_names
 
-        to_te_names(chunks)
-    ex = HFExporter(chunks, hf_config)
-    plan = ex.plan(bucket_bytes, name_filter=name_filter, quantize=quantize)
-    memory = ex.executor(bucket_bytes, name_filter=name_filter, quantize=quantize).memory_estimate()
-    report = plan.to_dict() if dist.get_rank() == 0 else {}
-    report["memory"] = memory
-    return report
+            to_te_names(chunks)
+        return chunks, ParallelContext.from_megatron()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: bool = False):
+    """(every rank's RankRecord, every rank's ParallelContext, the Megatron model's TransformerConfig) at `layout`,
+    derived in this process (module docstring). torch.distributed must not be initialized here."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from .errors import ParallelStateError
+    from .naming import local_tensors, model_config, shift_experts
+    from .plan import rank_record
+
+    if dist.is_available() and dist.is_initialized():
+        raise ParallelStateError("the dry run sets up its own (fake) torch.distributed world in this process, but "
+                                 "torch.distributed is already initialized here: run it in a process without one "
+                                 "(e.g. `mcore2hf plan`)")
+    contexts = rank_contexts(layout)
+    records: list = [None] * layout.size
+    config = None
+    for stage in range(layout.pp):
+        ranks = [c for c in contexts if c.pp.rank == stage]
+        first = ranks[0]
+        chunks, megatron_ctx = _stage_model(hf_config, layout, first.rank, layout.size, dtype, te_names)
+        mine = dataclasses.replace(megatron_ctx, backend=first.backend)
+        mine = dataclasses.replace(mine, tp=dataclasses.replace(mine.tp, group=None),
+                                   pp=dataclasses.replace(mine.pp, group=None),
+                                   ep=dataclasses.replace(mine.ep, group=None),
+                                   etp=dataclasses.replace(mine.etp, group=None))
+        if mine != first:  # the RankGenerators above must give what initialize_model_parallel gave
+            raise AssertionError(f"internal error: rank {first.rank}: megatron-core's parallel state {mine} differs "
+                                 f"from the dry run's {first}")
+        config = config or model_config(chunks)
+        local = local_tensors(chunks, first)
+        experts = getattr(config, "num_moe_experts", None) or 0
+        by_ep: dict[int, list] = {first.ep.rank: local}
+        for ctx in ranks:  # names depend on the EP rank only (the local experts' global indices)
+            if ctx.ep.rank not in by_ep:
+                offset = (ctx.ep.rank - first.ep.rank) * (experts // ctx.ep.size)
+                by_ep[ctx.ep.rank] = shift_experts(local, offset)
+            records[ctx.rank] = rank_record(by_ep[ctx.ep.rank], ctx)
+    return records, contexts, config
+
+
+def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te_names: bool = False,
+            name_filter=None, quantize: str | None = None):
+    """(the ExportPlan every rank of a live world at `layout` would build, each rank's memory estimate as
+    `Executor.memory_estimate()` gives it, all ranks receiving), computed in this process."""
+    from importlib import import_module
+
+    from .exporter import Planner, check_model_config, model_dims
+    from .gather import memory_estimates
+    from .hf_config import load_hf_config
+    from .registry import get_converter
+
+    cfg = load_hf_config(hf_config)
+    records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names)
+    converter = get_converter(cfg.model_type)
+    spec = import_module(converter.spec)
+    check_model_config(config, spec, cfg)  # as HFExporter checks the live model
+    planner = Planner(records, cfg, converter, model_dims(spec, cfg, config), layout.tp, layout.expert_tp)
+    plan = planner.plan(bucket_bytes, name_filter=name_filter, quantize=quantize)
+    return plan, memory_estimates(plan, contexts)
 
 
 def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te_names: bool = False,
              name_filter=None, quantize: str | None = None) -> dict:
     """The plan as a dict (tensors, buckets, layout, each rank's memory). The layout is checked first.
     `quantize="fp8"` / `"fp8-ue8m0"`: the FP8 export's plan (which weights are quantized, scale shapes)."""
-    from .runtime.world import run_world
+    from .hf_config import load_hf_config
 
-    layout.check(hf_config)
-    ranks = run_world(_plan_rank, layout, hf_config, layout, bucket_bytes, dtype, te_names, name_filter, quantize)
-    report = ranks[0]
+    t0 = time.perf_counter()
+    cfg = load_hf_config(hf_config)
+    layout.check(cfg, processes=False)
+    plan, memory = dry_run(cfg, layout, bucket_bytes=bucket_bytes, dtype=dtype, te_names=te_names,
+                           name_filter=name_filter, quantize=quantize)
+    report = plan.to_dict()
     report["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep,
                         "etp": layout.expert_tp, "world_size": layout.size}
-    report["memory"] = [dict(rank=r, **x["memory"]) for r, x in enumerate(ranks)]
+    report["memory"] = [dict(rank=r, **m) for r, m in enumerate(memory)]
+    report["seconds"] = round(time.perf_counter() - t0, 2)
     return report
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
+def memory_lines(memory: list[dict]) -> list[str]:
+    """One line per distinct memory estimate, with the ranks that have it (most ranks share one)."""
+    groups: dict[tuple, list[int]] = {}
+    for m in memory:
+        key = (m["total_bytes"], m["arena_bytes"], m["largest_bucket_bytes"], m.get("next_bucket_bytes", 0))
+        groups.setdefault(key, []).append(m["rank"])
+    lines = []
+    for (total, arena, out, nxt), ranks in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[1][0])):
+        lines.append(f"  ranks {_ranges(ranks)}: {format_size(total)} = staging arena {format_size(arena)} + "
+                     f"output bucket {format_size(out)}" + (f" + next bucket {format_size(nxt)}" if nxt else ""))
+    return lines
 
 
 def plan_report(report: dict, limit: int | None = None) -> str:
@@ -61,6 +227,7 @@ def plan_report(report: dict, limit: int | None = None) -> str:
                  f"{format_size(worst['largest_bucket_bytes'])}"
                  + (f" + the next one, gathered into while you hold it {format_size(worst['next_bucket_bytes'])}"
                     if worst.get("next_bucket_bytes") else "") + "), plus any bucket your loop keeps")
+    lines += memory_lines(mem)
     if report.get("quantize"):
         q, pre = report["quantized"], report["quantized_on_shards"]
         lines.append(f"quantized ({report['quantize']}, 128x128 blocks): {len(q)} weights -> float8_e4m3fn + float32 "
@@ -74,4 +241,6 @@ def plan_report(report: dict, limit: int | None = None) -> str:
                      f"{t['megatron']} [{t['op']}, {t['shards']} shard(s) x {where}]")
     if limit is not None and len(tensors) > limit:
         lines.append(f"... {len(tensors) - limit} more")
+    if "seconds" in report:
+        lines.append(f"planned in {report['seconds']:.1f} s (one process, no weights)")
     return "\n".join(lines)

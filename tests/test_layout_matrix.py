@@ -53,6 +53,14 @@ def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_
         assert os.path.isdir(tmp_path / mt / str(layout))
         if mt in BRIDGE_TABLES:  # Megatron-Bridge's table for TE-built models names every TE name
             assert not bridge_problems(mt, r["te_names"]), (mt, bridge_problems(mt, r["te_names"]))
+    # the dry run (`mcore2hf plan`), in one process without a world, is the plan the live ranks built: the same
+    # rank records, describe() text and every rank's memory estimate
+    dry = worlds.in_fresh_process(worlds.dry_run_plans, source, layout, dtype, 4096)
+    for mt, (text, records, memory) in dry.items():
+        live_text, live_records = results[0][mt]["plan_4k"]
+        assert records == live_records, (mt, [r.rank for r, q in zip(records, live_records) if r != q])
+        assert text == live_text, mt
+        assert memory == [r[mt]["memory_4k"] for r in results], (mt, memory, [r[mt]["memory_4k"] for r in results])
     # engine-sharded export (issue 15) at this world's engine placements (worlds.ENGINE_PLACEMENTS)
     problems = [p for mt in results[0] for p in worlds.engine_problems(mt, [r[mt]["engine"] for r in results], layout)]
     assert not problems, "\n".join(problems)

@@ -46,3 +46,86 @@ def test_cli_plan_json_with_te_names_and_filter():
     assert len(plan["memory"]) == 4 and all(m["arena_bytes"] > 0 and m["largest_bucket_bytes"] > 0
                                             for m in plan["memory"])
     assert plan["total_bytes"] == sum(t["bytes"] for t in plan["tensors"])
+
+
+#: DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3), without its quantization_config
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True, "tie_word_embeddings": False,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                          "type": "yarn"},
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_dry_run_deepseek_v3_at_pp16_ep64(tmp_path, capsys):
+    """`mcore2hf plan` of the real DeepSeek-V3 shapes at PP 16 x EP 64 (1,024 ranks) in one process: every HF
+    tensor once, with the parameter count transformers' own model of the config has; each expert on the stage
+    and EP rank that holds it; a memory line for every rank."""
+    import re
+    import time
+
+    import torch
+    import transformers
+
+    from mcore2hf.planning import plan_report
+
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", str(tmp_path / "config.json"),
+                          "--pp", "16", "--ep", "64", "--first-stage-layers", "3", "--last-stage-layers", "2",
+                          "--json"], capture_output=True, text=True, check=True, timeout=600)
+    wall = time.perf_counter() - t0
+    report = json.loads(out.stdout)
+    assert report["layout"] == {"tp": 1, "pp": 16, "vpp": None, "ep": 64, "etp": 1, "world_size": 1024}
+    assert [m["rank"] for m in report["memory"]] == list(range(1024))
+    assert all(m["total_bytes"] == m["arena_bytes"] + m["largest_bucket_bytes"] + m["next_bucket_bytes"] > 0
+               for m in report["memory"])
+    tensors = report["tensors"]
+    names = [t["name"] for t in tensors]
+    assert len(names) == len(set(names)) == report["num_tensors"]
+    # 3 dense layers of 12 tensors, 58 MoE layers of 782 (256 x 3 experts, 3 shared-expert, gate weight and
+    # e_score_correction_bias, 7 MLA, 2 norms), embed / norm / lm_head, the MTP layer (782 + enorm, hnorm, eh_proj,
+    # shared_head.norm, and its copies of the embedding and the head)
+    assert len(names) == 3 * 12 + 58 * 782 + 3 + 782 + 6 == 46183
+    # the oracle: transformers' DeepseekV3 model of this config (no MTP layer) has the same parameter count
+    # (transformers 5.24 keeps the router's e_score_correction_bias as a buffer)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**DEEPSEEK_V3))
+    hf_params = sum(p.numel() for p in hf.parameters()) + \
+        sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    main = sum(t["bytes"] // 2 for t in tensors if not t["name"].startswith("model.layers.61."))
+    assert main == hf_params, (main, hf_params)
+    # layers 0-2 on stage 0, then 4 per stage, 59-60 and the MTP layer on stage 15; expert E on EP rank E // 4
+    for t in tensors:
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", t["name"])
+        if m:
+            layer, expert = int(m.group(1)), int(m.group(2))
+            assert t["stages"] == [0 if layer < 3 else min(1 + (layer - 3) // 4, 15)], t
+            assert t["ep"] == expert // 4 and t["shards"] == 1, t
+    with capsys.disabled():
+        print(f"\n{plan_report(report, limit=0)}\n`mcore2hf plan` wall time {wall:.1f} s (CLI start included)")
+
+
+def test_memory_per_rank_class_equals_each_ranks_own_programs():
+    """gather.memory_estimates builds a program once per bucket and rank class; at 32 ranks (TP 2, PP 4 x EP 8: more
+    classes than the layout worlds have) every rank's estimate equals the one its own Executor computes."""
+    import worlds
+
+    from mcore2hf.runtime.world import Layout
+
+    got = worlds.in_fresh_process(worlds.memory_by_rank_class, "deepseek_v3", Layout(tp=2, pp=4, ep=8, etp=1),
+                                  4096)
+    assert got["buckets"] > 20
+    for arenas in (1, 2):
+        shared, own = got[arenas]
+        assert len(own) == 32 and shared == own, (arenas, shared, own)
+    assert got["classes"] == got[1][0]  # dry_run's own memory is the one-arena estimate

@@ -171,8 +171,51 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, te_
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} TE names")
     return {"tensors": len(ref), "buckets_4k": len(plan.buckets), "rank": rank, "engine": engine, "engine_s": engine_s,
+            # the live plan at 4 KiB buckets, for the one-process dry run to equal (test_layout_matrix)
+            "plan_4k": (plan.describe(), plan.records) if rank == 0 else None,
+            "memory_4k": ex.executor(4096).memory_estimate(),
             "rounds_4k": sum(len(b.rounds or ()) for b in plan.buckets),  # stacked tensors gathered in rounds
             "te_names": names if rank == 0 else None, "logits": logits}
+
+
+def dry_run_plans(ckpts: dict[str, str], layout: Layout, dtype_name: str, bucket_bytes: int) -> dict[str, tuple]:
+    """The one-process dry run (mcore2hf.planning) of each checkpoint's model at `layout`: (describe(), records,
+    every rank's memory estimate). Run in a fresh process: it sets up a fake torch.distributed world."""
+    from mcore2hf.planning import dry_run
+
+    out = {}
+    for mt, ckpt in ckpts.items():
+        plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype=dtype_name)
+        out[mt] = (plan.describe(), plan.records, memory)
+    return out
+
+
+def memory_by_rank_class(model_type: str, layout: Layout, bucket_bytes: int) -> dict:
+    """The dry run's memory per rank (programs shared per rank class, gather.memory_estimates) and each rank's
+    Executor.memory_estimate() from its own programs, one and two arenas, for a tiny model at `layout`."""
+    import torch
+
+    from mcore2hf.gather import Executor, memory_estimates
+    from mcore2hf.planning import dry_run, rank_contexts
+    from mcore2hf.runtime.tiny import tiny_config
+
+    plan, shared = dry_run(tiny_config(model_type), layout, bucket_bytes=bucket_bytes, dtype="float32")
+    contexts = rank_contexts(layout)
+    out = {"buckets": len(plan.buckets), "classes": shared}
+    for arenas in (1, 2):
+        out[arenas] = (memory_estimates(plan, contexts, arenas),
+                       [Executor(plan, ctx, {}, None, torch.device("cpu"), arenas).memory_estimate()
+                        for ctx in contexts])
+    return out
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a spawned process (for what must not touch this one's torch.distributed or shims)."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def for_each_arch(fn, ckpts: dict[str, str], *args) -> dict[str, object]:

@@ -56,9 +56,10 @@ class Layout:
             out["num_layers_in_last_pipeline_stage"] = self.last_stage_layers
         return out
 
-    def check(self, hf_config) -> None:
+    def check(self, hf_config, processes: bool = True) -> None:
         """Every way this layout cannot hold the model of `hf_config`, at once (UsageError), before any process
-        starts: Megatron would fail inside the workers with an assertion."""
+        starts: Megatron would fail inside the workers with an assertion. `processes`: one worker process per
+        rank will run (at most 64 on one machine); the dry run needs none."""
         from ..errors import UsageError
         from ..registry import get_model_spec
 
@@ -94,7 +95,7 @@ class Layout:
         check_arch = getattr(get_model_spec(hf_config.model_type), "layout_problems", None)
         if check_arch is not None:
             problems += check_arch(hf_config, self.expert_tp)
-        if self.size > 64:
+        if processes and self.size > 64:
             problems.append(f"the layout needs {self.size} worker processes; at most 64 run on one machine")
         if problems:
             raise UsageError(f"layout {self} cannot hold this {hf_config.model_type} model: " + "; ".join(problems))
@@ -110,8 +111,9 @@ class Layout:
 
 
 
-def init_megatron(layout: Layout) -> None:
-    """Initialize Megatron's parallel state (and the CPU shims) in an already-initialized gloo world."""
+def init_megatron(layout: Layout, gloo_groups: bool = True) -> None:
+    """Initialize Megatron's parallel state (and the CPU shims) in an already-initialized gloo world.
+    `gloo_groups=False`: no gloo data-parallel groups (a `fake` world, where gloo cannot rendezvous)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as tp_random
@@ -122,7 +124,7 @@ def init_megatron(layout: Layout) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp)
+        expert_tensor_parallel_size=layout.etp, create_gloo_process_groups=gloo_groups)
     torch.manual_seed(1234)
     if not torch.cuda.is_available():
         tp_random.get_cuda_rng_tracker().reset()
