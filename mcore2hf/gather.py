@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket
 from .engine_shards import EngineShardError, EngineSlice, place_slices, region_slices
-from .layouts import Stacked, _row_strides
+from .layouts import Stacked, row_strides
 from .naming import LocalTensor
 from .parallel import Axis, ParallelContext
 from .plan import BucketPlan, ExportPlan, Source, align
@@ -51,6 +51,7 @@ from .quantize import (
     per_block_cast_to_fp8_batched,
     quantize_flat,
 )
+from .transfer.routes import LeastLoaded
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -174,7 +175,7 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext) -> Program:
 def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int, ...]) -> Program:
     me = ctx.rank
     prog = Program(b, receive=me in receivers)
-    load: dict[int, int] = {}
+    loads = LeastLoaded()
     # (sender, receiver) -> [(source, shard)]; the sender of each shard balances the bytes sent per rank
     routes: dict[tuple[int, int], list[tuple[Source, int]]] = {}
     offsets: dict[str, list] = {}
@@ -187,8 +188,7 @@ def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int,
                 offs[i] = LOCAL
             if not need:
                 continue
-            sender = min(holders, key=lambda r: (load.get(r, 0), r))
-            load[sender] = load.get(sender, 0) + s.shard_nbytes * len(need)
+            sender = loads.sender(holders, s.shard_nbytes * len(need))  # one sender for every receiver in need
             for r in need:
                 routes.setdefault((sender, r), []).append((s, i))
         offsets[s.name] = offs
@@ -977,12 +977,12 @@ class EngineExecutor:
             where = {}
             for i, e in enumerate(entries):
                 lo = {d: o for d, o, _ in e.region}
-                where[i] = (e.start // e.dtype.itemsize, _row_strides(e.slice_shape),
+                where[i] = (e.start // e.dtype.itemsize, row_strides(e.slice_shape),
                             tuple(lo.get(d, 0) for d in range(len(e.shape))))
             return out, where
         out = self._full_layout(k)
         by_name = {h.name: h for h in out}
-        where = {i: (by_name[e.name].start // e.dtype.itemsize, _row_strides(e.shape), (0,) * len(e.shape))
+        where = {i: (by_name[e.name].start // e.dtype.itemsize, row_strides(e.shape), (0,) * len(e.shape))
                  for i, e in enumerate(entries)}
         return out, where
 
@@ -1018,7 +1018,7 @@ class EngineExecutor:
             for (entry, s, c), o in zip(items, _offsets([(s, c) for _, s, c in items])):
                 isz = s.dtype.itemsize
                 sizes, dstr, doff = _dst(where[entry], c)
-                raw.append(Copy(s.dtype, sizes, dstr, doff, None, ("arena", 0), _row_strides(c.count),
+                raw.append(Copy(s.dtype, sizes, dstr, doff, None, ("arena", 0), row_strides(c.count),
                                 (off + o) // isz, tag=(c.add,), add=c.add))
             cb.recvs.append((peer, arena[off:off + n]))
             cb.received += n

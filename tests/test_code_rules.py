@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # that no longer occurs (shrink the list as they go).
 KNOWN = {
     'import cycle: mcore2hf.legacy <-> mcore2hf.offline',
-    'mcore2hf/gather.py: imports private name _row_strides of mcore2hf.layouts',
     'mcore2hf/importer.py: imports private name _compile of mcore2hf.mapping',
     'mcore2hf/importer.py: imports private name _overlap of mcore2hf.senders.safetensors',
     'mcore2hf/importer.py: imports private name _parse_dtype of mcore2hf.offline',
