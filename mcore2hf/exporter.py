@@ -14,7 +14,6 @@ import torch.distributed as dist
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .engine_shards import EngineShardError
 from .errors import ConfigMismatchError, Mcore2HFError
-from .gather import EngineBucket, EngineExecutor, Executor
 from .hf_config import HFConfigLike, config_source
 from .mapping import Converter
 from .naming import LocalTensor, local_tensors, model_config, unwrap_model
@@ -35,6 +34,8 @@ from .quantize import FP8Scheme, get_scheme
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .sizes import format_size
+from .transfer.engine import EngineBucket, EngineExecutor
+from .transfer.export import Executor
 
 Receivers = str | int | Sequence[int] | None
 NameFilterLike = Callable[[str], bool] | None  # e.g. naming.NameFilter(exclude=(r"^model\.layers\.48\.",))

@@ -172,6 +172,7 @@ def test_disaggregated_ranks_and_receive_program_refusals():
         receive_plan,
         receive_program,
     )
+    from mcore2hf.transfer.program import packed_bytes
 
     ranks = disaggregated_ranks(4, "sglang", 2, instances=2)
     assert [(er.instance, er.placement.tp_rank, er.rank) for er in ranks] == [(0, 0, 4), (0, 1, 5), (1, 0, 6),
@@ -189,9 +190,9 @@ def test_disaggregated_ranks_and_receive_program_refusals():
     # the rebuilt receive side gives the executor the same receive programs as the full plan does
     rebuilt = EngineExecutor(receive_plan(program), None, {}, torch.device("cpu"), rank=3).programs
     full = EngineExecutor(eplan, None, {}, torch.device("cpu"), rank=3).programs
-    assert [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in rebuilt] == \
-        [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in full]
-    assert sum(n for p in rebuilt for _, n, _ in p.recvs) == eplan.bytes_by_receiver()[3]["wire"] > 0
+    assert [(p.entries, [(peer, packed_bytes(items)) for peer, items in p.recvs]) for p in rebuilt] == \
+        [(p.entries, [(peer, packed_bytes(items)) for peer, items in p.recvs]) for p in full]
+    assert sum(packed_bytes(items) for p in rebuilt for _, items in p.recvs) == eplan.bytes_by_receiver()[3]["wire"] > 0
     # a receiver that has not received its program says so (no AttributeError), before any transfer
     idle = EngineShardReceiver(None, 3)
     with pytest.raises(EngineShardError, match="expected setup"):

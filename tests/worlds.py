@@ -936,7 +936,7 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
             executor = EngineExecutor(eplan, None, {}, torch.device("cpu"), group=group, rank=2)
         else:
             executor = EngineExecutor(eplan, ex.ctx, ex._local, torch.device("cpu"), group=group, rank=g)
-        assert executor._batched == (group is registered)
+        assert executor.core.batched == (group is registered)
         got = {}
         for bucket in executor.run():
             for name, sl in bucket.slices():

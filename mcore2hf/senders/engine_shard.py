@@ -36,6 +36,7 @@ from ..engine_shards import EnginePlacement, EngineShardError
 from ..gather import EngineBucket, EngineExecutor
 from ..layouts import Piece
 from ..plan import _DTYPES, EngineRank, EngineShardPlan, HFEntry, Route, SliceEntry
+from ..transfer.program import packed_bytes
 from .process_group import join_weight_update_group
 
 PROGRAM_VERSION = 1
@@ -216,7 +217,7 @@ class EngineShardReceiver:
     @property
     def expected_bytes(self) -> int:
         """Bytes one sync brings this rank (the sum of its regions)."""
-        return sum(n for p in self._ready("expected_bytes").programs for _, n, _ in p.recvs)
+        return sum(packed_bytes(items) for p in self._ready("expected_bytes").programs for _, items in p.recvs)
 
     def buckets(self) -> Iterator[EngineBucket]:
         """One sync: per bucket, one receive per sending trainer rank posted at once (the EngineExecutor on the
