@@ -143,6 +143,13 @@ class HFExporter:
             raise ValueError(f"receivers must be 'all' or ranks in [0, {self.ctx.world_size}), got {receivers!r}")
         return out
 
+    @property
+    def local_tensors(self) -> dict[str, LocalTensor]:
+        """This rank's tensors by canonical name, as the executors read them (known once a plan was built)."""
+        if self._local is None:
+            raise ValueError("local_tensors: expected a plan to have been built (plan(), engine_plan()), found none")
+        return self._local
+
     def release(self) -> None:
         """Free the compiled executors and their staging arenas (the plan is kept; the next export recompiles)."""
         self._executors.clear()

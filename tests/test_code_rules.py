@@ -24,8 +24,6 @@ KNOWN = {
     'mcore2hf/importer.py: imports private name _peak_rss of mcore2hf.offline',
     'mcore2hf/importer.py: imports private name _umask of mcore2hf.senders.safetensors',
     'mcore2hf/loader.py: imports private name _shard_split of mcore2hf.plan',
-    'mcore2hf/senders/engine_shard.py: imports private name _DTYPES of mcore2hf.plan',
-    "mcore2hf/senders/engine_shard.py: reads private attribute _local that only ['mcore2hf.exporter'] define",
     'mcore2hf/senders/vllm.py: imports private name _BroadcastSender of mcore2hf.senders.sglang',
     'mcore2hf/senders/vllm.py: imports private name _ColocatedSender of mcore2hf.senders.sglang',
     'mcore2hf/senders/vllm.py: imports private name _call of mcore2hf.senders.sglang',

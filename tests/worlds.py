@@ -909,8 +909,8 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
     from mcore2hf.engine_shards import EnginePlacement, engine_regions, region_slices
-    from mcore2hf.gather import EngineExecutor
     from mcore2hf.plan import EngineRank, plan_engine_shards
+    from mcore2hf.transfer.engine import EngineExecutor
 
     me = dist.get_rank()
     cfg, chunks = build(ckpt, Layout(world_size=3))
@@ -974,7 +974,7 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
     and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves."""
     from dataclasses import replace
 
-    from mcore2hf.gather import Executor
+    from mcore2hf.transfer.export import Executor
 
     out = {}
     for mt, ckpt in ckpts.items():
