@@ -14,7 +14,6 @@ from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .collective import agree
 from .engine_shards import EngineShardError
 from .errors import ConfigMismatchError, Mcore2HFError, problem_list
-from .gather import EngineBucket, EngineExecutor, Executor
 from .hf_config import HFConfigLike, config_source
 from .mapping import Converter
 from .naming import LocalTensor, local_tensors, model_config, unwrap_model
@@ -36,6 +35,8 @@ from .quantize import FP8Scheme, get_scheme
 from .registry import get_converter
 from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .sizes import format_size
+from .transfer.engine import EngineBucket, EngineExecutor
+from .transfer.export import Executor
 
 Receivers = str | int | Sequence[int] | None
 NameFilterLike = Callable[[str], bool] | None  # e.g. naming.NameFilter(exclude=(r"^model\.layers\.48\.",))
@@ -119,6 +120,13 @@ class HFExporter:
         if bad or not out:
             raise ValueError(f"receivers must be 'all' or ranks in [0, {self.ctx.world_size}), got {receivers!r}")
         return out
+
+    @property
+    def local_tensors(self) -> dict[str, LocalTensor]:
+        """This rank's tensors by canonical name, as the executors read them (known once a plan was built)."""
+        if self._local is None:
+            raise ValueError("local_tensors: expected a plan to have been built (plan(), engine_plan()), found none")
+        return self._local
 
     def release(self) -> None:
         """Free the compiled executors and their staging arenas (the plan is kept; the next export recompiles)."""

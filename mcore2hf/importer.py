@@ -62,7 +62,7 @@ from .errors import (
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .hf_dir import HFDirectory
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
-from .mapping import Converter, ModelDims, _compile
+from .mapping import Converter, ModelDims, compile_pattern
 from .naming import HybridLayout
 from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
 from .registry import get_converter
@@ -111,7 +111,7 @@ class ImportReport:
 def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
     """{canonical Megatron name: Resolved} for the HF tensors, by reading each rule's first HF template back
     (placeholders become numbers; MTP rules' {L} is num_layers + M); also the HF names no rule explains."""
-    templates = [(_compile(rule.hf[0]), rule) for rule in converter.rules]
+    templates = [(compile_pattern(rule.hf[0]), rule) for rule in converter.rules]
     found: dict[str, object] = {}
     used: set[str] = set()
     for hf_name in sorted(hf_names):

@@ -745,7 +745,7 @@ class Piece:
 
     def dst_view(self, shape: Shape) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """(sizes, strides, offset) of the piece in the contiguous HF tensor of `shape`."""
-        h = _row_strides(shape)
+        h = row_strides(shape)
         return (self.count, tuple(q * s for q, s in zip(self.step, h)),
                 sum(a * s for a, s in zip(self.start, h)))
 
@@ -754,7 +754,8 @@ class Piece:
         return self.count, self.src_strides, self.src_offset
 
 
-def _row_strides(shape: Shape) -> tuple[int, ...]:
+def row_strides(shape: Shape) -> tuple[int, ...]:
+    """Element strides of a contiguous tensor of `shape`."""
     out, s = [], 1
     for d in reversed(shape):
         out.append(s)
@@ -788,7 +789,7 @@ def pieces(op: LayoutOp, shard_shape: Shape, count: int, hf_shapes: Sequence[Sha
         if 0 in c.sizes:
             continue
         shape = tuple(hf_shapes[c.out])
-        h = _row_strides(shape)
+        h = row_strides(shape)
         dims = [r for n, dst, src in zip(c.sizes, c.dst_strides, c.src_strides) for r in _refine(n, dst, src, shape, h)]
         base = list(divmod_coords(c.dst_offset, shape))
         shard_dims = [i for i, r in enumerate(dims) if r[2] == S]

@@ -55,7 +55,8 @@ class ModelDims:
 OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]
 
 
-def _compile(pattern: str) -> regex.Pattern:
+def compile_pattern(pattern: str) -> regex.Pattern:
+    """A table pattern (`{layer}`-style placeholders for indices) as a regex with one named group each."""
     parts = _PLACEHOLDER.split(pattern)
     out = []
     for i, part in enumerate(parts):
@@ -83,7 +84,7 @@ class Rule:
     def __post_init__(self):
         self.hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
         self.copies = tuple(self.copies)
-        self._regex = _compile(self.megatron)
+        self._regex = compile_pattern(self.megatron)
 
     def build_op(self, dims: ModelDims) -> LayoutOp:
         op = self.op
@@ -126,7 +127,7 @@ class Converter:
 
     def __post_init__(self):
         templates = [t for rule in self.rules for t in rule.copies] + list(self.ignore_on_load)
-        self._ignored = [_compile(t) for t in templates]
+        self._ignored = [compile_pattern(t) for t in templates]
         self._not_held = [regex.compile(p) for p in self.not_held]
 
     def ignored_on_load(self, hf_name: str, dims: ModelDims) -> bool:

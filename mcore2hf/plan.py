@@ -27,6 +27,7 @@ from .mapping import Converter, ModelDims, Resolved
 from .naming import LocalTensor, filter_outputs
 from .parallel import ParallelContext
 from .quantize import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
+from .transfer.routes import LeastLoaded
 
 ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
 
@@ -711,7 +712,7 @@ def plan_engine_shards(export: ExportPlan, ranks: list[EngineRank], dims: ModelD
         raise EngineShardError(f"engine ranks: expected one engine rank per training rank, found "
                                f"{sorted(er.rank for er in ranks)}")
     piece_cache: dict = {}
-    load: dict[int, int] = defaultdict(int)
+    loads = LeastLoaded()  # the one route rule (transfer/routes.py), shared with the receivers export
     all_routes, all_outputs = [], []
     for b in export.buckets:
         routes: list[Route] = []
@@ -738,12 +739,7 @@ def plan_engine_shards(export: ExportPlan, ranks: list[EngineRank], dims: ModelD
                             c = clip(p, region)
                             if c is None:
                                 continue
-                            holders = s.holders[c.shard]
-                            if er.rank in holders:
-                                sender = er.rank
-                            else:
-                                sender = min(holders, key=lambda r: (load[r], r))
-                                load[sender] += c.numel * item
+                            sender = loads.route(s.holders[c.shard], er.rank, c.numel * item)
                             routes.append(Route(s.name, sender, er.rank, index, c))
         _check_tiling(b.index, routes, outputs)
         all_routes.append(routes)

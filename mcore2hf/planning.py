@@ -13,7 +13,7 @@ derived in this process, with megatron-core's own machinery:
   stage differ only in their TP / expert-TP shard (same shapes, Megatron splits evenly) and their EP rank (the
   local experts' global indices, which `naming.local_tensors` derives from the EP rank), so one build per stage
   gives every rank's record;
-* the plan: the exporter's `Planner` on those records; the memory: `gather.memory_estimates`, the executor's own
+* the plan: the exporter's `Planner` on those records; the memory: `transfer.builders.memory_estimates`, the executor's own
   estimate per rank, its programs shared by ranks that differ only in rank ids.
 
 tests/test_layout_matrix.py checks, in every layout world, that this plan's `describe()` and every rank's memory
@@ -157,9 +157,9 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     from importlib import import_module
 
     from .exporter import Planner, check_model_config, model_dims
-    from .gather import memory_estimates
     from .hf_config import load_hf_config
     from .registry import get_converter
+    from .transfer.builders import memory_estimates
 
     cfg = load_hf_config(hf_config)
     records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names)

@@ -164,7 +164,6 @@ def test_disaggregated_ranks_and_receive_program_refusals():
     import pytest
 
     from mcore2hf.engine_shards import EngineShardError
-    from mcore2hf.gather import EngineExecutor
     from mcore2hf.plan import colocated_ranks, plan_engine_shards
     from mcore2hf.senders.engine_shard import (
         EngineShardReceiver,
@@ -172,6 +171,8 @@ def test_disaggregated_ranks_and_receive_program_refusals():
         receive_plan,
         receive_program,
     )
+    from mcore2hf.transfer.engine import EngineExecutor
+    from mcore2hf.transfer.program import packed_bytes
 
     ranks = disaggregated_ranks(4, "sglang", 2, instances=2)
     assert [(er.instance, er.placement.tp_rank, er.rank) for er in ranks] == [(0, 0, 4), (0, 1, 5), (1, 0, 6),
@@ -186,12 +187,21 @@ def test_disaggregated_ranks_and_receive_program_refusals():
         receive_program(plan_engine_shards(export, colocated_ranks(2, "sglang", 2), dims), 0)
     eplan = plan_engine_shards(export, disaggregated_ranks(2, "vllm", 2, 2), dims)
     program = json.loads(json.dumps(receive_program(eplan, 3)))
-    # the rebuilt receive side gives the executor the same receive programs as the full plan does
-    rebuilt = EngineExecutor(receive_plan(program), None, {}, torch.device("cpu"), rank=3).programs
+    # the program sent is the engine rank's own per-bucket programs, plain JSON data, run as received
+    sent = receive_plan(program)
     full = EngineExecutor(eplan, None, {}, torch.device("cpu"), rank=3).programs
-    assert [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in rebuilt] == \
-        [(p.entries, [(peer, n) for peer, n, _ in p.recvs]) for p in full]
-    assert sum(n for p in rebuilt for _, n, _ in p.recvs) == eplan.bytes_by_receiver()[3]["wire"] > 0
+    assert [p.to_dict() for p in sent] == [p.to_dict() for p in full] == program["buckets"]
+    assert [(p.entries, p.layout, [(peer, [(it.source, it.dtype, it.entry, it.piece.start, it.piece.step,
+                                            it.piece.count, it.piece.add) for it in items]) for peer, items in p.recvs])
+            for p in sent] == \
+        [(p.entries, p.layout, [(peer, [(it.source, it.dtype, it.entry, it.piece.start, it.piece.step,
+                                         it.piece.count, it.piece.add) for it in items]) for peer, items in p.recvs])
+         for p in full]
+    assert not any(p.sends or p.local for p in full)
+    assert sum(packed_bytes(items) for p in sent for _, items in p.recvs) == eplan.bytes_by_receiver()[3]["wire"] > 0
+    with pytest.raises(EngineShardError, match="receive-only"):  # a trainer rank's program is not sent
+        [p.to_dict() for p in EngineExecutor(eplan, None, dict.fromkeys(export.sources), torch.device("cpu"),
+                                             rank=0).programs]
     # a receiver that has not received its program says so (no AttributeError), before any transfer
     idle = EngineShardReceiver(None, 3)
     with pytest.raises(EngineShardError, match="expected setup"):

@@ -279,8 +279,8 @@ def test_masked_engine_bucket_as_bucket_debug_needs_a_nan_filling_executor():
     import pytest
 
     from mcore2hf.engine_shards import EngineShardError
-    from mcore2hf.gather import EngineBucket
     from mcore2hf.plan import pack_tight
+    from mcore2hf.transfer.engine import EngineBucket
 
     full = pack_tight([("w", (2, 3), torch.float32, "w")])
     flat = torch.full((24,), 0, dtype=torch.uint8)

@@ -116,7 +116,7 @@ def test_dry_run_deepseek_v3_at_pp16_ep64(tmp_path, capsys):
 
 
 def test_memory_per_rank_class_equals_each_ranks_own_programs():
-    """gather.memory_estimates builds a program once per bucket and rank class; at 32 ranks (TP 2, PP 4 x EP 8: more
+    """transfer.builders.memory_estimates builds a program once per bucket and rank class; at 32 ranks (TP 2, PP 4 x EP 8: more
     classes than the layout worlds have) every rank's estimate equals the one its own Executor computes."""
     import worlds
 

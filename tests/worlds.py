@@ -191,13 +191,14 @@ def dry_run_plans(ckpts: dict[str, str], layout: Layout, dtype_name: str, bucket
 
 
 def memory_by_rank_class(model_type: str, layout: Layout, bucket_bytes: int) -> dict:
-    """The dry run's memory per rank (programs shared per rank class, gather.memory_estimates) and each rank's
+    """The dry run's memory per rank (programs shared per rank class, transfer.builders.memory_estimates) and each rank's
     Executor.memory_estimate() from its own programs, one and two arenas, for a tiny model at `layout`."""
     import torch
 
-    from mcore2hf.gather import Executor, memory_estimates
     from mcore2hf.planning import dry_run, rank_contexts
     from mcore2hf.runtime.tiny import tiny_config
+    from mcore2hf.transfer.builders import memory_estimates
+    from mcore2hf.transfer.export import Executor
 
     plan, shared = dry_run(tiny_config(model_type), layout, bucket_bytes=bucket_bytes, dtype="float32")
     contexts = rank_contexts(layout)
@@ -969,8 +970,8 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
     from mcore2hf.engine_shards import EnginePlacement, engine_regions, region_slices
-    from mcore2hf.gather import EngineExecutor
     from mcore2hf.plan import EngineRank, plan_engine_shards
+    from mcore2hf.transfer.engine import EngineExecutor
 
     me = dist.get_rank()
     cfg, chunks = build(ckpt, Layout(world_size=3))
@@ -996,7 +997,7 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
             executor = EngineExecutor(eplan, None, {}, torch.device("cpu"), group=group, rank=2)
         else:
             executor = EngineExecutor(eplan, ex.ctx, ex._local, torch.device("cpu"), group=group, rank=g)
-        assert executor._batched == (group is registered)
+        assert executor.core.batched == (group is registered)
         got = {}
         for bucket in executor.run():
             for name, sl in bucket.slices():
@@ -1034,7 +1035,7 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
     and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves."""
     from dataclasses import replace
 
-    from mcore2hf.gather import Executor
+    from mcore2hf.transfer.export import Executor
 
     out = {}
     for mt, ckpt in ckpts.items():

@@ -7,9 +7,9 @@ rank (engine instance k's TP rank r at group rank `trainer_world + k * tp + r`, 
 EngineShardPlan is built with those group ranks; no engine rank holds a shard, so every piece is a route from a
 holder, and the planner spreads them over the holders (least loaded first). Trainer side: `EngineShardPusher`
 (every trainer rank, collective over the group). Engine side: `EngineShardReceiver` (the reference receiver;
-the engine process has no Megatron model): it gets its receive program (JSON, no pickle) from trainer rank 0 once
-per plan, then per bucket posts one receive per sending trainer rank, all at once, and yields `EngineBucket`s
-(`slices()` raw `(name, EngineSlice)`, `masked()` full-shaped tensors for a `load_weights`).
+the engine process has no Megatron model): it gets its per-bucket programs (`EngineProgram`, JSON, no pickle) from
+trainer rank 0 once per plan and runs them: per bucket one receive per sending trainer rank, all posted at once,
+yielding `EngineBucket`s (`slices()` raw `(name, EngineSlice)`, `masked()` full-shaped tensors for a `load_weights`).
 
 Stock engine protocols (read in sglang 0.5.23 and vllm 0.33.0): SGLang's `update_weights_from_distributed`
 (model_runner_components/weight_updater.py) and vLLM's `nccl` backend (distributed/weight_transfer/nccl_engine.py)
@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from ..engine_shards import EnginePlacement, EngineShardError
-from ..gather import EngineBucket, EngineExecutor
-from ..layouts import Piece
-from ..plan import _DTYPES, EngineRank, EngineShardPlan, HFEntry, Route, SliceEntry
+from ..plan import EngineRank, EngineShardPlan
+from ..transfer.builders import engine_program
+from ..transfer.engine import EngineBucket, EngineExecutor
+from ..transfer.program import EngineProgram, packed_bytes
 from .process_group import join_weight_update_group
 
-PROGRAM_VERSION = 1
+PROGRAM_VERSION = 2  # 2: the per-bucket EngineProgram itself (1: routes rebuilt into a plan)
 #: message tags: bucket k's pieces travel with tag k (EngineExecutor's transport); the program with its own tag
 PROGRAM_TAG = 2**30
 
@@ -55,63 +55,22 @@ def disaggregated_ranks(trainer_world: int, engine: str, tp_size: int, ep_size: 
 
 
 def receive_program(eplan: EngineShardPlan, rank: int) -> dict:
-    """The receive side of the plan for group rank `rank` (an engine rank holding nothing), as plain data: the
-    sources it gets pieces of (name, dtype), and per bucket its SliceEntries and its routes in plan order (the
-    order the senders pack in), each piece as (start, step, count, add). `EngineShardReceiver` rebuilds the
-    plan's receive side from it (`receive_plan`) and runs the same EngineExecutor as the trainers."""
-    export, buckets, names = eplan.export, [], {}
-    for k, routes in enumerate(eplan.routes):
-        mine = []
-        for r in routes:
-            if r.receiver != rank:
-                continue
-            if r.local:
-                raise EngineShardError(f"group rank {rank} holds shards of the model: a disaggregated engine rank "
-                                       "must come after every trainer rank in the weight-update group")
-            i = names.setdefault(r.source, len(names))
-            c = r.piece
-            mine.append([r.sender, r.entry, i, list(c.start), list(c.step), list(c.count), c.add])
-        entries = [[e.name, list(e.shape), [list(t) for t in e.region], str(e.dtype), e.start, e.nbytes]
-                   for e in eplan.outputs[k].get(rank, [])]
-        layout = [[e.name, list(e.shape), str(e.dtype), e.start, e.nbytes] for e in export.buckets[k].output]
-        buckets.append(dict(entries=entries, routes=mine, layout=layout))
-    sources = [[n, str(export.sources[n].dtype)] for n in names]
-    return dict(version=PROGRAM_VERSION, rank=rank, sources=sources, buckets=buckets)
+    """The per-bucket programs of group rank `rank` (an engine rank holding nothing) as plain JSON data: per bucket
+    its SliceEntries, the bucket's full layout and, per sending rank, the pieces it receives in the order the
+    senders pack them (`EngineProgram.to_dict`). `EngineShardReceiver` runs exactly these (`receive_plan`)."""
+    buckets = []
+    for k in range(len(eplan.routes)):
+        prog = engine_program(eplan, k, rank)
+        if prog.local or prog.sends:
+            raise EngineShardError(f"group rank {rank} holds shards of the model: a disaggregated engine rank "
+                                   "must come after every trainer rank in the weight-update group")
+        buckets.append(prog.to_dict())
+    return dict(version=PROGRAM_VERSION, rank=rank, buckets=buckets)
 
 
-@dataclass(frozen=True)
-class _Received:
-    """What the executor's receive side reads of a Source."""
-
-    name: str
-    dtype: torch.dtype
-
-
-@dataclass
-class _ReceiveBucket:
-    output: list[HFEntry]  # the bucket's full layout (a masked output's, the same as on every engine rank)
-
-
-@dataclass
-class _ReceiveExport:
-    sources: dict[str, _Received]
-    buckets: list[_ReceiveBucket]
-
-
-def receive_plan(program: dict) -> EngineShardPlan:
-    """The receive side of an EngineShardPlan rebuilt from `receive_program`'s value (what EngineExecutor reads on
-    a rank that holds nothing: the routes to it, its SliceEntries, each source's dtype)."""
-    me = program["rank"]
-    sources = [_Received(n, _DTYPES[d]) for n, d in program["sources"]]
-    routes, outputs, layouts = [], [], []
-    for b in program["buckets"]:
-        layouts.append(_ReceiveBucket([HFEntry(n, tuple(sh), _DTYPES[d], st, nb, n) for n, sh, d, st, nb in b["layout"]]))
-        outputs.append({me: [SliceEntry(n, tuple(sh), tuple(tuple(t) for t in r), _DTYPES[d], st, nb)
-                             for n, sh, r, d, st, nb in b["entries"]]})
-        routes.append([Route(sources[i].name, sender, me, entry,
-                             Piece(0, 0, tuple(a), tuple(q), tuple(c), (0,) * len(c), 0, add))
-                       for sender, entry, i, a, q, c, add in b["routes"]])
-    return EngineShardPlan(_ReceiveExport({s.name: s for s in sources}, layouts), [], routes, outputs)
+def receive_plan(program: dict) -> list[EngineProgram]:
+    """The per-bucket programs of `receive_program`'s value, as the EngineExecutor runs them."""
+    return [EngineProgram.from_dict(b) for b in program["buckets"]]
 
 
 def _encode(program: dict) -> torch.Tensor:
@@ -164,7 +123,7 @@ class EngineShardPusher:
             self._shipped = True
         if self._executor is None:
             ex = self.exporter
-            self._executor = EngineExecutor(self.plan, ex.ctx, ex._local, ex.device, group=self.group,
+            self._executor = EngineExecutor(self.plan, ex.ctx, ex.local_tensors, ex.device, group=self.group,
                                             rank=self.rank)
         before = self._executor.stats["sent_bytes"]
         for _ in self._executor.run():  # a trainer rank feeds no engine rank here: its buckets are empty
@@ -209,18 +168,18 @@ class EngineShardReceiver:
             raise EngineShardError(f"receive program: expected version {PROGRAM_VERSION} for group rank {self.rank}, "
                                    f"found version {program.get('version')} for rank {program.get('rank')}")
         self.program = program
-        self._executor = EngineExecutor(receive_plan(program), None, {}, self.device, group=self.group,
-                                        rank=self.rank, output=self.output, debug=self.debug)
+        self._executor = EngineExecutor.from_programs(receive_plan(program), self.device, group=self.group,
+                                                      rank=self.rank, output=self.output, debug=self.debug)
         return program
 
     @property
     def expected_bytes(self) -> int:
         """Bytes one sync brings this rank (the sum of its regions)."""
-        return sum(n for p in self._ready("expected_bytes").programs for _, n, _ in p.recvs)
+        return sum(packed_bytes(items) for p in self._ready("expected_bytes").programs for _, items in p.recvs)
 
     def buckets(self) -> Iterator[EngineBucket]:
-        """One sync: per bucket, one receive per sending trainer rank posted at once (the EngineExecutor on the
-        rebuilt receive side), pieces written into this rank's slices, or into full-shaped tensors with
+        """One sync: per bucket, one receive per sending trainer rank posted at once (the EngineExecutor running
+        the programs it was sent), pieces written into this rank's slices, or into full-shaped tensors with
         output="masked". Buckets are views of a fresh buffer each: clone what you keep past the next one."""
         executor = self._ready("buckets()")
         before = executor.stats["received_bytes"]

@@ -1,0 +1,459 @@
+"""The one executor core: runs compiled per-rank programs (`program`) for every kind of export.
+
+A program is compiled once (first run) into a `CBucket` per bucket: views of a staging arena reused by every
+export, copy lists of precomputed views, the collectives or the point-to-point round to launch. A later run's
+host work is launching those: one `_foreach_copy_` per pack, one per copy list (the output is a new buffer per
+bucket, so only its views are made per run), no per-tensor Python beyond that.
+
+* `Arena`: one flat byte buffer with its dtype views.
+* `Sources`: this rank's local tensors, one staleness policy for all exports: a contiguous parameter is read
+  through views precomputed at compile time, each compiled bucket recording the storages it relies on; when
+  training swapped a parameter's .data since, the bucket is recompiled before it runs. A buffer or grouped-expert
+  item (a getter), a non-contiguous parameter and an FP8 blob (a hook) are read once per bucket run.
+* `Copy` lists, merged into batched strided copies (`merge`), and packs into the arena (`Pack`).
+* `Core`: the arena(s), compile helpers, and the run: packing, in-place all-gathers (into the arena, or into the
+  output for a direct stage), one batched point-to-point round over the default world or any process group,
+  the FP8 quantization of held shards (a hook before the collectives), the copies into the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..layouts import row_strides
+from ..naming import LocalTensor
+from ..quantize import FP8RowSlices, chunks, get_scheme, per_block_cast_to_fp8, per_block_cast_to_fp8_batched
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Arena:
+    """A flat staging buffer, reused by every bucket and export, with cached dtype views."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.flat = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=device)
+        self.typed_views: dict[torch.dtype, torch.Tensor] = {}
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self.typed_views.get(dtype)
+        if t is None:
+            n = self.flat.numel()
+            t = self.typed_views[dtype] = self.flat[:n - n % dtype.itemsize].view(dtype)
+        return t
+
+    def view(self, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A contiguous tensor of `shape` at `byte_offset` (aligned for the dtype)."""
+        n = 1
+        for d in shape:
+            n *= d
+        start = byte_offset // dtype.itemsize
+        return self.typed(dtype)[start:start + n].view(shape)
+
+
+class Sources:
+    """This rank's local tensors as programs read them (see the module docstring for the staleness policy)."""
+
+    def __init__(self, local: dict[str, LocalTensor]):
+        self.local = local
+        #: name -> a function giving the tensor to read instead, once per bucket run (FP8 blobs)
+        self.hooks: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The local tensor as it is now."""
+        lt = self.local[name]
+        return (lt.get() if lt.is_buffer else lt.param).detach()
+
+    def view(self, name: str, sizes, strides, offset: int, bases: dict) -> torch.Tensor | None:
+        """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run."""
+        lt = self.local[name]
+        if name in self.hooks or lt.is_buffer or not lt.param.is_contiguous():
+            return None
+        b = lt.param.detach()
+        bases[name] = (lt.param, b.data_ptr())
+        return b.as_strided(sizes, strides, b.storage_offset() + offset)
+
+    def resolve(self, name: str, cache: dict) -> torch.Tensor:
+        """A source read at run time: once per bucket (a non-contiguous shard is made contiguous once, not once
+        per piece)."""
+        t = cache.get(name)
+        if t is None:
+            hook = self.hooks.get(name)
+            t = hook() if hook is not None else self.tensor(name)
+            t = cache[name] = t if t.is_contiguous() else t.contiguous()
+        return t
+
+    @staticmethod
+    def stale(bases: dict) -> bool:
+        """Whether a parameter's storage changed since the views were made (training swapped its .data)."""
+        return any(p.data_ptr() != ptr for p, ptr in bases.values())
+
+
+@dataclass
+class Copy:
+    """A (batched) strided copy into a dtype view of the output buffer: (sizes, dst_strides, dst_offset), in
+    elements. The source: a precomputed view (`src`), a local tensor read at each run (`name`, viewed at
+    src_strides / src_offset), or the output itself (`dup`: a duplicate of another output, run last); before
+    `merge`, `arena` names the staging arena a source lies in (offset in its dtype view)."""
+
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    dst_offset: int
+    src: torch.Tensor | None = None
+    name: str | None = None
+    src_strides: tuple[int, ...] = ()
+    src_offset: int = 0
+    arena: int | None = None
+    dup: bool = False
+    tag: tuple = ()  # (op, index in its copies()): gate and up halves never merge with each other
+    add: float = 0.0  # added after the copy (StridedCopy.add)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.sizes:
+            n *= d
+        return n
+
+
+@dataclass
+class Pack:
+    """Copies into precomputed destinations (arena views): static sources, and sources read at each run
+    (`dynamic`: index, name, (sizes, strides, offset))."""
+
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    srcs: list = field(default_factory=list)
+    dynamic: list[tuple[int, str, tuple]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() * d.element_size() for d in self.dsts)
+
+
+@dataclass
+class CStage:
+    """A compiled all-gather (in place)."""
+
+    group: object
+    recv: torch.Tensor | None  # uint8 view of the arena: members * slot (None: direct, the output's first bytes)
+    mine: torch.Tensor | None  # this rank's slot (the in-place all-gather input)
+    pack: Pack = field(default_factory=Pack)
+    #: a direct stage: its layout-op copies of this rank's sources into its slot of the output, and the slot
+    direct: tuple[list[Copy], int, int, int] | None = None  # (copies, members, member index, slot bytes)
+    #: a direct stage whose sources are all whole-shard copies filling the slot in order: one concatenation
+    #: (dtype, first and end element of the slot, sources: views or names read at each run)
+    cat: tuple[torch.dtype, int, int, list] | None = None
+
+
+@dataclass
+class CRound:
+    """A compiled point-to-point round: the sends packed into the arena, every send and receive posted at once."""
+
+    pack: Pack
+    sends: list[tuple[int, torch.Tensor]]  # (peer, arena view) in peer order
+    recvs: list[tuple[int, torch.Tensor]]  # (peer, arena view) in peer order
+
+
+@dataclass
+class CBucket:
+    """One bucket's run on this rank, compiled."""
+
+    index: int
+    receive: bool  # builds an output buffer
+    arena: int
+    nbytes: int = 0  # output bytes
+    dtypes: tuple[torch.dtype, ...] = ()  # dtype views of the output the copies use
+    stages: list[CStage] = field(default_factory=list)
+    depends: list[bool] = field(default_factory=list)  # per stage: its packs read an earlier stage
+    striped: list[bool] = field(default_factory=list)  # per stage: a TP stage (the first collectives)
+    p2p: CRound | None = None
+    local: list[Copy] = field(default_factory=list)  # from own shards, while the transfers are in flight
+    copies: list[Copy] = field(default_factory=list)  # after the transfers
+    # FP8 on the shards: this rank's shards to quantize before the bucket's collectives, by shard shape
+    prequant: list[tuple[FP8RowSlices, list[str]]] = field(default_factory=list)
+    bases: dict = field(default_factory=dict)  # name -> (parameter, data_ptr) the precomputed views rely on
+    #: byte counters per run, added to the executor's stats
+    moved: dict[str, int] = field(default_factory=dict)
+    program: object = None
+    rounds: list[CBucket] | None = None  # a bucket gathered in rounds: each round's collectives and copies
+
+    def stale(self) -> bool:
+        return Sources.stale(self.bases) or any(r.stale() for r in self.rounds or ())
+
+
+class Core:
+    """Compiles and runs per-rank programs. Transport: the default world, or `group` (any torch ProcessGroup, also
+    one outside the default world: batch_isend_irecv where torch.distributed knows the group, else the group's
+    own send/recv, whose ranks are taken directly)."""
+
+    def __init__(self, local: dict[str, LocalTensor], device: torch.device, group=None, quantize: str | None = None):
+        self.device = device
+        self.sources = Sources(local)
+        self.group = group
+        # the default world, or a group registered with torch.distributed (new_group, join_weight_update_group)
+        self.batched = group is None or group in dist.distributed_c10d._world.pg_group_ranks
+        self.scheme = get_scheme(quantize)
+        self._blobs: dict[str, torch.Tensor] = {}  # this export's shards quantized before the collectives
+        self.arenas: list[Arena] = []
+        self.timing = False
+
+    # -- compile helpers -----------------------------------------------------------------------------------------
+    def make_arenas(self, sizes: list[int]) -> None:
+        self.arenas = [Arena(n, self.device) for n in sizes]
+
+    def pack_into(self, pack: Pack, dst: torch.Tensor, src, bases: dict) -> None:
+        """Add one pack: `src` an arena view, or (name, sizes, strides, offset) of a local tensor."""
+        if isinstance(src, tuple):
+            name, sizes, strides, off = src
+            view = self.sources.view(name, sizes, strides, off, bases)
+            if view is None:
+                pack.dynamic.append((len(pack.dsts), name, (sizes, strides, off)))
+            src = view
+        pack.dsts.append(dst)
+        pack.srcs.append(src)
+
+    @staticmethod
+    def whole(name: str, shape: tuple[int, ...]) -> tuple:
+        """A pack source: the whole local shard of `name`."""
+        return (name, tuple(shape), row_strides(shape), 0)
+
+    def finish_copies(self, raw: list[Copy], bases: dict) -> list[Copy]:
+        """Merge the arena-sourced copies into batched ones and resolve them to arena views; local sources to
+        precomputed views where their storage allows; duplicates of outputs last."""
+        out: list[Copy] = []
+        for c in merge(raw):
+            if c.arena is not None:
+                c.src = self.arenas[c.arena].typed(c.dtype).as_strided(c.sizes, c.src_strides, c.src_offset)
+                c.arena = None
+            elif c.name is not None:
+                view = self.sources.view(c.name, c.sizes, c.src_strides, c.src_offset, bases)
+                if view is not None:
+                    c.src, c.name = view, None
+            out.append(c)
+        return out
+
+    def blob_hooks(self, sources) -> None:
+        """FP8 on the shards: each held source quantized before the collectives is read through a hook giving its
+        blob (quantized once per export, dropped after its bucket). Before compiling: no view of them is made."""
+        for s in sources:
+            if s.prequant and s.name in self.sources.local:
+                self.sources.hooks[s.name] = self._blob_hook(s.name, s.resolved.op, s.shard_shape[0])
+
+    @staticmethod
+    def prequant_groups(sources: list, local: dict) -> list[tuple[FP8RowSlices, list[str]]]:
+        """The held sources quantized before the collectives, grouped by shard shape (batched quantization)."""
+        groups: dict[tuple, tuple] = {}
+        for s in sources:
+            if s.prequant and s.name in local:
+                op = s.resolved.op
+                groups.setdefault((op.rows, op.cols), (op, []))[1].append(s.name)
+        return list(groups.values())
+
+    def _blob_hook(self, name: str, op: FP8RowSlices, n: int) -> Callable[[], torch.Tensor]:
+        data, soff = op.rows * op.cols, op.scale_offset
+
+        def blob() -> torch.Tensor:
+            b = self._blobs.get(name)
+            if b is None:  # not quantized in a batch (a round's piece): on its own
+                p = self.sources.tensor(name)
+                q, sf = per_block_cast_to_fp8(p, self.scheme.ue8m0)
+                b = torch.empty(n, dtype=torch.uint8, device=p.device)
+                b[:data].copy_(q.view(torch.uint8).view(-1))
+                b[soff:].copy_(sf.view(torch.uint8).view(-1))
+                self._blobs[name] = b
+            return b
+
+        return blob
+
+    # -- run -----------------------------------------------------------------------------------------------------
+    def run_pack(self, pack: Pack, cache: dict) -> None:
+        if not pack.dsts:
+            return
+        srcs = pack.srcs
+        if pack.dynamic:
+            srcs = list(srcs)
+            for i, name, (sizes, strides, off) in pack.dynamic:
+                t = self.sources.resolve(name, cache)
+                srcs[i] = t.as_strided(sizes, strides, t.storage_offset() + off)
+        torch._foreach_copy_(pack.dsts, srcs)
+
+    def run_copies(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple, cache: dict) -> None:
+        """Copies into the output buffer `flat`: one batched launch (then the constants added, then duplicates)."""
+        if not copies:
+            return
+        n = flat.numel()
+        typed = {dt: flat[:n - n % dt.itemsize].view(dt) for dt in dtypes}
+        dsts, srcs, adds, dups = [], [], [], []
+        for c in copies:
+            view = typed[c.dtype]
+            dst = view.as_strided(c.sizes, c.dst_strides, c.dst_offset)
+            src = c.src
+            if src is None:
+                if c.dup:
+                    dups.append((dst, view.as_strided(c.sizes, c.src_strides, c.src_offset)))
+                    continue
+                t = self.sources.resolve(c.name, cache)
+                src = t.as_strided(c.sizes, c.src_strides, t.storage_offset() + c.src_offset)
+            dsts.append(dst)
+            srcs.append(src)
+            if c.add:
+                adds.append((dst, c.add))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        for dst, add in adds:
+            dst.add_(add)
+        for dst, src in dups:  # read outputs written above
+            dst.copy_(src)
+
+    def exchange(self, rnd: CRound, tag: int) -> list:
+        """Post every send and receive of a round at once; returns the works to wait on."""
+        sends, recvs = rnd.sends, rnd.recvs
+        if self.batched:  # coalesced (NCCL launches the bucket's sends and receives as one group)
+            ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf in sends] + \
+                  [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf in recvs]
+            return dist.batch_isend_irecv(ops) if ops else []
+        # a group torch.distributed does not know (a bare backend, e.g. ProcessGroupGloo(store, rank, size)): its
+        # own send/recv, which take its ranks directly
+        works = [self.group.recv([buf], peer, tag) for peer, buf in recvs]
+        return works + [self.group.send([buf], peer, tag) for peer, buf in sends]
+
+    def launch(self, cb: CBucket, j: int, works: list, flat: torch.Tensor | None, cache: dict) -> None:
+        """Stage j: pack and all-gather in place; a direct stage converts this rank's sources into its slot of
+        the output and gathers there."""
+        st = cb.stages[j]
+        if st.direct is not None:
+            copies, members, me, slot = st.direct
+            if st.cat is not None:
+                dtype, lo, hi, srcs = st.cat
+                typed = flat[:flat.numel() - flat.numel() % dtype.itemsize].view(dtype)
+                torch.cat([p if isinstance(p, torch.Tensor) else self.sources.resolve(p, cache).reshape(-1)
+                           for p in srcs], out=typed[lo:hi])
+            self.run_copies(copies, flat, cb.dtypes, cache)
+            recv = flat[:members * slot]
+            works.append(_all_gather(recv, recv[me * slot:(me + 1) * slot], group=st.group, async_op=True))
+            return
+        self.run_pack(st.pack, cache)
+        works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
+
+    def quantize_held(self, cb: CBucket) -> None:
+        """The FP8 blobs of this rank's shards in the bucket, quantized per shard shape in batched passes of
+        bounded size (their fp32 temporaries stay far below a bucket)."""
+        for op, names in cb.prequant:
+            for todo in chunks([n for n in names if n not in self._blobs], op.rows * op.cols):
+                if not todo:
+                    continue
+                x = torch.stack([self.sources.tensor(n) for n in todo])
+                q, sf = per_block_cast_to_fp8_batched(x, self.scheme.ue8m0)
+                del x
+                n, data, soff = len(todo), op.rows * op.cols, op.scale_offset
+                blobs = torch.empty((n, FP8RowSlices.blob_nbytes(op.rows, op.cols)), dtype=torch.uint8,
+                                    device=q.device)
+                blobs[:, :data].copy_(q.view(torch.uint8).reshape(n, data))
+                blobs[:, soff:].copy_(sf.view(torch.uint8).reshape(n, -1))
+                for k, name in enumerate(todo):
+                    self._blobs[name] = blobs[k]
+
+    def drop_blobs(self, names) -> None:
+        for n in names:
+            self._blobs.pop(n, None)
+
+    def start(self, cb: CBucket, first_only: bool = False) -> tuple:
+        """Issue what of bucket `cb` depends on nothing not yet done: (bucket, works in flight, next stage, output
+        buffer (allocated here when a stage lands in it), per-run source cache)."""
+        cache: dict = {}
+        flat = None
+        if cb.receive and any(st.direct is not None for st in cb.stages):
+            flat = torch.empty(cb.nbytes, dtype=torch.uint8, device=self.device)
+        if cb.prequant:
+            self.quantize_held(cb)
+        works: list = []
+        if cb.p2p is not None:
+            self.run_pack(cb.p2p.pack, cache)
+            works.extend(self.exchange(cb.p2p, cb.index))
+            return cb, works, 0, flat, cache
+        j = 0
+        while j < len(cb.stages) and not cb.depends[j] and (not first_only or cb.striped[j]):
+            self.launch(cb, j, works, flat, cache)
+            j += 1
+        return cb, works, j, flat, cache
+
+    def now(self) -> float:
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def complete(self, run: tuple, stats: dict, fill: Callable[[torch.Tensor], None] | None = None,
+                 flat: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Finish a started bucket: its local copies while the transfers are in flight, the remaining stages, the
+        copies after them; returns the output buffer (None on a rank that builds none). `fill` runs on a new
+        output before anything is written to it; `flat` is an output to write into (rounds of one bucket)."""
+        cb, works, j, started, cache = run
+        flat = started if flat is None else flat
+        if flat is None and cb.receive:
+            flat = torch.empty(cb.nbytes, dtype=torch.uint8, device=self.device)
+            if fill is not None:
+                fill(flat)
+        if cb.local:
+            self.run_copies(cb.local, flat, cb.dtypes, cache)
+        t0 = self.now()
+        for w in works:
+            w.wait()
+        while j < len(cb.stages):
+            works = []
+            self.launch(cb, j, works, flat, cache)
+            for w in works:
+                w.wait()
+            j += 1
+        t1 = self.now()
+        if cb.receive:
+            self.run_copies(cb.copies, flat, cb.dtypes, cache)
+        if "gather_s" in stats:
+            stats["gather_s"] += t1 - t0
+            stats["convert_s"] += self.now() - t1
+        for k, n in cb.moved.items():
+            stats[k] += n
+        return flat
+
+
+def merge(raw: list[Copy]) -> list[Copy]:
+    """Merge arena-sourced copies with equal shapes and strides whose source and destination offsets advance in
+    equal positive steps (a layer's experts from one EP rank, say) into batched copies. Order does not matter:
+    destinations are disjoint and sources are only read; duplicates of outputs come last."""
+    out: list[Copy] = []
+    duplicates: list[Copy] = []
+    groups: dict[tuple, list[Copy]] = {}
+    for c in raw:
+        if c.arena is not None:
+            groups.setdefault((c.dtype, c.sizes, c.dst_strides, c.src_strides, c.arena, c.tag, c.add), []).append(c)
+        elif c.dup:
+            duplicates.append(c)
+        else:
+            out.append(c)  # local sources: one copy each
+    for group in groups.values():
+        group.sort(key=lambda c: (c.src_offset, c.dst_offset))
+        i = 0
+        while i < len(group):
+            first, n = group[i], 1
+            if i + 1 < len(group):
+                dstep = group[i + 1].dst_offset - first.dst_offset
+                sstep = group[i + 1].src_offset - first.src_offset
+                if dstep > 0 and sstep > 0:  # as_strided takes no negative strides
+                    while (i + n < len(group) and group[i + n].dst_offset - group[i + n - 1].dst_offset == dstep
+                           and group[i + n].src_offset - group[i + n - 1].src_offset == sstep):
+                        n += 1
+            if n > 1:
+                first = Copy(first.dtype, (n, *first.sizes), (dstep, *first.dst_strides), first.dst_offset,
+                             src_strides=(sstep, *first.src_strides), src_offset=first.src_offset,
+                             arena=first.arena, add=first.add)
+            out.append(first)
+            i += n
+    return out + duplicates
+
+
+def copy_bytes(copies: list[Copy]) -> int:
+    return sum(c.nbytes for c in copies)
