@@ -13,9 +13,19 @@ import torch.distributed as dist
 
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .engine_shards import EngineShardError
-from .errors import ConfigMismatchError, Mcore2HFError
+from .errors import ConfigMismatchError, Mcore2HFError, UsageError
 from .gather import EngineBucket, EngineExecutor, Executor
 from .hf_config import HFConfigLike, config_source
+from .lora import (
+    LORA_MODES,
+    LoraInfo,
+    Merger,
+    check_mode,
+    gather_adapters,
+    is_adapter,
+    lora_converter,
+    peft_config,
+)
 from .mapping import Converter
 from .naming import LocalTensor, local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
@@ -63,7 +73,16 @@ class HFExporter:
     `bucket_bytes` is a bucket alone, so a bucket here is at most max(bucket_bytes, largest tensor).
     """
 
-    def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None):
+    def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None,
+                 lora: str | None = None):
+        """`lora`: for a model with Megatron-Bridge LoRA adapters (docs/lora.md), what is exported: "adapter" (the
+        adapters alone, HF/PEFT names; `save_pretrained` writes a PEFT adapter directory), "merged" (W + alpha/r B A,
+        computed on the shards; the model is not modified) or "base" (the frozen base weights)."""
+        if lora is not None and lora not in LORA_MODES:
+            raise UsageError(f"lora must be one of {LORA_MODES} or None, got {lora!r}")
+        self.lora = lora
+        self.lora_info: LoraInfo | None = None
+        self._merger: Merger | None = None
         self.chunks = unwrap_model(model)
         self.config_source = config_source(hf_config)  # written as given by save_pretrained
         self.hf_config = self.config_source.config
@@ -88,9 +107,23 @@ class HFExporter:
             local = local_tensors(self.chunks, self.ctx)
             self._local = {t.name: t for t in local}
             self._records = gather_records(local, self.ctx)
-            self._sources = build_sources(self._records, self.converter, self.dims, self.ctx.tp.size,
-                                          self.ctx.etp.size)
+            adapters = [t[0] for rec in self._records for t in rec.tensors if is_adapter(t[0])]
+            check_mode(self.lora, bool(adapters), adapters[0] if adapters else None)
+            base = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if not is_adapter(t[0])))
+                    for rec in self._records]
+            self._sources = build_sources(base, self.converter, self.dims, self.ctx.tp.size, self.ctx.etp.size)
             check_structure(self._sources, self.spec, self.hf_config, self.dims)
+            if self.lora in ("adapter", "merged"):
+                self.lora_info, mine = gather_adapters(self.chunks, local, self.converter, self.dims,
+                                                       self.ctx.world_size)
+            if self.lora == "adapter":
+                only = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if is_adapter(t[0])))
+                        for rec in self._records]
+                self._sources = build_sources(only, lora_converter(self.converter), self.dims, self.ctx.tp.size,
+                                              self.ctx.etp.size)
+            elif self.lora == "merged":
+                self._merger = Merger(mine, self._local, self.lora_info, self.ctx.tp, self.ctx.etp)
+                self._local = self._merger.merged_local()
         return self._sources
 
     def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
@@ -167,7 +200,14 @@ class HFExporter:
         runs the next bucket's first collectives while this one is converted, with one more bucket of staging.
         `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`). `quantize="fp8"` /
         `"fp8-ue8m0"`: block-FP8 weights and their `weight_scale_inv` tensors, ordinary entries of the bucket."""
+        self._refresh_merge()
         yield from self.executor(bucket_bytes, receivers, overlap, name_filter, quantize).run()
+
+    def _refresh_merge(self) -> None:
+        """lora="merged": gather the adapters' split factors (collective, before every export: training moves them)."""
+        self._build_sources()
+        if self._merger is not None:
+            self._merger.refresh()
 
     def engine_plan(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                     name_filter: NameFilterLike = None) -> EngineShardPlan:
@@ -186,6 +226,7 @@ class HFExporter:
         a rank that feeds no engine rank gets empty buckets. No byte is received that the engine rank does not
         load. `output="masked"` writes every piece straight into its full-shaped HF tensor (`as_bucket()` is
         then free); `debug` fills the unsent regions with NaN (float dtypes)."""
+        self._refresh_merge()
         return self.engine_executor(engine_ranks, bucket_bytes, name_filter, quantize, output, debug).run()
 
     def engine_executor(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -229,8 +270,18 @@ class HFExporter:
         `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint with its `quantization_config`.
         `base` (an HF directory, e.g. the published checkpoint) completes the output with the base tensors the
         converter declares not held by the Megatron model (a text model's vision tower), copied in bounded chunks,
-        and the base's tokenizer/preprocessor files; config.json stays the export's (see SafetensorsWriter)."""
+        and the base's tokenizer/preprocessor files; config.json stays the export's (see SafetensorsWriter).
+        With lora="adapter" it writes a PEFT adapter directory instead: adapter_config.json (r, lora_alpha,
+        target_modules, `base_model_name_or_path`: `base` or else the HF config's directory) and one
+        adapter_model.safetensors, as peft's PeftModel.from_pretrained loads it."""
         scheme = get_scheme(quantize)
+        adapter_config = None
+        if self.lora == "adapter":
+            if quantize is not None:
+                raise UsageError("a LoRA adapter export is not quantized: drop quantize")
+            names = [e.name for e in self.plan(bucket_bytes, name_filter).hf_entries()]  # sets lora_info
+            adapter_config = peft_config(self.lora_info, names, self.dims.num_layers,
+                                         os.fspath(base) if base is not None else self.config_source.directory)
         plan = self.plan(bucket_bytes, name_filter, scheme)
         quantization = None
         if scheme is not None:
@@ -244,10 +295,14 @@ class HFExporter:
                 inputs = ([src.directory] if src.directory else []) + ([base] if base is not None else [])
                 check_target(out_dir, overwrite, inputs)
                 infos = [TensorInfo(e.name, e.shape, e.dtype) for e in plan.hf_entries()]
-                writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size, overwrite=overwrite,
-                                           extra_files=src.companion_files if extra_files is None else extra_files,
-                                           inputs=inputs, quantization=quantization, base=base,
-                                           not_held=self.converter.not_held_by_model)
+                if adapter_config is not None:  # the base is named in adapter_config.json, never copied
+                    writer = SafetensorsWriter(out_dir, infos, None, overwrite=overwrite, inputs=inputs,
+                                               adapter_config=adapter_config)
+                else:
+                    writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size,
+                                               overwrite=overwrite, inputs=inputs, quantization=quantization,
+                                               extra_files=src.companion_files if extra_files is None else extra_files,
+                                               base=base, not_held=self.converter.not_held_by_model)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         error = self._agree(error, writer_rank)

@@ -289,8 +289,9 @@ class CBucket:
 
 
 def _source_of(lt: LocalTensor):
-    """A parameter is used as is (stays valid when training swaps its .data); buffers are looked up each time."""
-    return lt.get if lt.is_buffer else lt.param
+    """A parameter is used as is (stays valid when training swaps its .data); buffers and computed tensors (a LoRA
+    merge) are read through their getter each time."""
+    return lt.get if lt.param is None else lt.param
 
 
 def _getters(srcs: list) -> list[int]:

@@ -1151,3 +1151,51 @@ def engine_problems(model_type: str, per_rank: list[dict], layout: Layout) -> li
             bad.append(f"{key}: the world sent {[r['sent'] for r in results]}, received "
                        f"{[r['received'] for r in results]}")
     return [f"{model_type} at {layout}: {b}" for b in bad]
+
+
+#: the LoRA the tests train with Megatron-Bridge's PEFT (tests/harness/bridge_lora.py): every linear Bridge targets
+#: by default (peft/lora.py:82-84), rank 8 (divisible by TP and expert-TP), alpha 16 (scale 2)
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_R, LORA_ALPHA = 8, 16
+
+
+def lora_suite(ckpt: str, layout: Layout, adapter_dir: str, out_root: str, bridge: str) -> dict:
+    """A model of `ckpt` wrapped by Megatron-Bridge's own LoRA, its adapters loaded from the PEFT directory
+    `adapter_dir`: the adapter-only export (bit-identical to the PEFT source), the PEFT directory written, the merged
+    and the base exports, the refusals, and the Megatron forward with the adapters active."""
+    from harness.bridge_lora import apply_lora
+    from safetensors.torch import load_file
+
+    from mcore2hf.errors import UsageError
+    from mcore2hf.hf_config import text_config
+
+    cfg, chunks = build(ckpt, layout)
+    load_hf_weights(chunks, ckpt)
+    apply_lora(bridge, chunks, list(LORA_TARGETS), LORA_R, LORA_ALPHA)
+    load_hf_weights(chunks, ckpt)  # the base loads into the wrapped model too (adapters left alone)
+    load_hf_weights(chunks, adapter_dir, ckpt, lora=True)
+    params = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    adapter_ref = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+
+    for refused in (lambda: HFExporter(chunks, cfg).state_dict(), lambda: HFExporter(chunks, cfg, lora="x")):
+        try:
+            refused()
+        except UsageError as e:
+            assert "lora" in str(e), e
+        else:
+            raise AssertionError("a LoRA model exported without lora= was not refused")
+
+    ex = HFExporter(chunks, cfg, lora="adapter")
+    assert_same(ex.state_dict(), adapter_ref, f"{layout} adapters")
+    small = {n: t.clone() for b in ex.buckets(bucket_bytes=1024, receivers=0) for n, t in b}
+    agree(checked(lambda: assert_same(small, adapter_ref, f"{layout} adapters, 1 KiB buckets, receivers=[0]")
+                  if dist.get_rank() == 0 else None))
+    out = ex.save_pretrained(os.path.join(out_root, f"adapter-{layout.size}"), progress=False)
+
+    merged = HFExporter(chunks, cfg, lora="merged").state_dict()
+    base = HFExporter(chunks, cfg, lora="base").state_dict()
+    assert_same(base, read_hf_checkpoint(ckpt), f"{layout} lora='base'")
+    after = {n: p for c in chunks for n, p in c.named_parameters()}
+    assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
+    logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    return {"logits": logits, "merged": merged, "dir": out} if dist.get_rank() == 0 else {}

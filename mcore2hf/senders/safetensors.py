@@ -27,7 +27,7 @@ from ..sizes import parse_size
 
 log = logging.getLogger("mcore2hf")
 _MARKER = ".mcore2hf-writer"  # in our temporary directories: host and pid of the writing process
-HF_DIR_MARKS = ("config.json", "model.safetensors.index.json", "model.safetensors")
+HF_DIR_MARKS = ("config.json", "model.safetensors.index.json", "model.safetensors", "adapter_config.json")
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -213,6 +213,9 @@ def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_con
                             if f not in have and os.path.isfile(os.path.join(root, f)))]
 
 
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
 class SafetensorsWriter:
     """Sender that writes an HF directory. `finish()` moves it into place; `abort()` removes every trace.
 
@@ -229,8 +232,14 @@ class SafetensorsWriter:
     def __init__(self, out_dir: str | os.PathLike, tensors: Sequence[TensorInfo], hf_config=None, *,
                  max_shard_size: int | str = "5GB", overwrite: bool = False, extra_files: Sequence[str] = (),
                  inputs: Sequence[str | os.PathLike] = (), quantization: dict | None = None,
-                 base: str | os.PathLike | None = None, not_held: Callable[[str], bool] = lambda name: False):
+                 base: str | os.PathLike | None = None, not_held: Callable[[str], bool] = lambda name: False,
+                 adapter_config: dict | None = None):
         limit = parse_size(max_shard_size, "max_shard_size")  # before anything is created
+        #: a PEFT adapter directory (peft 0.21.2 PeftModel.save_pretrained's layout: adapter_config.json and one
+        #: adapter_model.safetensors, no index; PeftModel.from_pretrained reads exactly these two)
+        self.adapter_config = adapter_config
+        if adapter_config is not None and (base is not None or quantization is not None or hf_config is not None):
+            raise Mcore2HFError("a PEFT adapter directory has no config.json, base completion or quantization")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         self.base: list[BaseTensor] = []
         if base is not None:
@@ -273,12 +282,16 @@ class SafetensorsWriter:
                 size = 0
             groups[-1].append(t)
             size += t.nbytes
+        if self.adapter_config is not None:
+            groups = [[t for g in groups for t in g]]
         n = len(groups)
         self.files: dict[str, list[TensorInfo]] = {}
         self.location: dict[str, tuple[str, int, int]] = {}  # name -> (file, absolute offset, nbytes)
         self.total_size = 0
         for i, infos in enumerate(groups):
             self.files[f"model-{i + 1:05d}-of-{n:05d}.safetensors"] = infos
+        if self.adapter_config is not None:
+            self.files = {ADAPTER_FILE: groups[0]}
         # the model's dtype is that of most bytes; in a quantized export, that of the unquantized tensors (published
         # FP8 checkpoints say bfloat16): fp8 weights and their scales do not count
         counted = [t for t in tensors if self.quantization is None
@@ -363,8 +376,12 @@ class SafetensorsWriter:
             for f in self._handles.values():
                 f.close()
             weight_map = {name: loc[0] for name, loc in sorted(self.location.items())}
-            with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2)
+            if self.adapter_config is not None:
+                with open(os.path.join(self.tmp, ADAPTER_CONFIG), "w") as f:
+                    json.dump(self.adapter_config, f, indent=2)
+            else:
+                with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2)
             if self.config is not None:
                 self._write_config()
             for path in self.extra_files:

@@ -1,0 +1,262 @@
+"""LoRA adapters trained with Megatron-Bridge's PEFT, exported through the ordinary plan and executor.
+
+Megatron-Bridge (megatron-bridge 0.3.1, peft/lora.py:94-176 `LoRA.transform`) wraps each targeted Megatron linear as
+`LoRALinear(to_wrap, ParallelLinearAdapter)` (peft/lora_layers.py:34, peft/adapter_wrapper.py:93-103): the frozen
+base at `<module>.to_wrap.weight`, A at `<module>.adapter.linear_in.weight`, B at `<module>.adapter.linear_out.weight`,
+output = base(x) + (alpha / r) * B A x (peft/utils.py:648). `naming` names the base `<module>.weight`; the factors
+are ordinary tensor-parallel tensors. How they are split (peft/utils.py:481-528 `ParallelLinearAdapter.__init__`,
+`input_is_parallel` from get_adapter_attributes_from_linear, utils.py:166-173):
+
+* column-parallel base (linear_qkv, linear_fc1, MLA up projections): A = ColumnParallelLinear(in, r,
+  gather_output=True): [r/TP, in], split on r; B = ColumnParallelLinear(r, out, gather_output=False): [out/TP, r],
+  split on out exactly as the base's rows (for fc1 each shard is [gate_i; up_i]: utils.py:698-701 applies
+  megatron-core's apply_swiglu_sharded_factory to linear_out; for linear_qkv each shard holds its query groups);
+* row-parallel base (linear_proj, linear_fc2): A = RowParallelLinear(in, r, input_is_parallel=True): [r, in/TP],
+  split on in; B = ColumnParallelLinear(r, out, gather_output=True): [out/TP, r], split on out (gathered in forward);
+* experts (`is_expert_linear`, utils.py:187-205): the same over the expert-TP group, one adapter per local expert
+  with the local spec's SequentialMLP.
+
+So the adapter rules are derived from the base rules (`lora_converter`): A of a column-parallel base is `Column`
+(written once per HF tensor of a fused base: PEFT's q/k/v or gate/up adapters each hold the same A), A of a
+row-parallel base is `Row`; B takes the base's own layout op (row-parallel base: `Column`). HF/PEFT names:
+`base_model.model.<HF module>.lora_A.weight` [r, in] / `lora_B.weight` [out, r] (peft 0.21.2
+utils/save_and_load.py get_peft_model_state_dict: the adapter name is removed on save).
+
+The merged export (`lora="merged"`) writes W + (alpha / r) B A: computed on each base shard in fp32 and cast to the
+base's dtype, with the one factor that is split along the other axis gathered over TP first (A of a
+column-parallel base, B of a row-parallel base: both split on dim 0), never modifying the model's parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigMismatchError, UsageError
+from .layouts import QKV, Column, GatedColumn, LatentDown, Row
+from .mapping import Converter, ModelDims, Rule
+from .naming import LocalTensor
+
+#: what HFExporter(lora=...) accepts: the adapters alone in HF/PEFT form, the merged weights, the base weights alone
+LORA_MODES = ("adapter", "merged", "base")
+ADAPTER = ".adapter."
+A_SUFFIX, B_SUFFIX = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+#: PEFT's prefix of a LoraModel's state dict (peft 0.21.2 tuners/lora/model.py: PeftModel.base_model.model)
+PEFT_PREFIX = "base_model.model."
+#: the only Bridge wrapper / adapter classes exported (DoRA's DoRALinear / ParallelLinearDoRAAdapter, canonical
+#: LoRA's LoRALinearSplitQKV / LoRALinearSplitFC1UpGate, the router's LoRATopKRouter are refused by name)
+WRAPPER, ADAPTER_CLASS = "LoRALinear", "ParallelLinearAdapter"
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA factor (canonical or local name)."""
+    return ADAPTER in name
+
+
+def _family(op) -> str | None:
+    """'column' or 'row' for the base ops an adapter can sit on (None: no PEFT form)."""
+    if isinstance(op, type) and op in (Column, QKV, GatedColumn):
+        return "column"
+    if op is Row:
+        return "row"
+    if getattr(op, "__self__", None) is LatentDown:  # LatentDown.q_down / kv_down: column-parallel in the local spec
+        return "column"
+    return None
+
+
+def peft_name(hf_weight: str, factor: str) -> str:
+    """`model.layers.0.self_attn.q_proj.weight`, "A" -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return f"{PEFT_PREFIX}{hf_weight.removesuffix('.weight')}.lora_{factor}.weight"
+
+
+def lora_rules(rules: list[Rule]) -> list[Rule]:
+    """The adapter rules of a base table: for every weight rule of a column- or row-parallel linear, one rule for
+    A and one for B (see the module docstring)."""
+    out = []
+    for rule in rules:
+        family = _family(rule.op)
+        if family is None or not rule.megatron.endswith(".weight") or rule.stack:
+            continue
+        module = rule.megatron.removesuffix(".weight")
+        a = [peft_name(h, "A") for h in rule.hf]
+        b = [peft_name(h, "B") for h in rule.hf]
+        out.append(Rule(module + A_SUFFIX, a[0], Column if family == "column" else Row, copies=a[1:]))
+        out.append(Rule(module + B_SUFFIX, b, rule.op if family == "column" else Column))
+    return out
+
+
+_CONVERTERS: dict[int, Converter] = {}
+
+
+def lora_converter(converter: Converter) -> Converter:
+    """The derived adapter table of an architecture (cached)."""
+    derived = _CONVERTERS.get(id(converter))
+    if derived is None:
+        derived = _CONVERTERS[id(converter)] = Converter(
+            model_type=converter.model_type, rules=lora_rules(converter.rules), spec=converter.spec,
+            aliases=converter.aliases)
+    return derived
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA-wrapped linear of this rank."""
+
+    module: str  # canonical module name (`decoder.layers.3.self_attention.linear_qkv`)
+    local: str  # its name in the model chunk (with `chunk{i}.` under virtual PP)
+    r: int
+    alpha: float
+    row_parallel: bool  # Bridge's input_is_parallel: A split on in, B on out
+    is_expert: bool
+
+
+def find_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor]) -> tuple[list[Adapter], list[str]]:
+    """This rank's LoRA-wrapped linears and the problems found (variants that are not plain LoRA)."""
+    canonical = {t.local_name: t.name for t in local}
+    adapters, problems = [], []
+    for vp, chunk in enumerate(chunks):
+        prefix = f"chunk{vp}." if len(chunks) > 1 else ""
+        for name, m in chunk.named_modules():
+            if not (hasattr(m, "to_wrap") and hasattr(m, "adapter")):
+                continue
+            adapter = m.adapter
+            kinds = f"{type(m).__name__} with {type(adapter).__name__}"
+            a_local = f"{prefix}{name}{A_SUFFIX}"
+            module = canonical.get(a_local, f"{prefix}{name}").removesuffix(A_SUFFIX)
+            if type(m).__name__ != WRAPPER or type(adapter).__name__ != ADAPTER_CLASS or a_local not in canonical:
+                problems.append(f"{module}: {kinds}; only LoRA ({WRAPPER} with {ADAPTER_CLASS}, "
+                                "adapter.linear_in / linear_out) is exported, not DoRA, canonical LoRA or other variants")
+                continue
+            if not isinstance(getattr(adapter, "activation", None), torch.nn.Identity):
+                problems.append(f"{module}: adapter activation {type(adapter.activation).__name__}; LoRA has none "
+                                "(an adapter with an activation has no LoRA/PEFT form)")
+                continue
+            adapters.append(Adapter(module, f"{prefix}{name}", int(adapter.dim), float(adapter.alpha),
+                                    bool(adapter.input_is_parallel), bool(adapter.is_expert)))
+    return adapters, problems
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """Every rank's adapters, agreed on: one rank r and one alpha (PEFT's r / lora_alpha)."""
+
+    r: int
+    alpha: float
+    modules: tuple[str, ...]  # canonical module names, all ranks
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
+def gather_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor], converter: Converter,
+                    dims: ModelDims, world_size: int) -> tuple[LoraInfo, list[Adapter]]:
+    """Collective: every rank's adapters, checked together (every problem of every rank listed at once)."""
+    mine, problems = find_adapters(chunks, local)
+    derived = lora_converter(converter)
+    for a in mine:
+        if derived.resolve(a.module + A_SUFFIX, dims) is None:
+            base = converter.resolve(a.module + ".weight", dims)
+            how = f"-> {list(base.hf_names)} with {type(base.op).__name__}" if base else "(no rule)"
+            problems.append(f"{a.module}: a LoRA adapter on a module whose base weight {how} has no HF/PEFT "
+                            "adapter form (adapters go on column- or row-parallel linears)")
+    everyone = [(mine, problems)]
+    if world_size > 1:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, (mine, problems))
+    adapters = {a.module: a for ranks, _ in everyone for a in ranks}
+    problems = sorted({p for _, ps in everyone for p in ps})
+    pairs = sorted({(a.r, a.alpha) for a in adapters.values()})
+    if len(pairs) > 1:
+        by = {pair: [m for m, a in sorted(adapters.items()) if (a.r, a.alpha) == pair] for pair in pairs}
+        problems.append("LoRA adapters disagree on rank / alpha (PEFT's adapter_config.json has one r and one "
+                        "lora_alpha): " + "; ".join(f"r={r} alpha={al:g}: {ms[:3]}{'...' if len(ms) > 3 else ''}"
+                                                   for (r, al), ms in by.items()))
+    if problems:
+        raise ConfigMismatchError("cannot export the LoRA adapters:\n  " + "\n  ".join(problems))
+    r, alpha = pairs[0]
+    return LoraInfo(r, alpha, tuple(sorted(adapters))), mine
+
+
+def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model: str | None) -> dict:
+    """adapter_config.json (peft 0.21.2 LoraConfig fields). `target_modules`: HF module names as PEFT matches them
+    (a name matches itself or any module ending in '.' + it): the leaf names when every layer has them, else the
+    full module names, so PEFT adds no adapter the export does not hold."""
+    modules = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in hf_names})
+    leaves: dict[str, set[str]] = {}
+    for m in modules:
+        parts = m.split(".")
+        key = ".".join(parts[3:]) if parts[:2] == ["model", "layers"] else m
+        leaves.setdefault(key, set()).add(m)
+    full = all(len(v) == num_layers for v in leaves.values())
+    targets = sorted({k.rsplit(".", 1)[-1] for k in leaves}) if full else modules
+    if full and len(targets) != len(leaves):  # the same leaf at two places with different coverage: be exact
+        targets = modules
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": info.r, "lora_alpha": info.alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "inference_mode": True, "init_lora_weights": True,
+    }
+
+
+class Merger:
+    """The merged base weights' getters: W + (alpha / r) B A on each shard, from factors refreshed (one all-gather
+    per TP / expert-TP group) before each export."""
+
+    def __init__(self, adapters: list[Adapter], local: dict[str, LocalTensor], info: LoraInfo, tp, etp):
+        self.adapters, self.local, self.scale = adapters, local, info.scale
+        self.groups = (tp, etp)
+        self.full: dict[str, torch.Tensor] = {}  # module -> the gathered factor (A or B)
+
+    def refresh(self) -> None:
+        """Collective over TP and expert-TP: the split-on-dim-0 factor of every adapter, gathered."""
+        for expert, axis in ((False, self.groups[0]), (True, self.groups[1])):
+            mine = [a for a in self.adapters if a.is_expert == expert]
+            factors = [self.local[a.module + (B_SUFFIX if a.row_parallel else A_SUFFIX)].get() for a in mine]
+            if axis.size == 1 or not factors:
+                self.full.update({a.module: f for a, f in zip(mine, factors)})
+                continue
+            flat = torch.cat([f.reshape(-1) for f in factors])
+            parts = [torch.empty_like(flat) for _ in range(axis.size)]
+            dist.all_gather(parts, flat, group=axis.group)
+            offset = 0
+            for a, f in zip(mine, factors):
+                n = f.numel()
+                self.full[a.module] = torch.cat([p[offset:offset + n].view(f.shape) for p in parts])
+                offset += n
+
+    def getter(self, a: Adapter, base: LocalTensor) -> Callable[[], torch.Tensor]:
+        A, B = self.local[a.module + A_SUFFIX], self.local[a.module + B_SUFFIX]
+
+        def merged() -> torch.Tensor:
+            w = base.get()
+            full = self.full[a.module]
+            a_, b_ = (A.get(), full) if a.row_parallel else (full, B.get())
+            delta = b_.float() @ a_.float()
+            return (w.float() + self.scale * delta).to(w.dtype)
+
+        return merged
+
+    def merged_local(self) -> dict[str, LocalTensor]:
+        """The local table with each adapted base weight read merged (the parameters are not touched)."""
+        out = dict(self.local)
+        for a in self.adapters:
+            base = self.local[a.module + ".weight"]
+            out[base.name] = dataclasses.replace(base, get=self.getter(a, base), param=None)  # read by its getter
+        return out
+
+
+def check_mode(mode: str | None, has_adapters: bool, example: str | None) -> None:
+    if mode is not None and mode not in LORA_MODES:
+        raise UsageError(f"lora must be one of {LORA_MODES} or None, got {mode!r}")
+    if has_adapters and mode is None:
+        raise UsageError(f"the model holds LoRA adapters (e.g. {example}): pass lora='adapter' (the adapters alone, "
+                         "HF/PEFT form), lora='merged' (W + alpha/r B A) or lora='base' (the frozen base weights)")
+    if mode is not None and not has_adapters:
+        raise UsageError(f"lora={mode!r}, but the model holds no LoRA adapter (Megatron-Bridge's "
+                         "<module>.adapter.linear_in / linear_out)")
