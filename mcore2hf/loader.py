@@ -17,12 +17,11 @@ from .errors import Mcore2HFError, MissingWeightsError, ShapeMismatchError, Unkn
 from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
 from .layouts import shape_of
-from .lora import is_adapter, lora_converter
+from .lora import ADAPTER_FILE, is_adapter, lora_converter
 from .mapping import Converter
 from .naming import local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
 from .plan import _shard_split
-from .senders.safetensors import ADAPTER_FILE
 
 log = logging.getLogger("mcore2hf")
 

@@ -45,6 +45,9 @@ from .naming import LocalTensor
 LORA_MODES = ("adapter", "merged", "base")
 ADAPTER = ".adapter."
 A_SUFFIX, B_SUFFIX = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+#: a PEFT adapter directory (peft 0.21.2 PeftModel.save_pretrained: utils/constants.py SAFETENSORS_WEIGHTS_NAME,
+#: CONFIG_NAME)
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 #: PEFT's prefix of a LoraModel's state dict (peft 0.21.2 tuners/lora/model.py: PeftModel.base_model.model)
 PEFT_PREFIX = "base_model.model."
 #: the only Bridge wrapper / adapter classes exported (DoRA's DoRALinear / ParallelLinearDoRAAdapter, canonical

@@ -12,7 +12,7 @@ import torch
 from harness.bridge_lora import bridge_root
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_suite
+from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_refusals, lora_suite
 
 from mcore2hf.runtime.world import Layout, run_world
 
@@ -92,3 +92,14 @@ def test_lora_export(qwen3_adapter, layout, tmp_path):
     worst = max(diffs.values())
     print(f"LoRA {layout}: |merged - merge_and_unload| {worst:.2e}")
     assert worst <= MERGED_TOL
+
+
+def test_lora_refusals(ckpts, tmp_path):
+    """Refused by name, before anything is written (tests/worlds.py lora_refusals)."""
+    got = run_world(lora_refusals, Layout(tp=2), ckpts["qwen3"], Layout(tp=2), bridge_root(), str(tmp_path))[0]
+    print("\n" + "\n".join(got))
+    dora, rank, unmapped, none = got
+    assert "decoder.layers.0.self_attention.linear_proj: DoRALinear" in dora and "not DoRA" in dora
+    assert "disagree on rank / alpha" in rank and "r=4 alpha=8" in rank and "r=8 alpha=16" in rank
+    assert "output_layer" in unmapped and "VocabRows" in unmapped and "linear_qkv" not in unmapped
+    assert "holds no LoRA adapter" in none

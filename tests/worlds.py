@@ -1199,3 +1199,42 @@ def lora_suite(ckpt: str, layout: Layout, adapter_dir: str, out_root: str, bridg
     assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
     return {"logits": logits, "merged": merged, "dir": out} if dist.get_rank() == 0 else {}
+
+
+def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list[str]:
+    """Each refusal's message (rank 0): DoRA (Bridge's own), adapters disagreeing on r, an adapter on a linear the
+    table maps with no PEFT form (output_layer: VocabRows), lora= without adapters; nothing written."""
+    from harness.bridge_lora import apply_lora, import_bridge_peft
+
+    from mcore2hf.errors import Mcore2HFError
+
+    def model(*wraps):
+        cfg, chunks = build(ckpt, layout)
+        for targets, dim, kind in wraps:
+            if kind == "dora":
+                import_bridge_peft(bridge)
+                from megatron.bridge.peft.dora import DoRA
+
+                DoRA(target_modules=list(targets), dim=dim, alpha=dim)(chunks, training=False)
+            else:
+                apply_lora(bridge, chunks, list(targets), dim, 2 * dim)
+        return cfg, chunks
+
+    cases = {
+        "dora": [(("linear_proj",), 8, "dora")],
+        "rank": [(("linear_qkv",), 8, "lora"), (("linear_fc2",), 4, "lora")],
+        "unmapped": [(("linear_qkv", "output_layer"), 8, "lora")],
+        "none": [],
+    }
+    messages = []
+    for name, wraps in cases.items():
+        cfg, chunks = model(*wraps)
+        out = os.path.join(out_root, f"refused-{name}")
+        try:
+            HFExporter(chunks, cfg, lora="adapter").save_pretrained(out, progress=False)
+        except Mcore2HFError as e:
+            messages.append(f"{name}: {e}")
+        else:
+            raise AssertionError(f"{name}: not refused")
+        assert not os.path.exists(out), f"{name}: {out} was written"
+    return messages

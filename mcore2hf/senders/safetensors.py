@@ -23,11 +23,12 @@ import torch
 from ..buckets import Bucket
 from ..errors import Mcore2HFError, ShapeMismatchError
 from ..hf_config import ConfigSource, output_config
+from ..lora import ADAPTER_CONFIG, ADAPTER_FILE
 from ..sizes import parse_size
 
 log = logging.getLogger("mcore2hf")
 _MARKER = ".mcore2hf-writer"  # in our temporary directories: host and pid of the writing process
-HF_DIR_MARKS = ("config.json", "model.safetensors.index.json", "model.safetensors", "adapter_config.json")
+HF_DIR_MARKS = ("config.json", "model.safetensors.index.json", "model.safetensors", ADAPTER_CONFIG)
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -211,9 +212,6 @@ def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_con
     have = {os.path.basename(p) for p in extra_files}
     return [*extra_files, *(os.path.join(root, f) for f in COMPANION_FILES
                             if f not in have and os.path.isfile(os.path.join(root, f)))]
-
-
-ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 class SafetensorsWriter:
