@@ -55,7 +55,7 @@ def qwen3_adapter(ckpts, tmp_path_factory) -> tuple[str, str]:
     return ckpt, make_adapter(ckpt, str(tmp_path_factory.mktemp("lora") / "qwen3"))
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=2)], ids=str)
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2, vpp=2)], ids=str)
 def test_lora_export(qwen3_adapter, layout, tmp_path):
     ckpt, src = qwen3_adapter
     res = run_world(lora_suite, layout, ckpt, layout, src, str(tmp_path), bridge_root())[0]
