@@ -11,9 +11,10 @@ import pytest
 import torch
 from harness.bridge_lora import bridge_root
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_refusals, lora_suite
+from transformers import AutoConfig, AutoModelForCausalLM
+from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_refusals, lora_suite, lora_values_suite
 
+from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout, run_world
 
 #: HF modules of each Megatron linear Bridge targets (converters/common.py gqa_attention, glu_mlp)
@@ -103,3 +104,35 @@ def test_lora_refusals(ckpts, tmp_path):
     assert "disagree on rank / alpha" in rank and "r=4 alpha=8" in rank and "r=8 alpha=16" in rank
     assert "output_layer" in unmapped and "VocabRows" in unmapped and "linear_qkv" not in unmapped
     assert "holds no LoRA adapter" in none
+
+
+@pytest.mark.parametrize("model_type,layout", [("qwen3_moe", Layout(tp=2, ep=2, etp=1))], ids=str)
+def test_lora_experts(ckpts, model_type, layout, tmp_path):
+    """Adapters on every expert (one per expert, HF/PEFT names per expert, as vLLM's and SGLang's loaders take
+    them): the merged export, loaded by transformers, gives Megatron's logits with the adapters active; and every
+    merged tensor is the base plus alpha/r B A of the exported adapter of that HF name."""
+    ckpt = ckpts[model_type]
+    res = run_world(lora_values_suite, layout, ckpt, layout, bridge_root(), str(tmp_path))[0]
+    adapters, base = res["adapters"], read_hf_checkpoint(ckpt)
+    merged = read_hf_checkpoint(res["merged"])
+    experts = [n for n in adapters if ".mlp.experts." in n]
+    assert experts and all(n.startswith("base_model.model.model.layers.") for n in adapters)
+    config = AutoConfig.from_pretrained(ckpt)
+    assert len(experts) == 2 * 3 * config.num_experts * config.num_hidden_layers  # A, B x gate, up, down
+    scale = LORA_ALPHA / LORA_R
+    checked = 0
+    for name in merged:
+        a = f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight"
+        if a in adapters:
+            b = a.replace(".lora_A.", ".lora_B.")
+            want = base[name] + scale * (adapters[b] @ adapters[a])
+            assert (merged[name] - want).abs().max() <= MERGED_TOL, name
+            checked += 1
+        else:
+            assert torch.equal(merged[name], base[name]), name
+    assert checked == len(adapters) // 2
+    model = AutoModelForCausalLM.from_pretrained(res["merged"], dtype=torch.float32)
+    with torch.no_grad():
+        diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
+    print(f"\nLoRA {model_type} {layout}: |Megatron with adapters - transformers(merged)| logits {diff:.2e}")
+    assert diff < LOGIT_TOL

@@ -1238,3 +1238,21 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
             raise AssertionError(f"{name}: not refused")
         assert not os.path.exists(out), f"{name}: {out} was written"
     return messages
+
+
+def lora_values_suite(ckpt: str, layout: Layout, bridge: str, out_root: str) -> dict:
+    """A model wrapped by Bridge's LoRA keeping the adapters Bridge initializes (B normal, so non-zero): its
+    adapter-only export, its merged export saved as an HF directory, and the Megatron forward with the adapters
+    active (for architectures whose transformers model PEFT cannot wrap per expert: transformers 5 fuses experts)."""
+    from harness.bridge_lora import apply_lora
+
+    from mcore2hf.hf_config import text_config
+
+    cfg, chunks = build(ckpt, layout, mtp=False)
+    load_hf_weights(chunks, ckpt, strict=False)
+    apply_lora(bridge, chunks, list(LORA_TARGETS), LORA_R, LORA_ALPHA, lora_B_init_method="normal")
+    adapters = HFExporter(chunks, cfg, lora="adapter").state_dict()
+    merged = HFExporter(chunks, cfg, lora="merged").save_pretrained(
+        os.path.join(out_root, f"merged-{layout.size}"), progress=False)
+    logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    return {"adapters": adapters, "merged": merged, "logits": logits} if dist.get_rank() == 0 else {}
