@@ -106,19 +106,31 @@ def test_lora_refusals(ckpts, tmp_path):
     assert "holds no LoRA adapter" in none
 
 
-@pytest.mark.parametrize("model_type,layout", [("qwen3_moe", Layout(tp=2, ep=2, etp=1))], ids=str)
-def test_lora_experts(ckpts, model_type, layout, tmp_path):
+#: Bridge's target names for MLA (megatron-core 0.16.1 multi_latent_attention.py submodules) besides the MLP's
+MLA_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
+               "linear_fc1", "linear_fc2")
+
+
+@pytest.mark.parametrize("model_type,layout,targets", [
+    pytest.param("qwen3_moe", Layout(tp=2, ep=2, etp=1), LORA_TARGETS, id="qwen3_moe-tp2-ep2-etp1"),
+    pytest.param("deepseek_v3", Layout(tp=2, ep=2, etp=1), MLA_TARGETS, id="deepseek_v3-tp2-ep2-etp1"),
+])
+def test_lora_experts(ckpts, model_type, layout, targets, tmp_path):
     """Adapters on every expert (one per expert, HF/PEFT names per expert, as vLLM's and SGLang's loaders take
     them): the merged export, loaded by transformers, gives Megatron's logits with the adapters active; and every
     merged tensor is the base plus alpha/r B A of the exported adapter of that HF name."""
     ckpt = ckpts[model_type]
-    res = run_world(lora_values_suite, layout, ckpt, layout, bridge_root(), str(tmp_path))[0]
+    res = run_world(lora_values_suite, layout, ckpt, layout, bridge_root(), str(tmp_path), targets)[0]
     adapters, base = res["adapters"], read_hf_checkpoint(ckpt)
     merged = read_hf_checkpoint(res["merged"])
     experts = [n for n in adapters if ".mlp.experts." in n]
     assert experts and all(n.startswith("base_model.model.model.layers.") for n in adapters)
     config = AutoConfig.from_pretrained(ckpt)
-    assert len(experts) == 2 * 3 * config.num_experts * config.num_hidden_layers  # A, B x gate, up, down
+    if model_type == "deepseek_v3":  # q/kv down and up projections
+        for module in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts"):
+            assert any(f".{module}." in n for n in adapters), module
+    if model_type == "qwen3_moe":  # every layer MoE: A, B x gate, up, down x experts x layers
+        assert len(experts) == 2 * 3 * config.num_experts * config.num_hidden_layers
     scale = LORA_ALPHA / LORA_R
     checked = 0
     for name in merged:

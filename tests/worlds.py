@@ -1240,7 +1240,8 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
     return messages
 
 
-def lora_values_suite(ckpt: str, layout: Layout, bridge: str, out_root: str) -> dict:
+def lora_values_suite(ckpt: str, layout: Layout, bridge: str, out_root: str,
+                      targets: tuple[str, ...] = LORA_TARGETS) -> dict:
     """A model wrapped by Bridge's LoRA keeping the adapters Bridge initializes (B normal, so non-zero): its
     adapter-only export, its merged export saved as an HF directory, and the Megatron forward with the adapters
     active (for architectures whose transformers model PEFT cannot wrap per expert: transformers 5 fuses experts)."""
@@ -1250,7 +1251,7 @@ def lora_values_suite(ckpt: str, layout: Layout, bridge: str, out_root: str) -> 
 
     cfg, chunks = build(ckpt, layout, mtp=False)
     load_hf_weights(chunks, ckpt, strict=False)
-    apply_lora(bridge, chunks, list(LORA_TARGETS), LORA_R, LORA_ALPHA, lora_B_init_method="normal")
+    apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA, lora_B_init_method="normal")
     adapters = HFExporter(chunks, cfg, lora="adapter").state_dict()
     merged = HFExporter(chunks, cfg, lora="merged").save_pretrained(
         os.path.join(out_root, f"merged-{layout.size}"), progress=False)
