@@ -116,6 +116,11 @@ class HFExporter:
             if self.lora in ("adapter", "merged"):
                 self.lora_info, mine = gather_adapters(self.chunks, local, self.converter, self.dims,
                                                        self.ctx.world_size)
+                if self.ctx.etp.size > 1 and self.ctx.rank == 0 and any(a.is_expert for a in mine):
+                    log.warning("LoRA on experts at expert-TP %d: Megatron-Bridge's forward of expert adapters at "
+                                "expert-TP > 1 is not LoRA (Megatron-Bridge issue 5634); the export is W + alpha/r "
+                                "B A of the trained factors, which is not what that forward computed (docs/lora.md)",
+                                self.ctx.etp.size)
             if self.lora == "adapter":
                 only = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if is_adapter(t[0])))
                         for rec in self._records]

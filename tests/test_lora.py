@@ -1,7 +1,12 @@
 """LoRA adapters trained with Megatron-Bridge's own PEFT (megatron-bridge 0.3.1, tests/harness/bridge_lora.py) on
-real megatron-core 0.16.1 models: the adapter-only export in HF/PEFT form against the PEFT source, the PEFT
-directory loaded by peft (PeftModel.from_pretrained, pinned in tests/constraints.txt) with transformers' forward
-against Megatron's with the adapters active, the merged export against peft's merge_and_unload (docs/lora.md)."""
+real megatron-core 0.16.1 models (docs/lora.md).
+
+The adapters are loaded at every layout from one HF/PEFT-form source, so each layout's exports must be the same
+bytes: the adapter-only export equal to the source, the merged export equal across layouts. Oracles outside
+mcore2hf: peft 0.21.2 (pinned in tests/constraints.txt) loads the PEFT directory written for qwen3, with
+transformers + peft's logits against Megatron's forward with the adapters active and merge_and_unload against the
+merged export; for MoE and MLA (transformers 5 fuses experts, so PEFT has no per-expert module) transformers runs
+the merged weights against Megatron's forward with the adapters active."""
 
 import json
 import os
@@ -10,89 +15,176 @@ import peft
 import pytest
 import torch
 from harness.bridge_lora import bridge_root
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
-from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_refusals, lora_suite, lora_values_suite
+from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals
 
 from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout, run_world
 
-#: HF modules of each Megatron linear Bridge targets (converters/common.py gqa_attention, glu_mlp)
+#: HF modules of each Megatron linear Bridge targets (converters/common.py gqa_attention, mla_attention, glu_mlp)
 HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",),
+              "linear_q_down_proj": ("q_a_proj",), "linear_q_up_proj": ("q_b_proj",),
+              "linear_kv_down_proj": ("kv_a_proj_with_mqa",), "linear_kv_up_proj": ("kv_b_proj",)}
+#: Bridge's target names for MLA (megatron-core 0.16.1 multi_latent_attention.py submodules) and the MLP's
+MLA_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
+               "linear_fc1", "linear_fc2")
 #: max |merged export - peft merge_and_unload| (fp32): peft computes W + (B @ A) * scale over the full matrices,
 #: the export W_i + scale * (B_i @ A) per TP shard (row-parallel: B @ A_i). Measured 0.0 (TP2, 2026-11-27: scale 2
 #: is exact and each output element is the same r-term dot product); 1e-6 leaves room for a BLAS that blocks the
 #: shard-sized products differently from the full one
 MERGED_TOL = 1e-6
-#: the issue's bound on |Megatron with adapters - transformers + peft| fp32 logits
+#: the issue's bound on |Megatron with adapters - transformers (+ peft)| fp32 logits
 LOGIT_TOL = 1e-4
+#: the layout matrix: every parallel dimension the base export covers (uneven PP, virtual PP, EP with expert-TP
+#: != TP, expert-TP > TP: expert adapters split over expert-TP), spread over the three architectures
+MATRIX = {
+    "qwen3": [Layout(tp=2), Layout(pp=2, vpp=2), Layout(pp=2, first_stage_layers=1)],
+    "qwen3_moe": [Layout(tp=2, ep=2, etp=1), Layout(pp=2, vpp=2, ep=2, etp=1), Layout(ep=2, etp=2)],
+    "deepseek_v3": [Layout(tp=2, ep=2, etp=1), Layout(pp=2, first_stage_layers=1, ep=2)],
+}
+TARGETS = {"qwen3": LORA_TARGETS, "qwen3_moe": LORA_TARGETS, "deepseek_v3": MLA_TARGETS}
+#: PEFT's adapters of one fused Megatron linear share its one A
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def make_adapter(ckpt: str, out: str, seed: int = 0) -> str:
-    """A random PEFT LoRA adapter for the HF model `ckpt`, saved by peft itself; the adapters of one fused Megatron
-    linear (q/k/v, gate/up) share lora_A, as Megatron's single A does."""
+def _share_fused_a(tensors: dict[str, torch.Tensor]) -> None:
+    for first, *rest in FUSED:
+        for name in [n for n in tensors if f".{first}.lora_A." in n]:
+            for other in rest:
+                twin = name.replace(f".{first}.", f".{other}.")
+                if twin in tensors:
+                    tensors[twin] = tensors[name].clone()
+
+
+def peft_adapter(ckpt: str, out: str, targets: tuple[str, ...], seed: int = 0) -> str:
+    """A random LoRA adapter for the HF model `ckpt`, created and saved by peft itself (PeftModel.save_pretrained)."""
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    targets = [m for t in LORA_TARGETS for m in HF_MODULES[t]]
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets,
+    modules = [m for t in targets for m in HF_MODULES[t]]
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=modules,
                                                     init_lora_weights=False))
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        for m in pm.modules():
-            for first, *rest in [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]:
-                if hasattr(m, first) and all(hasattr(m, r) for r in rest):
-                    for r in rest:
-                        getattr(m, r).lora_A["default"].weight.copy_(getattr(m, first).lora_A["default"].weight)
+    state = peft.get_peft_model_state_dict(pm)
+    state = {n: 0.1 * torch.randn(t.shape, generator=g) for n, t in sorted(state.items())}
+    _share_fused_a(state)
+    peft.set_peft_model_state_dict(pm, state)
     pm.save_pretrained(out)
     return out
 
 
+def expert_adapter(ckpt: str, out: str, targets: tuple[str, ...], seed: int = 0) -> str:
+    """A random adapter in HF/PEFT form for every targeted HF weight, experts one by one (transformers 5 fuses a
+    MoE layer's experts, so peft cannot create these): lora_A [r, in], lora_B [out, r]."""
+    cfg = AutoConfig.from_pretrained(ckpt)
+    leaves = {m for t in targets for m in HF_MODULES[t]}
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, w in sorted(read_hf_checkpoint(ckpt).items()):
+        parts = name.split(".")
+        if parts[-1] != "weight" or parts[-2] not in leaves or int(parts[2]) >= cfg.num_hidden_layers:
+            continue  # MTP layers: the models are built without them
+        module = name.removesuffix(".weight")
+        state[f"base_model.model.{module}.lora_A.weight"] = 0.1 * torch.randn(LORA_R, w.shape[1], generator=g)
+        state[f"base_model.model.{module}.lora_B.weight"] = 0.1 * torch.randn(w.shape[0], LORA_R, generator=g)
+    _share_fused_a(state)
+    os.makedirs(out)
+    save_file(state, os.path.join(out, "adapter_model.safetensors"))
+    return out
+
+
 @pytest.fixture(scope="module")
-def qwen3_adapter(ckpts, tmp_path_factory) -> tuple[str, str]:
-    ckpt = ckpts["qwen3"]
-    return ckpt, make_adapter(ckpt, str(tmp_path_factory.mktemp("lora") / "qwen3"))
+def adapters(ckpts, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    out = {"qwen3": peft_adapter(ckpts["qwen3"], str(root / "qwen3"), TARGETS["qwen3"])}
+    for mt in ("qwen3_moe", "deepseek_v3"):
+        if mt in ckpts:
+            out[mt] = expert_adapter(ckpts[mt], str(root / mt), TARGETS[mt])
+    return out
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2, vpp=2)], ids=str)
-def test_lora_export(qwen3_adapter, layout, tmp_path):
-    ckpt, src = qwen3_adapter
-    res = run_world(lora_suite, layout, ckpt, layout, src, str(tmp_path), bridge_root())[0]
+def reference_merge(ckpt: str, adapter_dir: str) -> dict[str, torch.Tensor]:
+    """W + alpha/r B A for every HF weight with an adapter in `adapter_dir` (fp32, full matrices)."""
+    base, lora = read_hf_checkpoint(ckpt), load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    out = {}
+    for a in (n for n in lora if ".lora_A." in n):
+        name = a.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        out[name] = base[name] + (lora[a.replace(".lora_A.", ".lora_B.")] @ lora[a]) * (LORA_ALPHA / LORA_R)
+    return out
 
-    # the PEFT directory: the source's tensors bit for bit, and the config PEFT needs
+
+@pytest.mark.parametrize("model_type", list(MATRIX))
+def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
+    if model_type not in ckpts:
+        pytest.skip(f"MCORE2HF_ARCHS leaves out {model_type}")
+    ckpt, src = ckpts[model_type], adapters[model_type]
     want = load_file(os.path.join(src, "adapter_model.safetensors"))
+    reference = reference_merge(ckpt, src)
+    base = read_hf_checkpoint(ckpt)
+    first = None
+    for layout in MATRIX[model_type]:
+        res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(), TARGETS[model_type],
+                        str(tmp_path / str(layout)))[0]
+        got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))  # the PEFT directory: the source
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+        merged = read_hf_checkpoint(res["merged"])
+        # the merged export: the same bytes at every layout, the adapted tensors within MERGED_TOL of W + s B A
+        # (peft's merge_and_unload is checked against it below), every other tensor the base's own bytes
+        if first is None:
+            first = merged
+        else:
+            assert sorted(merged) == sorted(first)
+            differ = [n for n in first if not torch.equal(merged[n], first[n])]
+            assert not differ, f"{model_type} {layout}: merged export differs from {MATRIX[model_type][0]}: {differ[:5]}"
+        worst = max((merged[n] - reference[n]).abs().max().item() for n in reference)
+        assert worst <= MERGED_TOL, worst
+        assert all(torch.equal(merged[n], base[n]) for n in merged if n not in reference)
+        assert set(reference) <= set(merged)
+        # Megatron with the adapters active against transformers (+ peft). Not at expert-TP > 1: there Bridge's
+        # forward of expert adapters is not LoRA (megatron-core drops the expert linears' TP collectives, the
+        # dispatcher sums partials, the adapters keep gathering: NVIDIA-NeMo/Megatron-Bridge issue 5634, open;
+        # measured here on 0.3.1: row-parallel (fc2) expert adapters move the logits by 9.4 at EP2 x expert-TP 2,
+        # fc1 ones are exact), so only the exports above are checked at that layout
+        if model_type != "qwen3" and layout.expert_tp > 1:
+            continue
+        if model_type == "qwen3":
+            model = _peft_oracle(ckpt, res)
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(res["merged"], dtype=torch.float32,
+                                                               output_loading_info=True)
+            assert not info["missing_keys"] and not info["unexpected_keys"], info
+        with torch.no_grad():
+            diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
+        print(f"\nLoRA {model_type} {layout}: |Megatron with adapters - transformers| logits {diff:.2e}, "
+              f"|merged - (W + s B A)| {worst:.2e}")
+        assert diff < LOGIT_TOL
+    if model_type == "qwen3":
+        merged_peft = model.merge_and_unload().state_dict()
+        worst = max((first[n] - merged_peft[n]).abs().max().item() for n in first)
+        print(f"LoRA qwen3: |merged export - peft merge_and_unload| {worst:.2e}")
+        assert worst <= MERGED_TOL
+    else:  # every targeted module of every layer (and expert) has its adapter
+        leaves = {m for t in TARGETS[model_type] for m in HF_MODULES[t]}
+        assert {n.split(".")[-3] for n in want} == leaves and any(".experts." in n for n in want)
+
+
+def _peft_oracle(ckpt: str, res: dict):
+    """The PEFT directory written at this layout has the config peft needs, and peft loads it with no missing or
+    unexpected adapter key. Returns the PeftModel."""
     got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))
-    assert sorted(got) == sorted(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
     assert sorted(os.listdir(res["dir"])) == ["adapter_config.json", "adapter_model.safetensors"]
     with open(os.path.join(res["dir"], "adapter_config.json")) as f:
         config = json.load(f)
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (LORA_R, LORA_ALPHA, ckpt)
     assert sorted(config["target_modules"]) == sorted(m for t in LORA_TARGETS for m in HF_MODULES[t])
-
-    # peft loads it with no missing or unexpected adapter key, and its forward is Megatron's
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
                                            res["dir"])
     result = peft.set_peft_model_state_dict(model, got)
     assert [k for k in result.missing_keys if "lora_" in k] == [] and result.unexpected_keys == []
-    with torch.no_grad():
-        hf_logits = model(TOKENS).logits.float()
-    diff = (hf_logits - res["logits"]).abs().max().item()
-    print(f"\nLoRA {layout}: |Megatron - transformers+peft| logits {diff:.2e}")
-    assert diff < LOGIT_TOL
-    with torch.no_grad():
+    with torch.no_grad():  # the adapters do move the logits
         base_logits = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)(TOKENS).logits
-    assert (base_logits - hf_logits).abs().max() > 100 * LOGIT_TOL  # the adapters do move the logits
-
-    # merged: peft's merge_and_unload
-    merged = model.merge_and_unload().state_dict()
-    assert sorted(res["merged"]) == sorted(k for k in merged if k in res["merged"]) and res["merged"]
-    diffs = {k: (res["merged"][k] - merged[k]).abs().max().item() for k in res["merged"]}
-    worst = max(diffs.values())
-    print(f"LoRA {layout}: |merged - merge_and_unload| {worst:.2e}")
-    assert worst <= MERGED_TOL
+    assert (base_logits - res["logits"]).abs().max() > 100 * LOGIT_TOL
+    return model
 
 
 def test_lora_refusals(ckpts, tmp_path):
@@ -104,47 +196,3 @@ def test_lora_refusals(ckpts, tmp_path):
     assert "disagree on rank / alpha" in rank and "r=4 alpha=8" in rank and "r=8 alpha=16" in rank
     assert "output_layer" in unmapped and "VocabRows" in unmapped and "linear_qkv" not in unmapped
     assert "holds no LoRA adapter" in none
-
-
-#: Bridge's target names for MLA (megatron-core 0.16.1 multi_latent_attention.py submodules) besides the MLP's
-MLA_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
-               "linear_fc1", "linear_fc2")
-
-
-@pytest.mark.parametrize("model_type,layout,targets", [
-    pytest.param("qwen3_moe", Layout(tp=2, ep=2, etp=1), LORA_TARGETS, id="qwen3_moe-tp2-ep2-etp1"),
-    pytest.param("deepseek_v3", Layout(tp=2, ep=2, etp=1), MLA_TARGETS, id="deepseek_v3-tp2-ep2-etp1"),
-])
-def test_lora_experts(ckpts, model_type, layout, targets, tmp_path):
-    """Adapters on every expert (one per expert, HF/PEFT names per expert, as vLLM's and SGLang's loaders take
-    them): the merged export, loaded by transformers, gives Megatron's logits with the adapters active; and every
-    merged tensor is the base plus alpha/r B A of the exported adapter of that HF name."""
-    ckpt = ckpts[model_type]
-    res = run_world(lora_values_suite, layout, ckpt, layout, bridge_root(), str(tmp_path), targets)[0]
-    adapters, base = res["adapters"], read_hf_checkpoint(ckpt)
-    merged = read_hf_checkpoint(res["merged"])
-    experts = [n for n in adapters if ".mlp.experts." in n]
-    assert experts and all(n.startswith("base_model.model.model.layers.") for n in adapters)
-    config = AutoConfig.from_pretrained(ckpt)
-    if model_type == "deepseek_v3":  # q/kv down and up projections
-        for module in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts"):
-            assert any(f".{module}." in n for n in adapters), module
-    if model_type == "qwen3_moe":  # every layer MoE: A, B x gate, up, down x experts x layers
-        assert len(experts) == 2 * 3 * config.num_experts * config.num_hidden_layers
-    scale = LORA_ALPHA / LORA_R
-    checked = 0
-    for name in merged:
-        a = f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight"
-        if a in adapters:
-            b = a.replace(".lora_A.", ".lora_B.")
-            want = base[name] + scale * (adapters[b] @ adapters[a])
-            assert (merged[name] - want).abs().max() <= MERGED_TOL, name
-            checked += 1
-        else:
-            assert torch.equal(merged[name], base[name]), name
-    assert checked == len(adapters) // 2
-    model = AutoModelForCausalLM.from_pretrained(res["merged"], dtype=torch.float32)
-    with torch.no_grad():
-        diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
-    print(f"\nLoRA {model_type} {layout}: |Megatron with adapters - transformers(merged)| logits {diff:.2e}")
-    assert diff < LOGIT_TOL

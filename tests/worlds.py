@@ -1159,20 +1159,22 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_R, LORA_ALPHA = 8, 16
 
 
-def lora_suite(ckpt: str, layout: Layout, adapter_dir: str, out_root: str, bridge: str) -> dict:
-    """A model of `ckpt` wrapped by Megatron-Bridge's own LoRA, its adapters loaded from the PEFT directory
-    `adapter_dir`: the adapter-only export (bit-identical to the PEFT source), the PEFT directory written, the merged
-    and the base exports, the refusals, and the Megatron forward with the adapters active."""
+def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
+                out_root: str) -> dict:
+    """A model of `ckpt` at `layout` wrapped by Megatron-Bridge's own LoRA (`targets`), its adapters loaded from the
+    PEFT directory `adapter_dir`: the adapter-only export bit-identical to that source (every rank receiving; one
+    receiver at 1 KiB buckets), the refusal without lora=, lora="base" equal to the HF source, no parameter
+    modified by any export. Rank 0 returns the PEFT directory and the merged HF directory written under `out_root`
+    and the Megatron forward with the adapters active."""
     from harness.bridge_lora import apply_lora
     from safetensors.torch import load_file
 
     from mcore2hf.errors import UsageError
     from mcore2hf.hf_config import text_config
 
-    cfg, chunks = build(ckpt, layout)
-    load_hf_weights(chunks, ckpt)
-    apply_lora(bridge, chunks, list(LORA_TARGETS), LORA_R, LORA_ALPHA)
-    load_hf_weights(chunks, ckpt)  # the base loads into the wrapped model too (adapters left alone)
+    cfg, chunks = build(ckpt, layout, mtp=False)
+    apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA)
+    load_hf_weights(chunks, ckpt, strict=False)  # the base loads into the wrapped model (adapters left alone)
     load_hf_weights(chunks, adapter_dir, ckpt, lora=True)
     params = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
     adapter_ref = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
@@ -1190,11 +1192,11 @@ def lora_suite(ckpt: str, layout: Layout, adapter_dir: str, out_root: str, bridg
     small = {n: t.clone() for b in ex.buckets(bucket_bytes=1024, receivers=0) for n, t in b}
     agree(checked(lambda: assert_same(small, adapter_ref, f"{layout} adapters, 1 KiB buckets, receivers=[0]")
                   if dist.get_rank() == 0 else None))
-    out = ex.save_pretrained(os.path.join(out_root, f"adapter-{layout.size}"), progress=False)
-
-    merged = HFExporter(chunks, cfg, lora="merged").state_dict()
+    out = ex.save_pretrained(os.path.join(out_root, "adapter"), progress=False)
+    merged = HFExporter(chunks, cfg, lora="merged").save_pretrained(os.path.join(out_root, "merged"), progress=False)
     base = HFExporter(chunks, cfg, lora="base").state_dict()
-    assert_same(base, read_hf_checkpoint(ckpt), f"{layout} lora='base'")
+    ref = read_hf_checkpoint(ckpt)
+    assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
     after = {n: p for c in chunks for n, p in c.named_parameters()}
     assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
@@ -1239,21 +1241,3 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
         assert not os.path.exists(out), f"{name}: {out} was written"
     return messages
 
-
-def lora_values_suite(ckpt: str, layout: Layout, bridge: str, out_root: str,
-                      targets: tuple[str, ...] = LORA_TARGETS) -> dict:
-    """A model wrapped by Bridge's LoRA keeping the adapters Bridge initializes (B normal, so non-zero): its
-    adapter-only export, its merged export saved as an HF directory, and the Megatron forward with the adapters
-    active (for architectures whose transformers model PEFT cannot wrap per expert: transformers 5 fuses experts)."""
-    from harness.bridge_lora import apply_lora
-
-    from mcore2hf.hf_config import text_config
-
-    cfg, chunks = build(ckpt, layout, mtp=False)
-    load_hf_weights(chunks, ckpt, strict=False)
-    apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA, lora_B_init_method="normal")
-    adapters = HFExporter(chunks, cfg, lora="adapter").state_dict()
-    merged = HFExporter(chunks, cfg, lora="merged").save_pretrained(
-        os.path.join(out_root, f"merged-{layout.size}"), progress=False)
-    logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
-    return {"adapters": adapters, "merged": merged, "logits": logits} if dist.get_rank() == 0 else {}
