@@ -51,7 +51,10 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 #: PEFT's prefix of a LoraModel's state dict (peft 0.21.2 tuners/lora/model.py: PeftModel.base_model.model)
 PEFT_PREFIX = "base_model.model."
 #: the only Bridge wrapper / adapter classes exported (DoRA's DoRALinear / ParallelLinearDoRAAdapter, canonical
-#: LoRA's LoRALinearSplitQKV / LoRALinearSplitFC1UpGate, the router's LoRATopKRouter are refused by name)
+#: LoRA's LoRALinearSplitQKV / LoRALinearSplitFC1UpGate, the router's LoRATopKRouter, 0.6.2's grouped-expert
+#: adapters GroupedExpertLinearAdapter / SharedOuterGroupedExpertAdapter are refused by name). megatron-bridge
+#: 0.6.2's ParallelLinearAdapter (peft/utils.py:1006-1052, read, not run) builds A and B as 0.3.1 does
+#: (utils.py:481-528)
 WRAPPER, ADAPTER_CLASS = "LoRALinear", "ParallelLinearAdapter"
 
 

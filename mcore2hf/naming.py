@@ -45,7 +45,7 @@ TE_RENAMES: dict[str, str] = {
 }
 
 #: Megatron-Bridge's PEFT wraps a linear as `<module>.to_wrap` (the frozen base) beside `<module>.adapter`
-#: (megatron-bridge 0.3.1 peft/adapter_wrapper.py:101-102 AdapterWrapper; also 0.6.2)
+#: (megatron-bridge 0.3.1 and 0.6.2 peft/adapter_wrapper.py:101-102 AdapterWrapper.__init__)
 LORA_BASE = ".to_wrap."
 _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
