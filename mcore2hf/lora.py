@@ -257,6 +257,26 @@ class Merger:
         return out
 
 
+def adapter_shapes(hf: dict[str, tuple[int, ...]], base: dict[str, tuple[int, ...]]) -> tuple[int | None, list[str]]:
+    """The rank r of adapters given by HF/PEFT name and shape, checked against the base weights' HF shapes `base`
+    (lora_A [r, in], lora_B [out, r] of a base [out, in]); the problems found."""
+    problems, ranks = [], set()
+    for name, shape in sorted(hf.items()):
+        module = name.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
+        want = base.get(module + ".weight")
+        if want is None or len(want) != 2 or len(shape) != 2:
+            problems.append(f"{name} {list(shape)}: no 2-D HF weight {module}.weight to adapt")
+            continue
+        r = shape[0] if ".lora_A." in name else shape[1]
+        expected = (r, want[1]) if ".lora_A." in name else (want[0], r)
+        ranks.add(r)
+        if tuple(shape) != expected:
+            problems.append(f"{name}: shape {list(shape)}, expected {list(expected)} for {module}.weight {list(want)}")
+    if len(ranks) > 1:
+        problems.append(f"LoRA adapters disagree on rank: {sorted(ranks)} (PEFT's adapter_config.json has one r)")
+    return (ranks.pop() if len(ranks) == 1 else None), problems
+
+
 def check_mode(mode: str | None, has_adapters: bool, example: str | None) -> None:
     if mode is not None and mode not in LORA_MODES:
         raise UsageError(f"lora must be one of {LORA_MODES} or None, got {mode!r}")

@@ -8,6 +8,8 @@ transformers + peft's logits against Megatron's forward with the adapters active
 merged export; for MoE and MLA (transformers 5 fuses experts, so PEFT has no per-expert module) transformers runs
 the merged weights against Megatron's forward with the adapters active."""
 
+import contextlib
+import io
 import json
 import os
 
@@ -39,10 +41,14 @@ MERGED_TOL = 1e-6
 LOGIT_TOL = 1e-4
 #: the layout matrix: every parallel dimension the base export covers (uneven PP, virtual PP, EP with expert-TP
 #: != TP, expert-TP > TP: expert adapters split over expert-TP), spread over the three architectures
+#: The first layout of each also saves a torch_dist checkpoint for the offline export: at EP 1, because Bridge
+#: 0.3.1's expert adapters cannot be saved at EP > 1 (peft/utils.py:684-696 rewrites their replica_id to the EP rank,
+#: so no rank saves the other EP ranks' experts: megatron-core refuses the access pattern)
 MATRIX = {
     "qwen3": [Layout(tp=2), Layout(pp=2, vpp=2), Layout(pp=2, first_stage_layers=1)],
-    "qwen3_moe": [Layout(tp=2, ep=2, etp=1), Layout(pp=2, vpp=2, ep=2, etp=1), Layout(ep=2, etp=2)],
-    "deepseek_v3": [Layout(tp=2, ep=2, etp=1), Layout(pp=2, first_stage_layers=1, ep=2)],
+    "qwen3_moe": [Layout(tp=2, etp=1), Layout(tp=2, ep=2, etp=1), Layout(pp=2, vpp=2, ep=2, etp=1),
+                  Layout(ep=2, etp=2)],
+    "deepseek_v3": [Layout(tp=2, etp=1), Layout(tp=2, ep=2, etp=1), Layout(pp=2, first_stage_layers=1, ep=2)],
 }
 TARGETS = {"qwen3": LORA_TARGETS, "qwen3_moe": LORA_TARGETS, "deepseek_v3": MLA_TARGETS}
 #: PEFT's adapters of one fused Megatron linear share its one A
@@ -122,9 +128,12 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
     reference = reference_merge(ckpt, src)
     base = read_hf_checkpoint(ckpt)
     first = None
-    for layout in MATRIX[model_type]:
-        res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(), TARGETS[model_type],
-                        str(tmp_path / str(layout)))[0]
+    for i, layout in enumerate(MATRIX[model_type]):
+        out = tmp_path / str(layout)
+        res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(), TARGETS[model_type], str(out),
+                        i == 0)[0]
+        if i == 0:
+            _offline(ckpt, str(out), res, reference, cli=model_type == "qwen3")
         got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))  # the PEFT directory: the source
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
         merged = read_hf_checkpoint(res["merged"])
@@ -166,6 +175,50 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
     else:  # every targeted module of every layer (and expert) has its adapter
         leaves = {m for t in TARGETS[model_type] for m in HF_MODULES[t]}
         assert {n.split(".")[-3] for n in want} == leaves and any(".experts." in n for n in want)
+
+
+def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None:
+    """The offline export of the torch_dist checkpoint megatron-core saved from Bridge's sharded_state_dict: the
+    adapters equal to the live PEFT directory (tensors and config), merged within MERGED_TOL of W + s B A, the
+    base equal to the HF source; without lora / lora_alpha refused by name. With `cli`, the same through
+    `mcore2hf export --lora adapter --lora-alpha` (and its one-line refusal, exit 2)."""
+    from mcore2hf.errors import UsageError
+    from mcore2hf.offline import export_checkpoint
+
+    dist_dir = os.path.join(out, "dist")
+    export_checkpoint(dist_dir, os.path.join(out, "off-adapter"), ckpt, lora="adapter", lora_alpha=LORA_ALPHA,
+                      progress=False)
+    live = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))
+    got = load_file(os.path.join(out, "off-adapter", "adapter_model.safetensors"))
+    assert sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in live)
+    for name in ("adapter_config.json",):
+        with open(os.path.join(res["dir"], name)) as a, open(os.path.join(out, "off-adapter", name)) as b:
+            assert json.load(a) == json.load(b)
+    export_checkpoint(dist_dir, os.path.join(out, "off-merged"), ckpt, lora="merged", lora_alpha=LORA_ALPHA,
+                      progress=False)
+    merged = read_hf_checkpoint(os.path.join(out, "off-merged"))
+    assert max((merged[n] - reference[n]).abs().max().item() for n in reference) <= MERGED_TOL
+    export_checkpoint(dist_dir, os.path.join(out, "off-base"), ckpt, lora="base", progress=False)
+    base, src = read_hf_checkpoint(os.path.join(out, "off-base")), read_hf_checkpoint(ckpt)
+    assert all(torch.equal(base[n], src[n]) for n in base) and set(reference) <= set(base)
+    for kwargs, words in (({}, "lora='adapter'"), ({"lora": "adapter"}, "lora_alpha")):
+        with pytest.raises(UsageError, match=words):
+            export_checkpoint(dist_dir, os.path.join(out, "refused"), ckpt, progress=False, **kwargs)
+        assert not os.path.exists(os.path.join(out, "refused"))
+    if cli:
+        from mcore2hf.cli import main
+
+        cli_out = os.path.join(out, "cli")
+        assert main(["export", dist_dir, cli_out, "--hf-config", ckpt, "--lora", "adapter", "--lora-alpha",
+                     str(LORA_ALPHA), "--quiet"]) == 0
+        got = load_file(os.path.join(cli_out, "adapter_model.safetensors"))
+        assert sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in live)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["export", dist_dir, os.path.join(out, "refused"), "--hf-config", ckpt, "--quiet"])
+        lines = err.getvalue().strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "lora='adapter'" in lines[0], lines
+        assert not os.path.exists(os.path.join(out, "refused"))
 
 
 def _peft_oracle(ckpt: str, res: dict):

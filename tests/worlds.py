@@ -1160,12 +1160,14 @@ LORA_R, LORA_ALPHA = 8, 16
 
 
 def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
-                out_root: str) -> dict:
+                out_root: str, save_dist: bool = False) -> dict:
     """A model of `ckpt` at `layout` wrapped by Megatron-Bridge's own LoRA (`targets`), its adapters loaded from the
     PEFT directory `adapter_dir`: the adapter-only export bit-identical to that source (every rank receiving; one
     receiver at 1 KiB buckets), the refusal without lora=, lora="base" equal to the HF source, no parameter
     modified by any export. Rank 0 returns the PEFT directory and the merged HF directory written under `out_root`
-    and the Megatron forward with the adapters active."""
+    and the Megatron forward with the adapters active; with `save_dist`, also a torch_dist checkpoint of the
+    wrapped model written by megatron-core's dist_checkpointing from Bridge's own sharded_state_dict
+    (out_root/dist, for the offline export)."""
     from harness.bridge_lora import apply_lora
     from safetensors.torch import load_file
 
@@ -1200,6 +1202,20 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     after = {n: p for c in chunks for n, p in c.named_parameters()}
     assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    if save_dist:
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+
+        md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        sd = {"model": chunks[0].sharded_state_dict(metadata=md)} if len(chunks) == 1 else \
+            {f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(chunks)}
+        it_dir = os.path.join(out_root, "dist", "iter_0000001")
+        if dist.get_rank() == 0:
+            os.makedirs(it_dir)
+            with open(os.path.join(out_root, "dist", "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("1")
+        dist.barrier()
+        dist_checkpointing.save(sd, it_dir)
     return {"logits": logits, "merged": merged, "dir": out} if dist.get_rank() == 0 else {}
 
 
