@@ -204,7 +204,9 @@ def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model
         targets = modules
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": info.r, "lora_alpha": info.alpha, "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+        # an integral alpha as an int: peft's LoraConfig and vLLM 0.33's PEFTHelper (lora/peft_helper.py:29) type it int
+        "r": info.r, "lora_alpha": int(info.alpha) if float(info.alpha).is_integer() else info.alpha,
+        "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "inference_mode": True, "init_lora_weights": True,
     }

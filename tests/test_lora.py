@@ -229,6 +229,7 @@ def _peft_oracle(ckpt: str, res: dict):
     with open(os.path.join(res["dir"], "adapter_config.json")) as f:
         config = json.load(f)
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (LORA_R, LORA_ALPHA, ckpt)
+    assert isinstance(config["lora_alpha"], int)
     assert sorted(config["target_modules"]) == sorted(m for t in LORA_TARGETS for m in HF_MODULES[t])
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
                                            res["dir"])
