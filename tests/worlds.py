@@ -1195,7 +1195,12 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     agree(checked(lambda: assert_same(small, adapter_ref, f"{layout} adapters, 1 KiB buckets, receivers=[0]")
                   if dist.get_rank() == 0 else None))
     out = ex.save_pretrained(os.path.join(out_root, "adapter"), progress=False)
-    merged = HFExporter(chunks, cfg, lora="merged").save_pretrained(os.path.join(out_root, "merged"), progress=False)
+    merging = HFExporter(chunks, cfg, lora="merged")
+    merged = merging.save_pretrained(os.path.join(out_root, "merged"), progress=False)
+    # block-FP8 of the merged weights (quantized on the shards where blocks allow): the reference quantizer
+    # applied to the full merged tensors
+    assert_same(merging.state_dict(quantize="fp8"), reference_fp8(merging.state_dict(), merging.fp8_policy(), False),
+                f"{layout} lora='merged', fp8")
     base = HFExporter(chunks, cfg, lora="base").state_dict()
     ref = read_hf_checkpoint(ckpt)
     assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
