@@ -218,6 +218,10 @@ class HFExporter:
                     name_filter: NameFilterLike = None) -> EngineShardPlan:
         """The engine-shard plan (routes from holders to engine ranks), built once per settings, no communication
         beyond the export plan's. `engine_ranks`: e.g. `colocated_ranks(world_size, "sglang", tp_size)`."""
+        if self.lora == "adapter":
+            raise EngineShardError("LoRA adapters are not engine-sharded: engines load an adapter whole and slice it "
+                                   "for their own TP (SGLang 0.5.23 srt/managers/tp_worker.py:220); export it with "
+                                   "buckets() or save_pretrained() (docs/lora.md)")
         key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter)
         if key not in self._plans:
             self._plans[key] = plan_engine_shards(self.plan(bucket_bytes, name_filter), list(engine_ranks), self.dims)

@@ -1195,12 +1195,27 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     agree(checked(lambda: assert_same(small, adapter_ref, f"{layout} adapters, 1 KiB buckets, receivers=[0]")
                   if dist.get_rank() == 0 else None))
     out = ex.save_pretrained(os.path.join(out_root, "adapter"), progress=False)
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.plan import colocated_ranks
+
+    try:
+        ex.engine_plan(colocated_ranks(layout.size, "sglang", 1))
+    except EngineShardError as e:
+        assert "not engine-sharded" in str(e), e
+    else:
+        raise AssertionError("an engine-sharded adapter export was not refused")
     merging = HFExporter(chunks, cfg, lora="merged")
     merged = merging.save_pretrained(os.path.join(out_root, "merged"), progress=False)
     # block-FP8 of the merged weights (quantized on the shards where blocks allow): the reference quantizer
     # applied to the full merged tensors
-    assert_same(merging.state_dict(quantize="fp8"), reference_fp8(merging.state_dict(), merging.fp8_policy(), False),
+    merged_sd = merging.state_dict()
+    assert_same(merging.state_dict(quantize="fp8"), reference_fp8(merged_sd, merging.fp8_policy(), False),
                 f"{layout} lora='merged', fp8")
+    if save_dist:  # (one layout per architecture, for CI time) engine-sharded merged export: each engine rank's
+        # regions of the merged tensors, at the layout matrix's placements (refusals as for the base model)
+        engine = engine_matrix(merging, merged_sd, layout, cfg.model_type)
+        bad = {k: v for k, v in engine.items() if "refused" not in v and (v["missing"] or v["extra"] or v["differ"])}
+        agree(f"engine-sharded lora='merged': {bad}" if bad else None)
     base = HFExporter(chunks, cfg, lora="base").state_dict()
     ref = read_hf_checkpoint(ckpt)
     assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
