@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals
 
+from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout, run_world
 
@@ -37,7 +38,9 @@ MLA_TARGETS = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", 
 #: is exact and each output element is the same r-term dot product); 1e-6 leaves room for a BLAS that blocks the
 #: shard-sized products differently from the full one
 MERGED_TOL = 1e-6
-#: the issue's bound on |Megatron with adapters - transformers (+ peft)| fp32 logits
+#: |Megatron with adapters - transformers (+ peft)| fp32 logits: the family's tolerance (3x the base models' measured
+#: maximum, docs/verification.md), tighter than the issue's 1e-4; measured with adapters: dense 1.1e-5, MoE 2.0e-5,
+#: MLA 2.7e-5 (docs/lora.md)
 LOGIT_TOL = 1e-4
 #: the layout matrix: every parallel dimension the base export covers (uneven PP, virtual PP, EP with expert-TP
 #: != TP, expert-TP > TP: expert adapters split over expert-TP), spread over the three architectures
@@ -166,7 +169,7 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
             diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
         print(f"\nLoRA {model_type} {layout}: |Megatron with adapters - transformers| logits {diff:.2e}, "
               f"|merged - (W + s B A)| {worst:.2e}")
-        assert diff < LOGIT_TOL
+        assert diff < min(LOGIT_TOL, logit_tolerance(model_type))
     if model_type == "qwen3":
         merged_peft = model.merge_and_unload().state_dict()
         worst = max((first[n] - merged_peft[n]).abs().max().item() for n in first)
