@@ -253,3 +253,30 @@ def test_lora_refusals(ckpts, tmp_path):
     assert "disagree on rank / alpha" in rank and "r=4 alpha=8" in rank and "r=8 alpha=16" in rank
     assert "output_layer" in unmapped and "VocabRows" in unmapped and "linear_qkv" not in unmapped
     assert "holds no LoRA adapter" in none
+
+
+def test_peft_target_modules():
+    """adapter_config.json's target_modules: leaf names when every layer has the adapter, else the full module
+    names, which peft matches exactly (a name matches itself or a module ending in '.' + it), so PEFT adds no
+    adapter the export does not hold; a non-integral alpha stays a float."""
+    from mcore2hf.lora import LoraInfo, peft_config
+
+    def names(layers, leaves):
+        return [f"base_model.model.model.layers.{i}.self_attn.{leaf}.lora_{f}.weight"
+                for i in layers for leaf in leaves for f in "AB"]
+
+    every = peft_config(LoraInfo(8, 16.0, ()), names(range(4), ["q_proj", "o_proj"]), 4, "/base")
+    assert every["target_modules"] == ["o_proj", "q_proj"] and every["lora_alpha"] == 16
+    assert every["base_model_name_or_path"] == "/base" and every["peft_type"] == "LORA"
+    some = peft_config(LoraInfo(8, 12.5, ()), names([0, 1], ["q_proj"]) + names(range(4), ["o_proj"]), 4, None)
+    assert some["target_modules"] == [f"model.layers.{i}.self_attn.{m}" for i, m in
+                                      [(0, "o_proj"), (0, "q_proj"), (1, "o_proj"), (1, "q_proj"), (2, "o_proj"),
+                                       (3, "o_proj")]]
+    assert some["lora_alpha"] == 12.5
+    # peft itself wraps exactly those modules of the transformers model
+    from mcore2hf.runtime.tiny import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=12.5, target_modules=some["target_modules"]))
+    wrapped = sorted(n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A"))
+    assert wrapped == some["target_modules"]
