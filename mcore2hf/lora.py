@@ -63,6 +63,15 @@ def is_adapter(name: str) -> bool:
     return ADAPTER in name
 
 
+#: Megatron-Bridge's canonical LoRA (megatron-bridge 0.3.1 peft/canonical_lora.py:306-327): the sub-adapters of a
+#: fused base, in the order of the base rule's HF tensors
+CANONICAL = {QKV: ("adapter_q", "adapter_k", "adapter_v"), GatedColumn: ("adapter_gate", "adapter_up")}
+#: Bridge's wrappers exported: plain LoRA, and canonical LoRA's split linear_qkv / linear_fc1
+#: (canonical_lora.py:66 LoRALinearSplitQKV, :144 LoRALinearSplitFC1UpGate; the adapter a ModuleDict of
+#: ParallelLinearAdapter, absent parts None)
+SPLIT_WRAPPERS = ("LoRALinearSplitQKV", "LoRALinearSplitFC1UpGate")
+
+
 def _family(op) -> str | None:
     """'column' or 'row' for the base ops an adapter can sit on (None: no PEFT form)."""
     if isinstance(op, type) and op in (Column, QKV, GatedColumn):
@@ -92,6 +101,11 @@ def lora_rules(rules: list[Rule]) -> list[Rule]:
         b = [peft_name(h, "B") for h in rule.hf]
         out.append(Rule(module + A_SUFFIX, a[0], Column if family == "column" else Row, copies=a[1:]))
         out.append(Rule(module + B_SUFFIX, b, rule.op if family == "column" else Column))
+        # canonical LoRA: one adapter per HF tensor of a fused base, each an ordinary column-parallel pair
+        # (A [r/TP, in], B [part_out/TP, r] over the rank's own heads / ffn columns)
+        for part, a_name, b_name in zip(CANONICAL.get(rule.op, ()), a, b):
+            out.append(Rule(f"{module}.adapter.{part}.linear_in.weight", a_name, Column))
+            out.append(Rule(f"{module}.adapter.{part}.linear_out.weight", b_name, Column))
     return out
 
 
@@ -118,10 +132,26 @@ class Adapter:
     alpha: float
     row_parallel: bool  # Bridge's input_is_parallel: A split on in, B on out
     is_expert: bool
+    part: str | None = None  # canonical LoRA's sub-adapter (`adapter_q`, ...); None: one adapter for the module
+    head_dim: int = 0  # kv_channels (canonical linear_qkv: its q/k/v interleave per query group)
+
+    @property
+    def prefix(self) -> str:
+        """Canonical name prefix of its two factors (`<prefix>.linear_in.weight`, `<prefix>.linear_out.weight`)."""
+        return f"{self.module}.adapter" + (f".{self.part}" if self.part else "")
+
+    @property
+    def a(self) -> str:
+        return f"{self.prefix}.linear_in.weight"
+
+    @property
+    def b(self) -> str:
+        return f"{self.prefix}.linear_out.weight"
 
 
 def find_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor]) -> tuple[list[Adapter], list[str]]:
-    """This rank's LoRA-wrapped linears and the problems found (variants that are not plain LoRA)."""
+    """This rank's LoRA adapters (one per ParallelLinearAdapter: canonical LoRA has several per module) and the
+    problems found (variants that are not LoRA)."""
     canonical = {t.local_name: t.name for t in local}
     adapters, problems = [], []
     for vp, chunk in enumerate(chunks):
@@ -129,20 +159,30 @@ def find_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor]) -> tu
         for name, m in chunk.named_modules():
             if not (hasattr(m, "to_wrap") and hasattr(m, "adapter")):
                 continue
-            adapter = m.adapter
-            kinds = f"{type(m).__name__} with {type(adapter).__name__}"
-            a_local = f"{prefix}{name}{A_SUFFIX}"
-            module = canonical.get(a_local, f"{prefix}{name}").removesuffix(A_SUFFIX)
-            if type(m).__name__ != WRAPPER or type(adapter).__name__ != ADAPTER_CLASS or a_local not in canonical:
-                problems.append(f"{module}: {kinds}; only LoRA ({WRAPPER} with {ADAPTER_CLASS}, "
-                                "adapter.linear_in / linear_out) is exported, not DoRA, canonical LoRA or other variants")
+            wrapper = type(m).__name__
+            if wrapper in SPLIT_WRAPPERS:
+                units = [(part, sub) for part, sub in m.adapter._modules.items() if sub is not None]
+            else:
+                units = [(None, m.adapter)]
+            kinds = f"{wrapper} with {', '.join(sorted({type(sub).__name__ for _, sub in units})) or 'no adapter'}"
+            first = f"{prefix}{name}.adapter" + (f".{units[0][0]}" if units and units[0][0] else "") + ".linear_in.weight"
+            module = canonical.get(first, f"{prefix}{name}").split(ADAPTER)[0]
+            if (wrapper not in (WRAPPER, *SPLIT_WRAPPERS) or not units
+                    or any(type(sub).__name__ != ADAPTER_CLASS for _, sub in units)
+                    or any(f"{prefix}{name}.adapter{'.' + p if p else ''}.linear_in.weight" not in canonical
+                           for p, _ in units)):
+                problems.append(f"{module}: {kinds}; only LoRA ({WRAPPER}, or canonical LoRA's {'/'.join(SPLIT_WRAPPERS)}, "
+                                f"with {ADAPTER_CLASS}: adapter[.adapter_x].linear_in / linear_out) is exported, not "
+                                "DoRA or other variants")
                 continue
-            if not isinstance(getattr(adapter, "activation", None), torch.nn.Identity):
-                problems.append(f"{module}: adapter activation {type(adapter.activation).__name__}; LoRA has none "
-                                "(an adapter with an activation has no LoRA/PEFT form)")
-                continue
-            adapters.append(Adapter(module, f"{prefix}{name}", int(adapter.dim), float(adapter.alpha),
-                                    bool(adapter.input_is_parallel), bool(adapter.is_expert)))
+            head_dim = int(getattr(getattr(m.to_wrap, "config", None), "kv_channels", 0) or 0)
+            for part, sub in units:
+                if not isinstance(getattr(sub, "activation", None), torch.nn.Identity):
+                    problems.append(f"{module}: adapter activation {type(sub.activation).__name__}; LoRA has none "
+                                    "(an adapter with an activation has no LoRA/PEFT form)")
+                    continue
+                adapters.append(Adapter(module, f"{prefix}{name}", int(sub.dim), float(sub.alpha),
+                                        bool(sub.input_is_parallel), bool(sub.is_expert), part, head_dim))
     return adapters, problems
 
 
@@ -152,7 +192,7 @@ class LoraInfo:
 
     r: int
     alpha: float
-    modules: tuple[str, ...]  # canonical module names, all ranks
+    modules: tuple[str, ...]  # canonical adapter prefixes (`<module>.adapter[.adapter_q]`), all ranks
 
     @property
     def scale(self) -> float:
@@ -165,7 +205,7 @@ def gather_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor], con
     mine, problems = find_adapters(chunks, local)
     derived = lora_converter(converter)
     for a in mine:
-        if derived.resolve(a.module + A_SUFFIX, dims) is None:
+        if derived.resolve(a.a, dims) is None:
             base = converter.resolve(a.module + ".weight", dims)
             how = f"-> {list(base.hf_names)} with {type(base.op).__name__}" if base else "(no rule)"
             problems.append(f"{a.module}: a LoRA adapter on a module whose base weight {how} has no HF/PEFT "
@@ -174,7 +214,7 @@ def gather_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor], con
     if world_size > 1:
         everyone = [None] * world_size
         dist.all_gather_object(everyone, (mine, problems))
-    adapters = {a.module: a for ranks, _ in everyone for a in ranks}
+    adapters = {a.prefix: a for ranks, _ in everyone for a in ranks}
     problems = sorted({p for _, ps in everyone for p in ps})
     pairs = sorted({(a.r, a.alpha) for a in adapters.values()})
     if len(pairs) > 1:
@@ -214,20 +254,37 @@ def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model
 
 class Merger:
     """The merged base weights' getters: W + (alpha / r) B A on each shard, from factors refreshed (one all-gather
-    per TP / expert-TP group) before each export."""
+    per TP / expert-TP group) before each export. Canonical LoRA's parts of a fused base combine as Bridge's forward
+    does (canonical_lora.py:88-128 `_interleave_qkv` per query group; :158-160 [gate; up])."""
 
     def __init__(self, adapters: list[Adapter], local: dict[str, LocalTensor], info: LoraInfo, tp, etp):
         self.adapters, self.local, self.scale = adapters, local, info.scale
         self.groups = (tp, etp)
-        self.full: dict[str, torch.Tensor] = {}  # module -> the gathered factor (A or B)
+        self.full: dict[str, torch.Tensor] = {}  # adapter prefix -> its gathered factor (A or B)
+        self.by_module: dict[str, list[Adapter]] = {}
+        for a in adapters:
+            self.by_module.setdefault(a.module, []).append(a)
+        problems = []
+        for module, units in self.by_module.items():
+            parts = [a.part for a in units]
+            if parts == [None]:
+                continue
+            order = next((o for o in CANONICAL.values() if set(o) == set(parts)), None)
+            if order is None:
+                problems.append(f"{module}: canonical LoRA on {parts}; the merge needs every part of the fused "
+                                f"weight ({' / '.join(' '.join(p) for p in CANONICAL.values())})")
+                continue
+            units.sort(key=lambda a: order.index(a.part))  # Bridge's ModuleDict holds up before gate
+        if problems:
+            raise ConfigMismatchError("cannot merge the LoRA adapters:\n  " + "\n  ".join(problems))
 
     def refresh(self) -> None:
         """Collective over TP and expert-TP: the split-on-dim-0 factor of every adapter, gathered."""
         for expert, axis in ((False, self.groups[0]), (True, self.groups[1])):
             mine = [a for a in self.adapters if a.is_expert == expert]
-            factors = [self.local[a.module + (B_SUFFIX if a.row_parallel else A_SUFFIX)].get() for a in mine]
+            factors = [self.local[a.b if a.row_parallel else a.a].get() for a in mine]
             if axis.size == 1 or not factors:
-                self.full.update({a.module: f for a, f in zip(mine, factors)})
+                self.full.update({a.prefix: f for a, f in zip(mine, factors)})
                 continue
             flat = torch.cat([f.reshape(-1) for f in factors])
             parts = [torch.empty_like(flat) for _ in range(axis.size)]
@@ -235,17 +292,27 @@ class Merger:
             offset = 0
             for a, f in zip(mine, factors):
                 n = f.numel()
-                self.full[a.module] = torch.cat([p[offset:offset + n].view(f.shape) for p in parts])
+                self.full[a.prefix] = torch.cat([p[offset:offset + n].view(f.shape) for p in parts])
                 offset += n
 
-    def getter(self, a: Adapter, base: LocalTensor) -> Callable[[], torch.Tensor]:
-        A, B = self.local[a.module + A_SUFFIX], self.local[a.module + B_SUFFIX]
+    def _delta(self, a: Adapter) -> torch.Tensor:
+        """B A of one adapter on this rank's shard (fp32)."""
+        full = self.full[a.prefix]
+        a_, b_ = (self.local[a.a].get(), full) if a.row_parallel else (full, self.local[a.b].get())
+        return b_.float() @ a_.float()
 
+    def getter(self, units: list[Adapter], base: LocalTensor) -> Callable[[], torch.Tensor]:
         def merged() -> torch.Tensor:
             w = base.get()
-            full = self.full[a.module]
-            a_, b_ = (A.get(), full) if a.row_parallel else (full, B.get())
-            delta = b_.float() @ a_.float()
+            deltas = [self._delta(a) for a in units]
+            if len(deltas) == 3:  # canonical q, k, v: this shard's query groups, [q_g; k_g; v_g] each
+                q, k, v = deltas
+                d = units[0].head_dim
+                groups = k.shape[0] // d
+                delta = torch.cat([q.reshape(groups, -1, q.shape[1]), k.reshape(groups, d, -1),
+                                   v.reshape(groups, d, -1)], dim=1).reshape(w.shape)
+            else:  # one adapter, or canonical [gate_i; up_i]
+                delta = torch.cat(deltas)
             return (w.float() + self.scale * delta).to(w.dtype)
 
         return merged
@@ -253,9 +320,9 @@ class Merger:
     def merged_local(self) -> dict[str, LocalTensor]:
         """The local table with each adapted base weight read merged (the parameters are not touched)."""
         out = dict(self.local)
-        for a in self.adapters:
-            base = self.local[a.module + ".weight"]
-            out[base.name] = dataclasses.replace(base, get=self.getter(a, base), param=None)  # read by its getter
+        for module, units in self.by_module.items():
+            base = self.local[module + ".weight"]
+            out[base.name] = dataclasses.replace(base, get=self.getter(units, base), param=None)  # read by its getter
         return out
 
 

@@ -631,6 +631,10 @@ def _adapter_sources(adapters: list[CkptSource], converter, dims, cfg, ckpt_mtp:
 
 def _attach_merges(sources: list[CkptSource], adapters: list[CkptSource], alpha: float) -> None:
     """lora="merged": each adapted base weight gets its (A, B) sources and alpha / r."""
+    split = sorted({s.name.split(ADAPTER)[0] for s in adapters if ".adapter.adapter_" in s.name})
+    if split:
+        raise UsageError(f"lora='merged' offline: canonical LoRA (adapter.adapter_q/k/v, adapter_gate/up) is not "
+                         f"merged from checkpoints yet ({split[:3]}); export lora='adapter', or merge live")
     by_name = {s.name: s for s in adapters}
     for s in sources:
         module = s.name.removesuffix(".weight")

@@ -67,8 +67,9 @@ def _share_fused_a(tensors: dict[str, torch.Tensor]) -> None:
                     tensors[twin] = tensors[name].clone()
 
 
-def peft_adapter(ckpt: str, out: str, targets: tuple[str, ...], seed: int = 0) -> str:
-    """A random LoRA adapter for the HF model `ckpt`, created and saved by peft itself (PeftModel.save_pretrained)."""
+def peft_adapter(ckpt: str, out: str, targets: tuple[str, ...], seed: int = 0, share: bool = True) -> str:
+    """A random LoRA adapter for the HF model `ckpt`, created and saved by peft itself (PeftModel.save_pretrained);
+    `share`: the adapters of one fused Megatron linear share lora_A (plain Bridge LoRA has one A there)."""
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     modules = [m for t in targets for m in HF_MODULES[t]]
     pm = peft.get_peft_model(model, peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=modules,
@@ -76,7 +77,8 @@ def peft_adapter(ckpt: str, out: str, targets: tuple[str, ...], seed: int = 0) -
     g = torch.Generator().manual_seed(seed)
     state = peft.get_peft_model_state_dict(pm)
     state = {n: 0.1 * torch.randn(t.shape, generator=g) for n, t in sorted(state.items())}
-    _share_fused_a(state)
+    if share:
+        _share_fused_a(state)
     peft.set_peft_model_state_dict(pm, state)
     pm.save_pretrained(out)
     return out
@@ -242,6 +244,34 @@ def _peft_oracle(ckpt: str, res: dict):
         base_logits = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)(TOKENS).logits
     assert (base_logits - res["logits"]).abs().max() > 100 * LOGIT_TOL
     return model
+
+
+#: Bridge's CanonicalLoRA targets (peft/canonical_lora.py:197-206): q, k, v and gate, up as separate adapters
+CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate",
+                     "linear_fc2")
+
+
+def test_lora_canonical(ckpts, tmp_path):
+    """Bridge's canonical LoRA (its own A per q/k/v and gate/up: PEFT's own form) at TP2: a peft adapter without
+    shared A loaded into it exports bit for bit; peft loads the directory, logits equal Megatron's with the
+    adapters active; merged (q/k/v deltas interleaved per query group, [gate; up]) equals merge_and_unload."""
+    ckpt, layout = ckpts["qwen3"], Layout(tp=2)
+    src = peft_adapter(ckpt, str(tmp_path / "src"), LORA_TARGETS, seed=1, share=False)
+    want = load_file(os.path.join(src, "adapter_model.safetensors"))
+    res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(), CANONICAL_TARGETS, str(tmp_path / "out"),
+                    False, True)[0]
+    got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    model = _peft_oracle(ckpt, res)
+    with torch.no_grad():
+        diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
+    merged, reference = read_hf_checkpoint(res["merged"]), reference_merge(ckpt, src)
+    worst = max((merged[n] - reference[n]).abs().max().item() for n in reference)
+    merged_peft = model.merge_and_unload().state_dict()
+    worst_peft = max((merged[n] - merged_peft[n]).abs().max().item() for n in merged)
+    print(f"\nLoRA canonical {layout}: logits {diff:.2e}, |merged - (W + s B A)| {worst:.2e}, "
+          f"|merged - merge_and_unload| {worst_peft:.2e}")
+    assert diff < logit_tolerance("qwen3") and worst <= MERGED_TOL and worst_peft <= MERGED_TOL
 
 
 def test_lora_refusals(ckpts, tmp_path):

@@ -1160,7 +1160,7 @@ LORA_R, LORA_ALPHA = 8, 16
 
 
 def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
-                out_root: str, save_dist: bool = False) -> dict:
+                out_root: str, save_dist: bool = False, canonical: bool = False) -> dict:
     """A model of `ckpt` at `layout` wrapped by Megatron-Bridge's own LoRA (`targets`), its adapters loaded from the
     PEFT directory `adapter_dir`: the adapter-only export bit-identical to that source (every rank receiving; one
     receiver at 1 KiB buckets), the refusal without lora=, lora="base" equal to the HF source, no parameter
@@ -1175,7 +1175,7 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     from mcore2hf.hf_config import text_config
 
     cfg, chunks = build(ckpt, layout, mtp=False)
-    apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA)
+    apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA, canonical=canonical)
     load_hf_weights(chunks, ckpt, strict=False)  # the base loads into the wrapped model (adapters left alone)
     load_hf_weights(chunks, adapter_dir, ckpt, lora=True)
     params = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}

@@ -85,9 +85,16 @@ def import_bridge_peft(root: str) -> types.ModuleType:
     return lora
 
 
-def apply_lora(root: str, chunks: list, target_modules: list[str], dim: int, alpha: int, **kw) -> list:
+def apply_lora(root: str, chunks: list, target_modules: list[str], dim: int, alpha: int, canonical: bool = False,
+               **kw) -> list:
     """Bridge's `LoRA(target_modules, dim, alpha)` applied to the model chunks (PEFT.__call__, peft/base.py:83:
-    freezes the base, wraps each matched linear in LoRALinear(to_wrap, ParallelLinearAdapter)). Returns the chunks."""
+    freezes the base, wraps each matched linear in LoRALinear(to_wrap, ParallelLinearAdapter)); `canonical`:
+    its `CanonicalLoRA` (peft/canonical_lora.py:165: separate q/k/v and gate/up adapters). Returns the chunks."""
     lora = import_bridge_peft(root)
-    peft = lora.LoRA(target_modules=list(target_modules), dim=dim, alpha=alpha, **kw)
+    if canonical:
+        from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+
+        peft = CanonicalLoRA(target_modules=list(target_modules), dim=dim, alpha=alpha, **kw)
+    else:
+        peft = lora.LoRA(target_modules=list(target_modules), dim=dim, alpha=alpha, **kw)
     return peft(chunks, training=False)
