@@ -22,6 +22,10 @@ row-parallel base is `Row`; B takes the base's own layout op (row-parallel base:
 `base_model.model.<HF module>.lora_A.weight` [r, in] / `lora_B.weight` [out, r] (peft 0.21.2
 utils/save_and_load.py get_peft_model_state_dict: the adapter name is removed on save).
 
+Canonical LoRA (peft/canonical_lora.py) gives linear_qkv / linear_fc1 one adapter per HF tensor
+(`adapter.adapter_{q,k,v}`, `adapter.adapter_{gate,up}`), each column-parallel over the rank's own heads / ffn
+columns: `Column` for its A and its B.
+
 The merged export (`lora="merged"`) writes W + (alpha / r) B A: computed on each base shard in fp32 and cast to the
 base's dtype, with the one factor that is split along the other axis gathered over TP first (A of a
 column-parallel base, B of a row-parallel base: both split on dim 0), never modifying the model's parameters.
@@ -50,9 +54,9 @@ A_SUFFIX, B_SUFFIX = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 #: PEFT's prefix of a LoraModel's state dict (peft 0.21.2 tuners/lora/model.py: PeftModel.base_model.model)
 PEFT_PREFIX = "base_model.model."
-#: the only Bridge wrapper / adapter classes exported (DoRA's DoRALinear / ParallelLinearDoRAAdapter, canonical
-#: LoRA's LoRALinearSplitQKV / LoRALinearSplitFC1UpGate, the router's LoRATopKRouter, 0.6.2's grouped-expert
-#: adapters GroupedExpertLinearAdapter / SharedOuterGroupedExpertAdapter are refused by name). megatron-bridge
+#: the Bridge wrapper / adapter classes exported, with SPLIT_WRAPPERS (DoRA's DoRALinear / ParallelLinearDoRAAdapter,
+#: the router's LoRATopKRouter, 0.6.2's grouped-expert adapters GroupedExpertLinearAdapter /
+#: SharedOuterGroupedExpertAdapter are refused by name). megatron-bridge
 #: 0.6.2's ParallelLinearAdapter (peft/utils.py:1006-1052, read, not run) builds A and B as 0.3.1 does
 #: (utils.py:481-528)
 WRAPPER, ADAPTER_CLASS = "LoRALinear", "ParallelLinearAdapter"
