@@ -77,9 +77,13 @@ _FROM_KEY = {r.key: r.canonical for r in LAYER_RENAMES}
 assert all(_FROM_KEY[r.key] == r.canonical for r in LAYER_RENAMES), "a key must name one canonical prefix"
 
 #: routed experts: the canonical name, the stacked key (expert = a leading axis), the per-expert key
-_EXPERT = regex.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
-_STACKED_EXPERTS = regex.compile(r"mlp\.experts\.experts\.(linear_fc[12]\.(?:weight|bias))")
-_SINGLETON_EXPERT = regex.compile(r"mlp\.experts\.(?:experts\.)?(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+# a LoRA-wrapped expert linear saves its factors beside its weight (megatron-bridge 0.3.1 adapter_wrapper.py:187-217
+# AdapterWrapper.sharded_state_dict: the base under the module's own prefix, the adapter under `adapter.`), stacked
+# over experts like the weight: mlp.experts.experts.linear_fc1.adapter.linear_in.weight [E, r, in]
+_PARAM = r"(?:adapter\.linear_(?:in|out)\.)?(?:weight|bias)"
+_EXPERT = regex.compile(rf"mlp\.experts\.(\d+)\.(linear_fc[12]\.{_PARAM})")
+_STACKED_EXPERTS = regex.compile(rf"mlp\.experts\.experts\.(linear_fc[12]\.{_PARAM})")
+_SINGLETON_EXPERT = regex.compile(rf"mlp\.experts\.(?:experts\.)?(\d+)\.(linear_fc[12]\.{_PARAM})")
 _CANONICAL_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 #: key suffixes of the parts one tensor is saved as, in the order that concatenates them into the tensor: whole,
@@ -352,3 +356,5 @@ class CkptSource:
     op: object = None
     n_out: int = 1
     keep_dtype: bool = False
+    #: lora="merged": the adapter's (A, B) sources and alpha / r, added to this base weight as it is read
+    merge: tuple | None = None

@@ -160,7 +160,7 @@ def cmd_export(a) -> int:
                           max_shard_size=a.shard_size, bucket_bytes=a.bucket_size, overwrite=a.overwrite,
                           progress=not a.quiet, name_filter=_name_filter(a),
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, quantize=a.quantize,
-                          base=a.base)
+                          base=a.base, lora=a.lora, lora_alpha=a.lora_alpha)
     if not a.quiet:
         print(f"wrote {r.tensors} HF tensors ({format_size(r.bytes_written)}) to {r.out_dir} in {r.seconds:.1f} s; "
               f"checkpoint {format_size(r.checkpoint_bytes)}, {r.ignored_keys} non-model keys skipped; "
@@ -246,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--base", default=None, metavar="HF_DIR",
                     help="complete the output from this HF directory: copy every tensor the checkpoint does not "
                          "produce (e.g. the vision tower of a text-only model) and its tokenizer/preprocessor files")
+    ex.add_argument("--lora", choices=["adapter", "merged", "base"], default=None,
+                    help="a checkpoint of a Megatron-Bridge LoRA model: write a PEFT adapter directory (adapter), "
+                         "the HF directory of W + alpha/r B A (merged) or of the base weights (base)")
+    ex.add_argument("--lora-alpha", type=float, default=None,
+                    help="LoRA's alpha, for --lora adapter / merged (the checkpoint does not hold it)")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     ex.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     _filters(ex)

@@ -13,8 +13,18 @@ import torch
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .collective import agree
 from .engine_shards import EngineShardError
-from .errors import ConfigMismatchError, Mcore2HFError, problem_list
+from .errors import ConfigMismatchError, Mcore2HFError, UsageError, problem_list
 from .hf_config import HFConfigLike, config_source
+from .lora import (
+    LORA_MODES,
+    LoraInfo,
+    Merger,
+    check_mode,
+    gather_adapters,
+    is_adapter,
+    lora_converter,
+    peft_config,
+)
 from .mapping import Converter
 from .naming import LocalTensor, local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
@@ -65,7 +75,16 @@ class HFExporter:
     `bucket_bytes` is a bucket alone, so a bucket here is at most max(bucket_bytes, largest tensor).
     """
 
-    def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None):
+    def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None,
+                 lora: str | None = None):
+        """`lora`: for a model with Megatron-Bridge LoRA adapters (docs/lora.md), what is exported: "adapter" (the
+        adapters alone, HF/PEFT names; `save_pretrained` writes a PEFT adapter directory), "merged" (W + alpha/r B A,
+        computed on the shards; the model is not modified) or "base" (the frozen base weights)."""
+        if lora is not None and lora not in LORA_MODES:
+            raise UsageError(f"lora must be one of {LORA_MODES} or None, got {lora!r}")
+        self.lora = lora
+        self.lora_info: LoraInfo | None = None
+        self._merger: Merger | None = None
         self.chunks = unwrap_model(model)
         self.config_source = config_source(hf_config)  # written as given by save_pretrained
         self.hf_config = self.config_source.config
@@ -90,8 +109,31 @@ class HFExporter:
             check_model_config(model_config(self.chunks), self.spec, self.hf_config)
             local = local_tensors(self.chunks, self.ctx)
             self._local = {t.name: t for t in local}
-            self._planner = Planner(gather_records(local, self.ctx), self.hf_config, self.converter, self.dims,
-                                    self.ctx.tp.size, self.ctx.etp.size, verbose=self.ctx.rank == 0)
+            records = gather_records(local, self.ctx)
+            adapters = [t[0] for rec in records for t in rec.tensors if is_adapter(t[0])]
+            check_mode(self.lora, bool(adapters), adapters[0] if adapters else None)
+            base = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if not is_adapter(t[0])))
+                    for rec in records]
+            planner = Planner(base, self.hf_config, self.converter, self.dims, self.ctx.tp.size, self.ctx.etp.size,
+                              verbose=self.ctx.rank == 0)
+            planner.sources  # noqa: B018 - the base model checked against the HF config in every mode
+            if self.lora in ("adapter", "merged"):
+                self.lora_info, mine = gather_adapters(self.chunks, local, self.converter, self.dims,
+                                                       self.ctx.world_size)
+                if self.ctx.etp.size > 1 and self.ctx.rank == 0 and any(a.is_expert for a in mine):
+                    log.warning("LoRA on experts at expert-TP %d: Megatron-Bridge's forward of expert adapters at "
+                                "expert-TP > 1 is not LoRA (Megatron-Bridge issue 5634); the export is W + alpha/r "
+                                "B A of the trained factors, which is not what that forward computed (docs/lora.md)",
+                                self.ctx.etp.size)
+            if self.lora == "adapter":  # the adapters alone, through the table derived from the architecture's
+                only = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if is_adapter(t[0])))
+                        for rec in records]
+                planner = Planner(only, self.hf_config, lora_converter(self.converter), self.dims, self.ctx.tp.size,
+                                  self.ctx.etp.size, verbose=self.ctx.rank == 0, structure=False)
+            elif self.lora == "merged":
+                self._merger = Merger(mine, self._local, self.lora_info, self.ctx.tp, self.ctx.etp)
+                self._local = self._merger.merged_local()
+            self._planner = planner
         return self._planner
 
     def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
@@ -153,12 +195,23 @@ class HFExporter:
         runs the next bucket's first collectives while this one is converted, with one more bucket of staging.
         `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`). `quantize="fp8"` /
         `"fp8-ue8m0"`: block-FP8 weights and their `weight_scale_inv` tensors, ordinary entries of the bucket."""
+        self._refresh_merge()
         yield from self.executor(bucket_bytes, receivers, overlap, name_filter, quantize).run()
+
+    def _refresh_merge(self) -> None:
+        """lora="merged": gather the adapters' split factors (collective, before every export: training moves them)."""
+        self.planner  # noqa: B018 - built (and the merger made) on first use
+        if self._merger is not None:
+            self._merger.refresh()
 
     def engine_plan(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                     name_filter: NameFilterLike = None) -> EngineShardPlan:
         """The engine-shard plan (routes from holders to engine ranks), built once per settings, no communication
         beyond the export plan's. `engine_ranks`: e.g. `colocated_ranks(world_size, "sglang", tp_size)`."""
+        if self.lora == "adapter":
+            raise EngineShardError("LoRA adapters are not engine-sharded: engines load an adapter whole and slice it "
+                                   "for their own TP (SGLang 0.5.23 srt/managers/tp_worker.py:220); export it with "
+                                   "buckets() or save_pretrained() (docs/lora.md)")
         key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter)
         if key not in self._plans:
             self._plans[key] = plan_engine_shards(self.plan(bucket_bytes, name_filter), list(engine_ranks), self.dims)
@@ -172,6 +225,7 @@ class HFExporter:
         a rank that feeds no engine rank gets empty buckets. No byte is received that the engine rank does not
         load. `output="masked"` writes every piece straight into its full-shaped HF tensor (`as_bucket()` is
         then free); `debug` fills the unsent regions with NaN (float dtypes)."""
+        self._refresh_merge()
         return self.engine_executor(engine_ranks, bucket_bytes, name_filter, quantize, output, debug).run()
 
     def engine_executor(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -215,8 +269,18 @@ class HFExporter:
         `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint with its `quantization_config`.
         `base` (an HF directory, e.g. the published checkpoint) completes the output with the base tensors the
         converter declares not held by the Megatron model (a text model's vision tower), copied in bounded chunks,
-        and the base's tokenizer/preprocessor files; config.json stays the export's (see SafetensorsWriter)."""
+        and the base's tokenizer/preprocessor files; config.json stays the export's (see SafetensorsWriter).
+        With lora="adapter" it writes a PEFT adapter directory instead: adapter_config.json (r, lora_alpha,
+        target_modules, `base_model_name_or_path`: `base` or else the HF config's directory) and one
+        adapter_model.safetensors, as peft's PeftModel.from_pretrained loads it."""
         scheme = get_scheme(quantize)
+        adapter_config = None
+        if self.lora == "adapter":
+            if quantize is not None:
+                raise UsageError("a LoRA adapter export is not quantized: drop quantize")
+            names = [e.name for e in self.plan(bucket_bytes, name_filter).hf_entries()]  # sets lora_info
+            adapter_config = peft_config(self.lora_info, names, self.dims.num_layers,
+                                         os.fspath(base) if base is not None else self.config_source.directory)
         plan = self.plan(bucket_bytes, name_filter, scheme)
         quantization = None
         if scheme is not None:
@@ -230,10 +294,14 @@ class HFExporter:
                 inputs = ([src.directory] if src.directory else []) + ([base] if base is not None else [])
                 check_target(out_dir, overwrite, inputs)
                 infos = [TensorInfo(e.name, e.shape, e.dtype) for e in plan.hf_entries()]
-                writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size, overwrite=overwrite,
-                                           extra_files=src.companion_files if extra_files is None else extra_files,
-                                           inputs=inputs, quantization=quantization, base=base,
-                                           not_held=self.converter.not_held_by_model)
+                if adapter_config is not None:  # the base is named in adapter_config.json, never copied
+                    writer = SafetensorsWriter(out_dir, infos, None, overwrite=overwrite, inputs=inputs,
+                                               adapter_config=adapter_config)
+                else:
+                    writer = SafetensorsWriter(out_dir, infos, src, max_shard_size=max_shard_size,
+                                               overwrite=overwrite, inputs=inputs, quantization=quantization,
+                                               extra_files=src.companion_files if extra_files is None else extra_files,
+                                               base=base, not_held=self.converter.not_held_by_model)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         agree(error, Mcore2HFError, f"save_pretrained({out_dir}) failed on ")  # the writer's error, on every rank
@@ -273,7 +341,7 @@ class Planner:
     Sources are built (and checked against the HF config) once; plans are cached per settings."""
 
     def __init__(self, records: Sequence[RankRecord], hf_config, converter: Converter, dims, tp_size: int,
-                 etp_size: int, *, verbose: bool = False):
+                 etp_size: int, *, verbose: bool = False, structure: bool = True):
         from importlib import import_module
 
         self.records = list(records)
@@ -281,6 +349,7 @@ class Planner:
         self.spec = import_module(converter.spec)
         self.tp_size, self.etp_size, self.world_size = tp_size, etp_size, len(self.records)
         self.verbose = verbose  # log each new plan (rank 0 of a live world)
+        self.structure = structure  # check the sources against the HF config (not for a LoRA adapter table)
         self._sources: dict[str, Source] | None = None
         self._plans: dict[tuple, ExportPlan] = {}
 
@@ -289,7 +358,8 @@ class Planner:
         """The global source table, checked against the HF config (layers, dense/MoE pattern, experts, ties)."""
         if self._sources is None:
             sources = build_sources(self.records, self.converter, self.dims, self.tp_size, self.etp_size)
-            check_structure(sources, self.spec, self.hf_config, self.dims)
+            if self.structure:
+                check_structure(sources, self.spec, self.hf_config, self.dims)
             self._sources = sources
         return self._sources
 

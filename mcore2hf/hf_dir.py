@@ -27,6 +27,8 @@ from .errors import HFDirectoryError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+#: a PEFT adapter directory's one weights file (peft 0.21.2 PeftModel.save_pretrained; read like SINGLE)
+ADAPTER_SINGLE = "adapter_model.safetensors"
 MAX_HEADER = 100_000_000  # safetensors 0.8 `MAX_HEADER_SIZE`: it refuses larger headers
 CHUNK_BYTES = 16 * 2**20  # a sliced read holds at most this much beyond its result
 RUN_BYTES = 1024  # a row's selection at least this long is read on its own (less: whole rows, narrowed)
@@ -150,6 +152,8 @@ class HFDirectory:
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(os.path.join(root, SINGLE)):
             files = [SINGLE]
+        elif os.path.isfile(os.path.join(root, ADAPTER_SINGLE)):
+            files = [ADAPTER_SINGLE]
         else:
             raise HFDirectoryError(root, f"{who} is not an HF directory: it has neither {INDEX} nor {SINGLE}")
         self._handles: dict[str, int] = {}

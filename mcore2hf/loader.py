@@ -22,6 +22,7 @@ from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
 from .hf_dir import open_tensors
 from .layouts import shape_of
+from .lora import is_adapter, lora_converter
 from .mapping import Converter
 from .naming import local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
@@ -40,12 +41,16 @@ class LoadReport:
 
 def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor],
                     hf_config: HFConfigLike | None = None, *, converter: Converter | None = None,
-                    strict: bool = True) -> LoadReport:
+                    strict: bool = True, lora: bool = False) -> LoadReport:
     """Fill a Megatron model (any TP/PP/VPP/EP/ETP layout) from HF weights: a directory or a state dict.
 
     `hf_config` defaults to the directory's config.json. With `strict`, HF tensors that no rank used are an
     error (collective: every rank of the world must call it), except those the converter declares the model does
-    not hold (`Converter.not_held`, e.g. a text-only model's vision tower): skipped and listed in `skipped`."""
+    not hold (`Converter.not_held`, e.g. a text-only model's vision tower): skipped and listed in `skipped`.
+
+    A model with Megatron-Bridge LoRA adapters: the base weights load as usual (the adapters are left alone);
+    `lora=True` loads the adapters instead, from a PEFT adapter directory or state dict (HF/PEFT names, see
+    docs/lora.md); the q/k/v (gate/up) adapters of one fused Megatron linear must hold the same lora_A."""
     chunks = unwrap_model(model)
     if hf_config is None:
         if isinstance(source, Mapping):
@@ -56,12 +61,17 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
 
     converter = converter or get_converter(cfg.model_type)
     spec = import_module(converter.spec)
+    if lora:
+        converter = lora_converter(converter)
     ctx = ParallelContext.from_megatron()
     dims = model_dims(spec, cfg, model_config(chunks))
     hf_mtp = spec.dims(cfg).num_mtp_layers
     check_model_config(model_config(chunks), spec, cfg)
     reader = open_tensors(source)
-    local = local_tensors(chunks, ctx)
+    local = [t for t in local_tensors(chunks, ctx) if is_adapter(t.name) == lora]
+    if lora and not _exchange([t.name for t in local], [], [], set())[0]:
+        raise Mcore2HFError("lora=True, but the model holds no LoRA adapter (Megatron-Bridge's "
+                            "<module>.adapter.linear_in / linear_out)")
 
     unknown = [t.name for t in local if converter.resolve(t.name, dims) is None]
     missing = sorted({n for t in local if t.name not in unknown
@@ -125,6 +135,12 @@ def _load_local(local, converter, dims, ctx, reader, used: set[str]) -> list[str
                 problems.append(f"{t.local_name} ({t.name}) <- {list(r.hf_names)}: expected HF shapes "
                                 f"{[list(w) for w in want]}, found {[list(h) for h in have]}")
                 continue
+            shared = [n for n in r.copies if is_adapter(t.name) and n in reader and not torch.equal(_full(reader.slice(n)),
+                                                                          _full(hf[0]))]
+            if shared:  # PEFT's q/k/v adapters of one fused linear: loading keeps one lora_A, so they must be equal
+                problems.append(f"{t.local_name} ({t.name}) <- {r.hf_names[0]}: {shared} differ from it, but "
+                                "Megatron holds one tensor for them")
+                continue
             shard = op.shard_from_hf(hf, index, count, tuple(full))
             if tuple(shard.shape) != t.shape:
                 problems.append(f"{t.local_name}: shard shape {tuple(shard.shape)} != parameter shape {t.shape}")
@@ -132,6 +148,10 @@ def _load_local(local, converter, dims, ctx, reader, used: set[str]) -> list[str
             t.get().copy_(shard)
             used.update(r.hf_names)
     return problems
+
+
+def _full(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else x[:]
 
 
 def _exchange(unknown, missing, problems, used):

@@ -8,6 +8,8 @@ Canonical names are local-spec names with global indices, whatever the layout an
 * routed experts: `mlp.experts.{E}.linear_fc{1,2}.weight` with E = ep_rank * num_local_experts + local index,
   from the local spec's `local_experts.{i}` and TE's grouped `linear_fc{1,2}.weight{i}` alike;
 * TE's fused norms are renamed to the local spec's modules (`TE_RENAMES`);
+* LoRA (Megatron-Bridge PEFT): a wrapped linear's base `<module>.to_wrap.weight` is named `<module>.weight`; its
+  adapter factors keep their names, `<module>.adapter.linear_{in,out}.weight` (see `lora`);
 * MTP layer m: `mtp.layers.{m}.{enorm,hnorm,eh_proj,final_layernorm}` and its inner transformer layer as decoder
   layer `num_layers + m` (where HF checkpoints put it);
 * the last stage's copy of a tied embedding (and the MTP stage's) is the embedding itself, a replica;
@@ -43,6 +45,9 @@ TE_RENAMES: dict[str, str] = {
     "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",
 }
 
+#: Megatron-Bridge's PEFT wraps a linear as `<module>.to_wrap` (the frozen base) beside `<module>.adapter`
+#: (megatron-bridge 0.3.1 and 0.6.2 peft/adapter_wrapper.py:101-102 AdapterWrapper.__init__)
+LORA_BASE = ".to_wrap."
 _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GROUPED_EXPERT = regex.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
@@ -284,6 +289,7 @@ def canonical_layer_name(kind: str, number: int, rest: str, num_layers: int, exp
 def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_local_experts: int,
                    num_layers: int, hybrid: HybridLayout | None = None) -> str:
     """Canonical global name of `name` (a name in `chunk.named_parameters()`); `num_layers` counts HF layers."""
+    name = name.replace(LORA_BASE, ".")  # a LoRA-wrapped linear's base weight keeps its own name
     m = _LAYER.fullmatch(name)
     if m is None:
         return FINAL_NORM if hybrid and name == HYBRID_FINAL_NORM else name

@@ -42,6 +42,17 @@ from .errors import (
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .layouts import Stacked, full_shape_of_shard
+from .lora import (
+    A_SUFFIX,
+    ADAPTER,
+    B_SUFFIX,
+    LoraInfo,
+    adapter_shapes,
+    check_mode,
+    is_adapter,
+    lora_converter,
+    peft_config,
+)
 from .naming import (
     HYBRID_FINAL_NORM,
     HybridLayout,
@@ -342,7 +353,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
                       max_shard_size: int | str = "5GB", bucket_bytes: int | str = "1GiB",
                       overwrite: bool = False, progress: bool = True, name_filter=None,
                       make_vocab_size_divisible_by: int = 128, quantize: str | None = None,
-                      base: str | os.PathLike | None = None) -> ExportReport:
+                      base: str | os.PathLike | None = None, lora: str | None = None,
+                      lora_alpha: float | None = None) -> ExportReport:
     """Write an HF directory from a Megatron torch_dist checkpoint (no GPU, no torch.distributed).
 
     `dtype` casts floating tensors (tensors HF keeps in fp32, like e_score_correction_bias, stay fp32).
@@ -351,7 +363,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     TP); all problems are reported at once, before anything is written. `name_filter(hf_name) -> bool` selects
     tensors. `quantize="fp8"` / `"fp8-ue8m0"` writes a block-FP8 checkpoint (see `mcore2hf.quantize`): each
     bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy. `base` (an HF
-    directory) completes the output with the base tensors the checkpoint does not produce (`SafetensorsWriter`)."""
+    directory) completes the output with the base tensors the checkpoint does not produce (`SafetensorsWriter`).
+    A checkpoint of a Megatron-Bridge LoRA model: `lora="adapter"` writes a PEFT adapter directory,
+    `lora="merged"` the HF directory of W + lora_alpha/r B A, `lora="base"` the base weights (docs/lora.md)."""
     t0 = time.perf_counter()
     if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.legacy)
         from .legacy import missing_hf_config
@@ -374,7 +388,10 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     check_target(out_dir, overwrite, inputs)
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)
     check_target(out_dir, overwrite, [it_dir])  # e.g. a symlinked iter_* directory elsewhere
-    reader, sources, ignored = prepare_sources(it_dir, source.config, make_vocab_size_divisible_by, name_filter)
+    if lora == "adapter" and (quantize is not None or base is not None):
+        raise UsageError("a LoRA adapter export is neither quantized nor completed from a base: drop quantize / base")
+    reader, sources, ignored = prepare_sources(it_dir, source.config, make_vocab_size_divisible_by, name_filter,
+                                               lora, lora_alpha)
 
     def out_dtype(s: CkptSource) -> torch.dtype:
         return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
@@ -385,9 +402,17 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
         quantization = policy.config(scheme, [(name, shape) for name, shape, _ in tensors])
         tensors = quantized_tensors(tensors, policy)
     infos = [TensorInfo(name, shape, dt) for name, shape, dt in tensors]
-    writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
-                               extra_files=source.companion_files, inputs=inputs + [it_dir],
-                               quantization=quantization, base=base, not_held=converter.not_held_by_model)
+    if lora == "adapter":  # r from the factors' shapes (checked equal), alpha as given
+        r = next(shape[0] for name, shape, _ in tensors if ".lora_A." in name)
+        num_layers = import_module(converter.spec).dims(source.config).num_layers
+        config = peft_config(LoraInfo(r, float(lora_alpha), ()), [t.name for t in infos], num_layers,
+                             source.directory)
+        writer = SafetensorsWriter(out_dir, infos, None, overwrite=overwrite, inputs=inputs + [it_dir],
+                                   adapter_config=config)
+    else:
+        writer = SafetensorsWriter(out_dir, infos, source, max_shard_size=max_shard_size, overwrite=overwrite,
+                                   extra_files=source.companion_files, inputs=inputs + [it_dir],
+                                   quantization=quantization, base=base, not_held=converter.not_held_by_model)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -428,10 +453,13 @@ def open_checkpoint(it_dir: str):
     return DistCheckpointReader(it_dir)
 
 
-def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
-                    name_filter=None) -> tuple[DistCheckpointReader, list[CkptSource], list[str]]:
+def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, name_filter=None,
+                    lora: str | None = None, lora_alpha: float | None = None
+                    ) -> tuple[DistCheckpointReader, list[CkptSource], list[str]]:
     """The checkpoint's model tensors, resolved to HF names and shapes and checked against the HF config (every
-    problem at once); also the keys that are not model weights."""
+    problem at once); also the keys that are not model weights. A checkpoint of a Megatron-Bridge LoRA model:
+    `lora` says what is exported, as for HFExporter (docs/lora.md); the checkpoint does not hold alpha, so
+    "adapter" and "merged" need `lora_alpha`."""
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
@@ -445,6 +473,12 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
     reader.check_files({key for s in sources for shard in s.reads for key, _ in shard})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
+    adapters = [s for s in sources if is_adapter(s.name)]
+    sources = [s for s in sources if not is_adapter(s.name)]
+    check_mode(lora, bool(adapters), adapters[0].key if adapters else None)
+    if lora in ("adapter", "merged") and lora_alpha is None:
+        raise UsageError(f"lora={lora!r}: a checkpoint does not hold LoRA's alpha; pass lora_alpha (--lora-alpha), "
+                         "the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the model was trained with")
 
     ckpt_mtp = len({s.name.split(".")[2] for s in sources if s.name.startswith("mtp.layers.")})
     if ckpt_mtp > dims.num_mtp_layers:
@@ -479,9 +513,62 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128,
         error = ConfigMismatchError if structural else ShapeMismatchError
         raise error(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "
                     + problem_list(structural + problems))
+    if lora in ("adapter", "merged"):
+        resolved = _adapter_sources(adapters, converter, dims, cfg, ckpt_mtp, it_dir)
+        if lora == "adapter":
+            sources = resolved
+        else:
+            _attach_merges(sources, adapters, lora_alpha)
     if name_filter is not None:
         sources = _filtered(sources, name_filter)
     return reader, sources, ignored
+
+
+def _adapter_sources(adapters: list[CkptSource], converter, dims, cfg, ckpt_mtp: int, it_dir: str) -> list[CkptSource]:
+    """The adapter factors resolved through the derived LoRA table, their shapes checked against the base weights."""
+    derived = lora_converter(converter)
+    problems = []
+    for s in adapters:
+        r = derived.resolve(s.name, dims)
+        if r is None:
+            base = converter.resolve(s.name.split(ADAPTER)[0] + ".weight", dims)
+            how = f"-> {list(base.hf_names)} with {type(base.op).__name__}" if base else "(no rule)"
+            problems.append(f"{s.key}: a LoRA adapter on a module whose base weight {how} has no HF/PEFT adapter form")
+            continue
+        s.op, s.n_out = r.op, r.op.n_out
+        count, dim = r.op.split(s.shape, len(s.reads))
+        s.reads, s.shape = s.reads[:count], full_shape_of_shard(s.shape, dim, count)
+        shapes = r.op.hf_shapes(s.shape)
+        s.hf = list(zip(r.hf_names + r.copies, shapes + [shapes[0]] * len(r.copies)))
+    if not problems:
+        _, problems = adapter_shapes({n: shape for s in adapters for n, shape in s.hf},
+                                     hf_tensor_shapes(cfg, ckpt_mtp, converter.not_held_by_model))
+    if problems:
+        raise ShapeMismatchError(f"the LoRA adapters of {it_dir}:\n  " + "\n  ".join(problems))
+    return adapters
+
+
+def _attach_merges(sources: list[CkptSource], adapters: list[CkptSource], alpha: float) -> None:
+    """lora="merged": each adapted base weight gets its (A, B) sources and alpha / r."""
+    split = sorted({s.name.split(ADAPTER)[0] for s in adapters if ".adapter.adapter_" in s.name})
+    if split:
+        raise UsageError(f"lora='merged' offline: canonical LoRA (adapter.adapter_q/k/v, adapter_gate/up) is not "
+                         f"merged from checkpoints yet ({split[:3]}); export lora='adapter', or merge live")
+    by_name = {s.name: s for s in adapters}
+    for s in sources:
+        module = s.name.removesuffix(".weight")
+        a, b = by_name.get(module + A_SUFFIX), by_name.get(module + B_SUFFIX)
+        if a is None and b is None:
+            continue
+        if a is None or b is None or len(s.reads) != 1:
+            raise CheckpointError(f"{s.key}: LoRA merge needs the whole base weight and both factors "
+                                  f"(A {'found' if a else 'missing'}, B {'found' if b else 'missing'})")
+        s.merge = (a, b, alpha / a.shape[0])
+
+
+def _read_whole(reader, s: CkptSource) -> torch.Tensor:
+    parts = [reader.read(key, lead) for key, lead in s.reads[0]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def checkpoint_tensors(ckpt_dir: str | os.PathLike, hf_config: HFConfigLike, *, iteration: int | None = None,
@@ -556,6 +643,10 @@ def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, i
         for shard in s.reads:
             parts = [reader.read(key, lead) for key, lead in shard]
             shards.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+        if s.merge is not None:  # W + alpha/r B A on the whole Megatron tensor (B's rows are laid out as W's)
+            a, b, scale = s.merge
+            w = shards[0]
+            shards = [(w.float() + scale * (_read_whole(reader, b).float() @ _read_whole(reader, a).float())).to(w.dtype)]
         outs = [views[name] for name, _ in s.hf]
         s.op.to_hf(shards, outs[:s.n_out])  # copy_ casts when a dtype was asked for
         for out in outs[s.n_out:]:

@@ -1294,3 +1294,129 @@ def index_share_matrix(ckpt: str, layout: Layout, out_root: str) -> dict:
     out = os.path.join(out_root, str(layout))
     ex.save_pretrained(out)
     return {"stages": stages, "out": out, "indexers": sorted({n.split(".indexer.")[0] for n in ref if ".indexer." in n})}
+
+
+#: the LoRA the tests train with Megatron-Bridge's PEFT (tests/harness/bridge_lora.py): every linear Bridge targets
+#: by default (peft/lora.py:82-84), rank 8 (divisible by TP and expert-TP), alpha 16 (scale 2)
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_R, LORA_ALPHA = 8, 16
+
+
+def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
+                out_root: str, save_dist: bool = False, canonical: bool = False) -> dict:
+    """A model of `ckpt` at `layout` wrapped by Megatron-Bridge's own LoRA (`targets`), its adapters loaded from the
+    PEFT directory `adapter_dir`: the adapter-only export bit-identical to that source (every rank receiving; one
+    receiver at 1 KiB buckets), the refusal without lora=, lora="base" equal to the HF source, no parameter
+    modified by any export. Rank 0 returns the PEFT directory and the merged HF directory written under `out_root`
+    and the Megatron forward with the adapters active; with `save_dist`, also a torch_dist checkpoint of the
+    wrapped model written by megatron-core's dist_checkpointing from Bridge's own sharded_state_dict
+    (out_root/dist, for the offline export)."""
+    from harness.bridge_lora import apply_lora
+    from safetensors.torch import load_file
+
+    from mcore2hf.errors import UsageError
+    from mcore2hf.hf_config import text_config
+
+    cfg, chunks = build(ckpt, layout, mtp=False)
+    apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA, canonical=canonical)
+    load_hf_weights(chunks, ckpt, strict=False)  # the base loads into the wrapped model (adapters left alone)
+    load_hf_weights(chunks, adapter_dir, ckpt, lora=True)
+    params = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    adapter_ref = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+
+    for refused in (lambda: HFExporter(chunks, cfg).state_dict(), lambda: HFExporter(chunks, cfg, lora="x")):
+        try:
+            refused()
+        except UsageError as e:
+            assert "lora" in str(e), e
+        else:
+            raise AssertionError("a LoRA model exported without lora= was not refused")
+
+    ex = HFExporter(chunks, cfg, lora="adapter")
+    assert_same(ex.state_dict(), adapter_ref, f"{layout} adapters")
+    small = {n: t.clone() for b in ex.buckets(bucket_bytes=1024, receivers=0) for n, t in b}
+    agree(checked(lambda: assert_same(small, adapter_ref, f"{layout} adapters, 1 KiB buckets, receivers=[0]")
+                  if dist.get_rank() == 0 else None))
+    out = ex.save_pretrained(os.path.join(out_root, "adapter"), progress=False)
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.plan import colocated_ranks
+
+    try:
+        ex.engine_plan(colocated_ranks(layout.size, "sglang", 1))
+    except EngineShardError as e:
+        assert "not engine-sharded" in str(e), e
+    else:
+        raise AssertionError("an engine-sharded adapter export was not refused")
+    merging = HFExporter(chunks, cfg, lora="merged")
+    merged = merging.save_pretrained(os.path.join(out_root, "merged"), progress=False)
+    # block-FP8 of the merged weights (quantized on the shards where blocks allow): the reference quantizer
+    # applied to the full merged tensors
+    merged_sd = merging.state_dict()
+    assert_same(merging.state_dict(quantize="fp8"), reference_fp8(merged_sd, merging.fp8_policy(), False),
+                f"{layout} lora='merged', fp8")
+    if save_dist:  # (one layout per architecture, for CI time) engine-sharded merged export: each engine rank's
+        # regions of the merged tensors, at the layout matrix's placements (refusals as for the base model)
+        engine = engine_matrix(merging, merged_sd, layout, cfg.model_type)
+        bad = {k: v for k, v in engine.items() if "refused" not in v and (v["missing"] or v["extra"] or v["differ"])}
+        agree(f"engine-sharded lora='merged': {bad}" if bad else None)
+    base = HFExporter(chunks, cfg, lora="base").state_dict()
+    ref = read_hf_checkpoint(ckpt)
+    assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
+    after = {n: p for c in chunks for n, p in c.named_parameters()}
+    assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
+    logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    if save_dist:
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+
+        md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        sd = {"model": chunks[0].sharded_state_dict(metadata=md)} if len(chunks) == 1 else \
+            {f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(chunks)}
+        it_dir = os.path.join(out_root, "dist", "iter_0000001")
+        if dist.get_rank() == 0:
+            os.makedirs(it_dir)
+            with open(os.path.join(out_root, "dist", "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("1")
+        dist.barrier()
+        dist_checkpointing.save(sd, it_dir)
+    return {"logits": logits, "merged": merged, "dir": out} if dist.get_rank() == 0 else {}
+
+
+def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list[str]:
+    """Each refusal's message (rank 0): DoRA (Bridge's own), adapters disagreeing on r, an adapter on a linear the
+    table maps with no PEFT form (output_layer: VocabRows), lora= without adapters; nothing written."""
+    from harness.bridge_lora import apply_lora, import_bridge_peft
+
+    from mcore2hf.errors import Mcore2HFError
+
+    def model(*wraps):
+        cfg, chunks = build(ckpt, layout)
+        for targets, dim, kind in wraps:
+            if kind == "dora":
+                import_bridge_peft(bridge)
+                from megatron.bridge.peft.dora import DoRA
+
+                DoRA(target_modules=list(targets), dim=dim, alpha=dim)(chunks, training=False)
+            else:
+                apply_lora(bridge, chunks, list(targets), dim, 2 * dim)
+        return cfg, chunks
+
+    cases = {
+        "dora": [(("linear_proj",), 8, "dora")],
+        "rank": [(("linear_qkv",), 8, "lora"), (("linear_fc2",), 4, "lora")],
+        "unmapped": [(("linear_qkv", "output_layer"), 8, "lora")],
+        "none": [],
+    }
+    messages = []
+    for name, wraps in cases.items():
+        cfg, chunks = model(*wraps)
+        out = os.path.join(out_root, f"refused-{name}")
+        try:
+            HFExporter(chunks, cfg, lora="adapter").save_pretrained(out, progress=False)
+        except Mcore2HFError as e:
+            messages.append(f"{name}: {e}")
+        else:
+            raise AssertionError(f"{name}: not refused")
+        assert not os.path.exists(out), f"{name}: {out} was written"
+    return messages
+

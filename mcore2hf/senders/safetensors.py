@@ -23,12 +23,14 @@ from ..buckets import Bucket
 from ..errors import Mcore2HFError, Problem, ShapeMismatchError, problem_list
 from ..hf_config import ConfigSource, output_config
 from ..hf_dir import SAFETENSORS_DTYPES, HFDirectory, StoredTensor
+from ..lora import ADAPTER_CONFIG, ADAPTER_FILE
 from ..paths import OutputKind, Staging, check_output_dir
 from ..sizes import parse_size
 
 log = logging.getLogger("mcore2hf")
 #: the files of an HF checkpoint an earlier export (ours or another tool's) wrote: replaced by an overwrite
-_HF_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json")
+_HF_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json|"
+                       + re.escape(ADAPTER_FILE) + "|" + re.escape(ADAPTER_CONFIG))  # a PEFT adapter's two files
 
 
 def hf_files(directory: str) -> set[str]:
@@ -47,8 +49,9 @@ def hf_files(directory: str) -> set[str]:
     return owned
 
 
-HF_OUTPUT = OutputKind("an HF directory (no config.json, model.safetensors, model-*.safetensors or safetensors index)",
-                       hf_files, last=("model.safetensors", "model.safetensors.index.json", "config.json"))
+HF_OUTPUT = OutputKind("an HF directory (no config.json, model.safetensors, model-*.safetensors, safetensors index "
+                       f"or PEFT {ADAPTER_CONFIG})", hf_files,
+                       last=("model.safetensors", "model.safetensors.index.json", "config.json", ADAPTER_CONFIG))
 
 _COPY_CHUNK = 64 * 2**20  # base tensors are copied in chunks of this many bytes: memory stays bounded
 
@@ -148,8 +151,14 @@ class SafetensorsWriter:
     def __init__(self, out_dir: str | os.PathLike, tensors: Sequence[TensorInfo], hf_config=None, *,
                  max_shard_size: int | str = "5GB", overwrite: bool = False, extra_files: Sequence[str] = (),
                  inputs: Sequence[str | os.PathLike] = (), quantization: dict | None = None,
-                 base: str | os.PathLike | None = None, not_held: Callable[[str], bool] = lambda name: False):
+                 base: str | os.PathLike | None = None, not_held: Callable[[str], bool] = lambda name: False,
+                 adapter_config: dict | None = None):
         limit = parse_size(max_shard_size, "max_shard_size")  # before anything is created
+        #: a PEFT adapter directory (peft 0.21.2 PeftModel.save_pretrained's layout: adapter_config.json and one
+        #: adapter_model.safetensors, no index; PeftModel.from_pretrained reads exactly these two)
+        self.adapter_config = adapter_config
+        if adapter_config is not None and (base is not None or quantization is not None or hf_config is not None):
+            raise Mcore2HFError("a PEFT adapter directory has no config.json, base completion or quantization")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         self.base: list[BaseTensor] = []
         if base is not None:
@@ -189,12 +198,16 @@ class SafetensorsWriter:
                 size = 0
             groups[-1].append(t)
             size += t.nbytes
+        if self.adapter_config is not None:
+            groups = [[t for g in groups for t in g]]
         n = len(groups)
         self.files: dict[str, list[TensorInfo]] = {}
         self.location: dict[str, tuple[str, int, int]] = {}  # name -> (file, absolute offset, nbytes)
         self.total_size = 0
         for i, infos in enumerate(groups):
             self.files[f"model-{i + 1:05d}-of-{n:05d}.safetensors"] = infos
+        if self.adapter_config is not None:
+            self.files = {ADAPTER_FILE: groups[0]}
         # the model's dtype is that of most bytes; in a quantized export, that of the unquantized tensors (published
         # FP8 checkpoints say bfloat16): fp8 weights and their scales do not count
         counted = [t for t in tensors if self.quantization is None
@@ -286,8 +299,12 @@ class SafetensorsWriter:
             for f in self._handles.values():
                 f.close()
             weight_map = {name: loc[0] for name, loc in sorted(self.location.items())}
-            with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2)
+            if self.adapter_config is not None:
+                with open(os.path.join(self.tmp, ADAPTER_CONFIG), "w") as f:
+                    json.dump(self.adapter_config, f, indent=2)
+            else:
+                with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2)
             if self.config is not None:
                 self._write_config()
             for path in self.extra_files:  # content only: the mode is the umask's, as for every file written

@@ -66,12 +66,13 @@ class Sources:
     def tensor(self, name: str) -> torch.Tensor:
         """The local tensor as it is now."""
         lt = self.local[name]
-        return (lt.get() if lt.is_buffer else lt.param).detach()
+        # buffers and computed tensors (a LoRA merge) are read through their getter each time
+        return (lt.get() if lt.is_buffer or lt.param is None else lt.param).detach()
 
     def view(self, name: str, sizes, strides, offset: int, bases: dict) -> torch.Tensor | None:
         """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run."""
         lt = self.local[name]
-        if name in self.hooks or lt.is_buffer or not lt.param.is_contiguous():
+        if name in self.hooks or lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
             return None
         b = lt.param.detach()
         bases[name] = (lt.param, b.data_ptr())
