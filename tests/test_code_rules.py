@@ -33,3 +33,14 @@ def test_imports_point_one_way():
     gone = sorted(KNOWN - found)
     assert not new, "new structure violations:\n" + "\n".join(new)
     assert not gone, "fixed, remove from KNOWN:\n" + "\n".join(gone)
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages (converters/ and model_specs/ install under mcore2hf): a package directory
+    left out is missing from the wheel while an editable install still finds it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("mcore2hf", *p.parent.relative_to(ROOT / "mcore2hf").parts)) for p in
+             (ROOT / "mcore2hf").rglob("__init__.py")} | {"mcore2hf.converters", "mcore2hf.model_specs"}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
