@@ -13,9 +13,13 @@ weight-update group (init_weights_update_group at rank_offset + tp_rank, init_cu
 distributed receive; pause, continue, abort and /flush_cache run the release's Scheduler methods and flush
 wrapper. A scheduler that raises or dies ends the server as SGLang's does (run_scheduler_process's SIGQUIT, the
 release's SubprocessWatchdog and kill_process_tree). The model is a recorder: every tensor given to `load_weights`
-is hashed. The harness' own routes (no API key): GET /mcore2hf_state (per rank: the hashes, the release's update
+is hashed and kept as the model's parameter of that name, which the release's weight checker reads: POST
+/weights_checker (>= 0.5.20 here) runs the release's CheckWeightsReqInput, scheduler-side check_weights,
+ModelRunner.check_weights and WeightChecker (utils/weight_checker.py, weight_checker_comparator.py: hashing,
+snapshot, reset, comparison), the reply merged by its tokenizer-side check_weights. The harness' own routes (no API key): GET /mcore2hf_state (per rank: the hashes, the release's update
 session, weight-update groups, paused flag, queued requests, flushes), POST /mcore2hf_reset (forget the hashes),
-POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process),
+POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process, or
+"corrupt": load one named tensor with wrong bytes),
 POST /mcore2hf_requests (queue requests in the scheduler, the release's Req and _add_request_to_queue).
 """
 
