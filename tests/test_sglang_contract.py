@@ -387,7 +387,8 @@ def failure_cases(urls: dict, ex) -> dict:
 def verified_cases(urls: dict, ex, mine: str, arm) -> dict:
     """sync(verify=...) through SGLang's own /weights_checker (utils/weight_checker.py of 0.5.23 and 0.5.20, their
     hashing and comparison), right after the real-model syncs, so the engines hold the weights the trainer holds.
-    Two colocated engines of TP 1 (a: 0.5.23, c: 0.5.20; one per trainer rank, so replicas): a plain sync, a
+    The engines first drop what the other cases left (the harness' model keeps every tensor it loaded as a
+    parameter). Two colocated engines of TP 1 (a: 0.5.23, c: 0.5.20; one per trainer rank, so replicas): a plain sync, a
     proof sync, a checksum sync, each timed; then the TP-2 engine (0.5.23, fed by both ranks): a proof sync, then
     one whose engine TP rank 1 loads one tensor wrong, which every trainer rank reports by engine rank and
     parameter name (in SGLang only TP rank 0's compare result reaches the HTTP reply, weight_updater.py:424; the
@@ -397,6 +398,10 @@ def verified_cases(urls: dict, ex, mine: str, arm) -> dict:
     from mcore2hf.senders import EngineError, SGLangColocatedSender, sync
 
     out: dict = {}
+    if dist.get_rank() == 0:  # the engines held the other tests' tensors too: from here on only the real model's
+        for name in ("a", "c", "tp2"):
+            _post(urls[name], "/mcore2hf_reset", {"parameters": True})
+    dist.barrier()
     ver = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY)
     for mode in (None, "proof", "checksum"):
         dist.barrier()
@@ -406,6 +411,7 @@ def verified_cases(urls: dict, ex, mine: str, arm) -> dict:
         out[str(mode)] = {"seconds": time.perf_counter() - t, "version": ver.version, "verify": rep.verify,
                           "checksums": rep.checksums, "summary": rep.summary()}
     tp2 = SGLangColocatedSender(urls["tp2"] if dist.get_rank() == 0 else None, 2, timeout=60, api_key=KEY)
+    sync(ex, tp2, progress=False, bucket_bytes=256 * 1024)  # the engine loads the trainer's weights
     rep = sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="proof")
     out["tp2_proof"] = {"version": tp2.version, "checksums": rep.checksums}
     wrong = sorted(ex.state_dict())[3]  # one HF tensor of the export
@@ -530,7 +536,7 @@ def test_verified_sync_with_sglangs_own_weights_checker(session_tp2):
         assert list(r["tp2_proof"]["checksums"].values())[0].keys() == {"dp0:pp0:tp0", "dp0:pp0:tp1"}
         err = r["tp2_wrong"]["error"]
         assert err and "1 engine parameters differ" in err and f"dp0:pp0:tp1: {r['wrong']} <- {r['wrong']}" in err, err
-        assert r["tp2_wrong"]["version"] == 1 and r["tp2_after"]["version"] == 2, r
+        assert r["tp2_wrong"]["version"] == 2 and r["tp2_after"]["version"] == 3, r
     assert len({r["tp2_wrong"]["error"] for r in res}) == 1
     t = {m: lead[m]["seconds"] for m in ("None", "proof", "checksum")}
     print(f"\nverified sync, CPU harness, qwen3_moe tiny into two engines: plain {t['None']:.3f} s, "

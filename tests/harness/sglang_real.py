@@ -17,7 +17,7 @@ is hashed and kept as the model's parameter of that name, which the release's we
 /weights_checker (>= 0.5.20 here) runs the release's CheckWeightsReqInput, scheduler-side check_weights,
 ModelRunner.check_weights and WeightChecker (utils/weight_checker.py, weight_checker_comparator.py: hashing,
 snapshot, reset, comparison), the reply merged by its tokenizer-side check_weights. The harness' own routes (no API key): GET /mcore2hf_state (per rank: the hashes, the release's update
-session, weight-update groups, paused flag, queued requests, flushes), POST /mcore2hf_reset (forget the hashes),
+session, weight-update groups, paused flag, queued requests, flushes), POST /mcore2hf_reset (forget the hashes; {"parameters": true}: the model's parameters too),
 POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process, or
 "corrupt": load one named tensor with wrong bytes),
 POST /mcore2hf_requests (queue requests in the scheduler, the release's Req and _add_request_to_queue).
@@ -524,6 +524,9 @@ class _Rank:
             return True, self.state()
         if method == _RESET:
             self.model.store.clear()
+            if (req or {}).get("parameters"):  # another model from now on (as an engine started on another checkpoint)
+                self.model._modules.clear()
+                self.model._parameters.clear()
             return True, ""
         if method == _FAULT:
             if req.get("rank") in (None, self.rank):
