@@ -424,6 +424,11 @@ def verified_cases(urls: dict, ex, mine: str, arm) -> dict:
     out["wrong"] = wrong
     out["tp2_after"] = {"version": (sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="checksum"),
                                     tp2.version)[1]}
+    dist.barrier()
+    if dist.get_rank() == 0:  # the next cases check the engines' records of their own syncs only
+        for name in ("a", "c", "tp2"):
+            _post(urls[name], "/mcore2hf_reset", {})
+    dist.barrier()
     return out
 
 
