@@ -67,3 +67,71 @@ def test_serializer_round_trip_and_restricted_unpickling():
                 Loader(torch.save)):
         with pytest.raises(pickle.UnpicklingError, match="refusing"):
             deserialize(pickle.dumps({"x": bad}))
+
+
+def test_verify_traces_engine_parameters_to_the_hf_tensors_sent():
+    """A mismatched engine parameter is traced to what we sent: the same name, the HF modules a fused engine
+    module stacks (sglang / vllm stacked_params_mapping), or what was sent under its module; vLLM's per-worker
+    prefix and our 'rank: ' prefix are dropped first."""
+    from mcore2hf.senders.checker import explain, trace
+
+    sent = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+            "model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight",
+            "model.layers.0.mlp.experts.0.down_proj.weight", "model.norm.weight"}
+    assert trace("dp0:pp0:tp1: model.norm.weight", sent) == ["model.norm.weight"]
+    assert trace("dp0:pp0:pcp0:tp0:model.layers.0.self_attn.qkv_proj.weight", sent) == [
+        "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight"]
+    assert trace("model.layers.0.mlp.experts.w13_weight", sent) == [
+        "model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight"]
+    assert trace("model.layers.0.mlp.experts.w2_weight", sent) == ["model.layers.0.mlp.experts.0.down_proj.weight"]
+    assert trace("lm_head.weight", sent) == []
+    assert explain(["tp0: lm_head.weight"], sent) == "tp0: lm_head.weight <- no HF tensor we sent"
+
+
+def test_verify_checksum_diff_and_replicas():
+    """changed(): per engine rank, every parameter whose checksum differs or that one side lacks; replicas (engines
+    with the same ranks) must hold the same digest on every rank, engines of another layout are not compared."""
+    from mcore2hf.senders.checker import changed, rank_digest, replica_disagreement
+
+    base = {"tp0": {"a": "1", "b": "2"}, "tp1": {"a": "3"}}
+    assert changed(base, base) == []
+    assert changed(base, {"tp0": {"a": "1", "b": "9"}, "tp1": {"a": "3", "c": "4"}}) == ["tp0: b", "tp1: c"]
+    assert rank_digest({"b": "2", "a": "1"}) == rank_digest({"a": "1", "b": "2"}) != rank_digest({"a": "1"})
+    one = {"tp0": "x", "tp1": "y"}
+    assert replica_disagreement([("e1", one), ("e2", dict(one)), ("e3", {"tp0": "z"})]) is None
+    msg = replica_disagreement([("e1", one), ("e2", {"tp0": "x", "tp1": "q"})])
+    assert "e2 and e1" in msg and "['tp1']" in msg, msg
+
+
+def test_verify_refused_without_an_engine_checker():
+    """verify needs an engine sender (a writer has no checker) and a known mode; proof needs the pause."""
+    from mcore2hf.errors import UsageError
+    from mcore2hf.senders import SafetensorsWriter, sync
+
+    writer = SafetensorsWriter.__new__(SafetensorsWriter)
+    with pytest.raises(UsageError, match="expected an SGLang or vLLM engine sender"):
+        sync(None, writer, verify="checksum")
+    with pytest.raises(UsageError, match="expected None, 'proof' or 'checksum', found 'all'"):
+        sync(None, writer, verify="all")
+    engine = type("E", (), {"set_verify": lambda self, mode: None})()
+    with pytest.raises(UsageError, match="expected pause=True"):
+        sync(None, engine, verify="proof", pause=False)
+
+
+def test_verify_refused_on_sglang_releases_without_the_checksum_checker():
+    """SGLang 0.5.6-0.5.10 serve /weights_checker without the 'checksum' action (read in their wheels): verify is
+    refused by version, naming it; 0.5.20 (run in the contract tests) passes; without verify nothing is asked."""
+    from types import SimpleNamespace
+
+    from mcore2hf.senders.sglang import ServerFacts, SGLangColocatedSender
+
+    sender = SGLangColocatedSender.__new__(SGLangColocatedSender)
+    state = SimpleNamespace(facts=ServerFacts("0.5.10", 1, 1), where="http://e:1")
+    sender._engines, sender.verify = [state], "proof"
+    assert "sglang 0.5.10 cannot verify a sync: verify needs sglang >= 0.5.20" in sender._checker_refusal()
+    state.facts = ServerFacts("0.5.20", 1, 1)
+    assert sender._checker_refusal() is None
+    state.facts, sender.verify = ServerFacts("0.5.10", 1, 1), None
+    assert sender._checker_refusal() is None

@@ -293,6 +293,7 @@ def failure_cases(urls: dict, ex) -> dict:
                 for name in names:
                     _post(urls[name], "/mcore2hf_reset", {})
         out["real_model"] = model
+        out["verified"] = verified_cases(urls, ex, mine, arm)
         # a's model raises on bucket 1: 0.5.23 does not catch it on the tensor path (model_runner_components/
         # weight_updater.py _update_weights_from_flattened_bucket), its scheduler process dies
         # (scheduler.py run_scheduler_process: SIGQUIT to the server), the server with it
@@ -380,6 +381,54 @@ def failure_cases(urls: dict, ex) -> dict:
     finally:
         for server in restarted:
             server.stop()
+    return out
+
+
+def verified_cases(urls: dict, ex, mine: str, arm) -> dict:
+    """sync(verify=...) through SGLang's own /weights_checker (utils/weight_checker.py of 0.5.23 and 0.5.20, their
+    hashing and comparison), right after the real-model syncs, so the engines hold the weights the trainer holds.
+    The engines first drop what the other cases left (the harness' model keeps every tensor it loaded as a
+    parameter). Two colocated engines of TP 1 (a: 0.5.23, c: 0.5.20; one per trainer rank, so replicas): a plain sync, a
+    proof sync, a checksum sync, each timed; then the TP-2 engine (0.5.23, fed by both ranks): a proof sync, then
+    one whose engine TP rank 1 loads one tensor wrong, which every trainer rank reports by engine rank and
+    parameter name (in SGLang only TP rank 0's compare result reaches the HTTP reply, weight_updater.py:424; the
+    per-rank checksums cover every rank)."""
+    import torch.distributed as dist
+
+    from mcore2hf.senders import EngineError, SGLangColocatedSender, sync
+
+    out: dict = {}
+    if dist.get_rank() == 0:  # the engines held the other tests' tensors too: from here on only the real model's
+        for name in ("a", "c", "tp2"):
+            _post(urls[name], "/mcore2hf_reset", {"parameters": True})
+    dist.barrier()
+    ver = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY)
+    for mode in (None, "proof", "checksum"):
+        dist.barrier()
+        t = time.perf_counter()
+        rep = sync(ex, ver, progress=False, bucket_bytes=256 * 1024, verify=mode)
+        dist.barrier()
+        out[str(mode)] = {"seconds": time.perf_counter() - t, "version": ver.version, "verify": rep.verify,
+                          "checksums": rep.checksums, "summary": rep.summary()}
+    tp2 = SGLangColocatedSender(urls["tp2"] if dist.get_rank() == 0 else None, 2, timeout=60, api_key=KEY)
+    sync(ex, tp2, progress=False, bucket_bytes=256 * 1024)  # the engine loads the trainer's weights
+    rep = sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="proof")
+    out["tp2_proof"] = {"version": tp2.version, "checksums": rep.checksums}
+    wrong = sorted(ex.state_dict())[3]  # one HF tensor of the export
+    arm(urls["tp2"], kind="corrupt", name=wrong, rank=1)
+    try:
+        sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="proof")
+        out["tp2_wrong"] = {"error": None}
+    except EngineError as e:
+        out["tp2_wrong"] = {"error": str(e), "version": tp2.version}
+    out["wrong"] = wrong
+    out["tp2_after"] = {"version": (sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="checksum"),
+                                    tp2.version)[1]}
+    dist.barrier()
+    if dist.get_rank() == 0:  # the next cases check the engines' records of their own syncs only
+        for name in ("a", "c", "tp2"):
+            _post(urls[name], "/mcore2hf_reset", {})
+    dist.barrier()
     return out
 
 
@@ -473,6 +522,30 @@ def test_real_model_into_two_colocated_engines_and_a_two_engine_group(session_tp
     assert [r[kind]["version"] for r in res for kind in ("colocated", "distributed")] == [1] * 4
     assert_every_byte(lead["colocated"]["engines"], {"a": 1, "c": 1})
     assert_every_byte(lead["distributed"]["engines"], {"tp2": 2, "c": 1}, group_open=True)
+
+
+def test_verified_sync_with_sglangs_own_weights_checker(session_tp2):
+    """sync(verify=...) through SGLang's /weights_checker (0.5.23 and 0.5.20's own checker code): a proof sync
+    (checksums, snapshot, reset, sync, compare) of the real model passes on both releases and on every rank of an
+    engine of TP 2; replicas of one step (a and c) report the same per-rank digest; a sync in which engine TP rank
+    1 loads one tensor wrong fails on every trainer rank, naming that engine rank and parameter and the HF tensor
+    sent for it, and the version stays; a checksum sync afterwards repairs and records it."""
+    res, lead = failures(session_tp2, "verified")
+    for r in res:
+        assert [r[m]["version"] for m in ("None", "proof", "checksum")] == [1, 2, 3], r
+        assert r["None"]["verify"] is None and r["proof"]["verify"] == "proof", r
+        ranks = r["proof"]["checksums"]
+        assert len(ranks) == 2 and all(list(d) == ["dp0:pp0:tp0"] for d in ranks.values()), ranks
+        assert len({tuple(d.items()) for d in ranks.values()}) == 1, ranks  # a (0.5.23) == c (0.5.20)
+        assert r["checksum"]["checksums"] == ranks  # the same weights, the same digests
+        assert list(r["tp2_proof"]["checksums"].values())[0].keys() == {"dp0:pp0:tp0", "dp0:pp0:tp1"}
+        err = r["tp2_wrong"]["error"]
+        assert err and "1 engine parameters differ" in err and f"dp0:pp0:tp1: {r['wrong']} <- {r['wrong']}" in err, err
+        assert r["tp2_wrong"]["version"] == 2 and r["tp2_after"]["version"] == 3, r
+    assert len({r["tp2_wrong"]["error"] for r in res}) == 1
+    t = {m: lead[m]["seconds"] for m in ("None", "proof", "checksum")}
+    print(f"\nverified sync, CPU harness, qwen3_moe tiny into two engines: plain {t['None']:.3f} s, "
+          f"proof {t['proof']:.3f} s, checksum {t['checksum']:.3f} s")
 
 
 def test_load_error_kills_the_0_5_23_engine_then_retry_after_restart(session_tp2):

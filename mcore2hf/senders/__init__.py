@@ -7,6 +7,8 @@ Every sender implements the `Sender` protocol: `send(bucket)` per bucket and `fi
 exception). A sender with only `send` and `finish` (e.g. `SafetensorsWriter`) works with `sync()` too.
 Colocated senders built with `engine_sharding=True` also give `engine_ranks()`: `sync()` then plans an
 engine-sharded export for them (each rank receives only what its engine rank loads) and sends its masked buckets.
+`sync(..., verify="proof" | "checksum")` needs an engine sender (`set_verify`, `start_verify`, `checksums`: the
+engines' own weight checkers, see senders/checker.py and docs/engines.md "Verified sync").
 """
 
 from __future__ import annotations

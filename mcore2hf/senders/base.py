@@ -26,6 +26,7 @@ from ..buckets import Bucket
 from ..collective import agree
 from ..errors import EngineError, UsageError
 from ..plan import EngineRank, colocated_ranks
+from . import checker
 from .process_group import destroy_group, host_store, join_weight_update_group, start_broadcast
 
 
@@ -63,6 +64,8 @@ class SenderBase:
     failure, best effort)."""
 
     receivers: object = "all"
+    verify: str | None = None  # this sync's verification (sync(verify=...)): None, "proof" or "checksum"
+    checksums: dict | None = None  # after a verified sync: {engine: {engine rank: digest}}, every rank's engines
     _pause_route = "pause"  # the protocol's pause call, named in a recorded failure
     _resume_on_failure = True  # False: an engine stays paused after a failed sync, until one succeeds
 
@@ -83,6 +86,76 @@ class SenderBase:
 
     def begin(self, version: int) -> None:
         self._pending, self._error = version, None
+
+    # ---- verified sync (sync(verify=...)): the protocol gives the engine's checker calls
+    def set_verify(self, mode: str | None) -> None:
+        """This sync's verification mode (called by sync() before begin)."""
+        self.verify = checker.check_mode(mode)
+        self.checksums, self._sent, self._baselines, self._records = None, set(), {}, []
+
+    def _where(self, engine) -> str:
+        url = getattr(engine, "url", None) or getattr(getattr(engine, "engine", None), "url", None)
+        return str(url or f"{type(getattr(engine, 'engine', engine)).__name__} on trainer rank {dist.get_rank()}")
+
+    def _checksums(self, engine) -> dict[str, dict[str, str]]:
+        """The engine checker's per-parameter checksums, per engine rank ({rank: {parameter: checksum}})."""
+        raise NotImplementedError
+
+    def _snapshot_and_reset(self, engine) -> None:
+        """Proof sync: the engine keeps its loaded weights aside (where its checker does) and overwrites them."""
+        raise NotImplementedError
+
+    def _engine_compare(self, engine, baseline: dict) -> list[str]:
+        """Proof sync: the engine parameters its own comparator finds changed since the snapshot / baseline."""
+        raise NotImplementedError
+
+    def _note_sent(self, bucket: Bucket) -> None:
+        if self.verify:  # mismatches are traced back to what we sent
+            self._sent.update(e.name for e in bucket.entries)
+
+    def start_verify(self) -> None:
+        """Proof sync, after pause and before the first bucket: per engine a checksum baseline, then the engine's
+        snapshot and reset (every parameter overwritten), so only what this sync loads can restore it."""
+        if self.verify != "proof" or self._error is not None:
+            return
+        for engine in self._driven():
+            try:
+                self._baselines[id(engine)] = self._checksums(engine)
+                self._snapshot_and_reset(engine)
+            except EngineError as e:
+                self._fail(f"verify (before the sync) on {self._where(engine)}: {e}")
+                return
+
+    def _verify_end(self) -> None:
+        """After the sessions closed: each engine's checksums recorded; a proof sync also compares (the engine's
+        comparator and the per-rank checksums against the baseline), mismatches traced to the HF tensors sent."""
+        for engine in self._driven():
+            where = self._where(engine)
+            try:
+                own = self._engine_compare(engine, self._baselines[id(engine)]) if self.verify == "proof" else []
+                now = self._checksums(engine)
+            except EngineError as e:
+                self._fail(f"verify on {where}: {e}")
+                return
+            self._records.append((where, {rank: checker.rank_digest(c) for rank, c in now.items()}))
+            if self.verify == "proof":
+                bad = checker.changed(self._baselines[id(engine)], now)
+                bad += [n for n in own if n not in bad and not any(b.endswith(f": {n}") for b in bad)]
+                if bad:
+                    self._fail(f"verify: {where}: {len(bad)} engine parameters differ from the weights it loaded "
+                               f"(engine parameter <- HF tensors sent): {checker.explain(bad, self._sent)}")
+                    return
+
+    def _agree_replicas(self) -> None:
+        """Every rank: the engines' digests of all ranks; replicas (engines with the same ranks) must agree."""
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self._records, group=self._status_group)
+        records = [r for part in gathered for r in part]
+        self.checksums = dict(records)
+        problem = checker.replica_disagreement(records)
+        if problem:
+            self._after_failure()
+            raise EngineError("weight update failed: " + problem)
 
     def _fail(self, message: str) -> None:
         if self._error is None:
@@ -135,11 +208,15 @@ class SenderBase:
         """End the sync on this rank's engines, then raise on every rank if any rank recorded an error (having
         closed this rank's update sessions and, unless the protocol keeps them paused, resumed its engines)."""
         self._finish_sessions()
+        if self.verify and self._error is None:
+            self._verify_end()
         try:
             self._agree()
         except EngineError:
             self._after_failure()
             raise
+        if self.verify:
+            self._agree_replicas()
 
     def _after_failure(self) -> None:
         self._close_sessions()
@@ -204,6 +281,7 @@ class ColocatedSender(SenderBase):
         raise NotImplementedError
 
     def send(self, bucket: Bucket) -> None:
+        self._note_sent(bucket)
         try:
             payload = self._payload(bucket)
         except Exception as e:  # noqa: BLE001
@@ -363,6 +441,7 @@ class BroadcastSender(SenderBase):
     def send(self, bucket: Bucket) -> None:
         if not self.is_source or self._error is not None:
             return
+        self._note_sent(bucket)
         try:
             self._before_send()
         except EngineError as e:

@@ -59,6 +59,11 @@ RELEASES = {
     # 0.5.21: update_weights_from_tensor / _distributed answer 400 outside begin_weight_update/end_weight_update
     # (managers/scheduler_components/weight_updater.py); 0.5.20 has neither route.
     "sessions": (0, 5, 21),
+    # verify (sync(verify=...)): /weights_checker with the `checksum` action, whose per-rank answer ("ranks":
+    # checksums, per_gpu_checksum, parallelism_info) sync reads; 0.5.6-0.5.10 have the route with snapshot /
+    # reset_tensors / compare only, 0.5.15 has checksum (read in those wheels); 0.5.20 and 0.5.23 run in the
+    # contract tests (utils/weight_checker.py, managers/tokenizer_control_mixin.py check_weights).
+    "checker": (0, 5, 20),
 }
 
 # How each route answers success (sglang 0.5.6-0.5.23 entrypoints/http_server.py): "success" = JSON
@@ -71,6 +76,7 @@ REPLIES = {
     "/begin_weight_update": "success", "/end_weight_update": "success",
     "/update_weights_from_tensor": "success", "/update_weights_from_distributed": "success",
     "/init_weights_update_group": "success", "/destroy_weights_update_group": "success",
+    "/weights_checker": "success",  # HTTP 400 {"success": false, "message"} when the checker raised
 }
 
 PAUSE_MODES = ("abort", "retract")
@@ -176,6 +182,13 @@ class SGLangHTTPEngine(HTTPClient):
     def flush_cache(self) -> str:
         return self._request("/flush_cache")
 
+    def weights_checker(self, **kwargs) -> dict:
+        """POST /weights_checker (CheckWeightsReqInput: action "snapshot" / "reset_tensors" / "compare" /
+        "checksum"; 0.5.23 also allow_quant_error, skip_tensor_list, selector) -> {"success", "message", and for
+        checksum "ranks": one ChecksumInfo per engine rank, "per_engine_checksum"} (sglang 0.5.23
+        entrypoints/http_server.py:1599, managers/tokenizer_control_mixin.py:890)."""
+        return self._request("/weights_checker", kwargs)
+
 
 class _EngineState:
     """One SGLang engine as a sender drives it: probed facts, session open."""
@@ -233,21 +246,61 @@ class _SGLangMixin:
     _pause_route = "pause_generation"
 
     def _probe_all(self) -> None:
-        """Every rank raises UnsupportedEngine (the same message) if any engine cannot be served."""
-        if getattr(self, "_probed", False):
-            return
-        error = None
-        for st in self._engines:
-            try:
-                st.probe()
-            except EngineError as e:
-                error = str(e)
-                break
-        agree(error, UnsupportedEngine, group=self._status_group)
-        self._probed = True
+        """Every rank raises UnsupportedEngine (the same message) if any engine cannot be served (or, for a verified
+        sync, verified)."""
+        if not getattr(self, "_probed", False):
+            error = None
+            for st in self._engines:
+                try:
+                    st.probe()
+                except EngineError as e:
+                    error = str(e)
+                    break
+            agree(error, UnsupportedEngine, group=self._status_group)
+            self._probed = True
+        if self.verify:  # collective only when verifying: every rank passes the same mode
+            agree(self._checker_refusal(), UnsupportedEngine, group=self._status_group)
 
     def _driven(self) -> list:
         return self._engines
+
+    def _checker_refusal(self) -> str | None:
+        """Why this sync's `verify` cannot run on these engines (their release), or None."""
+        need = ".".join(map(str, RELEASES["checker"]))
+        for st in self._engines if self.verify else []:
+            if st.facts.release < RELEASES["checker"]:
+                return (f"{st.where}: sglang {st.facts.version} cannot verify a sync: verify needs sglang >= {need} "
+                        "(/weights_checker with the 'checksum' action; 0.5.6-0.5.10 have no checksum)")
+        return None
+
+    def _checksums(self, st: _EngineState) -> dict[str, dict[str, str]]:
+        out = call(st.engine.weights_checker, action="checksum")
+        ranks = {}
+        for info in out.get("ranks") or []:
+            p = info["parallelism_info"]
+            p = p[0] if isinstance(p, list) else p  # 0.5.23: one entry per role (target, drafts), same GPU rank
+            ranks[f"dp{p['dp_rank']}:pp{p['pp_rank']}:tp{p['tp_rank']}"] = dict(info["checksums"])
+        if not ranks:
+            raise EngineError(f"{st.where}/weights_checker: expected per-rank checksums ('ranks'), found "
+                              f"{sorted(out)}")
+        return ranks
+
+    def _snapshot_and_reset(self, st: _EngineState) -> None:
+        call(st.engine.weights_checker, action="snapshot")  # the weights it loaded, kept on the host
+        call(st.engine.weights_checker, action="reset_tensors")  # every checked parameter random
+
+    def _engine_compare(self, st: _EngineState, baseline: dict) -> list[str]:
+        """SGLang's comparator against its snapshot (utils/weight_checker.py:258 _check_tensors: raises
+        "check tensor equality failed:" with a "name=..." line per tensor); only TP rank 0's answer reaches the
+        HTTP reply, the per-rank checksums cover the others."""
+        try:
+            call(st.engine.weights_checker, action="compare")
+        except EngineError as e:
+            names = re.findall(r"name=(\S+)", str(e))
+            if not names:
+                raise
+            return names
+        return []
 
     def _pause_engine(self, engine: _EngineState) -> None:
         call(engine.engine.pause_generation, mode=engine.pause_mode)

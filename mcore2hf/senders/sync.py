@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..buckets import DEFAULT_BUCKET_BYTES
 from ..errors import UsageError
+from .checker import check_mode
 
 log = logging.getLogger("mcore2hf")
 
@@ -24,15 +25,22 @@ class SyncReport:
     convert_s: float  # layout ops into the output buckets
     send_s: float  # sender.send (serialize, engine calls / broadcasts)
     received_bytes: int | None = None  # engine-sharded: bytes this rank received over the wire (None: all-ranks)
+    verify: str | None = None  # sync(verify=...): "proof" or "checksum" passed; None: not verified
+    checksums: dict | None = None  # verified: {engine: {engine rank: digest of its parameters}}, every engine
+
 
     def summary(self) -> str:
         wire = "" if self.received_bytes is None else f", {self.received_bytes / 2**30:.2f} GiB received"
+        if self.verify:
+            ranks = sum(len(r) for r in (self.checksums or {}).values())
+            wire += f", verified ({self.verify}: {len(self.checksums or {})} engines, {ranks} engine ranks agree)"
         return (f"weights v{self.version}: {self.buckets} buckets, {self.bytes / 2**30:.2f} GiB in {self.seconds:.2f} s "
                 f"(gather {self.gather_s:.2f} s, convert {self.convert_s:.2f} s, send {self.send_s:.2f} s{wire})")
 
 
 def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: bool = True,
-         progress: bool = True, timing: bool = False, name_filter=None, debug_nan: bool = False) -> SyncReport:
+         progress: bool = True, timing: bool = False, name_filter=None, debug_nan: bool = False,
+         verify: str | None = None) -> SyncReport:
     """Push the model's current weights through `sender`; collective over the model's world.
 
     The version (`sender.version + 1`) goes with every engine call and is committed only when every rank and
@@ -48,7 +56,22 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     Engine-sharded (a colocated sender built with `engine_sharding=True`): each rank receives only the regions its
     engine rank loads and hands the sender full-shaped tensors with only those written (`debug_nan=True` fills
     the rest with NaN); the plan is built, and refused with EngineShardError, before any engine is called.
-    `gather_s` is then the whole executor (transfers and placement), `convert_s` 0."""
+    `gather_s` is then the whole executor (transfers and placement), `convert_s` 0.
+
+    `verify` runs the engines' own weight checkers (SGLang >= 0.5.20 `/weights_checker`, vLLM >= 0.33.0
+    `/weight_checker`; docs/engines.md "Verified sync"): "checksum" records every engine rank's checksum in the
+    report and fails the sync unless every replica holds the same weights; "proof" (when the engines hold the
+    weights the trainer holds, e.g. the first sync after they loaded its checkpoint) also takes a baseline,
+    overwrites every engine parameter and, after the sync, fails it unless every parameter came back to the same
+    bytes, naming each engine parameter that did not and the HF tensors sent for it."""
+    mode = check_mode(verify)
+    if mode is not None and not hasattr(sender, "set_verify"):
+        raise UsageError(f"verify={mode!r}: expected an SGLang or vLLM engine sender (the engines' weight checkers), "
+                         f"found {type(sender).__name__}")
+    if mode == "proof" and not pause:
+        raise UsageError("verify='proof' overwrites the engines' weights before the sync: expected pause=True")
+    if hasattr(sender, "set_verify"):
+        sender.set_verify(mode)
     version = getattr(sender, "version", 0) + 1
     ranks = sender.engine_ranks() if getattr(sender, "engine_sharding", False) else None
     engine_exec = None
@@ -68,6 +91,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     try:
         if pause and hasattr(sender, "pause"):
             sender.pause()
+        if mode == "proof":
+            sender.start_verify()  # baseline, snapshot, reset: after pause, before the first bucket
         if engine_exec is None:
             extra = {} if name_filter is None else {"name_filter": name_filter}  # duck-typed exporters need not know it
             executor = exporter.executor(bucket_bytes, getattr(sender, "receivers", "all"), **extra)
@@ -108,7 +133,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
             sender.abort()
         raise
     report = SyncReport(version, n, nbytes, time.perf_counter() - t0, stats["gather_s"], stats["convert_s"], send_s,
-                        None if engine_exec is None else engine_exec.stats["received_bytes"] - received0)
+                        None if engine_exec is None else engine_exec.stats["received_bytes"] - received0, mode,
+                        getattr(sender, "checksums", None) if mode else None)
     if dist.get_rank() == 0:
         log.info("%s", report.summary())
     return report

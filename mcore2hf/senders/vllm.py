@@ -54,6 +54,11 @@ from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, quie
 from .http import HTTPClient
 
 VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
+# verify (sync(verify=...)): /weight_checker (action checksum / reset / compare with a baseline,
+# entrypoints/rl/online/api_router.py:232) over the workers' compute_weight_checksums / reset_weights
+# (v1/worker/gpu_worker.py:388, model_loader/weight_checksum.py: sha256 of each parameter's bytes, zeroing);
+# read in 0.33.0, the release the contract tests run
+CHECKER_VLLM = (0, 33, 0)
 PAUSE_MODES = ("abort", "wait", "keep")  # /pause?mode=, vllm/entrypoints/rl/online/api_router.py
 
 
@@ -164,6 +169,23 @@ class VLLMHTTPEngine(HTTPClient):
         _, out = self._request("/get_world_size", method="GET")
         return int(out["world_size"])
 
+    def server_version(self) -> str:
+        _, ver = self._request("/version", method="GET", ok_codes=(404,))
+        return str(ver.get("version", "unknown")) if isinstance(ver, dict) else "unknown"
+
+    def weight_checksums(self) -> dict[str, str]:
+        """{"dp{d}:pp{p}:pcp{c}:tp{t}:<parameter>": sha256} over every worker (POST /weight_checker checksum)."""
+        _, out = self._request("/weight_checker", {"action": "checksum"})
+        return dict(out["checksums"])
+
+    def reset_weights(self) -> None:
+        self._request("/weight_checker", {"action": "reset"})  # every worker zeroes its parameters
+
+    def compare_weights(self, baseline: dict[str, str]) -> list[str]:
+        """vLLM's comparison of its checksums now against `baseline`: the keys that differ."""
+        _, out = self._request("/weight_checker", {"action": "compare", "baseline": baseline})
+        return list(out["mismatches"])
+
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._request("/init_weight_transfer_engine", {"init_info": init_info})
 
@@ -205,6 +227,22 @@ class VLLMLocalEngine:
 
     def world_size(self) -> int:
         return int(self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp)
+
+    def server_version(self) -> str:
+        return str(getattr(_vllm_module("vllm"), "__version__", "unknown"))
+
+    def weight_checksums(self) -> dict[str, str]:
+        """The workers' own checksums (LLM has no checker method: collective_rpc to gpu_worker.py:388), merged
+        as api_router.py:249 merges them."""
+        out: dict[str, str] = {}
+        for worker in self.llm.collective_rpc("compute_weight_checksums"):
+            if out.keys() & worker.keys():
+                raise EngineError(f"duplicate weight checksum keys {sorted(out.keys() & worker.keys())[:5]}")
+            out.update(worker)
+        return out
+
+    def reset_weights(self) -> None:
+        self.llm.collective_rpc("reset_weights")
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -264,6 +302,43 @@ class _Session:
     def begin(self, version: int) -> None:
         super().begin(version)
         self._open = None
+        for e in self._driven() if self.verify else []:
+            try:
+                found = call(e.server_version)
+            except EngineError as err:
+                self._fail(f"verify: asking the vLLM version: {err}")
+                return
+            parts = [int(x) for x in found.split(".")[:3] if x.isdigit()]
+            if len(parts) < 3 or tuple(parts) < CHECKER_VLLM:
+                self._fail(f"{getattr(e, 'url', type(e).__name__)}: vLLM {found} cannot verify a sync: verify "
+                           f"needs vLLM >= {'.'.join(map(str, CHECKER_VLLM))} (/weight_checker and the workers' "
+                           "compute_weight_checksums)")
+                return
+
+    @staticmethod
+    def _split(key: str) -> tuple[str, str]:
+        """("dp0:pp0:pcp0:tp0", parameter) of a worker's checksum key "dp0:pp0:pcp0:tp0:<parameter>"
+        (gpu_worker.py:380 _weight_checksum_prefix)."""
+        rank, _, rest = key.partition(":tp")
+        tp, _, name = rest.partition(":")
+        return f"{rank}:tp{tp}", name
+
+    def _checksums(self, engine) -> dict[str, dict[str, str]]:
+        ranks: dict[str, dict[str, str]] = {}
+        for key, digest in call(engine.weight_checksums).items():
+            rank, name = self._split(key)
+            ranks.setdefault(rank, {})[name] = digest
+        return ranks
+
+    def _snapshot_and_reset(self, engine) -> None:
+        call(engine.reset_weights)
+
+    def _engine_compare(self, engine, baseline: dict) -> list[str]:
+        """vLLM's compare against the baseline checksums (an LLM has none: the checksum diff after it decides)."""
+        if not hasattr(engine, "compare_weights"):
+            return []
+        flat = {f"{rank}:{name}": d for rank, named in baseline.items() for name, d in named.items()}
+        return ["{}: {}".format(*self._split(k)) for k in call(engine.compare_weights, baseline=flat)]
 
     def _start(self) -> None:
         """Open the session on every engine once per sync, at the first bucket: after pause(), since vLLM's
@@ -335,7 +410,7 @@ class VLLMColocatedSender(_Session, ColocatedSender):
 
     def begin(self, version: int) -> None:
         super().begin(version)
-        if self.is_first and not self._initialized:
+        if self.is_first and not self._initialized and self._error is None:
             try:
                 self._check_engines()
                 info = _validated("vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferInitInfo",
@@ -519,6 +594,7 @@ class VLLMDistributedSender(_Session, BroadcastSender):
     def send(self, bucket: Bucket) -> None:
         if not self.is_source:
             return
+        self._note_sent(bucket)
         self._start()
         if self._error is None and (bad := self._unsendable(bucket)):
             self._fail(bad)

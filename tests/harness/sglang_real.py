@@ -13,9 +13,13 @@ weight-update group (init_weights_update_group at rank_offset + tp_rank, init_cu
 distributed receive; pause, continue, abort and /flush_cache run the release's Scheduler methods and flush
 wrapper. A scheduler that raises or dies ends the server as SGLang's does (run_scheduler_process's SIGQUIT, the
 release's SubprocessWatchdog and kill_process_tree). The model is a recorder: every tensor given to `load_weights`
-is hashed. The harness' own routes (no API key): GET /mcore2hf_state (per rank: the hashes, the release's update
-session, weight-update groups, paused flag, queued requests, flushes), POST /mcore2hf_reset (forget the hashes),
-POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process),
+is hashed and kept as the model's parameter of that name, which the release's weight checker reads: POST
+/weights_checker (>= 0.5.20 here) runs the release's CheckWeightsReqInput, scheduler-side check_weights,
+ModelRunner.check_weights and WeightChecker (utils/weight_checker.py, weight_checker_comparator.py: hashing,
+snapshot, reset, comparison), the reply merged by its tokenizer-side check_weights. The harness' own routes (no API key): GET /mcore2hf_state (per rank: the hashes, the release's update
+session, weight-update groups, paused flag, queued requests, flushes), POST /mcore2hf_reset (forget the hashes; {"parameters": true}: the model's parameters too),
+POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process, or
+"corrupt": load one named tensor with wrong bytes),
 POST /mcore2hf_requests (queue requests in the scheduler, the release's Req and _add_request_to_queue).
 """
 
@@ -235,10 +239,30 @@ class Recorder(torch.nn.Module):
         super().__init__()
         self.store: dict = {}
         self.fault: dict | None = None
+        self.corrupt: str | None = None
         self.calls = 0
 
     def arm(self, fault: dict) -> None:
+        if fault["kind"] == "corrupt":  # the next load of tensor `name` writes wrong bytes (+1 on every element)
+            self.corrupt = fault["name"]
+            return
         self.fault, self.calls = fault, 0
+
+    def _keep(self, name: str, t: torch.Tensor) -> None:
+        """The model's parameter `name` (nested modules along the dots, created at its first load) takes the
+        loaded bytes, as a model's weight loader copies into its parameter: the release's weight checker reads
+        these (named_parameters)."""
+        *path, leaf = name.split(".")
+        m = self
+        for part in path:
+            if part not in m._modules:
+                m.add_module(part, torch.nn.Module())
+            m = m._modules[part]
+        p = m._parameters.get(leaf)
+        if p is None or p.shape != t.shape or p.dtype != t.dtype:
+            m._parameters[leaf] = torch.nn.Parameter(t.detach().clone(), requires_grad=False)
+        else:
+            p.data.copy_(t)
 
     def load_weights(self, weights):
         import os
@@ -254,7 +278,10 @@ class Recorder(torch.nn.Module):
             if kind == "exit":
                 os._exit(17)
         for name, t in weights:
+            if name == self.corrupt:
+                t, self.corrupt = (t + 1) if t.is_floating_point() else t ^ 1, None
             self.store[name] = (_digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
+            self._keep(name, t)
 
 
 class Engine:
@@ -433,6 +460,7 @@ class _Rank:
         self.rank = rank
         self.model = model = Recorder()
         ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1, pp_size=1,
+                                dp_rank=0, attn_dp_size=1, pp_rank=0,  # the weight checker's placement
                                 tp_group=_t.SimpleNamespace(cpu_group=group, rank=rank, ranks=list(range(tp_size))))
         self.scheduler = scheduler = _scheduler(ps)
         components = importlib.util.find_spec("sglang.srt.managers.scheduler_components") is not None  # >= 0.5.20
@@ -456,8 +484,7 @@ class _Rank:
             get_model=lambda: model, update_model_fields=lambda *a, **k: None,
             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
         self.groups = updater._model_update_group
-        worker = _Worker(rank, _t.SimpleNamespace(weight_updater=updater, model=model), common,
-                         monkey_patch_torch_reductions)
+        worker = _Worker(rank, _model_runner(updater, model, ps), common, monkey_patch_torch_reductions)
         cls = sched_wu.SchedulerWeightUpdaterManager
         extra = {"tp_cpu_group": group} if any(f.name == "tp_cpu_group" and f.init
                                                for f in dataclasses.fields(cls)) else {}  # 0.5.20: an argument
@@ -497,6 +524,9 @@ class _Rank:
             return True, self.state()
         if method == _RESET:
             self.model.store.clear()
+            if (req or {}).get("parameters"):  # another model from now on (as an engine started on another checkpoint)
+                self.model._modules.clear()
+                self.model._parameters.clear()
             return True, ""
         if method == _FAULT:
             if req.get("rank") in (None, self.rank):
@@ -516,7 +546,34 @@ class _Rank:
         out = (target or getattr(self.manager, method))(req)
         if out is None:  # pause / continue / abort answer nothing
             return True, ""
+        if method == "check_weights":  # the tokenizer side reads the whole reply (its per-rank payload)
+            return bool(out.success), out
         return bool(out.success), out.message
+
+
+def _model_runner(updater, model, ps):
+    """The model runner's weight-update side (its WeightUpdater) and its weight checker as model_runner.py builds
+    and calls it (0.5.23 model_runner.py:478 WeightChecker(get_model=...), placement from
+    runtime_context.get_parallel(); 0.5.20 model_runner.py:448 WeightChecker(get_model=..., ps=...)); check_weights
+    is the release's ModelRunner.check_weights. GPU-only calls the checker makes are CPU no-ops here:
+    torch.cuda.synchronize (0.5.20) and Tensor.cuda() (weight_checker_comparator.py iter_chunks: the chunks it
+    compares stay on the CPU)."""
+    import inspect
+    import types as _t
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.utils import weight_checker
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    if "ps" in inspect.signature(weight_checker.WeightChecker).parameters:  # 0.5.20
+        checker = weight_checker.WeightChecker(get_model=lambda: model, ps=ps)
+    else:
+        weight_checker.get_parallel = lambda: ps
+        checker = weight_checker.WeightChecker(get_model=lambda: model)
+    runner = _t.SimpleNamespace(weight_updater=updater, model=model, _weight_checker=checker)
+    runner.check_weights = _t.MethodType(ModelRunner.check_weights, runner)
+    return runner
 
 
 def _scheduler_main(rank: int, tp_size: int, init_method: str, conn) -> None:
@@ -617,6 +674,7 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     engine = Engine(tp_size, api_key) if supported else None
     routes = {r for r in ("/server_info", "/get_server_info", "/begin_weight_update", "/end_weight_update")
               if _release_has(r)}
+    checker_route = {"/weights_checker"} if _release_has("/weights_checker") else set()
     tensor_req = "UpdateWeightsFromTensorReqInput"
     posts = {  # route: (request type, manager method)
         "/update_weights_from_tensor": (tensor_req, "update_weights_from_tensor"),
@@ -694,6 +752,34 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
                                   "text/plain")
             return self._send(400, message or "Flush cache failed.\n", "text/plain")
 
+        def _check_weights(self, body: dict):
+            """http_server.py:1599 check_weights (0.5.23; 0.5.20 :1528): the release's CheckWeightsReqInput, the
+            scheduler's reply merged by the release's TokenizerControlMixin.check_weights (its communicator
+            answers the scheduler's one reply), HTTP 400 when the checker raised."""
+            import asyncio
+
+            from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
+
+            try:
+                req = engine.request("CheckWeightsReqInput", body)
+            except Exception as e:  # noqa: BLE001 - FastAPI answers a validation error
+                return self._send(422, {"detail": f"{type(e).__name__}: {e}"})
+            _, out = run("check_weights", req)
+            if isinstance(out, str):  # a harness-level failure, not the checker's reply
+                return self._send(500, {"success": False, "message": out})
+
+            async def communicator(obj):
+                return [out]
+
+            tm = types.SimpleNamespace(auto_create_handle_loop=lambda: None, check_weights_communicator=communicator)
+            success, message, ranks, per_engine = asyncio.run(TokenizerControlMixin.check_weights(tm, req))
+            reply = {"success": success, "message": message}
+            if ranks is not None:
+                reply["ranks"] = ranks
+            if per_engine is not None:
+                reply["per_engine_checksum"] = per_engine
+            return self._send(200 if success else 400, reply)
+
         def do_POST(self):
             if not self._auth():
                 return
@@ -712,6 +798,8 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
                 return self._send(404, {"detail": "Not Found"})
             if path in ("/pause_generation", "/continue_generation", "/flush_cache"):
                 return self._control(path, body)
+            if path == "/weights_checker" and path in checker_route:
+                return self._check_weights(body)
             if path not in posts:
                 return self._send(404, {"detail": "Not Found"})
             cls_name, method = posts[path]

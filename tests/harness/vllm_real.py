@@ -266,7 +266,7 @@ def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, tor
     if tensors is not None:
         model.received.clear()
     w = Worker.__new__(Worker)
-    w.vllm_config, w.rank, w.local_rank = vc, rank, rank
+    w.vllm_config, w.parallel_config, w.rank, w.local_rank = vc, pc, rank, rank  # WorkerBase.__init__ sets both
     w.speculative_config = None
     w.model_runner = types.SimpleNamespace(reset_lora_state=lambda: None, get_model=lambda: model,
                                            get_draft_model=lambda: None)
@@ -275,7 +275,17 @@ def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, tor
     w.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend=backend), vc, torch.device("cpu"), model)
     w.model = model
+    _stub_worker_groups()
     return w
+
+
+def _stub_worker_groups() -> None:
+    """vLLM's process groups are not formed here: the worker's checksum prefix (gpu_worker.py:380) reads its rank
+    in the TP group (the worker running in this thread) and PP / PCP rank 0."""
+    from vllm.v1.worker import gpu_worker
+
+    gpu_worker.get_tp_group = lambda: types.SimpleNamespace(rank_in_group=getattr(_worker_gpu, "rank", 0))
+    gpu_worker.get_pp_group = gpu_worker.get_pcp_group = lambda: types.SimpleNamespace(rank_in_group=0)
 
 
 def msgpack_round_trip(obj):
@@ -301,6 +311,7 @@ class EngineCore:
 
         def run(i, w):
             _worker_gpu.uuid = getattr(w, "gpu_uuid", GPU_UUID)
+            _worker_gpu.rank = w.rank
             try:
                 results[i] = getattr(w, method)(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001
@@ -324,7 +335,7 @@ def async_client(core: EngineCore):
         pass
 
     for name in ("init_weight_transfer_engine", "shutdown_weight_transfer_engine", "start_weight_update",
-                 "update_weights", "finish_weight_update", "update_weight_version"):
+                 "update_weights", "finish_weight_update", "update_weight_version", "compute_weight_checksums"):
         setattr(Client, name, getattr(AsyncLLM, name))
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -346,16 +357,22 @@ def async_client(core: EngineCore):
         core.version = v
 
     c.engine_core.set_weight_version_async = set_version
+
+    async def checksums():  # v1/engine/core.py:1085 EngineCore.compute_weight_checksums, reached over its client
+        return await asyncio.to_thread(core.collective_rpc, "compute_weight_checksums")
+
+    c.engine_core.compute_weight_checksums_async = checksums
     c.vllm_config = core.workers[0].vllm_config
     return c
 
 
 def local_llm(core: EngineCore):
     """An LLM whose weight-transfer methods are vLLM's own RLOfflineMixin (entrypoints/rl/offline.py)."""
+    from vllm.entrypoints.llm import LLM as VLLM_LLM
     from vllm.entrypoints.rl.offline import RLOfflineMixin
 
     class LLM(RLOfflineMixin):
-        pass
+        collective_rpc = VLLM_LLM.collective_rpc  # llm.py:573, to llm_engine.collective_rpc
 
     llm = LLM.__new__(LLM)
     llm.llm_engine = types.SimpleNamespace(
@@ -498,6 +515,25 @@ def scenario_ipc(http: bool, packed: bool) -> None:
         tensors = model_tensors(4)
         sync(ListExporter([buckets_of(tensors)]), sender, progress=False)
         assert sender.version == 3 and core.version == "3", (sender.version, core.version)
+        check_model(core.workers[0].model, tensors)
+
+        # verified sync (sync(verify=...), vLLM's own /weight_checker or, for an LLM, its workers' checksums): the
+        # engine holds model_tensors(4), as the trainer does, so a proof sync (baseline, reset to zeros, sync,
+        # compare) brings every parameter, the FP8 layer's weight and scales included, back to the same bytes
+        rep = sync(ListExporter([buckets_of(tensors)]), sender, progress=False, verify="proof")
+        assert rep.verify == "proof" and sender.version == 4 and len(rep.checksums) == 1, rep
+        assert list(next(iter(rep.checksums.values()))) == ["dp0:pp0:pcp0:tp0"], rep.checksums
+        check_model(core.workers[0].model, tensors)
+        assert "reset_weights" in core.events and "compute_weight_checksums" in core.events
+        # a sync that writes one wrong tensor: the proof fails, naming the engine parameter and the HF tensor sent
+        wrong = dict(tensors, **{"layers.2.bias": tensors["layers.2.bias"] + 1})
+        msg = _expect_engine_error(lambda: sync(ListExporter([buckets_of(wrong)]), sender, progress=False,
+                                                verify="proof"), "layers.2.bias")
+        assert "1 engine parameters differ" in msg and "dp0:pp0:pcp0:tp0: layers.2.bias <- layers.2.bias" in msg, msg
+        assert sender.version == 4
+        # the cheap record: the engine's checksums of the same weights give the proof's digests again
+        rep2 = sync(ListExporter([buckets_of(tensors)]), sender, progress=False, verify="checksum")
+        assert sender.version == 5 and rep2.checksums == rep.checksums, (rep2.checksums, rep.checksums)
         check_model(core.workers[0].model, tensors)
     finally:
         if server:
@@ -869,6 +905,16 @@ def scenario_refusals() -> None:
         assert "0.10.0" in msg and "VLLM_SERVER_DEV_MODE=1" in msg, msg
         assert len(core.events) == before and sender.version == 0
         _expect_engine_error(VLLMLocalEngine(object()).check, "no native weight-transfer API")
+        # verify on a release without the weight checker: refused by version before anything is paused or sent
+        v32 = Server(async_client(core), version="0.32.0")
+        try:
+            before = len(core.events)
+            sender = VLLMColocatedSender(v32.url, 1, timeout=30)
+            msg = _expect_engine_error(lambda: sync(ListExporter([buckets_of(model_tensors(5))]), sender,
+                                                    progress=False, verify="checksum"), "verify needs vLLM >= 0.33.0")
+            assert "0.32.0" in msg and core.events[before:] == [], (msg, core.events[before:])
+        finally:
+            v32.stop()
         # an engine started without --weight-transfer-config, and one configured for the other backend
         unconfigured = make_worker("ipc")
         unconfigured.weight_transfer_engine = None
