@@ -21,7 +21,7 @@ from oracle import logit_problems
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from mcore2hf.checkpoint_keys import pattern_text
+from mcore2hf.checkpoint_keys import TRANSFORMER_IMPLS, pattern_text
 from mcore2hf.errors import (
     ConfigMismatchError,
     HFDirectoryError,
@@ -107,7 +107,7 @@ def imported(all_ckpts, tmp_path_factory) -> dict[object, str]:
                 assert freq == 1
                 freq = None  # the default: Megatron-LM's
             r = import_checkpoint(ckpt, root / mt, singleton_local_shards=singleton, iteration=5, progress=False,
-                                  moe_layer_freq=freq)
+                                  moe_layer_freq=freq, transformer_impl="local")  # build_model: the local spec
             gdn = mt in HYBRID_ATTENTION  # gated DeltaNet layers: per layer whatever moe_layer_freq is
             per_layer = isinstance(freq, list) or singleton or gdn
             assert r.layer_keys.startswith("per layer" if per_layer else "stacked"), (mt, r.layer_keys)
@@ -115,7 +115,7 @@ def imported(all_ckpts, tmp_path_factory) -> dict[object, str]:
                 assert r.layer_keys == "stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq=1"
     root = tmp_path_factory.mktemp("imported-list")
     r = import_checkpoint(all_ckpts[LIST_BUILT], root / LIST_BUILT, iteration=5, progress=False,
-                          moe_layer_freq="([1]*4)")
+                          moe_layer_freq="([1]*4)", transformer_impl="local")
     assert r.layer_keys.startswith("per layer"), r.layer_keys
     return {**{s: str(r) for s, r in roots.items()}, "list": str(root)}
 
@@ -310,10 +310,18 @@ def test_cli(ckpts, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "decoder layer keys: per layer: singleton_local_shards" in r.stdout, r.stdout
+    assert "norm keys: as a model built with --transformer-impl transformer_engine saves them" in r.stdout, r.stdout
     assert "peak RSS" in r.stdout and (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "12"
     meta = model_keys(tmp_path / "c" / "iter_0000012")
     assert meta["embedding.word_embeddings.weight"] == ((256, 64), torch.bfloat16)  # 100 padded to 128 x TP 2
     assert "decoder.layers.1.mlp.experts.experts.7.linear_fc1.weight_v" in meta
+    assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in meta  # TE: MLA's fused q norm
+    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "l"), "--transformer-impl", "local"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "--transformer-impl local" in r.stdout, r.stderr
+    assert "decoder.layers.1.self_attention.q_layernorm.weight" in model_keys(tmp_path / "l" / "iter_0000000")
+    r = subprocess.run(run + ["--help"], capture_output=True, text=True)
+    assert "{" + ",".join(TRANSFORMER_IMPLS) + "}" in r.stdout.replace("\n", "").replace(" ", ""), r.stdout
     r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--overwrite" in r.stderr, r.stderr
