@@ -120,6 +120,13 @@ _GDN_PART = regex.compile(rf"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.(
 LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
                             "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
                             "eh_proj", "in_proj", "out_proj"})
+#: modules of a TE-spec model that hold an `_extra_state` though not linears: TENorm (TE 2.x te.pytorch.RMSNorm /
+#: LayerNorm are ops.BasicOperation, whose get_extra_state puts `_extra_state` in their state dict:
+#: transformer_engine 2.11 pytorch/ops/op.py; megatron-core 0.16.1 transformer/utils.py sharded_state_dict_default
+#: saves it as a ShardedObject) where the TE spec builds one, and TEDotProductAttention where it has a state (a
+#: learnable softmax offset: extensions/transformer_engine.py `sharded_state_dict` saves its whole state dict)
+TE_STATE_MODULES = frozenset({"input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm",
+                              "out_norm", "final_layernorm", "final_norm", "enorm", "hnorm", "core_attention"})
 #: a hybrid model's output layer `_extra_state`: GPTModel.sharded_state_dict drops it, MambaModel / HybridModel keep
 #: LanguageModule's (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
 HYBRID_OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
@@ -183,6 +190,20 @@ class KeyLayout:
     hybrid: HybridLayout | None = None
     moe_layers: frozenset[int] = frozenset()
     transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL
+    #: names inside a layer of modules the architecture's TE spec builds without TE (no `_extra_state`)
+    non_te: frozenset[str] = frozenset()
+
+    def extra_state(self, name: str) -> str | None:
+        """The `_extra_state` ShardedObject key of the module holding canonical name `name`, or None: every linear;
+        with transformer_engine also TE_STATE_MODULES under their own key (not fused into a linear)."""
+        key, lead, glob = self.key(name)
+        found = extra_state_key(name, key, lead, glob)
+        if found is not None or self.transformer_impl != TRANSFORMER_ENGINE:
+            return found
+        m = _CANONICAL_LAYER.fullmatch(name)
+        if m is not None and m.group(2).rsplit(".", 1)[0] in self.non_te:
+            return None
+        return extra_state_key(key, key, lead, glob, TE_STATE_MODULES)
 
     def key(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """(key, lead, dims) of a canonical Megatron name: its tensor is item `lead` of the key's tensor, whose
@@ -213,10 +234,11 @@ class KeyLayout:
         return f"decoder.layers.{layer}.{rest}", lead, glob
 
 
-def extra_state_key(name: str, key: str, lead: tuple[int, ...], glob: tuple[int, ...]) -> str | None:
+def extra_state_key(name: str, key: str, lead: tuple[int, ...], glob: tuple[int, ...],
+                    modules: frozenset[str] = LINEAR_MODULES) -> str | None:
     """The `_extra_state` ShardedObject key saved beside the tensor `key` of canonical name `name`, or None when
-    its module is not a linear (a norm keyed into fc1 is not)."""
-    if name.rsplit(".", 2)[-2] not in LINEAR_MODULES:
+    its module is not one of `modules` (a norm keyed into fc1 is not: the linear's own names the same object)."""
+    if name.rsplit(".", 2)[-2] not in modules:
         return None
     return (f"{key.rsplit('.', 1)[0]}._extra_state/shard_{'.'.join(map(str, lead or (0,)))}_"
             f"{'.'.join(map(str, glob or (1,)))}")

@@ -47,7 +47,6 @@ from .checkpoint_keys import (
     MEGATRON_LM_TRANSFORMER_IMPL,
     KeyLayout,
     check_transformer_impl,
-    extra_state_key,
     layer_keys,
     part_key,
 )
@@ -170,7 +169,8 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
                     if m is not None and m.group(2) == "mlp.router.weight")
     layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
                        mla=dims.kv_lora_rank is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
-                       transformer_impl=transformer_impl)
+                       transformer_impl=transformer_impl,
+                       non_te=frozenset(getattr(import_module(converter.spec), "NON_TE_MODULES", ())))
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
@@ -216,7 +216,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
         for k, shape in shapes.items():
             if keys.setdefault(k, (shape, dtype))[0] != shape:
                 problems.append(Problem(k, f"Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}"))
-        extra = extra_state_key(name, key, lead, glob)
+        extra = layout.extra_state(name)
         if extra is not None:
             objects.add(extra)
         sources.append(src)

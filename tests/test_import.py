@@ -17,6 +17,7 @@ import pytest
 import torch
 import worlds
 from conftest import ARCHS
+from harness.te_spec import expected_te_names
 from oracle import logit_problems
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
@@ -340,3 +341,98 @@ def test_tied_embeddings_import_has_no_output_layer(tmp_path):
     meta = model_keys(tmp_path / "c" / "iter_0000000")
     assert "output_layer.weight" not in meta and "embedding.word_embeddings.weight" in meta
     assert meta["decoder.layers.self_attention.linear_qkv.weight"][0] == (4, 128, 64)  # stacked: a dense model
+
+
+# -- the transformer_engine import against megatron-core's own TE spec ----------------------------------------------
+
+_TE_STATE = {"TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELinear", "TENorm"}
+
+
+def _skeleton(names: list[str], num_layers: int) -> torch.nn.Module:
+    """A module tree holding the canonical names as a local-spec GPTModel at TP 1 / PP 1 / EP 1 names them (expert
+    e under `local_experts.e`, MTP layer m's inner layer under `mtp.layers.m.transformer_layer`): empty parameters,
+    decoder layers with their layer_number, for harness.te_spec.expected_te_names."""
+    root = torch.nn.Module()
+    for name in names:
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+        if m is not None:
+            i, rest = int(m[1]), re.sub(r"^mlp\.experts\.(\d+)\.", r"mlp.experts.local_experts.\1.", m[2])
+            name = (f"decoder.layers.{i}.{rest}" if i < num_layers else
+                    f"mtp.layers.{i - num_layers}.transformer_layer.{rest}")
+        *path, leaf = name.split(".")
+        node = root
+        for j, part in enumerate(path):
+            if part not in node._modules:
+                node.add_module(part, torch.nn.ModuleList() if part in ("layers", "local_experts") else torch.nn.Module())
+            child = node._modules[part]
+            if isinstance(child, torch.nn.ModuleList) and j + 1 < len(path):
+                k = int(path[j + 1])
+                while len(child) <= k:
+                    child.append(torch.nn.Module())
+            node = child
+        node.register_parameter(leaf, torch.nn.Parameter(torch.empty(0)))
+    for i, layer in enumerate(root.decoder.layers):
+        layer.layer_number = i + 1
+    return root
+
+
+def _te_state_objects(module: torch.nn.Module, tree: dict, prefix: str) -> list[str]:
+    """The modules of the TE model at `tree` that hold an `_extra_state` (TE linears and TENorm; TEGroupedMLP's
+    linears; TEDotProductAttention where it has parameters), by their local-spec path."""
+    cls = tree["class"]
+    if cls == "IdentityOp" or module is None:
+        return []
+    if cls == "TEGroupedMLP":
+        return [f"{prefix}experts.{fc}" for fc in ("linear_fc1", "linear_fc2")]  # its sharded_state_dict's prefix
+    out = [prefix[:-1]] if cls in _TE_STATE or (cls == "TEDotProductAttention" and len(list(module.parameters()))) \
+        else []
+    for field, sub in tree.get("sub", {}).items():
+        attr = "final_layernorm" if field == "layer_norm" else field
+        out += _te_state_objects(module._modules.get(attr), sub, f"{prefix}{attr}.")
+    return out
+
+
+def te_checkpoint_keys(names: list[str], tree: dict, num_layers: int, stacked: bool) -> tuple[set[str], set[str]]:
+    """(tensor keys, `_extra_state` object keys without their shard suffix) of the model megatron-core's TE spec
+    `tree` builds holding the canonical `names`, as its sharded_state_dict keys them (megatron-core 0.16.1:
+    transformer_block.py stacks `decoder.layers.<i>.` into `decoder.layers.` unless per layer; TEGroupedMLP keys
+    expert e's `linear_fcN.weight<e>` as `experts.linear_fcN.weight` with an expert axis, as SequentialMLP's TE
+    linears do (moe/experts.py); MTP layers per layer)."""
+    model = _skeleton(names, num_layers)
+    params = expected_te_names(model, tree)
+    objects = [f"decoder.layers.{i}.{o}" for i, layer in enumerate(model.decoder.layers)
+               for o in _te_state_objects(layer, tree["layers"][i], "")]
+    objects += [f"mtp.layers.{m}.{o}" for m, layer in enumerate(model.mtp.layers if hasattr(model, "mtp") else [])
+                for o in _te_state_objects(layer, tree["mtp"][m], "")]
+    if tree["final_layernorm"] and tree["final_layernorm"]["class"] == "TENorm":
+        objects.append("decoder.final_layernorm")
+
+    def key(name: str) -> str:
+        name = re.sub(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)\d+$", r".mlp.experts.experts.\1.\2", name)
+        name = re.sub(r"\.mlp\.experts\.local_experts\.\d+\.", ".mlp.experts.experts.", name)
+        return re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", name) if stacked else name
+
+    return {key(n) for n in params}, {key(f"{o}._extra_state") for o in objects}
+
+
+def test_transformer_engine_import_has_the_keys_of_megatron_cores_te_spec(all_ckpts, te_specs, tmp_path):
+    """For every registered architecture, the default (transformer_engine) import's tensor keys and `_extra_state`
+    objects are exactly those of the model megatron-core's own TE spec builds (harness.te_spec: which norms are
+    fused, which are TENorm), keyed by megatron-core's stacking rules (hybrid stacks: not checked here)."""
+    from mcore2hf.checkpoint_keys import split_part
+    from mcore2hf.importer import megatron_names
+
+    for mt, ckpt in all_ckpts.items():
+        cfg = load_hf_config(ckpt)
+        conv = get_converter(cfg.model_type)
+        dims = get_model_spec(cfg.model_type).dims(cfg)
+        names = sorted(megatron_names(conv, dims, set(held(ckpt)))[0])
+        r = import_checkpoint(ckpt, tmp_path / mt, moe_layer_freq=moe_pattern(ckpt), progress=False)
+        assert r.transformer_impl == "transformer_engine"
+        got = model_keys(tmp_path / mt / "iter_0000000")
+        tensors = {split_part(k)[0] for k, v in got.items() if v != "object"}  # gated DeltaNet parts: one tensor
+        objects = {k.split("/shard_")[0] for k, v in got.items() if v == "object"}
+        want_tensors, want_objects = te_checkpoint_keys(names, te_specs[cfg.model_type], dims.num_layers,
+                                                        r.layer_keys.startswith("stacked"))
+        assert tensors == want_tensors, (mt, sorted(tensors - want_tensors)[:6], sorted(want_tensors - tensors)[:6])
+        assert objects == want_objects, (mt, sorted(objects - want_objects)[:6], sorted(want_objects - objects)[:6])
