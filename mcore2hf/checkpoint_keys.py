@@ -58,8 +58,10 @@ MTP_INNER = "transformer_layer."
 #: what a layer holds, which decides its renames: its attention (self-attention, gated DeltaNet, MLA) and its MLP
 ATTENTION, GDN, MLA, DENSE, MOE = "attention", "gdn", "mla", "dense", "moe"
 
-#: Megatron-LM's `--transformer-impl` choices (megatron/training/arguments.py, commit d98e8a64: default
-#: "transformer_engine"): the layer spec the model is built with, which decides where its norms are keyed
+#: Megatron-LM's `--transformer-impl` (NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39553:
+#: megatron/training/arguments.py derives it from megatron/core/transformer/transformer_config.py
+#: `transformer_impl`, default "transformer_engine"; its third choice, inference_optimized, is not a training
+#: spec): the layer spec the model is built with, which decides where its norms are keyed
 TRANSFORMER_ENGINE, LOCAL = "transformer_engine", "local"
 TRANSFORMER_IMPLS = (TRANSFORMER_ENGINE, LOCAL)
 MEGATRON_LM_TRANSFORMER_IMPL = TRANSFORMER_ENGINE
