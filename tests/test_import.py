@@ -4,7 +4,9 @@ source; Megatron re-saving the loaded model writes our keys, shapes and dtypes b
 import -> offline export is bit-identical without Megatron. The decoder layers' key form follows the model's
 moe_layer_freq as megatron-core 0.16.1 decides it (transformer_block.py `sharded_state_dict`): an all-MoE model
 built as Megatron-LM builds it by default (moe_layer_freq=1) loads stacked keys, one built with a list per-layer
-keys, both at PP 2 x VPP 2."""
+keys, both at PP 2 x VPP 2. The norm keys follow `transformer_impl`: build_model's local-spec models load the
+"local" import; the default (transformer_engine) import has exactly the keys of megatron-core's own TE spec for
+every architecture, and loads into Qwen3-MoE and DeepSeek-V3 models under TE's names (PP 2 x VPP 2)."""
 
 import json
 import os
