@@ -5,8 +5,10 @@ The offline import writes keys (`KeyLayout.key`: canonical name -> key), the off
 megatron-core 0.16.1's `sharded_state_dict` gives (tests/test_import.py compares them with a checkpoint Megatron
 itself saved; tests/test_checkpoint_keys.py checks the two directions are inverse over every form):
 
-* `LAYER_RENAMES`: names inside a layer saved under another key (the local spec's `sharded_state_dict_keys_map`,
-  gated DeltaNet's fused input norm); not for MLA layers, whose local spec has no such map;
+* `RENAMES`: names inside a layer saved under another key, per `transformer_impl` (Megatron-LM's
+  `--transformer-impl`, default transformer_engine): Transformer Engine's fused norms (the input norm in linear_qkv
+  / gated DeltaNet's in_proj, MLA's q/kv norms in the up projections, a dense MLP's norm in linear_fc1), or the
+  local spec's `sharded_state_dict_keys_map` (input and pre-MLP norms under TE's names, not in MLA layers);
 * decoder layers stacked under `decoder.layers.<name>` (the layer a leading axis, sharded over PP) or keyed per
   layer `decoder.layers.<i>.<name>` (transformer/transformer_block.py `sharded_state_dict`; which one: the
   import's `layer_keys`); MTP layers always per layer, their inner layer under `mtp.layers.<m>.transformer_layer.`
@@ -23,8 +25,9 @@ itself saved; tests/test_checkpoint_keys.py checks the two directions are invers
 * every linear's `_extra_state` as a ShardedObject (`extra_state_key`; dist_checkpointing/mapping.py
   `ShardedObject.unique_key`).
 
-Reading also accepts what other writers spell differently: Transformer Engine's fused-norm names (`naming.TE_RENAMES`,
-e.g. MLA's `linear_q_up_proj.layer_norm_weight`), per-expert keys without `experts.`, 0.19's `mtp_model_layer.`.
+Reading accepts both impls' keys (a key names one canonical name, whatever the impl), and what other writers spell
+differently: Transformer Engine's other fused-norm names (`naming.TE_RENAMES`), per-expert keys without
+`experts.`, 0.19's `mtp_model_layer.`.
 Megatron-LM's legacy `torch` format has per-rank local names instead (mcore2hf.legacy), read into the same
 `CkptSource`s.
 """
@@ -52,29 +55,55 @@ STACKED_LAYERS = "decoder.layers."
 #: the MTP layer's inner transformer layer (multi_token_prediction.py; what the import writes)
 MTP_INNER = "transformer_layer."
 
-#: the layer kinds a rename applies to: self-attention with the local spec's keys map, gated DeltaNet
-ATTENTION, GDN = "attention", "gdn"
+#: what a layer holds, which decides its renames: its attention (self-attention, gated DeltaNet, MLA) and its MLP
+ATTENTION, GDN, MLA, DENSE, MOE = "attention", "gdn", "mla", "dense", "moe"
+
+#: Megatron-LM's `--transformer-impl` (NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39553:
+#: megatron/training/arguments.py derives it from megatron/core/transformer/transformer_config.py
+#: `transformer_impl`, default "transformer_engine"; its third choice, inference_optimized, is not a training
+#: spec): the layer spec the model is built with, which decides where its norms are keyed
+TRANSFORMER_ENGINE, LOCAL = "transformer_engine", "local"
+TRANSFORMER_IMPLS = (TRANSFORMER_ENGINE, LOCAL)
+MEGATRON_LM_TRANSFORMER_IMPL = TRANSFORMER_ENGINE
 
 
 @dataclass(frozen=True)
 class Rename:
-    """A name inside a layer (`canonical` prefix) saved under another key (`key` prefix) in `kinds` of layers."""
+    """A name inside a layer (`canonical` prefix) saved under another key (`key` prefix) in layers holding any of
+    `kinds` (ATTENTION / GDN / MLA, DENSE / MOE)."""
 
     canonical: str
     key: str
     kinds: frozenset[str]
 
 
-#: megatron-core 0.16.1 gpt_layer_specs.py get_gpt_layer_local_spec (non-MLA) `sharded_state_dict_keys_map`: the
-#: norms under TE's fused names; gated DeltaNet layers keep the input norm under in_proj (the experimental spec's
-#: TE fused norm, which model_specs/qwen3_next.py keeps for the local spec)
-LAYER_RENAMES = (
-    Rename("input_layernorm.", "self_attention.linear_qkv.layer_norm_", frozenset({ATTENTION})),
-    Rename("input_layernorm.", "self_attention.in_proj.layer_norm_", frozenset({GDN})),
-    Rename("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", frozenset({ATTENTION, GDN})),
-)
-_FROM_KEY = {r.key: r.canonical for r in LAYER_RENAMES}
-assert all(_FROM_KEY[r.key] == r.canonical for r in LAYER_RENAMES), "a key must name one canonical prefix"
+#: {transformer_impl: the renames of the model built with it} (megatron-core 0.16.1):
+#: * local: gpt_layer_specs.py get_gpt_layer_local_spec's (non-MLA) `sharded_state_dict_keys_map`, the norms under
+#:   TE's fused names in dense and MoE layers alike; its MLA branch has no keys map; gated DeltaNet layers keep the
+#:   input norm under in_proj (the experimental spec's TE fused norm, which model_specs/qwen3_next.py keeps);
+#: * transformer_engine: the parameters themselves, where get_gpt_layer_with_transformer_engine_spec fuses a norm
+#:   into the TELayerNormColumnParallelLinear after it (IdentityOp in its slot): the input norm into linear_qkv
+#:   (not MLA, whose input norm is a TENorm), MLA's q/kv norms into linear_q_up_proj / linear_kv_up_proj, the
+#:   pre-MLP norm into a dense MLP's linear_fc1 (MoE layers keep a TENorm `pre_mlp_layernorm`); gated DeltaNet
+#:   (experimental_attention_variant_module_specs.py) the input norm into in_proj. runtime/te_naming.py renames
+#:   live models by the same rules; tests/test_import.py checks this table against megatron-core's own TE spec.
+RENAMES: dict[str, tuple[Rename, ...]] = {
+    LOCAL: (
+        Rename("input_layernorm.", "self_attention.linear_qkv.layer_norm_", frozenset({ATTENTION})),
+        Rename("input_layernorm.", "self_attention.in_proj.layer_norm_", frozenset({GDN})),
+        Rename("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", frozenset({ATTENTION, GDN})),
+    ),
+    TRANSFORMER_ENGINE: (
+        Rename("input_layernorm.", "self_attention.linear_qkv.layer_norm_", frozenset({ATTENTION})),
+        Rename("input_layernorm.", "self_attention.in_proj.layer_norm_", frozenset({GDN})),
+        Rename("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_", frozenset({MLA})),
+        Rename("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_", frozenset({MLA})),
+        Rename("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", frozenset({DENSE})),
+    ),
+}
+_FROM_KEY = {r.key: r.canonical for table in RENAMES.values() for r in table}
+assert all(_FROM_KEY[r.key] == r.canonical for table in RENAMES.values() for r in table), \
+    "a key must name one canonical prefix, whatever the transformer_impl"
 
 #: routed experts: the canonical name, the stacked key (expert = a leading axis), the per-expert key
 # a LoRA-wrapped expert linear saves its factors beside its weight (megatron-bridge 0.3.1 adapter_wrapper.py:187-217
@@ -97,6 +126,13 @@ _GDN_PART = regex.compile(rf"(.+\.self_attention\.(?:in_proj|conv1d)\.weight)\.(
 LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
                             "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
                             "eh_proj", "in_proj", "out_proj"})
+#: modules of a TE-spec model that hold an `_extra_state` though not linears: TENorm (TE 2.x te.pytorch.RMSNorm /
+#: LayerNorm are ops.BasicOperation, whose get_extra_state puts `_extra_state` in their state dict:
+#: transformer_engine 2.11 pytorch/ops/op.py; megatron-core 0.16.1 transformer/utils.py sharded_state_dict_default
+#: saves it as a ShardedObject) where the TE spec builds one, and TEDotProductAttention where it has a state (a
+#: learnable softmax offset: extensions/transformer_engine.py `sharded_state_dict` saves its whole state dict)
+TE_STATE_MODULES = frozenset({"input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm",
+                              "out_norm", "final_layernorm", "final_norm", "enorm", "hnorm", "core_attention"})
 #: a hybrid model's output layer `_extra_state`: GPTModel.sharded_state_dict drops it, MambaModel / HybridModel keep
 #: LanguageModule's (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
 HYBRID_OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
@@ -117,21 +153,28 @@ def split_part(key: str) -> tuple[str, str]:
     return (m.group(1), m.group(2)) if m is not None else (key, "")
 
 
-def layer_kind(mla: bool, gdn: bool) -> str | None:
-    """Which renames a layer's names get: None for MLA layers (no keys map in their local spec)."""
-    return None if mla else GDN if gdn else ATTENTION
+def layer_kinds(mla: bool, gdn: bool, moe: bool) -> frozenset[str]:
+    """What a layer holds, for its renames: its attention and its MLP."""
+    return frozenset({MLA if mla else GDN if gdn else ATTENTION, MOE if moe else DENSE})
 
 
-def rename_to_key(rest: str, kind: str | None) -> str:
-    """A name inside a layer of `kind` as its checkpoint key spells it (LAYER_RENAMES)."""
-    for r in LAYER_RENAMES:
-        if kind in r.kinds and rest.startswith(r.canonical):
+def check_transformer_impl(impl: str) -> str:
+    if impl not in TRANSFORMER_IMPLS:
+        raise UsageError(f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)} (Megatron-LM's "
+                         f"--transformer-impl the model is built with), got {impl!r}")
+    return impl
+
+
+def rename_to_key(rest: str, kinds: frozenset[str], impl: str) -> str:
+    """A name inside a layer holding `kinds` as the checkpoint of a model built with `impl` keys it (RENAMES)."""
+    for r in RENAMES[impl]:
+        if r.kinds & kinds and rest.startswith(r.canonical):
             return r.key + rest[len(r.canonical):]
     return rest
 
 
 def rename_from_key(rest: str) -> str:
-    """The inverse of `rename_to_key` (a key prefix names one canonical prefix, whatever the layer kind)."""
+    """The inverse of `rename_to_key` (a key prefix names one canonical prefix, whatever the layer and the impl)."""
     for key, canonical in _FROM_KEY.items():
         if rest.startswith(key):
             return canonical + rest[len(key):]
@@ -141,8 +184,8 @@ def rename_from_key(rest: str) -> str:
 @dataclass(frozen=True)
 class KeyLayout:
     """How one model's canonical names are keyed in its checkpoint: the forms megatron-core's sharded state dict
-    chooses for it (`stacked` decoder layers, `singleton` experts, MLA without keys map, the gated DeltaNet
-    layers, a hybrid stack's layout)."""
+    chooses for it (`stacked` decoder layers, `singleton` experts, the `transformer_impl` it is built with, MLA, the
+    gated DeltaNet and the MoE layers (MTP's inner layers numbered after the decoder's), a hybrid stack's layout)."""
 
     num_layers: int
     num_experts: int = 0
@@ -151,6 +194,22 @@ class KeyLayout:
     mla: bool = False
     gdn_layers: frozenset[int] = frozenset()
     hybrid: HybridLayout | None = None
+    moe_layers: frozenset[int] = frozenset()
+    transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL
+    #: names inside a layer of modules the architecture's TE spec builds without TE (no `_extra_state`)
+    non_te: frozenset[str] = frozenset()
+
+    def extra_state(self, name: str) -> str | None:
+        """The `_extra_state` ShardedObject key of the module holding canonical name `name`, or None: every linear;
+        with transformer_engine also TE_STATE_MODULES under their own key (not fused into a linear)."""
+        key, lead, glob = self.key(name)
+        found = extra_state_key(name, key, lead, glob)
+        if found is not None or self.transformer_impl != TRANSFORMER_ENGINE:
+            return found
+        m = _CANONICAL_LAYER.fullmatch(name)
+        if m is not None and m.group(2).rsplit(".", 1)[0] in self.non_te:
+            return None
+        return extra_state_key(key, key, lead, glob, TE_STATE_MODULES)
 
     def key(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """(key, lead, dims) of a canonical Megatron name: its tensor is item `lead` of the key's tensor, whose
@@ -162,7 +221,8 @@ class KeyLayout:
             return name, (), ()
         layer, rest = int(m.group(1)), m.group(2)
         mtp = layer >= self.num_layers
-        rest = rename_to_key(rest, layer_kind(self.mla, layer in self.gdn_layers))
+        rest = rename_to_key(rest, layer_kinds(self.mla, layer in self.gdn_layers, layer in self.moe_layers),
+                             self.transformer_impl)
         if self.hybrid is not None and not mtp:
             layer = self.hybrid.megatron_layer(layer, m.group(2))
         lead, glob = (), ()
@@ -180,10 +240,11 @@ class KeyLayout:
         return f"decoder.layers.{layer}.{rest}", lead, glob
 
 
-def extra_state_key(name: str, key: str, lead: tuple[int, ...], glob: tuple[int, ...]) -> str | None:
+def extra_state_key(name: str, key: str, lead: tuple[int, ...], glob: tuple[int, ...],
+                    modules: frozenset[str] = LINEAR_MODULES) -> str | None:
     """The `_extra_state` ShardedObject key saved beside the tensor `key` of canonical name `name`, or None when
-    its module is not a linear (a norm keyed into fc1 is not)."""
-    if name.rsplit(".", 2)[-2] not in LINEAR_MODULES:
+    its module is not one of `modules` (a norm keyed into fc1 is not: the linear's own names the same object)."""
+    if name.rsplit(".", 2)[-2] not in modules:
         return None
     return (f"{key.rsplit('.', 1)[0]}._extra_state/shard_{'.'.join(map(str, lead or (0,)))}_"
             f"{'.'.join(map(str, glob or (1,)))}")

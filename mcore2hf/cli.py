@@ -178,11 +178,13 @@ def cmd_import(a) -> int:
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
                           singleton_local_shards=a.singleton_local_shards, moe_layer_freq=a.moe_layer_freq,
                           non_homogeneous_layers=a.non_homogeneous_layers, file_size=a.file_size,
-                          overwrite=a.overwrite, progress=not a.quiet, model_class=a.model_class)
+                          overwrite=a.overwrite, progress=not a.quiet, model_class=a.model_class,
+                          transformer_impl=a.transformer_impl)
     if not a.quiet:
         print(f"wrote {r.tensors} Megatron tensors ({r.keys} keys, {format_size(r.bytes_written)}) to "
               f"{r.ckpt_dir}/iter_{r.iteration:07d} in {r.seconds:.1f} s; peak RSS {format_size(r.peak_rss_bytes)}")
         print(f"decoder layer keys: {r.layer_keys}")
+        print(f"norm keys: as a model built with --transformer-impl {r.transformer_impl} saves them")
     return 0
 
 
@@ -281,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt",
                     help="the Megatron model that will load it: GPTModel (default) or hybrid (megatron-core 0.19 "
                          "HybridModel / 0.16 MambaModel, as build_model(..., model_class='hybrid') builds it)")
+    # checkpoint_keys.TRANSFORMER_IMPLS (not imported here: it imports torch; tests/test_import.py test_cli pins them)
+    im.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine",
+                    help="the --transformer-impl the Megatron model is built with (default: Megatron-LM's "
+                         "transformer_engine): where the norms Transformer Engine fuses into linears are keyed")
     im.add_argument("--file-size", type=_size("--file-size"), default="5GB",
                     help="largest .distcp file, e.g. 5GB (default 5GB)")
     im.add_argument("--overwrite", action="store_true", help="replace an existing iter_NNNNNNN of this iteration")

@@ -44,8 +44,9 @@ import torch
 from .checkpoint_keys import (
     GLU_PARTS,
     HYBRID_OUTPUT_EXTRA_STATE,
+    MEGATRON_LM_TRANSFORMER_IMPL,
     KeyLayout,
-    extra_state_key,
+    check_transformer_impl,
     layer_keys,
     part_key,
 )
@@ -106,6 +107,7 @@ class ImportReport:
     seconds: float
     peak_rss_bytes: int
     layer_keys: str = ""  # which decoder-layer key form was written, and why (layer_keys)
+    transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL  # the layer spec whose norm keys were written
 
 
 def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
@@ -145,8 +147,8 @@ def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tupl
 
 
 def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
-                singleton: bool, stacked: bool,
-                hybrid: HybridLayout | None = None) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
+                singleton: bool, stacked: bool, hybrid: HybridLayout | None = None,
+                transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
     """Every Megatron tensor to write with its chunks, the checkpoint's keys {key: (global shape, dtype)}, and
     its `_extra_state` object keys; every problem is reported at once, before anything is written."""
     from .model_specs.common import padded_vocab_size
@@ -162,8 +164,13 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     # gated DeltaNet layers (those with in_proj) save their input norm under in_proj
     gdn = frozenset(int(m.group(1)) for m in map(_LAYER.fullmatch, resolved)
                     if m is not None and m.group(2) == "self_attention.in_proj.weight")
+    # MoE layers (those with a router; MTP's inner layers too) keep TE's separate pre-MLP norm
+    moe = frozenset(int(m.group(1)) for m in map(_LAYER.fullmatch, resolved)
+                    if m is not None and m.group(2) == "mlp.router.weight")
     layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
-                       mla=dims.kv_lora_rank is not None, gdn_layers=gdn, hybrid=hybrid)
+                       mla=dims.kv_lora_rank is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
+                       transformer_impl=transformer_impl,
+                       non_te=frozenset(getattr(import_module(converter.spec), "NON_TE_MODULES", ())))
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
@@ -209,7 +216,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
         for k, shape in shapes.items():
             if keys.setdefault(k, (shape, dtype))[0] != shape:
                 problems.append(Problem(k, f"Megatron tensors of shapes {list(keys[k][0])} and {list(shape)}"))
-        extra = extra_state_key(name, key, lead, glob)
+        extra = layout.extra_state(name)
         if extra is not None:
             objects.add(extra)
         sources.append(src)
@@ -360,7 +367,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                       make_vocab_size_divisible_by: int = 128,
                       singleton_local_shards: bool = False, moe_layer_freq: int | list[int] | str | None = None,
                       non_homogeneous_layers: bool = False, file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
-                      model_class: str = "gpt") -> ImportReport:
+                      model_class: str = "gpt",
+                      transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL) -> ImportReport:
     """Write a Megatron torch_dist checkpoint (`ckpt_dir/iter_NNNNNNN` + latest_checkpointed_iteration.txt)
     from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout and any
     vocab padding: the vocab-parallel tensors hold exactly vocab_size rows and Megatron loads them with
@@ -374,7 +382,10 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     expression such as '[0]+[1]*47'; default Megatron-LM's 1 where every layer is MoE, else the HF config's
     pattern), `non_homogeneous_layers` the sharded-state-dict metadata flag of that name. `model_class="hybrid"` writes the
     keys of the hybrid model `build_model(..., model_class="hybrid")` builds (megatron-core 0.19 HybridModel, 0.16
-    MambaModel), its layer pattern derived from the HF config as build_model derives it. The iteration directory is
+    MambaModel), its layer pattern derived from the HF config as build_model derives it. `transformer_impl` is the
+    layer spec of the model that will load it (Megatron-LM's `--transformer-impl`): "transformer_engine" (Megatron-LM's
+    default) keys the norms TE fuses into linears under the linears' `layer_norm_weight`, "local" as the local spec's
+    keys map does (`checkpoint_keys.RENAMES`; what `build_model(use_te=False)` loads). The iteration directory is
     written under a temporary name and renamed when complete; the tracker file is replaced last."""
     t0 = time.perf_counter()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
@@ -383,6 +394,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     limit = parse_size(file_size, "file_size")
     if model_class not in ("gpt", "hybrid"):
         raise UsageError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
+    check_transformer_impl(transformer_impl)
     if (tp is not None and tp < 1) or make_vocab_size_divisible_by < 1 or iteration < 0:
         raise ValueError(f"tp ({tp}) and make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be "
                          f">= 1 and iteration ({iteration}) >= 0")
@@ -407,7 +419,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     try:
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
                                              divisible_by=make_vocab_size_divisible_by, stacked=stacked,
-                                             hybrid=hybrid)
+                                             hybrid=hybrid, transformer_impl=transformer_impl)
     except BaseException:
         reader.close()
         raise
@@ -462,7 +474,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         if bar is not None:
             bar.close()
     return ImportReport(ckpt_dir, iteration, len(sources), len(keys) + len(objects), writer.bytes,
-                        time.perf_counter() - t0, peak_rss(), why)
+                        time.perf_counter() - t0, peak_rss(), why, transformer_impl)
 
 
 def _tensors(reader: HFDirectory, sources: list[ImportSource]) -> Iterator[tuple[ImportSource, torch.Tensor]]:

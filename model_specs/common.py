@@ -286,6 +286,10 @@ class FullWidthRMSNorm(torch.nn.Module):
                                                    {"weight": 0}, sharded_offsets)
 
 
+#: the modules full_width_qk_norm replaces (names inside a layer)
+FULL_WIDTH_QK_NORMS = ("self_attention.q_layernorm", "self_attention.k_layernorm")
+
+
 def full_width_qk_norm(block, config):
     """A decoder block spec whose q/k norms are FullWidthRMSNorm over all query heads / all kv heads."""
     import copy

@@ -8,6 +8,7 @@ sigmoid scores + e_score_correction_bias for the top-k choice, unbiased top-k sc
 from mcore2hf.errors import ConfigMismatchError
 
 from .common import (
+    FULL_WIDTH_QK_NORMS,
     base_dims,
     base_structural,
     default_gpt_kwargs,
@@ -60,4 +61,6 @@ def gpt_kwargs(cfg) -> dict:
 
 
 layer_spec = full_width_layer_spec
+#: its q/k norms are FullWidthRMSNorm under the TE spec too (no TE `_extra_state`: checkpoint_keys.KeyLayout)
+NON_TE_MODULES = FULL_WIDTH_QK_NORMS
 build_model = spec_builder(__name__)

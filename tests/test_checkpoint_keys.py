@@ -1,6 +1,6 @@
 """The checkpoint key scheme (mcore2hf.checkpoint_keys), pure: what the import writes (`KeyLayout.key`, `part_key`)
 reads back (`canonical_parts`) as exactly the canonical names and parts it came from, for every key form: stacked
-and per-layer decoder layers, the local spec's key renames, gated DeltaNet layers and parts, MLA (no renames),
+and per-layer decoder layers, the key renames of both transformer_impls, gated DeltaNet layers and parts, MLA,
 stacked and per-expert experts with GLU halves, MTP layers, hybrid stacks. That the forms are megatron-core's own is
 tests/test_import.py's part (Megatron loads the import and re-saves the same keys)."""
 
@@ -8,9 +8,12 @@ import pytest
 
 from mcore2hf.checkpoint_keys import (
     GLU_PARTS,
-    LAYER_RENAMES,
+    LOCAL,
+    RENAMES,
+    TRANSFORMER_ENGINE,
     KeyLayout,
     canonical_parts,
+    check_transformer_impl,
     extra_state_key,
     layer_keys,
     parse_moe_layer_freq,
@@ -62,26 +65,33 @@ def parts_of(name: str, layout: KeyLayout) -> tuple[str, ...]:
     return ("",)
 
 
+def moe(*layers: int) -> frozenset[int]:
+    return frozenset(layers)
+
+
 CASES = {
-    "dense, stacked layers": (KeyLayout(3, stacked=True), names([ATTENTION + DENSE_MLP] * 3)),
-    "dense, per layer": (KeyLayout(3), names([ATTENTION + DENSE_MLP] * 3)),
-    "all MoE, stacked layers and experts (moe_layer_freq=1)": (KeyLayout(3, E, stacked=True),
-                                                               names([ATTENTION + MOE] * 3)),
-    "dense first layer, MoE, MTP": (KeyLayout(3, E), names([ATTENTION + DENSE_MLP] + [ATTENTION + MOE] * 2,
-                                                           ATTENTION + MOE)),
-    "singleton: per expert, GLU halves": (KeyLayout(3, E, singleton=True),
+    "dense, stacked layers": (dict(num_layers=3, stacked=True), names([ATTENTION + DENSE_MLP] * 3)),
+    "dense, per layer": (dict(num_layers=3), names([ATTENTION + DENSE_MLP] * 3)),
+    "all MoE, stacked layers and experts (moe_layer_freq=1)": (
+        dict(num_layers=3, num_experts=E, stacked=True, moe_layers=moe(0, 1, 2)), names([ATTENTION + MOE] * 3)),
+    "dense first layer, MoE, MTP": (dict(num_layers=3, num_experts=E, moe_layers=moe(1, 2, 3)),
+                                    names([ATTENTION + DENSE_MLP] + [ATTENTION + MOE] * 2, ATTENTION + MOE)),
+    "singleton: per expert, GLU halves": (dict(num_layers=3, num_experts=E, singleton=True, moe_layers=moe(1, 2, 3)),
                                           names([ATTENTION + DENSE_MLP] + [ATTENTION + MOE] * 2, ATTENTION + MOE)),
-    "MLA, MTP": (KeyLayout(2, E, mla=True), names([MLA + DENSE_MLP, MLA + MOE], MLA + MOE)),
-    "gated DeltaNet and full attention": (KeyLayout(3, E, gdn_layers=frozenset({0, 1})),
+    "MLA, MTP": (dict(num_layers=2, num_experts=E, mla=True, moe_layers=moe(1, 2)),
+                 names([MLA + DENSE_MLP, MLA + MOE], MLA + MOE)),
+    "gated DeltaNet and full attention": (dict(num_layers=3, num_experts=E, gdn_layers=moe(0, 1), moe_layers=moe(0, 1, 2)),
                                           names([GDN + MOE, GDN + MOE, ATTENTION + MOE])),
-    "hybrid stack": (KeyLayout(3, E, gdn_layers=frozenset({1}), hybrid=HybridLayout.parse("*-G*E")),
-                     names([ATTENTION + DENSE_MLP, GDN, ATTENTION + MOE])),
+    "hybrid stack": (dict(num_layers=3, num_experts=E, gdn_layers=frozenset({1}), hybrid=HybridLayout.parse("*-G*E"),
+                          moe_layers=moe(2)), names([ATTENTION + DENSE_MLP, GDN, ATTENTION + MOE])),
 }
 
 
+@pytest.mark.parametrize("impl", (TRANSFORMER_ENGINE, LOCAL))
 @pytest.mark.parametrize("case", CASES)
-def test_keys_read_back_as_the_names_they_were_written_from(case):
-    layout, canonical = CASES[case]
+def test_keys_read_back_as_the_names_they_were_written_from(case, impl):
+    fields, canonical = CASES[case]
+    layout = KeyLayout(**fields, transformer_impl=impl)
     written: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name in canonical:
@@ -102,25 +112,27 @@ def test_keys_read_back_as_the_names_they_were_written_from(case):
 
 def test_the_key_forms_are_megatrons():
     """Spot checks of each form against megatron-core 0.16.1's spelling (transformer_block.py, gpt_layer_specs.py
-    keys map, moe/experts.py, multi_token_prediction.py, gated_delta_net.py, mamba_block.py)."""
-    stacked = KeyLayout(4, E, stacked=True)
+    local keys map, moe/experts.py, multi_token_prediction.py, gated_delta_net.py, mamba_block.py); the local impl's
+    renames (transformer_engine's: test_transformer_engine_renames and tests/test_import.py's TE-spec oracle)."""
+    stacked = KeyLayout(4, E, stacked=True, transformer_impl=LOCAL)
     assert stacked.key("decoder.layers.2.input_layernorm.weight") == (
         "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (2,), (4,))
     assert stacked.key("decoder.layers.2.mlp.experts.3.linear_fc2.weight") == (
         "decoder.layers.mlp.experts.experts.linear_fc2.weight", (2, 3), (4, E))
     assert stacked.key("decoder.layers.4.pre_mlp_layernorm.weight") == (  # MTP: never stacked
         "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight", (), ())
-    single = KeyLayout(4, E, singleton=True)
+    single = KeyLayout(4, E, singleton=True, transformer_impl=LOCAL)
     assert single.key("decoder.layers.1.mlp.experts.3.linear_fc1.weight") == (
         "decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight", (), ())
     assert part_key("decoder.layers.1.mlp.linear_fc1.weight", "w") == "decoder.layers.1.mlp.linear_fc1.weight_w"
-    assert KeyLayout(2, mla=True).key("decoder.layers.0.input_layernorm.weight")[0] == \
+    assert KeyLayout(2, mla=True, transformer_impl=LOCAL).key("decoder.layers.0.input_layernorm.weight")[0] == \
         "decoder.layers.0.input_layernorm.weight"
-    gdn = KeyLayout(2, gdn_layers=frozenset({0}))
+    gdn = KeyLayout(2, gdn_layers=frozenset({0}), transformer_impl=LOCAL)
     assert gdn.key("decoder.layers.0.input_layernorm.weight")[0] == "decoder.layers.0.self_attention.in_proj.layer_norm_weight"
     assert part_key("decoder.layers.0.self_attention.in_proj.weight", "beta") == \
         "decoder.layers.0.self_attention.in_proj.weight.beta"
-    hybrid = KeyLayout(2, hybrid=HybridLayout.parse("*-*-"), stacked=True)  # a hybrid stack is never stacked
+    hybrid = KeyLayout(2, hybrid=HybridLayout.parse("*-*-"), stacked=True,  # a hybrid stack is never stacked
+                       transformer_impl=LOCAL)
     assert hybrid.key("decoder.layers.1.pre_mlp_layernorm.weight") == (
         "decoder.layers.3.mlp.linear_fc1.layer_norm_weight", (), ())
     assert hybrid.key("decoder.final_layernorm.weight")[0] == "decoder.final_norm.weight"
@@ -144,9 +156,35 @@ def test_other_writers_spellings_are_read():
 
 
 def test_renames_read_back_whatever_the_layer_kind():
-    """A key prefix names one canonical prefix, so reading needs no layer kind."""
-    for r in LAYER_RENAMES:
-        assert all(o.canonical == r.canonical for o in LAYER_RENAMES if o.key == r.key)
+    """A key prefix names one canonical prefix, so reading needs no layer kind and no transformer_impl."""
+    every = [r for table in RENAMES.values() for r in table]
+    for r in every:
+        assert all(o.canonical == r.canonical for o in every if o.key == r.key)
+
+
+def test_transformer_engine_renames():
+    """megatron-core 0.16.1 get_gpt_layer_with_transformer_engine_spec: the input norm fused into linear_qkv, a
+    dense MLP's norm into linear_fc1, an MoE layer's pre-MLP norm separate; MLA: the input norm separate, q/kv
+    norms fused into the up projections (also dense MLP norms); gated DeltaNet: the input norm into in_proj."""
+    te = KeyLayout(3, E, stacked=True, moe_layers=moe(1, 2, 3))
+    assert te.transformer_impl == TRANSFORMER_ENGINE  # Megatron-LM's default
+    assert te.key("decoder.layers.1.pre_mlp_layernorm.weight")[0] == "decoder.layers.pre_mlp_layernorm.weight"
+    assert te.key("decoder.layers.0.pre_mlp_layernorm.weight")[0] == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    assert te.key("decoder.layers.1.input_layernorm.weight")[0] == \
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    assert te.key("decoder.layers.3.pre_mlp_layernorm.weight")[0] == "mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight"
+    mla = KeyLayout(2, E, mla=True, moe_layers=moe(1))
+    assert [mla.key(f"decoder.layers.{i}.{n}")[0] for i, n in (
+        (0, "input_layernorm.weight"), (0, "self_attention.q_layernorm.weight"), (1, "self_attention.kv_layernorm.weight"),
+        (0, "pre_mlp_layernorm.weight"), (1, "pre_mlp_layernorm.weight"))] == [
+        "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight",
+        "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight",
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.pre_mlp_layernorm.weight"]
+    gdn = KeyLayout(2, E, gdn_layers=moe(0), moe_layers=moe(0, 1))
+    assert gdn.key("decoder.layers.0.input_layernorm.weight")[0] == "decoder.layers.0.self_attention.in_proj.layer_norm_weight"
+    assert gdn.key("decoder.layers.0.pre_mlp_layernorm.weight")[0] == "decoder.layers.0.pre_mlp_layernorm.weight"
+    with pytest.raises(UsageError, match="transformer_impl must be one of transformer_engine, local"):
+        check_transformer_impl("te")
 
 
 def test_moe_layer_freq_spellings():

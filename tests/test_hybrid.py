@@ -56,7 +56,8 @@ def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout, archs, tmp
     if layout.pp > 1:  # `mcore2hf import --model-class hybrid`, loaded into the hybrid model by Megatron
         import_root = tmp_path / "import"
         for mt in archs:
-            import_checkpoint(ckpts[mt], import_root / mt, model_class="hybrid", progress=False)
+            import_checkpoint(ckpts[mt], import_root / mt, model_class="hybrid", progress=False,
+                              transformer_impl="local")  # build_model builds the local spec
     source = {mt: ckpts[mt] for mt in archs}
     results = run_world(worlds.for_each_arch, layout, worlds.hybrid_suite, source, layout, dist_root,
                         None if import_root is None else str(import_root))

@@ -4,7 +4,9 @@ source; Megatron re-saving the loaded model writes our keys, shapes and dtypes b
 import -> offline export is bit-identical without Megatron. The decoder layers' key form follows the model's
 moe_layer_freq as megatron-core 0.16.1 decides it (transformer_block.py `sharded_state_dict`): an all-MoE model
 built as Megatron-LM builds it by default (moe_layer_freq=1) loads stacked keys, one built with a list per-layer
-keys, both at PP 2 x VPP 2."""
+keys, both at PP 2 x VPP 2. The norm keys follow `transformer_impl`: build_model's local-spec models load the
+"local" import; the default (transformer_engine) import has exactly the keys of megatron-core's own TE spec for
+every architecture, and loads into Qwen3-MoE and DeepSeek-V3 models under TE's names (PP 2 x VPP 2)."""
 
 import json
 import os
@@ -17,11 +19,12 @@ import pytest
 import torch
 import worlds
 from conftest import ARCHS
+from harness.te_spec import expected_te_names
 from oracle import logit_problems
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from mcore2hf.checkpoint_keys import pattern_text
+from mcore2hf.checkpoint_keys import TRANSFORMER_IMPLS, pattern_text
 from mcore2hf.errors import (
     ConfigMismatchError,
     HFDirectoryError,
@@ -92,6 +95,9 @@ def moe_pattern(ckpt: str) -> int | list[int] | None:
 
 #: an all-MoE model also built with a list (`--moe-layer-freq '([1]*4)'`), in the PP 2 x VPP 2 world
 LIST_BUILT = "qwen3_moe"
+#: loaded from the default transformer_engine import into a model under TE's names, in the PP 2 x VPP 2 world:
+#: issue 29's Qwen3-MoE (separate pre-MLP norm in MoE layers) and MLA (fused q/kv norms, dense first layer, MTP)
+TE_LOADED = ("qwen3_moe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +113,21 @@ def imported(all_ckpts, tmp_path_factory) -> dict[object, str]:
                 assert freq == 1
                 freq = None  # the default: Megatron-LM's
             r = import_checkpoint(ckpt, root / mt, singleton_local_shards=singleton, iteration=5, progress=False,
-                                  moe_layer_freq=freq)
+                                  moe_layer_freq=freq, transformer_impl="local")  # build_model: the local spec
             gdn = mt in HYBRID_ATTENTION  # gated DeltaNet layers: per layer whatever moe_layer_freq is
             per_layer = isinstance(freq, list) or singleton or gdn
             assert r.layer_keys.startswith("per layer" if per_layer else "stacked"), (mt, r.layer_keys)
             if mt == LIST_BUILT and not singleton:
                 assert r.layer_keys == "stacked (decoder.layers.<name>, layer axis sharded over PP): moe_layer_freq=1"
+    te = tmp_path_factory.mktemp("imported-te")  # the default transformer_engine import, for TE-named models
+    for mt in TE_LOADED:
+        r = import_checkpoint(all_ckpts[mt], te / mt, iteration=5, progress=False, moe_layer_freq=moe_pattern(all_ckpts[mt]))
+        assert r.transformer_impl == "transformer_engine"
     root = tmp_path_factory.mktemp("imported-list")
     r = import_checkpoint(all_ckpts[LIST_BUILT], root / LIST_BUILT, iteration=5, progress=False,
-                          moe_layer_freq="([1]*4)")
+                          moe_layer_freq="([1]*4)", transformer_impl="local")
     assert r.layer_keys.startswith("per layer"), r.layer_keys
-    return {**{s: str(r) for s, r in roots.items()}, "list": str(root)}
+    return {**{s: str(r) for s, r in roots.items()}, "list": str(root), "te": str(te)}
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[f"{lay}{'-singleton' if s else ''}" for lay, s in LAYOUTS])
@@ -126,6 +136,8 @@ def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_
     root, ckpts = imported[singleton], dict(all_ckpts)
     # PP 2 x VPP 2: also the per-layer import of a list moe_layer_freq, into a model built with that list
     built = {"list": (LIST_BUILT, imported["list"], {"moe_layer_freq": [1] * 4})} if layout.vpp else {}
+    if layout.vpp:  # the transformer_engine import into models whose sharded state dict has TE's keys
+        built.update({f"te-{mt}": (mt, imported["te"], {"te_names": True}) for mt in TE_LOADED})
     per_rank = run_world(worlds.load_imports, layout, ckpts, layout, root, singleton, str(tmp_path / "resaved"), built)
     roots = {mt: (root, mt, tmp_path / "resaved") for mt in ckpts}
     # what Megatron's own dist_checkpointing.load put into the model from our import: its forward is transformers'
@@ -133,6 +145,9 @@ def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_
                                for res in per_rank], ckpts, worlds.TOKENS, f"{layout} import")
     for name, (mt, other, config) in built.items():
         roots[name] = (other, mt, tmp_path / f"resaved-{name}")
+        if config.get("te_names"):  # its forward is not run: the export equals the source bit for bit
+            assert all(res[name]["logits"] is None for res in per_rank)
+            continue
         problems += logit_problems([{mt: res[name].pop("logits")} for res in per_rank], ckpts, worlds.TOKENS,
                                    f"{layout} import into a model built with {config}")
     same_on_every_rank(per_rank)
@@ -151,6 +166,9 @@ def test_megatron_loads_the_import_and_exports_the_source_bit_for_bit(case, all_
             if k in VOCAB_KEYS or k.endswith(".embedding.word_embeddings.weight"):
                 assert ours[k][0][0] == vocab and megatron[k][0] == (padded, *ours[k][0][1:]), (mt, k, megatron[k])
                 megatron[k] = ours[k]
+        if name.startswith("te-"):  # TE's own `_extra_state` objects (TENorm): a local model has none to save
+            ours = {k: v for k, v in ours.items() if v != "object" or k in megatron}
+            assert "decoder.layers.pre_mlp_layernorm.weight" in ours or mt != "qwen3_moe", sorted(ours)[:10]
         assert ours == megatron, (name, sorted(set(ours) ^ set(megatron))[:6],
                                   [k for k in ours if k in megatron and ours[k] != megatron[k]][:6])
 
@@ -310,10 +328,18 @@ def test_cli(ckpts, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "decoder layer keys: per layer: singleton_local_shards" in r.stdout, r.stdout
+    assert "norm keys: as a model built with --transformer-impl transformer_engine saves them" in r.stdout, r.stdout
     assert "peak RSS" in r.stdout and (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "12"
     meta = model_keys(tmp_path / "c" / "iter_0000012")
     assert meta["embedding.word_embeddings.weight"] == ((256, 64), torch.bfloat16)  # 100 padded to 128 x TP 2
     assert "decoder.layers.1.mlp.experts.experts.7.linear_fc1.weight_v" in meta
+    assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in meta  # TE: MLA's fused q norm
+    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "l"), "--transformer-impl", "local"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "--transformer-impl local" in r.stdout, r.stderr
+    assert "decoder.layers.1.self_attention.q_layernorm.weight" in model_keys(tmp_path / "l" / "iter_0000000")
+    r = subprocess.run(run + ["--help"], capture_output=True, text=True)
+    assert "{" + ",".join(TRANSFORMER_IMPLS) + "}" in r.stdout.replace("\n", "").replace(" ", ""), r.stdout
     r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--overwrite" in r.stderr, r.stderr
@@ -332,3 +358,98 @@ def test_tied_embeddings_import_has_no_output_layer(tmp_path):
     meta = model_keys(tmp_path / "c" / "iter_0000000")
     assert "output_layer.weight" not in meta and "embedding.word_embeddings.weight" in meta
     assert meta["decoder.layers.self_attention.linear_qkv.weight"][0] == (4, 128, 64)  # stacked: a dense model
+
+
+# -- the transformer_engine import against megatron-core's own TE spec ----------------------------------------------
+
+_TE_STATE = {"TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELinear", "TENorm"}
+
+
+def _skeleton(names: list[str], num_layers: int) -> torch.nn.Module:
+    """A module tree holding the canonical names as a local-spec GPTModel at TP 1 / PP 1 / EP 1 names them (expert
+    e under `local_experts.e`, MTP layer m's inner layer under `mtp.layers.m.transformer_layer`): empty parameters,
+    decoder layers with their layer_number, for harness.te_spec.expected_te_names."""
+    root = torch.nn.Module()
+    for name in names:
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+        if m is not None:
+            i, rest = int(m[1]), re.sub(r"^mlp\.experts\.(\d+)\.", r"mlp.experts.local_experts.\1.", m[2])
+            name = (f"decoder.layers.{i}.{rest}" if i < num_layers else
+                    f"mtp.layers.{i - num_layers}.transformer_layer.{rest}")
+        *path, leaf = name.split(".")
+        node = root
+        for j, part in enumerate(path):
+            if part not in node._modules:
+                node.add_module(part, torch.nn.ModuleList() if part in ("layers", "local_experts") else torch.nn.Module())
+            child = node._modules[part]
+            if isinstance(child, torch.nn.ModuleList) and j + 1 < len(path):
+                k = int(path[j + 1])
+                while len(child) <= k:
+                    child.append(torch.nn.Module())
+            node = child
+        node.register_parameter(leaf, torch.nn.Parameter(torch.empty(0)))
+    for i, layer in enumerate(root.decoder.layers):
+        layer.layer_number = i + 1
+    return root
+
+
+def _te_state_objects(module: torch.nn.Module, tree: dict, prefix: str) -> list[str]:
+    """The modules of the TE model at `tree` that hold an `_extra_state` (TE linears and TENorm; TEGroupedMLP's
+    linears; TEDotProductAttention where it has parameters), by their local-spec path."""
+    cls = tree["class"]
+    if cls == "IdentityOp" or module is None:
+        return []
+    if cls == "TEGroupedMLP":
+        return [f"{prefix}experts.{fc}" for fc in ("linear_fc1", "linear_fc2")]  # its sharded_state_dict's prefix
+    out = [prefix[:-1]] if cls in _TE_STATE or (cls == "TEDotProductAttention" and len(list(module.parameters()))) \
+        else []
+    for field, sub in tree.get("sub", {}).items():
+        attr = "final_layernorm" if field == "layer_norm" else field
+        out += _te_state_objects(module._modules.get(attr), sub, f"{prefix}{attr}.")
+    return out
+
+
+def te_checkpoint_keys(names: list[str], tree: dict, num_layers: int, stacked: bool) -> tuple[set[str], set[str]]:
+    """(tensor keys, `_extra_state` object keys without their shard suffix) of the model megatron-core's TE spec
+    `tree` builds holding the canonical `names`, as its sharded_state_dict keys them (megatron-core 0.16.1:
+    transformer_block.py stacks `decoder.layers.<i>.` into `decoder.layers.` unless per layer; TEGroupedMLP keys
+    expert e's `linear_fcN.weight<e>` as `experts.linear_fcN.weight` with an expert axis, as SequentialMLP's TE
+    linears do (moe/experts.py); MTP layers per layer)."""
+    model = _skeleton(names, num_layers)
+    params = expected_te_names(model, tree)
+    objects = [f"decoder.layers.{i}.{o}" for i, layer in enumerate(model.decoder.layers)
+               for o in _te_state_objects(layer, tree["layers"][i], "")]
+    objects += [f"mtp.layers.{m}.{o}" for m, layer in enumerate(model.mtp.layers if hasattr(model, "mtp") else [])
+                for o in _te_state_objects(layer, tree["mtp"][m], "")]
+    if tree["final_layernorm"] and tree["final_layernorm"]["class"] == "TENorm":
+        objects.append("decoder.final_layernorm")
+
+    def key(name: str) -> str:
+        name = re.sub(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)\d+$", r".mlp.experts.experts.\1.\2", name)
+        name = re.sub(r"\.mlp\.experts\.local_experts\.\d+\.", ".mlp.experts.experts.", name)
+        return re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", name) if stacked else name
+
+    return {key(n) for n in params}, {key(f"{o}._extra_state") for o in objects}
+
+
+def test_transformer_engine_import_has_the_keys_of_megatron_cores_te_spec(all_ckpts, te_specs, tmp_path):
+    """For every registered architecture, the default (transformer_engine) import's tensor keys and `_extra_state`
+    objects are exactly those of the model megatron-core's own TE spec builds (harness.te_spec: which norms are
+    fused, which are TENorm), keyed by megatron-core's stacking rules (hybrid stacks: not checked here)."""
+    from mcore2hf.checkpoint_keys import split_part
+    from mcore2hf.importer import megatron_names
+
+    for mt, ckpt in all_ckpts.items():
+        cfg = load_hf_config(ckpt)
+        conv = get_converter(cfg.model_type)
+        dims = get_model_spec(cfg.model_type).dims(cfg)
+        names = sorted(megatron_names(conv, dims, set(held(ckpt)))[0])
+        r = import_checkpoint(ckpt, tmp_path / mt, moe_layer_freq=moe_pattern(ckpt), progress=False)
+        assert r.transformer_impl == "transformer_engine"
+        got = model_keys(tmp_path / mt / "iter_0000000")
+        tensors = {split_part(k)[0] for k, v in got.items() if v != "object"}  # gated DeltaNet parts: one tensor
+        objects = {k.split("/shard_")[0] for k, v in got.items() if v == "object"}
+        want_tensors, want_objects = te_checkpoint_keys(names, te_specs[cfg.model_type], dims.num_layers,
+                                                        r.layer_keys.startswith("stacked"))
+        assert tensors == want_tensors, (mt, sorted(tensors - want_tensors)[:6], sorted(want_tensors - tensors)[:6])
+        assert objects == want_objects, (mt, sorted(objects - want_objects)[:6], sorted(want_objects - objects)[:6])

@@ -676,12 +676,16 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
 
 
 def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None,
-                  model_class: str = "gpt", **config) -> int:
+                  model_class: str = "gpt", te_names: bool = False, **config) -> int:
     """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
     checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
     builds), then exported live: bit-identical to the HF source. With `resave`, Megatron then saves the model
     under resave/<arch> (to compare keys). `config`: TransformerConfig fields the model is built with over the
-    spec's (`moe_layer_freq=1`: as Megatron-LM builds it by default). Returns the number of tensors checked."""
+    spec's (`moe_layer_freq=1`: as Megatron-LM builds it by default). `te_names`: the model under Transformer
+    Engine's names as Megatron-LM builds it by default (`to_te_names`, experts as `--moe-grouped-gemm` False keeps
+    them) and without the local spec's `sharded_state_dict_keys_map`, so its sharded state dict has a TE model's
+    tensor keys (not TE's own `_extra_state` objects, which a local model cannot hold); its forward is not run.
+    Returns the number of tensors checked."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -689,6 +693,15 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
 
     cfg, chunks = build(ckpt, layout, model_class=model_class, **config)
     zero_(chunks)
+    if te_names:
+        import dataclasses
+
+        to_te_names(chunks, grouped=False)
+        for c in chunks:  # the TE spec's layers have no keys map (gpt_layer_specs.py: only its op-fuser names)
+            mtp = getattr(c, "mtp", None)
+            layers = list(c.decoder.layers) + [m.transformer_layer for m in (mtp.layers if mtp is not None else [])]
+            for layer in layers:
+                layer.submodules_config = dataclasses.replace(layer.submodules_config, sharded_state_dict_keys_map={})
     md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
 
     def sharded() -> dict:
@@ -705,7 +718,8 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     conv = get_converter(cfg.model_type)  # Qwen3.5's vision tower is not imported
     ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if not conv.not_held_by_model(n)}
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} imported")
-    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" else None  # what Megatron loaded is right
+    # what Megatron loaded is right: its forward is transformers' (not under TE names: that model does not run)
+    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and not te_names else None
     if resave is not None:
         out = os.path.join(resave, cfg.model_type)
         if dist.get_rank() == 0:

@@ -66,7 +66,8 @@ def _single_grouped(linear: nn.Module, n: int) -> None:
         linear.register_parameter(kind, p)
 
 
-def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool = False) -> None:
+def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool = False,
+              grouped: bool = True) -> None:
     attn = layer.self_attention
     if hasattr(attn, "linear_qkv"):
         if "weight" in layer.input_layernorm._parameters:
@@ -88,8 +89,10 @@ def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool
         if hasattr(mlp, "linear_fc1") and "weight" in layer.pre_mlp_layernorm._parameters:
             _move(layer.pre_mlp_layernorm, "weight", mlp.linear_fc1, "layer_norm_weight")
         return
+    if not grouped:  # moe_grouped_gemm=False: SequentialMLP of TE linears, the local experts' names
+        return
     local = experts.local_experts
-    grouped = _GroupedExperts(len(local))
+    group = _GroupedExperts(len(local))
     for i, expert in enumerate(local):
         for fc in ("linear_fc1", "linear_fc2"):
             p = getattr(expert, fc)._parameters.pop("weight")
@@ -98,19 +101,21 @@ def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool
                 p.partition_stride = 1
             elif fc == "linear_fc1":
                 p.partition_stride = 1  # TE's GroupedLinear does not carry Megatron's GLU stride
-            getattr(grouped, fc).register_parameter(f"weight{i}", p)
+            getattr(group, fc).register_parameter(f"weight{i}", p)
             bias = getattr(expert, fc)._parameters.pop("bias", None)
             if bias is not None:  # expert biases (gpt-oss): TE's GroupedLinear names them bias{i}
-                getattr(grouped, fc).register_parameter(f"bias{i}", bias)
+                getattr(group, fc).register_parameter(f"bias{i}", bias)
     if single_grouped:
-        _single_grouped(grouped.linear_fc1, len(local))
-        _single_grouped(grouped.linear_fc2, len(local))
-    mlp.experts = grouped
+        _single_grouped(group.linear_fc1, len(local))
+        _single_grouped(group.linear_fc2, len(local))
+    mlp.experts = group
 
 
-def to_te_names(model, single_grouped: bool = False) -> None:
+def to_te_names(model, single_grouped: bool = False, grouped: bool = True) -> None:
     """Rewrite a local-spec model (or its list of virtual-PP chunks) to TE's names and attributes, in place;
-    `single_grouped`: as megatron-core 0.19 with moe_single_grouped_weight (new Parameters, same values)."""
+    `single_grouped`: as megatron-core 0.19 with moe_single_grouped_weight (new Parameters, same values);
+    `grouped=False`: experts as Megatron-LM's default `--moe-grouped-gemm` False builds them (SequentialMLP of TE
+    linears, extensions/transformer_engine_spec_provider.py `grouped_mlp_modules`), named as the local spec's."""
     from megatron.core import parallel_state as ps
 
     from ..naming import unwrap_model
@@ -123,7 +128,7 @@ def to_te_names(model, single_grouped: bool = False) -> None:
             for m in mtp.layers:
                 layers.append(getattr(m, "transformer_layer", None) or m.mtp_model_layer)
         for layer in layers:
-            _te_layer(layer, explicit, single_grouped)
+            _te_layer(layer, explicit, single_grouped, grouped)
 
 
 def te_names_of(model) -> list[str]:
