@@ -34,7 +34,8 @@ WORLD_ARCHS = [mt for mt in ARCHS if not ONLY or mt in ONLY]
 #: SGLang's code, the CLI and the demo). Per test file: "*" (all of it) or the test-name prefixes that are quick.
 QUICK = {
     "test_code_rules.py": "*", "test_layouts.py": "*", "test_stacked.py": "*", "test_quantize.py": "*",
-    "test_plan_tiling.py": "*", "test_mtp_names.py": "*", "test_senders.py": "*",
+    "test_plan_tiling.py": "*", "test_mtp_names.py": "*", "test_senders.py": "*", "test_hf_dir.py": "*",
+    "test_checkpoint_keys.py": "*",
     "test_engine_plan.py": ("test_pieces_", "test_clip_"),
     "test_engine_shards.py": ("test_placement", "test_unknown", "test_kv_", "test_vocab", "test_padded", "test_expert",
                               "test_mask", "test_engine_slices", "test_stacked", "test_shared", "test_linear",
