@@ -57,6 +57,9 @@ MTP_INNER = "transformer_layer."
 
 #: what a layer holds, which decides its renames: its attention (self-attention, gated DeltaNet, MLA) and its MLP
 ATTENTION, GDN, MLA, DENSE, MOE = "attention", "gdn", "mla", "dense", "moe"
+#: MLA with DeepSeek sparse attention's indexer: the indexer needs the normalized query latent, so TE's DSA spec keeps
+#: q_layernorm / kv_layernorm separate (not fused into the up projections; runtime/te_naming.py does the same)
+DSA = "dsa"
 
 #: Megatron-LM's `--transformer-impl` (NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39553:
 #: megatron/training/arguments.py derives it from megatron/core/transformer/transformer_config.py
@@ -132,7 +135,9 @@ LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_f
 #: saves it as a ShardedObject) where the TE spec builds one, and TEDotProductAttention where it has a state (a
 #: learnable softmax offset: extensions/transformer_engine.py `sharded_state_dict` saves its whole state dict)
 TE_STATE_MODULES = frozenset({"input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm",
-                              "out_norm", "final_layernorm", "final_norm", "enorm", "hnorm", "core_attention"})
+                              "out_norm", "final_layernorm", "final_norm", "enorm", "hnorm", "core_attention",
+                              # DSA's indexer: TE linears built duplicated, and its TE LayerNorm k_norm
+                              "linear_wq_b", "linear_wk", "linear_weights_proj", "k_norm"})
 #: a hybrid model's output layer `_extra_state`: GPTModel.sharded_state_dict drops it, MambaModel / HybridModel keep
 #: LanguageModule's (0.16.1 gpt_model.py, 0.19.2 hybrid_model.py)
 HYBRID_OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
@@ -153,9 +158,10 @@ def split_part(key: str) -> tuple[str, str]:
     return (m.group(1), m.group(2)) if m is not None else (key, "")
 
 
-def layer_kinds(mla: bool, gdn: bool, moe: bool) -> frozenset[str]:
+def layer_kinds(mla: bool, gdn: bool, moe: bool, dsa: bool = False) -> frozenset[str]:
     """What a layer holds, for its renames: its attention and its MLP."""
-    return frozenset({MLA if mla else GDN if gdn else ATTENTION, MOE if moe else DENSE})
+    attention = (DSA if dsa else MLA) if mla else GDN if gdn else ATTENTION
+    return frozenset({attention, MOE if moe else DENSE})
 
 
 def check_transformer_impl(impl: str) -> str:
@@ -192,6 +198,7 @@ class KeyLayout:
     stacked: bool = False
     singleton: bool = False
     mla: bool = False
+    dsa: bool = False  # MLA with a sparse-attention indexer (DSA)
     gdn_layers: frozenset[int] = frozenset()
     hybrid: HybridLayout | None = None
     moe_layers: frozenset[int] = frozenset()
@@ -221,7 +228,7 @@ class KeyLayout:
             return name, (), ()
         layer, rest = int(m.group(1)), m.group(2)
         mtp = layer >= self.num_layers
-        rest = rename_to_key(rest, layer_kinds(self.mla, layer in self.gdn_layers, layer in self.moe_layers),
+        rest = rename_to_key(rest, layer_kinds(self.mla, layer in self.gdn_layers, layer in self.moe_layers, self.dsa),
                              self.transformer_impl)
         if self.hybrid is not None and not mtp:
             layer = self.hybrid.megatron_layer(layer, m.group(2))

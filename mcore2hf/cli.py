@@ -364,8 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"mcore2hf {a.cmd}"
     seen: list = []
 
+    from . import paths
+
     def on_sigint(signum, frame):
         seen.append(signum)
+        paths.interrupt_requested.set()  # what the KeyboardInterrupt cannot stop if code swallows it
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_sigint)
@@ -380,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         paths_log.removeHandler(handler)
         signal.signal(signal.SIGINT, previous)
+        paths.interrupt_requested.clear()
 
 
 def _report(a, prog: str, e: BaseException, interrupted: bool) -> int:

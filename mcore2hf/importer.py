@@ -168,7 +168,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     moe = frozenset(int(m.group(1)) for m in map(_LAYER.fullmatch, resolved)
                     if m is not None and m.group(2) == "mlp.router.weight")
     layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
-                       mla=dims.kv_lora_rank is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
+                       mla=dims.kv_lora_rank is not None, dsa=dims.index_head_dim is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
                        transformer_impl=transformer_impl,
                        non_te=frozenset(getattr(import_module(converter.spec), "NON_TE_MODULES", ())))
     sources, keys, objects, problems = [], {}, set(), []

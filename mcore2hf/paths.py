@@ -30,12 +30,16 @@ import os
 import secrets
 import shutil
 import socket
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .errors import OutputError
 
 log = logging.getLogger("mcore2hf.paths")
+#: set by a front end's SIGINT handler (mcore2hf.cli): an interrupt that code swallowed on its way (a
+#: KeyboardInterrupt raised inside a __del__ is only printed) still keeps the output from being committed
+interrupt_requested = threading.Event()
 TMP_TAG = ".mcore2hf-tmp-"  # in the names of our staging directories and files: <prefix>.mcore2hf-tmp-<pid>-<hex>
 MARKER = ".mcore2hf-staging"  # in each staging directory: "<host> <pid>", flock-ed by the writing process
 
@@ -209,6 +213,9 @@ class Staging:
 
     def commit(self) -> list[str]:
         """Move the written files into place; returns the user's files found in the target and kept there."""
+        if interrupt_requested.is_set():
+            self.abort()
+            raise KeyboardInterrupt
         try:
             if self.in_place:
                 self._move_in()

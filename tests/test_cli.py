@@ -94,6 +94,10 @@ def test_ctrl_c_during_import_is_interrupted_exit_130_and_leaves_nothing(hf_sour
         pytest.skip(f"the import finished within {delay} s (nothing to interrupt)")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
+    if (target / "latest_checkpointed_iteration.txt").exists():  # the signal came after the commit (a race)
+        assert proc.returncode in (0, -signal.SIGINT), (proc.returncode, err[-2000:])
+        assert sorted(os.listdir(target)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+        pytest.skip("the import had committed its checkpoint when the signal arrived")
     assert proc.returncode == 130, (proc.returncode, err[-2000:])
     assert err.strip().splitlines()[-1] == "mcore2hf import: interrupted", err[-2000:]
     leftovers = [f for f in (os.listdir(target) if target.exists() else []) if f.startswith("iter_")]
