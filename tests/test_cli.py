@@ -449,21 +449,42 @@ def test_a_write_error_is_one_line_naming_the_output_and_leaves_nothing(megatron
     assert sorted(os.listdir(tmp_path)) == ["existing"]
 
 
-def _kill_when_staging(args: list[str], where) -> str:
-    """Start `mcore2hf *args`, SIGKILL it once its staging directory exists in `where`; returns that directory."""
-    proc = subprocess.Popen([CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        found = [n for n in (os.listdir(where) if os.path.isdir(where) else []) if ".mcore2hf-tmp-" in n]
-        if found:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return os.path.join(where, found[0])
-        if proc.poll() is not None:
-            pytest.fail(f"mcore2hf {' '.join(args)} ended ({proc.returncode}) before it was killed")
-        time.sleep(0.01)
-    proc.kill()
-    pytest.fail("no staging directory appeared")
+def _kill_when_staging(args: list[str], where, tries: int = 5) -> str:
+    """Start `mcore2hf *args`, SIGKILL it while its staging directory exists in `where`; returns that directory.
+    A tiny import writes in milliseconds, so the process is stopped (SIGSTOP) as soon as a staging directory shows,
+    and killed only if that directory is still there; a run that ended or committed first is started again."""
+    for _ in range(tries):
+        proc = subprocess.Popen([CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            found = [n for n in (os.listdir(where) if os.path.isdir(where) else []) if ".mcore2hf-tmp-" in n]
+            if found:
+                proc.send_signal(signal.SIGSTOP)
+                stage = os.path.join(where, found[0])
+                still = os.path.isdir(stage)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                if still:
+                    return stage
+                break
+            time.sleep(0.002)
+        else:
+            if proc.poll() is None:
+                proc.kill()
+                pytest.fail("no staging directory appeared")
+        proc.wait()
+        _undo_completed_run(args, where)
+    pytest.fail(f"mcore2hf {' '.join(args)} never was killed while staging in {tries} tries")
+
+
+def _undo_completed_run(args: list[str], where) -> None:
+    """Leave `where` as it was before a try that committed or was killed after its staging went (for the retry)."""
+    import shutil
+
+    where = str(where)
+    if os.path.basename(where).startswith("iter_"):  # a re-import over an existing iteration: it is replaced anyway
+        return
+    shutil.rmtree(where, ignore_errors=True)
 
 
 def test_import_killed_with_sigkill_then_run_again(hf_source, tmp_path):
