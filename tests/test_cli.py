@@ -457,11 +457,14 @@ def _kill_when_staging(args: list[str], where, tries: int = 5) -> str:
         proc = subprocess.Popen([CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
-            found = [n for n in (os.listdir(where) if os.path.isdir(where) else []) if ".mcore2hf-tmp-" in n]
+            # a staging directory once it is set up (its locked marker in place): the import is writing
+            found = [n for n in (os.listdir(where) if os.path.isdir(where) else []) if ".mcore2hf-tmp-" in n
+                     and os.path.exists(os.path.join(where, n, ".mcore2hf-staging"))]
             if found:
                 proc.send_signal(signal.SIGSTOP)
+                _, status = os.waitpid(proc.pid, os.WUNTRACED)  # signals land asynchronously: wait until it stopped
                 stage = os.path.join(where, found[0])
-                still = os.path.isdir(stage)
+                still = os.WIFSTOPPED(status) and os.path.isdir(stage)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 if still:
