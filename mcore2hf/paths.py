@@ -31,6 +31,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -131,6 +132,26 @@ def _holder(path: str) -> str | None:
         os.close(fd)  # closing releases the lock taken above
 
 
+def _abandoned(path: str) -> bool:
+    """A staging directory of ours killed between its mkdir and its marker: named with our tag and a pid that is
+    not running here, holding nothing but the unfinished marker, and older than a minute (a run on another host
+    sharing this file system creates its marker within microseconds)."""
+    pid = _pid_of(os.path.basename(path))
+    if pid is None or not os.path.isdir(path) or os.path.islink(path):
+        return False
+    if set(_listdir(path)) - {MARKER + ".new"}:
+        return False
+    try:
+        if time.time() - os.stat(path).st_mtime < 60:
+            return False
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+
+
 def remove_stale(target: str | os.PathLike, kind: OutputKind | None = None) -> list[str]:
     """Remove the staging directories and files that runs writing `target` left when they were killed (ours:
     named so and marked; no longer locked). One still held by a running process is an error that names it."""
@@ -145,7 +166,9 @@ def remove_stale(target: str | os.PathLike, kind: OutputKind | None = None) -> l
         try:
             holder = _holder(path)
         except FileNotFoundError:
-            continue  # no marker: not ours, or being created this instant
+            if not _abandoned(path):
+                continue  # no marker: not ours, or being created this instant
+            holder = None
         if holder is not None:
             raise error(f"{path} is in use by {holder}, which is writing {out}: wait for it to finish, or remove "
                         f"{path} if that process is not an mcore2hf run")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -171,6 +172,19 @@ def test_staging_directories_of_killed_writers_are_removed_and_live_ones_block(t
     foreign.mkdir()
     _write(tmp_path / "other", {"w": torch.ones(2)})
     assert foreign.exists()
+    # killed between its mkdir and its marker: a dead pid, only the unfinished marker, older than a minute
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - 120
+    cases = {"abandoned": (".mcore2hf-staging.new", old), "fresh": (None, time.time()), "content": ("x", old)}
+    for name, (content, mtime) in cases.items():
+        stage = tmp_path / f".{name}.mcore2hf-tmp-{dead.pid}-abcd"
+        stage.mkdir()
+        if content:
+            (stage / content).write_bytes(b"")
+        os.utime(stage, (mtime, mtime))
+        _write(tmp_path / name, {"w": torch.ones(2)})
+        assert stage.exists() == (name != "abandoned"), name
 
 
 def test_bad_shard_size_creates_nothing(tmp_path):
