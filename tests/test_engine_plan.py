@@ -243,7 +243,9 @@ def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4
 def test_engine_plan_refusals_quantized_plan_and_bad_colocated_groups():
     """A quantized export plan, an engine TP that does not divide the world, overlapping groups: clear errors
     before anything is planned or sent."""
-    from mcore2hf.plan import ExportPlan, colocated_ranks, plan_engine_shards
+    from mcore2hf.engine_plan import plan_engine_shards
+    from mcore2hf.engine_shards import colocated_ranks
+    from mcore2hf.plan import ExportPlan
 
     with pytest.raises(EngineShardError, match=r"quantized \(fp8\) plan: not supported"):
         plan_engine_shards(ExportPlan("qwen3", {}, [], 1, [], 4, quantize="fp8"), colocated_ranks(4, "vllm", 2), None)

@@ -10,11 +10,12 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..buckets import Bucket
+from ..engine_plan import EngineShardPlan
 from ..engine_shards import EngineShardError, EngineSlice, region_slices
 from ..layouts import Piece, row_strides
 from ..naming import LocalTensor
 from ..parallel import ParallelContext
-from ..plan import EngineShardPlan, align
+from ..plan import align
 from .builders import engine_program
 from .executor import CBucket, Copy, Core, CRound, Pack
 from .program import EngineProgram, packed_bytes, packed_offsets
