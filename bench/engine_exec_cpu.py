@@ -25,7 +25,7 @@ def world(ckpts: dict, layout, runs: int, bucket_bytes: int) -> list:
     import worlds
 
     from mcore2hf import HFExporter
-    from mcore2hf.plan import colocated_ranks
+    from mcore2hf.engine_shards import colocated_ranks
 
     rows = []
     for model_type, ckpt in ckpts.items():

@@ -125,7 +125,7 @@ def trainer_plan(model_type: str, overrides: dict, tp: int, pp: int, ep: int, et
 
 
 def simulate(export, dims, world: int, engine: str, tp: int, ep: int, instances: int) -> dict:
-    from mcore2hf.plan import plan_engine_shards
+    from mcore2hf.engine_plan import plan_engine_shards
     from mcore2hf.senders.engine_shard import disaggregated_ranks
 
     ranks = disaggregated_ranks(world, engine, tp, ep, instances)

@@ -416,3 +416,34 @@ def clip(piece: Piece, region: Region) -> Piece | None:
     # the constructor, not dataclasses.replace: plans clip every piece for every engine rank (2x faster)
     return Piece(piece.out, piece.shard, tuple(start), piece.step, tuple(count), piece.src_strides, src,
                  piece.add)
+
+
+# ------------------------------------------------------------------------------------------------- engine ranks
+# Which training process feeds each engine rank (disaggregated placements: senders/engine_shard.py).
+
+@dataclass(frozen=True)
+class EngineRank:
+    """Where one engine rank's weights go: the training process (global rank) that feeds it."""
+
+    placement: EnginePlacement
+    instance: int  # engine replica (several engines share one training world)
+    rank: int
+
+
+def colocated_ranks(world_size: int, engine: str, tp_size: int, ep_size: int = 1,
+                    groups: list[list[int]] | None = None, **placement) -> list[EngineRank]:
+    """Colocated RL: engine instance k's rank r is fed by global rank `groups[k][r]`; default groups are
+    consecutive trainer ranks (`[k*tp, (k+1)*tp)`, the GPUs the instance runs on). `placement` passes
+    EnginePlacement fields (moe_tp, replicated_shared_experts)."""
+    if groups is None:
+        if world_size % tp_size:
+            raise EngineShardError(f"colocated engines: expected engine TP {tp_size} to divide the world size "
+                                   f"{world_size}")
+        groups = [list(range(k, k + tp_size)) for k in range(0, world_size, tp_size)]
+    flat = [r for g in groups for r in g]
+    if len(set(flat)) != len(flat) or any(not 0 <= r < world_size for r in flat) or \
+            any(len(g) != tp_size for g in groups):
+        raise EngineShardError(f"engine rank groups: expected groups of {tp_size} distinct ranks in "
+                               f"[0, {world_size}), found {groups}")
+    return [EngineRank(EnginePlacement(engine, r, tp_size, ep_size, **placement), k, g[r])
+            for k, g in enumerate(groups) for r in range(tp_size)]

@@ -12,7 +12,8 @@ import torch
 
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket
 from .collective import agree
-from .engine_shards import EngineShardError
+from .engine_plan import EngineShardPlan, plan_engine_shards
+from .engine_shards import EngineRank, EngineShardError
 from .errors import ConfigMismatchError, Mcore2HFError, UsageError, problem_list
 from .hf_config import HFConfigLike, config_source
 from .lora import (
@@ -29,8 +30,6 @@ from .mapping import Converter
 from .naming import LocalTensor, local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
 from .plan import (
-    EngineRank,
-    EngineShardPlan,
     ExportPlan,
     RankRecord,
     Source,
@@ -38,7 +37,6 @@ from .plan import (
     build_sources,
     filter_sources,
     gather_records,
-    plan_engine_shards,
     quantized_plan,
 )
 from .quantize import FP8Scheme, get_scheme

@@ -163,8 +163,8 @@ def test_disaggregated_ranks_and_receive_program_refusals():
 
     import pytest
 
-    from mcore2hf.engine_shards import EngineShardError
-    from mcore2hf.plan import colocated_ranks, plan_engine_shards
+    from mcore2hf.engine_plan import plan_engine_shards
+    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.senders.engine_shard import (
         EngineShardReceiver,
         disaggregated_ranks,

@@ -243,7 +243,9 @@ def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4
 def test_engine_plan_refusals_quantized_plan_and_bad_colocated_groups():
     """A quantized export plan, an engine TP that does not divide the world, overlapping groups: clear errors
     before anything is planned or sent."""
-    from mcore2hf.plan import ExportPlan, colocated_ranks, plan_engine_shards
+    from mcore2hf.engine_plan import plan_engine_shards
+    from mcore2hf.engine_shards import colocated_ranks
+    from mcore2hf.plan import ExportPlan
 
     with pytest.raises(EngineShardError, match=r"quantized \(fp8\) plan: not supported"):
         plan_engine_shards(ExportPlan("qwen3", {}, [], 1, [], 4, quantize="fp8"), colocated_ranks(4, "vllm", 2), None)
@@ -288,3 +290,39 @@ def test_masked_engine_bucket_as_bucket_debug_needs_a_nan_filling_executor():
         EngineBucket(0, flat, [], full).as_bucket(debug=True)
     bucket = EngineBucket(0, flat, [], full, nan=True)
     assert bucket.as_bucket(debug=True).flat is flat and bucket.as_bucket().flat is flat
+
+
+def test_slices_bucket_as_bucket_equals_mask_to_engine_column_row_and_two_regions_of_one_tensor():
+    """A raw-slices bucket's as_bucket() (the executor's masked placement run on its slices) equals mask_to_engine
+    of the full tensors (an independent path: indexing), NaN outside the regions with debug, for a column region
+    (strided destination), a row region of a bf16 tensor and one tensor with two regions."""
+    from mcore2hf.engine_plan import SliceEntry
+    from mcore2hf.engine_shards import mask_to_engine, region_slices
+    from mcore2hf.plan import pack_tight
+    from mcore2hf.transfer.engine import EngineBucket
+
+    full = {"a": torch.arange(24, dtype=torch.float32).reshape(6, 4),
+            "b": torch.arange(12, dtype=torch.float32).reshape(4, 3).to(torch.bfloat16)}
+    regions = {"a": [((1, 1, 2),), ((1, 3, 1),)], "b": [((0, 2, 2),)]}
+    layout = pack_tight([(n, tuple(t.shape), t.dtype, n) for n, t in full.items()])
+    entries, off = [], 0
+    for n, t in full.items():
+        for r in regions[n]:
+            sl = t[region_slices(r)]
+            off = -(-off // t.element_size()) * t.element_size()
+            entries.append(SliceEntry(n, tuple(t.shape), r, t.dtype, off, sl.numel() * t.element_size()))
+            off += entries[-1].nbytes
+    flat = torch.zeros(off, dtype=torch.uint8)
+    for e in entries:
+        flat[e.start:e.start + e.nbytes].view(e.dtype).copy_(full[e.name][region_slices(e.region)].reshape(-1))
+    bucket = EngineBucket(0, flat, entries, None, layout)
+    got = dict(bucket.as_bucket(debug=True).named_tensors())
+    assert [e.name for e in bucket.as_bucket().entries] == [e.name for e in layout]
+    for n, t in full.items():
+        want = mask_to_engine(t, regions[n], debug=True)
+        assert got[n].shape == t.shape and got[n].dtype == t.dtype
+        assert torch.equal(got[n].isnan(), want.isnan()) and torch.equal(got[n][~want.isnan()], want[~want.isnan()])
+    plain = dict(bucket.masked())
+    for n, t in full.items():
+        for r in regions[n]:
+            assert torch.equal(plain[n][region_slices(r)], t[region_slices(r)])

@@ -1,10 +1,10 @@
-"""plan._first_overlap, the engine-shard plan's tiling check (no byte routed twice): a sort-and-sweep along one
+"""engine_plan._first_overlap, the engine-shard plan's tiling check (no byte routed twice): a sort-and-sweep along one
 dim that must find an overlapping pair exactly when the pairwise scan does."""
 
 import random
 
+from mcore2hf.engine_plan import _first_overlap, _meet
 from mcore2hf.layouts import Piece
-from mcore2hf.plan import _first_overlap, _meet
 
 
 def _pairwise(ps):

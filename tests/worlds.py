@@ -896,8 +896,13 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
     and vllm at engine TP 1/2/4 (with EP for MoE), colocated: every rank's slices equal engine_slices of the
     full export (torch.equal), exactly its engine_regions arrive, debug masking leaves NaN elsewhere, and the
     bytes received equal the plan's wire bytes (= regions bytes - locally held bytes)."""
-    from mcore2hf.engine_shards import EngineShardError, engine_regions, region_slices, sharding_kind
-    from mcore2hf.plan import colocated_ranks
+    from mcore2hf.engine_shards import (
+        EngineShardError,
+        colocated_ranks,
+        engine_regions,
+        region_slices,
+        sharding_kind,
+    )
 
     me, out, logits = dist.get_rank(), {}, {}
     for model_type, ckpt in ckpts.items():
@@ -988,8 +993,8 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
 
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
-    from mcore2hf.engine_shards import EnginePlacement, engine_regions, region_slices
-    from mcore2hf.plan import EngineRank, plan_engine_shards
+    from mcore2hf.engine_plan import plan_engine_shards
+    from mcore2hf.engine_shards import EnginePlacement, EngineRank, engine_regions, region_slices
     from mcore2hf.transfer.engine import EngineExecutor
 
     me = dist.get_rank()
@@ -1141,8 +1146,13 @@ def engine_matrix(ex: HFExporter, ref: dict, layout: Layout, model_type: str) ->
     "refused" (the EngineShardError) or the slices that differ from engine_slices of `ref` (torch.equal), whether
     exactly the engine's regions arrived, and the byte counts (received / sent / copied locally by the executor,
     the plan's wire and local bytes, and the bytes of the engine's regions computed here from engine_regions)."""
-    from mcore2hf.engine_shards import EngineShardError, engine_regions, region_slices, sharding_kind
-    from mcore2hf.plan import colocated_ranks
+    from mcore2hf.engine_shards import (
+        EngineShardError,
+        colocated_ranks,
+        engine_regions,
+        region_slices,
+        sharding_kind,
+    )
 
     me, out = dist.get_rank(), {}
     placements = engine_placements(layout)
@@ -1357,8 +1367,7 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     agree(checked(lambda: assert_same(small, adapter_ref, f"{layout} adapters, 1 KiB buckets, receivers=[0]")
                   if dist.get_rank() == 0 else None))
     out = ex.save_pretrained(os.path.join(out_root, "adapter"), progress=False)
-    from mcore2hf.engine_shards import EngineShardError
-    from mcore2hf.plan import colocated_ranks
+    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
 
     try:
         ex.engine_plan(colocated_ranks(layout.size, "sglang", 1))

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from ..buckets import Bucket
 from ..collective import agree
+from ..engine_shards import EngineRank, colocated_ranks
 from ..errors import EngineError, UsageError
-from ..plan import EngineRank, colocated_ranks
 from . import checker
 from .process_group import destroy_group, host_store, join_weight_update_group, start_broadcast
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..engine_plan import EngineShardPlan
 from ..parallel import Axis, ParallelContext
-from ..plan import BucketPlan, EngineShardPlan, ExportPlan, Source, align
+from ..plan import BucketPlan, ExportPlan, Source, align
 from .program import LOCAL, OUT, EngineProgram, Item, Loc, P2PRound, Program, Stage
 from .routes import LeastLoaded
 

@@ -10,11 +10,12 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..buckets import Bucket
-from ..engine_shards import EngineShardError, EngineSlice, place_slices, region_slices
-from ..layouts import row_strides
+from ..engine_plan import EngineShardPlan
+from ..engine_shards import EngineShardError, EngineSlice, region_slices
+from ..layouts import Piece, row_strides
 from ..naming import LocalTensor
 from ..parallel import ParallelContext
-from ..plan import EngineShardPlan, align
+from ..plan import align
 from .builders import engine_program
 from .executor import CBucket, Copy, Core, CRound, Pack
 from .program import EngineProgram, packed_bytes, packed_offsets
@@ -82,20 +83,10 @@ class EngineExecutor:
         self._compiled = [self._compile(p) for p in self.programs]
 
     def _layout(self, prog: EngineProgram) -> tuple[list, dict]:
-        """The output's entries and, per SliceEntry index, (element offset of the region's origin in its dtype's
-        view of the output, the strides there, the region's start per dim)."""
-        entries = prog.entries
+        """The output's entries and where each SliceEntry's pieces land in it (`slices_where` / `masked_where`)."""
         if self.output == "slices":
-            where = {}
-            for i, e in enumerate(entries):
-                lo = {d: o for d, o, _ in e.region}
-                where[i] = (e.start // e.dtype.itemsize, row_strides(e.slice_shape),
-                            tuple(lo.get(d, 0) for d in range(len(e.shape))))
-            return entries, where
-        by_name = {h.name: h for h in prog.layout}
-        where = {i: (by_name[e.name].start // e.dtype.itemsize, row_strides(e.shape), (0,) * len(e.shape))
-                 for i, e in enumerate(entries)}
-        return prog.layout, where
+            return prog.entries, slices_where(prog.entries)
+        return prog.layout, masked_where(prog.entries, prog.layout)
 
     def _compile(self, prog: EngineProgram) -> CBucket:
         core = self.core
@@ -155,12 +146,7 @@ class EngineExecutor:
     def _run(self, cb: CBucket) -> EngineBucket:
         prog, out = cb.program
         masked = self.output == "masked"
-        fill = None
-        if self.debug and masked:
-            def fill(flat: torch.Tensor) -> None:
-                for e in out:
-                    if e.dtype.is_floating_point:
-                        flat[e.start:e.start + e.nbytes].view(e.dtype).fill_(float("nan"))
+        fill = (lambda flat: nan_fill(flat, out)) if self.debug and masked else None
         flat = self.core.complete(self.core.start(cb), self.stats, fill)
         return EngineBucket(cb.index, flat, prog.entries, out if masked else None, prog.layout,
                             nan=masked and self.debug)
@@ -199,18 +185,21 @@ class EngineBucket:
             if not hasattr(self, "_bucket"):
                 self._bucket = Bucket(self.index, self.flat, self.full)
             return self._bucket
+        # the executor's masked placement, run on this bucket's slices: each region a box piece of its slice
         entries = self.layout or []
         flat = torch.empty(max((e.start + e.nbytes for e in entries), default=0), dtype=torch.uint8,
                            device=self.flat.device)
-        bucket = Bucket(self.index, flat, entries)
-        tensors = dict(bucket.named_tensors())
         if debug:
-            for t in tensors.values():
-                if t.is_floating_point():
-                    t.fill_(float("nan"))
-        for name, s in self.slices():
-            place_slices([s], tensors[name])
-        return bucket
+            nan_fill(flat, entries)
+        where = masked_where(self.entries, entries)
+        copies = []
+        for i, e in enumerate(self.entries):
+            box = Piece(0, 0, _region_start(e), (1,) * len(e.shape), tuple(e.slice_shape),
+                        row_strides(e.slice_shape), 0)
+            src = self.flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.slice_shape)
+            copies.append(Copy(e.dtype, *_dst(where[i], box), src=src))
+        Core({}, flat.device).run_copies(copies, flat, tuple(sorted({e.dtype for e in entries}, key=str)), {})
+        return Bucket(self.index, flat, entries)
 
     def masked(self, debug: bool = False) -> list[tuple[str, torch.Tensor]]:
         """(HF name, full-shaped tensor) as a stock `load_weights` takes them: `as_bucket(debug).named_tensors()`."""
@@ -218,6 +207,35 @@ class EngineBucket:
 
     def __repr__(self) -> str:
         return f"EngineBucket(index={self.index}, slices={len(self)}, bytes={self.flat.numel()})"
+
+
+def slices_where(entries: list) -> dict[int, tuple]:
+    """Per SliceEntry index, where its pieces land in a raw-slices output (the entries packed tight): (element
+    offset of the region's origin in its dtype's view of the output, the slice's strides, the region's start per
+    dim)."""
+    return {i: (e.start // e.dtype.itemsize, row_strides(e.slice_shape), _region_start(e))
+            for i, e in enumerate(entries)}
+
+
+def _region_start(e) -> tuple[int, ...]:
+    """A SliceEntry's region's first coordinate per dim of its full tensor."""
+    lo = {d: o for d, o, _ in e.region}
+    return tuple(lo.get(d, 0) for d in range(len(e.shape)))
+
+
+def masked_where(entries: list, layout: list) -> dict[int, tuple]:
+    """The one masked placement: per SliceEntry index, where its pieces land in the full-shaped HF tensors laid out
+    as `layout` (the export plan's bucket), in `slices_where`'s form: the tensor's origin, its strides, zeros."""
+    by_name = {h.name: h for h in layout}
+    return {i: (by_name[e.name].start // e.dtype.itemsize, row_strides(e.shape), (0,) * len(e.shape))
+            for i, e in enumerate(entries)}
+
+
+def nan_fill(flat: torch.Tensor, layout: list) -> None:
+    """The one NaN fill of a masked output (debug), before anything is written: its floating-point tensors."""
+    for e in layout:
+        if e.dtype.is_floating_point:
+            flat[e.start:e.start + e.nbytes].view(e.dtype).fill_(float("nan"))
 
 
 def _dst(where: tuple, piece) -> tuple[tuple[int, ...], tuple[int, ...], int]:

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine_plan import SliceEntry
 from ..engine_shards import EngineShardError
 from ..layouts import Piece
 from ..parallel import Axis
-from ..plan import BucketPlan, HFEntry, SliceEntry, Source
+from ..plan import BucketPlan, HFEntry, Source
 
 LOCAL = "local"
 OUT = "out"  # in the bucket's output buffer already (a direct stage put it there)
