@@ -124,6 +124,7 @@ def _spec_trees(configs: dict[str, dict]) -> dict[str, dict]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mcore2hf.errors import ConfigMismatchError
     from mcore2hf.hf_config import load_hf_config
     from mcore2hf.model_specs.common import block_specs
     from mcore2hf.registry import get_model_spec
@@ -138,7 +139,10 @@ def _spec_trees(configs: dict[str, dict]) -> dict[str, dict]:
                 spec = get_model_spec(cfg.model_type)
                 grouped = {"moe_grouped_gemm": True} if spec.dims(cfg).num_experts else {}
                 config = spec.transformer_config(cfg, **grouped)
-                block, mtp = block_specs(spec, cfg, config, use_te=True)
+                try:
+                    block, mtp = block_specs(spec, cfg, config, use_te=True)
+                except ConfigMismatchError:  # an architecture this megatron-core cannot build (0.19: deepseek_v2)
+                    continue
                 out[name] = {"layers": [_tree(s) for s in block.layer_specs],
                              "final_layernorm": _tree(block.layer_norm),
                              "mtp": [_tree(s) for s in mtp.layer_specs] if mtp is not None else [],
