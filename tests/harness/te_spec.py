@@ -32,6 +32,7 @@ them holds the norm, whether experts are TEGroupedMLP. This module asks megatron
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -102,7 +103,23 @@ def _tree(x) -> dict | None:
         return node
     if isinstance(x, type):
         return {"class": x.__name__}
+    if isinstance(x, functools.partial):  # megatron-core 0.19's builders: partial(Class or Class.as_mlp_submodule,
+        func = x.func                      # submodules=...), models/gpt/moe_module_specs.py, gpt_layer_specs.py
+        cls = func if isinstance(func, type) else getattr(func, "__self__", None)
+        # 0.19.2 moe_module_specs.py:21-33 `_build_shared_experts` builds SharedExpertMLP (without the
+        # grouped-GEMM shared expert option)
+        name = cls.__name__ if isinstance(cls, type) else _BUILDERS.get(getattr(func, "__name__", ""))
+        if name is None:
+            return None
+        node = {"class": name}
+        sub = x.keywords.get("submodules")
+        if sub is not None and dataclasses.is_dataclass(sub):
+            node["sub"] = _fields(sub)
+        return node
     return None
+
+
+_BUILDERS = {"_build_shared_experts": "SharedExpertMLP"}
 
 
 def _fields(sub) -> dict:
