@@ -1286,12 +1286,12 @@ def build_index_share(ckpt: str, layout: Layout):
 
     cfg = load_hf_config(ckpt)
     if megatron_at_least(0, 19):
-        chunks = build_model(cfg, use_te=False, **layout.config_overrides(), mtp_num_layers=None)
+        chunks = build_model(cfg, use_te=False, **layout.config_overrides())
         return cfg, chunks, [layer.layer_number - 1 for chunk in chunks for layer in chunk.decoder.layers]
     shared = set(shared_indexer_layers(cfg))
     full = copy.deepcopy(cfg)
     full.indexer_types = ["full"] * cfg.num_hidden_layers
-    chunks = build_model(full, use_te=False, **layout.config_overrides(), mtp_num_layers=None)
+    chunks = build_model(full, use_te=False, **layout.config_overrides())  # its MTP layer keeps its indexer
     held = []
     for chunk in chunks:
         for layer in chunk.decoder.layers:
