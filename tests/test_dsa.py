@@ -142,3 +142,26 @@ def test_index_share_forward_equals_transformers(layout, tmp_path):
     problems = logit_problems([{"glm_moe_dsa": r["logits"]} for r in res], {"glm_moe_dsa": ckpt}, worlds.TOKENS,
                               f"{layout} IndexShare")
     assert not problems, "\n".join(problems)
+
+
+def test_fp8_keeps_the_indexer_weights_proj_as_transformers_loads_it():
+    """The published FP8 checkpoints keep `indexer.weights_proj` unquantized: transformers 5.24 loads them with
+    `_keep_in_fp32_modules = ["indexer.weights_proj"]` on both models (modeling_deepseek_v32.py:666,
+    modeling_glm_moe_dsa.py:640), which its FP8 loader adds to modules_to_not_convert
+    (quantizers/quantizer_finegrained_fp8.py:122): a quantized weights_proj would not load there. mcore2hf's
+    policy keeps exactly that one indexer weight in bf16 and quantizes wq_b and wk."""
+    import transformers
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32PreTrainedModel
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaPreTrainedModel
+
+    from mcore2hf.registry import get_converter
+
+    assert transformers.__version__ == "5.24.0"
+    for cls in (DeepseekV32PreTrainedModel, GlmMoeDsaPreTrainedModel):
+        assert cls._keep_in_fp32_modules == ["indexer.weights_proj"], cls
+    for mt in DSA:
+        policy = get_converter(mt).fp8
+        for layer in (3, 61, 78):  # a decoder layer, and the published MTP layers (DeepSeek-V3.2: 61, GLM-5: 78)
+            h = f"model.layers.{layer}.self_attn.indexer"
+            assert not policy.quantized(f"{h}.weights_proj.weight", (64, 7168)), (mt, layer)
+            assert policy.quantized(f"{h}.wq_b.weight", (8192, 1536)) and policy.quantized(f"{h}.wk.weight", (128, 7168))
