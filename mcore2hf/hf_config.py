@@ -219,7 +219,7 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
     """Every tensor an HF checkpoint of `cfg` holds, with its shape, as transformers itself defines it: the model
     built on the meta device (no memory), in checkpoint format (`revert_weight_conversion` undoes transformers
     5's in-memory fusions, e.g. of experts). MTP layers, which transformers does not build, are the last decoder
-    layer's tensors plus DeepSeek-V3's published MTP extras. A multimodal config (Qwen3.5) is built as its
+    layer's tensors (and a DSA indexer, see below) plus DeepSeek-V3's published MTP extras. A multimodal config (Qwen3.5) is built as its
     published class (AutoModelForImageTextToText); `not_held` drops the tensors a converter declares the
     Megatron model never holds (its vision tower)."""
     import torch
@@ -246,6 +246,11 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
     for m in range(num_mtp_layers):
         layer = f"model.layers.{n + m}."
         shapes.update({layer + k[len(last):]: v for k, v in list(shapes.items()) if k.startswith(last)})
+        # DeepSeek sparse attention with IndexShare (GLM-5.2): the MTP layer computes its own top-k, so it holds the
+        # indexer even where the last decoder layer is "shared" (megatron-core 0.19.2 multi_token_prediction.py:
+        # 1036-1043 numbers its layer 1, which dsa.py is_dsa_skip_topk_layer never skips); layer 0 always has one
+        shapes.update({layer + k[len("model.layers.0."):]: v for k, v in list(shapes.items())
+                       if k.startswith("model.layers.0.self_attn.indexer.")})
         shapes.update({f"{layer}enorm.weight": (h,), f"{layer}hnorm.weight": (h,), f"{layer}eh_proj.weight": (h, 2 * h),
                        f"{layer}shared_head.norm.weight": (h,), f"{layer}embed_tokens.weight": embed,
                        f"{layer}shared_head.head.weight": shapes.get("lm_head.weight", embed)})

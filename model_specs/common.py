@@ -7,6 +7,8 @@ A model spec module provides:
     is_moe_layer(hf_config, layer) -> bool            dense/MoE pattern
     gpt_kwargs(hf_config) -> dict                     GPTModel arguments (rope, tying)
     layer_spec(config, vp_stage, use_te) (optional)   otherwise the generic decoder block spec is used
+    spec_backend(config, use_te) (optional)           a megatron-core BackendSpecProvider for the MTP block (None:
+                                                      megatron-core's local or TE one)
 """
 
 from __future__ import annotations
@@ -132,7 +134,12 @@ def block_specs(spec: ModuleType, hf_config, config, *, vp_stage: int | None = N
             get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te,
             normalization="RMSNorm", vp_stage=vp_stage))
     mtp = None
-    if getattr(config, "mtp_num_layers", None):
+    backend = spec.spec_backend(config, use_te) if hasattr(spec, "spec_backend") else None
+    if getattr(config, "mtp_num_layers", None) and backend is not None:  # the MTP layer's norms from that backend
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+        mtp = get_gpt_mtp_block_spec_for_backend(config=config, spec=block, backend=backend, vp_stage=vp_stage)
+    elif getattr(config, "mtp_num_layers", None):
         mtp = get_gpt_mtp_block_spec(**supported_kwargs(
             get_gpt_mtp_block_spec, config=config, spec=block, use_transformer_engine=use_te, vp_stage=vp_stage))
     return block, mtp
@@ -474,6 +481,25 @@ def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = 
             vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
             vp_stage=vp_stage, **{pattern_arg: pattern}, **kwargs)))
     return chunks
+
+
+class SequenceParallelNorm:
+    """megatron-core's WrappedTorchNorm (torch LayerNorm / RMSNorm by `config.normalization`; the same parameter
+    names) without its refusal of sequence parallelism (0.19.2 transformer/torch_norm.py:50). A norm sees only its
+    rank's rows under sequence parallelism and normalizes each row alone, so the forward is unchanged; its weight
+    (and bias) get `sequence_parallel = True`, as Megatron's fused norms set it (fusions/fused_layer_norm.py:119-120),
+    so that finalize_model_grads all-reduces their gradients over TP (distributed/finalize_model_grads.py:452).
+    For megatron-core >= 0.19's DSA models, whose absorbed MLA requires sequence parallelism at TP > 1."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds or config.layernorm_zero_centered_gamma:
+            raise NotImplementedError(f"SequenceParallelNorm: normalization={config.normalization!r}, "
+                                      f"zero-centred gamma {config.layernorm_zero_centered_gamma}")
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
 
 class DuplicatedLinear(torch.nn.Module):

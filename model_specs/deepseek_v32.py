@@ -6,6 +6,7 @@ a lightning indexer per layer (`self_attn.indexer.{wq_b, wk, k_norm, weights_pro
 The DSA family (glm_moe_dsa) reuses this module: `dsa_fields` and `layer_spec` take the members' differences
 (the indexer's rope, GLM-5.2's IndexShare) from the HF config."""
 
+import copy
 
 from mcore2hf.errors import ConfigMismatchError
 
@@ -124,7 +125,14 @@ def dims(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED):
 
 def transformer_config(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED, **overrides):
     router = sigmoid_router_fields(cfg, num_experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok)
-    return mla_transformer_config(cfg, is_moe_layer, router, {**dsa_fields(cfg, rope_interleaved), **overrides})
+    fields = dsa_fields(cfg, rope_interleaved)
+    if megatron_at_least(0, 19):
+        # 0.19's AbsorbedMLASelfAttention asserts sequence_parallel at TP > 1 (absorbed_mla.py:166-168)
+        from .common import parallel_fields
+
+        tp = overrides.get("tensor_model_parallel_size") or parallel_fields()["tensor_model_parallel_size"]
+        fields["sequence_parallel"] = tp > 1
+    return mla_transformer_config(cfg, is_moe_layer, router, {**fields, **overrides})
 
 
 def structural_fields(cfg) -> dict:
@@ -160,7 +168,8 @@ def dsa_core_attention(use_te: bool):
 
 
 def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
-    """The MLA decoder block spec (deepseek_v3.layer_spec) with DSAttention as every layer's core attention.
+    """The decoder block spec: megatron-core >= 0.19's own DSA block (`layer_spec_absorbed`), else the MLA decoder
+    block spec (deepseek_v3.layer_spec) with DSAttention as every layer's core attention.
 
     The latent norms stay unfused (q_layernorm / kv_layernorm) with Transformer Engine too: the indexer reads the
     normalized query latent (HF `q_resid = q_a_layernorm(q_a_proj(x))`), which megatron-core 0.16-0.18's fused
@@ -168,6 +177,8 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     experimental_attention_variant_module_specs.py `get_dsa_module_spec_for_backend`)."""
     from .deepseek_v3 import MLA_LATENT_NORM_EPS
 
+    if megatron_at_least(0, 19):
+        return layer_spec_absorbed(config, cfg, vp_stage=vp_stage, use_te=use_te)
     block = mla_layer_spec(config, cfg, vp_stage=vp_stage, use_te=use_te)
     core = dsa_core_attention(use_te)
     for spec in block.layer_specs:
@@ -181,6 +192,96 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
             attn.q_layernorm = attn.kv_layernorm = with_eps(te.layer_norm(rms_norm=True, for_qk=True),
                                                             MLA_LATENT_NORM_EPS)
     return block
+
+
+def local_index_share_problems(cfg, layers) -> list[str]:
+    """IndexShare on one pipeline stage / virtual chunk holding the HF `layers` (in order): each shared layer's
+    source must be an earlier layer of the same chunk (megatron-core 0.19.2
+    experimental_attention_variant_module_specs.py:339-374 `_validate_dsa_index_share_pipeline_split`, which
+    raises a RuntimeError; this says which layers and what to change)."""
+    position = {layer: i for i, layer in enumerate(layers)}
+    return [f"layer {i} reuses layer {src}'s top-k, which is not on its pipeline stage/chunk (layers {list(layers)})"
+            for i, src in index_share_sources(cfg).items()
+            if i in position and (src not in position or position[src] > position[i])]
+
+
+def _local_dsa_backend():
+    """megatron-core 0.19.2's LocalSpecProvider (models/backends.py:99-146) plus the `linear()` the DSA spec asks
+    for (the indexer's duplicated linears): DuplicatedLinear, what TESpecProvider.linear()'s TELinear is there;
+    and norms that allow the sequence parallelism absorbed MLA requires at TP > 1 (SequenceParallelNorm: the local
+    WrappedTorchNorm refuses it)."""
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from .common import DuplicatedLinear, SequenceParallelNorm
+
+    class LocalDSASpecProvider(LocalSpecProvider):
+        def linear(self) -> type:
+            return DuplicatedLinear
+
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
+            return SequenceParallelNorm
+
+    return LocalDSASpecProvider()
+
+
+def spec_backend(config, use_te: bool):
+    """The backend of the MTP block (model_specs.common.block_specs): on megatron-core >= 0.19 without Transformer
+    Engine the local DSA backend, whose norms allow sequence parallelism; else megatron-core's own."""
+    return _local_dsa_backend() if megatron_at_least(0, 19) and not use_te else None
+
+
+def layer_spec_absorbed(config, cfg, *, vp_stage=None, use_te=False):
+    """megatron-core >= 0.19's DSA decoder block: every layer `AbsorbedMLASelfAttention` (unfused q_layernorm /
+    kv_layernorm, K/V up projections absorbed at run time; the weights keep MLA's names and layouts) with
+    `DSAttention`, dense / MoE MLPs by `moe_layer_freq`, IndexShare layers without an indexer
+    (experimental_attention_variant_module_specs.py:156-325 `get_transformer_layer_with_experimental_attention_
+    variant_spec` and the block around it). 0.19 builds that block only with Transformer Engine (`_get_backend_
+    spec_provider` asserts transformer_impl="transformer_engine"), so the layers come from its per-layer function
+    with a backend argument: TE's, or the local one (`_local_dsa_backend`). Changes to 0.19's spec: the latent
+    norms with transformers' eps 1e-6, and without TE the latent down projections ColumnParallelLinear (what
+    AbsorbedMLA accepts there, absorbed_mla.py:282-295; the local MLA spec's, gpt_layer_specs.py:413-416)."""
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as eav
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from .deepseek_v3 import MLA_LATENT_NORM_EPS
+
+    if use_te:  # not run here (no Transformer Engine on these machines)
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        backend = _local_dsa_backend()
+    layers = copy.deepcopy(eav.get_transformer_layer_with_experimental_attention_variant_spec(config, backend))
+    if config.pipeline_model_parallel_layout is not None:  # as 0.19's block spec slices them (lines 307-314)
+        ids = list(config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
+                                                                           vp_stage=vp_stage))
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        ids = list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)))
+    problems = local_index_share_problems(cfg, ids)
+    if problems:
+        raise ConfigMismatchError("GLM-5.2 IndexShare: a shared layer and the layer whose top-k it reuses must sit "
+                                  "on one pipeline stage (megatron-core does not send top-k indices between "
+                                  "stages); choose a layout where each stage starts on a full layer:\n  "
+                                  + "\n  ".join(problems))
+    done = set()
+    for spec in layers:
+        attn = spec.submodules.self_attention.submodules
+        if id(attn) in done:  # one attention spec object is shared by the layers
+            continue
+        done.add(id(attn))
+        attn.q_layernorm = with_eps(attn.q_layernorm, MLA_LATENT_NORM_EPS)
+        attn.kv_layernorm = with_eps(attn.kv_layernorm, MLA_LATENT_NORM_EPS)
+        if not use_te:
+            attn.linear_q_down_proj = attn.linear_kv_down_proj = ColumnParallelLinear
+    return TransformerBlockSubmodules(layer_specs=[layers[i] for i in ids],
+                                      layer_norm=backend.layer_norm(rms_norm=True, for_qk=False))
 
 
 build_model = spec_builder(__name__)

@@ -12,7 +12,9 @@ from .deepseek_v32 import (  # noqa: F401
     index_share_sources,
     index_share_stage_problems,
     is_moe_layer,
+    local_index_share_problems,
     shared_indexer_layers,
+    spec_backend,
     structural_fields,
 )
 from .deepseek_v32 import layer_spec as dsa_layer_spec

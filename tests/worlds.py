@@ -1246,8 +1246,9 @@ def engine_problems(model_type: str, per_rank: list[dict], layout: Layout) -> li
 # --- DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) -------------------------------------------------------------
 
 def indexer_rows_as_hf(chunks) -> None:
-    """Overwrite each DSA indexer's wq_b / wk / k_norm rows with the HF order of its own rows (no rotary-row
-    move): what a converter that copied the indexer one to one would load on megatron-core 0.16-0.18. The negative
+    """Overwrite each DSA indexer's wq_b / wk / k_norm rows with the rows moved as 0.16-0.18's layout is read back
+    to HF's: on megatron-core 0.16-0.18 the HF order (what a converter that copied the indexer one to one would
+    load), on 0.19 (whose order is HF's) the wrong move (what the 0.16 layout op would load there). The negative
     control of the sparse-regime parity test: its logits must then be far from transformers'."""
     from mcore2hf.layouts import IndexerRope
 
@@ -1277,23 +1278,35 @@ def dsa_forward(ckpt: str, layout: Layout, scramble: bool = False) -> dict:
     from mcore2hf.hf_config import text_config
 
     logits = megatron_logits(chunks, TOKENS, text_config(load_hf_config(ckpt)).vocab_size)
-    return {"logits": logits, "replicas_agree": same, "indexer_tensors": len(indexer)}
+    layers = [layer for c in chunks for layer in c.decoder.layers]
+    return {"logits": logits, "replicas_agree": same, "indexer_tensors": len(indexer),
+            # which attention megatron-core built (0.16-0.18 MLASelfAttention, 0.19 AbsorbedMLASelfAttention), and
+            # the HF layers of this rank that hold an indexer (IndexShare: not the shared ones)
+            "attention": sorted({f"{type(lay.self_attention).__name__}/{type(lay.self_attention.core_attention).__name__}"
+                                 for lay in layers}),
+            "indexer_layers": [lay.layer_number - 1 for lay in layers
+                               if lay.self_attention.core_attention.indexer is not None]}
 
 
 def build_index_share(ckpt: str, layout: Layout):
     """A GLM-5.2 IndexShare model as megatron-core 0.19 builds it (dsa.py: `DSAttention.indexer = None` on the
-    layers that reuse a previous layer's top-k), simulated on megatron-core 0.16.1, which has no IndexShare: the
-    model of the same config with every indexer, whose shared layers' indexers are then removed. Names, shapes and
-    parallel layout are 0.19's; its forward is not (0.16.1's DSAttention always runs its own indexer)."""
+    layers that reuse a previous layer's top-k): on megatron-core >= 0.19 the real model; simulated on 0.16-0.18,
+    which have no IndexShare: the model of the same config with every indexer, whose shared layers' indexers are
+    then removed. Names, shapes and parallel layout are 0.19's; its forward is not (0.16.1's DSAttention always
+    runs its own indexer)."""
     import copy
 
+    from mcore2hf.model_specs.deepseek_v3 import megatron_at_least
     from mcore2hf.model_specs.deepseek_v32 import shared_indexer_layers
 
     cfg = load_hf_config(ckpt)
+    if megatron_at_least(0, 19):
+        chunks = build_model(cfg, use_te=False, **layout.config_overrides())
+        return cfg, chunks, [layer.layer_number - 1 for chunk in chunks for layer in chunk.decoder.layers]
     shared = set(shared_indexer_layers(cfg))
     full = copy.deepcopy(cfg)
     full.indexer_types = ["full"] * cfg.num_hidden_layers
-    chunks = build_model(full, use_te=False, **layout.config_overrides(), mtp_num_layers=None)
+    chunks = build_model(full, use_te=False, **layout.config_overrides())  # its MTP layer keeps its indexer
     held = []
     for chunk in chunks:
         for layer in chunk.decoder.layers:

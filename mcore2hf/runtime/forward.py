@@ -61,7 +61,9 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tens
             chunk.eval()
             if pp > 1 and not (v == 0 and stage == 0):  # input from the previous stage (or the last, one chunk back)
                 param = next(chunk.parameters())
-                hidden = torch.empty(s, b, chunk.config.hidden_size, dtype=param.dtype)
+                # a sequence-parallel model passes [s / TP, b, h] between stages (megatron-core 0.19's DSA models)
+                rows = s // ps.get_tensor_model_parallel_world_size() if chunk.config.sequence_parallel else s
+                hidden = torch.empty(rows, b, chunk.config.hidden_size, dtype=param.dtype)
                 dist.recv(hidden, src=ranks[(stage - 1) % pp], group=group)
             if hidden is not None:
                 chunk.set_input_tensor(hidden)

@@ -258,12 +258,17 @@ def _add_mtp_tensors(cfg: PretrainedConfig, path: str, seed: int) -> None:
     extra: dict[str, torch.Tensor] = {}
     for m in range(cfg.num_nextn_predict_layers):
         layer = f"model.layers.{n + m}."
-        for name, t in sd.items():
-            if name.startswith(last):  # the MTP block's decoder layer has the last layer's structure
-                r = torch.randn(t.shape, generator=g)
-                scale = 0.1 if t.dim() < 2 else 1.0 / max(t.shape[-1], 1) ** 0.5
-                value = 1.0 + 0.1 * r if "norm" in name else scale * r
-                extra[layer + name[len(last):]] = value.to(t.dtype)
+        # the MTP block's decoder layer has the last layer's structure, then an indexer where the model has one
+        # (GLM-5.2 IndexShare: also when the last layer is "shared"; hf_config.hf_tensor_shapes)
+        parts = [(n[len(last):], t) for n, t in sd.items() if n.startswith(last)]
+        parts += [(n[len("model.layers.0."):], t) for n, t in sd.items()
+                  if n.startswith("model.layers.0.self_attn.indexer.") and layer + n[len("model.layers.0."):]
+                  not in {layer + r for r, _ in parts}]
+        for rest, t in parts:
+            r = torch.randn(t.shape, generator=g)
+            scale = 0.1 if t.dim() < 2 else 1.0 / max(t.shape[-1], 1) ** 0.5
+            value = 1.0 + 0.1 * r if "norm" in rest else scale * r
+            extra[layer + rest] = value.to(t.dtype)
         h = cfg.hidden_size
         dtype = sd["model.norm.weight"].dtype
         for norm in ("enorm", "hnorm", "shared_head.norm"):

@@ -32,6 +32,7 @@ them holds the norm, whether experts are TEGroupedMLP. This module asks megatron
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -102,7 +103,23 @@ def _tree(x) -> dict | None:
         return node
     if isinstance(x, type):
         return {"class": x.__name__}
+    if isinstance(x, functools.partial):  # megatron-core 0.19's builders: partial(Class or Class.as_mlp_submodule,
+        func = x.func                      # submodules=...), models/gpt/moe_module_specs.py, gpt_layer_specs.py
+        cls = func if isinstance(func, type) else getattr(func, "__self__", None)
+        # 0.19.2 moe_module_specs.py:21-33 `_build_shared_experts` builds SharedExpertMLP (without the
+        # grouped-GEMM shared expert option)
+        name = cls.__name__ if isinstance(cls, type) else _BUILDERS.get(getattr(func, "__name__", ""))
+        if name is None:
+            return None
+        node = {"class": name}
+        sub = x.keywords.get("submodules")
+        if sub is not None and dataclasses.is_dataclass(sub):
+            node["sub"] = _fields(sub)
+        return node
     return None
+
+
+_BUILDERS = {"_build_shared_experts": "SharedExpertMLP"}
 
 
 def _fields(sub) -> dict:
@@ -124,6 +141,7 @@ def _spec_trees(configs: dict[str, dict]) -> dict[str, dict]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mcore2hf.errors import ConfigMismatchError
     from mcore2hf.hf_config import load_hf_config
     from mcore2hf.model_specs.common import block_specs
     from mcore2hf.registry import get_model_spec
@@ -138,7 +156,10 @@ def _spec_trees(configs: dict[str, dict]) -> dict[str, dict]:
                 spec = get_model_spec(cfg.model_type)
                 grouped = {"moe_grouped_gemm": True} if spec.dims(cfg).num_experts else {}
                 config = spec.transformer_config(cfg, **grouped)
-                block, mtp = block_specs(spec, cfg, config, use_te=True)
+                try:
+                    block, mtp = block_specs(spec, cfg, config, use_te=True)
+                except ConfigMismatchError:  # an architecture this megatron-core cannot build (0.19: deepseek_v2)
+                    continue
                 out[name] = {"layers": [_tree(s) for s in block.layer_specs],
                              "final_layernorm": _tree(block.layer_norm),
                              "mtp": [_tree(s) for s in mtp.layer_specs] if mtp is not None else [],
