@@ -1,8 +1,8 @@
 """Colocated syncs over real CUDA IPC on one GPU, into the engines' own receive code (issue 27, part 2).
 
-    bash bench/on_device.sh "python3 bench/gpu_ipc.py"    # on a lent GPU: carry .whl/ and .whl-ipc/ (see below)
-    python bench/gpu_ipc.py --cpu                         # the same code path on CPU (the smoke run of CI machines)
-    python bench/gpu_ipc.py --pack .whl-ipc               # write the engines' .py files to carry (engines.tar.xz)
+    python bench/gpu_ipc.py --pack .whl-ipc               # here: the engines' .py files and wheels to carry
+    bash bench/on_device.sh "python3 bench/gpu_ipc.py"    # on a lent GPU, carrying .whl/ and .whl-ipc/
+    python bench/gpu_ipc.py --cpu                         # the same code path on CPU (CPU shared memory)
 
 The trainer is a one-rank megatron-core world (mcore2hf.runtime.world.run_world: its own process, NCCL on the GPU);
 each engine is another process on the same GPU, running the release's own receive code through the contract
@@ -57,9 +57,26 @@ SMALL = dict(num_hidden_layers=2, hidden_size=512, intermediate_size=1024, moe_i
 
 # ------------------------------------------------------------------------------------------------- engines' code
 
+# What the engines' receive code imports beyond the GPU machines' image (their list: .library's KINDS.md; no
+# registry there): carried as cp312 wheels by --pack. The versions are those the CPU contract tests run.
+DEVICE_DEPS = ("pydantic==2.14.4", "pydantic_core==2.50.5", "typing-inspection==0.4.5", "annotated-types==0.8.0",
+               "msgspec==0.22.0", "pybase64==1.5.1", "orjson==3.13.0", "dill==0.4.1", "cbor2==6.3.0",
+               "pyzmq==27.3.0", "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "python-multipart==0.0.34",
+               "openai==3.57.0", "jiter==0.19.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5",
+               "openai-harmony==0.0.8", "partial-json-parser==0.2.1.1.post7", "xgrammar==0.2.8",
+               "apache-tvm-ffi==0.1.15.post2", "llguidance==1.7.6", "cachetools==8.0.2", "sniffio==1.3.1")
+
+
 def engine_site(root: str | None, name: str, version: str) -> str:
-    """The release's unpacked files: ROOT/<name>-<version> (carried to the GPU machine), else the contract tests'
-    cached wheel (downloaded once)."""
+    """The release's unpacked files: ROOT/<name>-<version> (ROOT a directory, or a --pack engines.tar.xz unpacked
+    once into a temporary directory), else the contract tests' cached wheel (downloaded once)."""
+    if root and root.endswith(".tar.xz") and os.path.isfile(root):
+        dest = os.path.join(tempfile.gettempdir(), "mcore2hf-engines")
+        if not os.path.isdir(dest):
+            with tarfile.open(root) as tar:
+                tar.extractall(dest + ".partial", filter="data")
+            os.replace(dest + ".partial", dest)
+        root = dest
     if root and os.path.isdir(os.path.join(root, f"{name}-{version}")):
         return os.path.join(root, f"{name}-{version}")
     from harness.wheels import unpacked_wheel
@@ -70,7 +87,8 @@ def engine_site(root: str | None, name: str, version: str) -> str:
 
 def pack(out_dir: str) -> str:
     """OUT_DIR/engines.tar.xz: the .py files (and dist-info) of the three releases, as <name>-<version>/...: the
-    harness runs only Python code of the engines; their compiled kernels (most of the wheels' size) stay behind."""
+    harness runs only Python code of the engines; their compiled kernels (most of the wheels' size) stay behind.
+    And OUT_DIR/*.whl: DEVICE_DEPS for the GPU machines' Python 3.12."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "engines.tar.xz")
     with tarfile.open(path + ".partial", "w:xz") as tar:
@@ -82,6 +100,10 @@ def pack(out_dir: str) -> str:
                     if f.endswith(".py") or ".dist-info" in full:
                         tar.add(full, os.path.join(f"{name}-{version}", os.path.relpath(full, site)))
     os.replace(path + ".partial", path)
+    platforms = [x for n in ("2_17", "2_24", "2_26", "2_27", "2_28", "2_31") for x in ("--platform", f"manylinux_{n}_x86_64")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+                    "3.12", "--implementation", "cp", *platforms, "--platform", "manylinux2014_x86_64", "--platform",
+                    "manylinux1_x86_64", "-d", out_dir, *DEVICE_DEPS], check=True)
     return path
 
 
@@ -130,6 +152,15 @@ def http(url: str, path: str, method: str = "GET"):
     import urllib.request
 
     with urllib.request.urlopen(urllib.request.Request(url + path, method=method), timeout=600) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, path: str, body: dict):
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
 
 
@@ -201,8 +232,37 @@ def spec_of(want: dict) -> list:
     return [[n, shape, dtype] for n, (_, dtype, shape) in want.items()]
 
 
+def failed(e: BaseException) -> str:
+    import traceback
+
+    return f"{type(e).__name__}: {e}"[:1500] + "\n" + "".join(traceback.format_tb(e.__traceback__)[-3:])[-1500:]
+
+
+def start(servers: dict, key: str, make) -> None:
+    """Start one engine (not waited for); a failure to start is recorded as that engine's error."""
+    try:
+        servers[key] = make()
+    except Exception as e:  # noqa: BLE001 - the other engines still run
+        servers[key] = e
+
+
+def ready(servers: dict, key: str):
+    s = servers.get(key)
+    if isinstance(s, BaseException):
+        raise RuntimeError(f"engine {key} did not start: {s}")
+    if not hasattr(s, "url"):
+        try:
+            s.wait()
+        except Exception as e:  # noqa: BLE001
+            servers[key] = e
+            raise
+    return s
+
+
 def cases(a, device, engines: dict) -> list:
-    """The correctness cases on the small model: every engine x bf16 / fp8 x two syncs with different bytes."""
+    """The correctness cases on the small model: every engine x bf16 / fp8 x two syncs with different bytes, and a
+    control (one tensor loaded wrong on purpose must be reported by name). A case that fails is a FAIL row with its
+    error; the others still run."""
     import torch
     from export_speed import PRESETS, random_model
 
@@ -211,54 +271,84 @@ def cases(a, device, engines: dict) -> list:
     cfg, chunks = random_model("qwen3_moe", dict(PRESETS["qwen3_moe"], **SMALL), 1, device)
     ex = HFExporter(chunks, cfg)
     bb = 1 << 20  # several buckets per sync
-    rows = []
-    servers = {}
+    rows, servers = [], {}
     try:
-        for v in SGLANG:  # started together (each loads its release), waited for below
-            servers[f"sglang-{v}"] = sglang_server(engines[f"sglang-{v}"], v, a.device)
+        for v in SGLANG:  # started together (each loads its release), waited for when first used
+            start(servers, f"sglang-{v}", lambda v=v: sglang_server(engines[f"sglang-{v}"], v, a.device))
         for q in (None, "fp8"):
             spec = spec_of(expected(ex, bb, q, fast=False))
-            servers[f"vllm-{q}"] = VLLMServer(engines["vllm"], spec, a.device)
-        for s in servers.values():
-            s.wait()
+            start(servers, f"vllm-{q}", lambda spec=spec: VLLMServer(engines["vllm"], spec, a.device))
         step = 0
         for name, kind, packed in ([(f"sglang {v}", "sglang", True) for v in SGLANG]
-                                   + [("vllm 0.33.0 ipc packed", "vllm", True),
-                                      ("vllm 0.33.0 ipc unpacked", "vllm", False)]):
+                                   + [(f"vllm {VLLM} ipc packed", "vllm", True),
+                                      (f"vllm {VLLM} ipc unpacked", "vllm", False)]):
             for q in (None, "fp8"):
-                server = servers[f"sglang-{name.split()[1]}" if kind == "sglang" else f"vllm-{q}"]
-                sender = make_sender(kind, server.url, packed)
-                results, digests = [], []
-                for _ in range(2):
-                    step += 1
-                    perturb(chunks, step)
-                    want = expected(ex, bb, q, fast=False)
-                    if kind == "sglang":
-                        http(server.url, "/mcore2hf_reset", "POST")
-                    t = time.perf_counter()
-                    rep = sync(quantized(ex, q), sender, bucket_bytes=bb, progress=False)
-                    dt = time.perf_counter() - t
-                    err = compare(want, engine_weights(kind, server.url, fast=False))
-                    results.append((err, dt, rep.buckets, sum(torch.Size(s).numel() for _, _, s in want.values())))
-                    digests.append(want)
-                # the second sync's bytes differ from the first's everywhere (a stale engine would fail)
-                same = sum(digests[0][n][0] == digests[1][n][0] for n in digests[0])
-                rows.append(dict(engine=name, dtype=q or "bf16", tensors=len(digests[1]),
-                                 dtypes=sorted({d for _, d, _ in digests[1].values()}),
-                                 syncs=[r[0] or "every byte equal" for r in results],
-                                 seconds=[round(r[1], 3) for r in results], buckets=results[-1][2],
-                                 unchanged_between_syncs=same, version=sender.version,
-                                 ok=all(r[0] is None for r in results) and same == 0 and sender.version == 2))
-                print(json.dumps(rows[-1]), flush=True)
+                row = dict(engine=name, dtype=q or "bf16", tensors=0, buckets=0, syncs=["-", "-"], ok=False)
+                try:
+                    server = ready(servers, f"sglang-{name.split()[1]}" if kind == "sglang" else f"vllm-{q}")
+                    sender = make_sender(kind, server.url, packed)
+                    digests = []
+                    for i in range(2):
+                        step += 1
+                        perturb(chunks, step)
+                        want = expected(ex, bb, q, fast=False)
+                        if kind == "sglang":
+                            http(server.url, "/mcore2hf_reset", "POST")
+                        rep = sync(quantized(ex, q), sender, bucket_bytes=bb, progress=False)
+                        row["syncs"][i] = compare(want, engine_weights(kind, server.url, fast=False)) \
+                            or "every byte equal"
+                        digests.append(want)
+                    # the second sync's bytes differ from the first's everywhere (a stale engine would fail)
+                    same = sum(digests[0][n][0] == digests[1][n][0] for n in digests[0])
+                    row.update(tensors=len(digests[1]), dtypes=sorted({d for _, d, _ in digests[1].values()}),
+                               buckets=rep.buckets, unchanged_between_syncs=same, version=sender.version,
+                               ok=row["syncs"] == ["every byte equal"] * 2 and same == 0 and sender.version == 2)
+                except Exception as e:  # noqa: BLE001 - a FAIL row; the other cases still run
+                    row["error"] = failed(e)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        # the check can fail: the engine's model loads one tensor with wrong bytes (the harness' "corrupt" fault,
+        # +1 on every element) and exactly that tensor must be reported
+        row = dict(engine=f"sglang {SGLANG[0]}", dtype="bf16", control=True, ok=False, syncs=["-", "-"])
+        try:
+            server = ready(servers, f"sglang-{SGLANG[0]}")
+            perturb(chunks, step + 1)
+            want = expected(ex, bb, None, fast=False)
+            victim = sorted(want)[len(want) // 2]
+            http(server.url, "/mcore2hf_reset", "POST")
+            _post(server.url, "/mcore2hf_fault", {"kind": "corrupt", "name": victim})
+            sync(ex, make_sender("sglang", server.url, True), bucket_bytes=bb, progress=False)
+            err = compare(want, engine_weights("sglang", server.url, fast=False))
+            row.update(tensors=len(want), syncs=[f"one corrupted: {err}", "-"],
+                       ok=err is not None and "1 differ" in err and victim in err)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = failed(e)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     finally:
         for s in servers.values():
-            s.stop()
+            if not isinstance(s, BaseException):
+                s.stop()
     del ex, chunks
+    torch.cuda.empty_cache() if device.type == "cuda" else None
     return rows
 
 
+def timed_sync(ex, sender, bb: int, device, **kw) -> tuple[float, object]:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    rep = sync(ex, sender, bucket_bytes=bb, progress=False, **kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, rep
+
+
 def timing(a, device, engines: dict) -> dict:
-    """Qwen3-30B-A3B shapes, a.layers layers, bf16: export alone vs the whole colocated sync, per engine."""
+    """Qwen3-30B-A3B shapes, a.layers layers, bf16: export alone vs the whole colocated sync, per engine; then the
+    cost of sync(verify=...) with the engines' own checkers (a.verify_engines)."""
     import torch
     from export_speed import PRESETS, random_model
 
@@ -270,51 +360,57 @@ def timing(a, device, engines: dict) -> dict:
     cfg, chunks = random_model("qwen3_moe", config, 1, device)
     ex = HFExporter(chunks, cfg)
     bb = int(a.bucket_mb * 2**20)
-    sync_dev = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
 
     def export_alone() -> float:
-        sync_dev()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t = time.perf_counter()
         for bucket in ex.buckets(bb):
             del bucket
-        sync_dev()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
     export_alone()  # plan + compile
     export_s = min(export_alone() for _ in range(a.repeat))
     nbytes = ex.plan(bb).total_bytes
-    out = {"layers": a.layers, "gb": nbytes / 1e9, "bucket_mb": a.bucket_mb, "export_s": export_s, "engines": {}}
+    out = {"layers": a.layers, "gb": nbytes / 1e9, "bucket_mb": a.bucket_mb, "export_s": export_s, "engines": {},
+           "params_gib": sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()) / 2**30}
     print(f"timing: qwen3_moe {a.layers} layers, {nbytes / 1e9:.2f} GB bf16, buckets of {a.bucket_mb:g} MiB: "
           f"export alone {export_s:.3f} s", flush=True)
     for name in a.timing_engines.split(","):
         kind, version = name.split("-")[0], name.split("-")[1]
         packed = not name.endswith("unpacked")
-        if kind == "sglang":
-            server = sglang_server(engines[f"sglang-{version}"], version, a.device).wait()
-        else:
-            server = VLLMServer(engines["vllm"], spec_of(expected(ex, bb, None, fast=True)), a.device).wait()
+        row = out["engines"][name] = {"check": "-"}
+        server = None
         try:
+            if kind == "sglang":
+                server = sglang_server(engines[f"sglang-{version}"], version, a.device).wait()
+            else:
+                server = VLLMServer(engines["vllm"], spec_of(expected(ex, bb, None, fast=True)), a.device).wait()
             sender = make_sender(kind, server.url, packed)
-            sync(ex, sender, bucket_bytes=bb, progress=False)  # first: the engine allocates / warms up
+            timed_sync(ex, sender, bb, device)  # first: the engine allocates / warms up
             perturb(chunks, 1000)
-            runs = []
-            for _ in range(a.repeat):
-                sync_dev()
-                t = time.perf_counter()
-                rep = sync(ex, sender, bucket_bytes=bb, progress=False)
-                sync_dev()
-                runs.append((time.perf_counter() - t, rep))
+            runs = [timed_sync(ex, sender, bb, device) for _ in range(a.repeat)]
             sync_s, rep = min(runs, key=lambda r: r[0])
             err = compare(expected(ex, bb, None, fast=True), engine_weights(kind, server.url, fast=True))
-            out["engines"][name] = dict(sync_s=sync_s, overhead_s=sync_s - export_s, send_s=rep.send_s,
-                                        buckets=rep.buckets, check=err or "every byte equal",
-                                        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
-                                        else 0.0)
+            row.update(sync_s=sync_s, overhead_s=sync_s - export_s, send_s=rep.send_s, buckets=rep.buckets,
+                       check=err or "every byte equal",
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0)
             print(f"timing {name}: whole sync {sync_s:.3f} s (export alone {export_s:.3f} s, overhead "
                   f"{sync_s - export_s:.3f} s per sync; sender {rep.send_s:.3f} s, {rep.buckets} buckets); after the "
                   f"timed syncs: {err or 'every byte equal'}", flush=True)
+            if name in a.verify_engines.split(","):  # the engine now holds what the trainer holds: proof is valid
+                for mode in ("checksum", "proof"):
+                    dt, _ = timed_sync(ex, sender, bb, device, verify=mode)
+                    row[f"verify_{mode}_s"] = dt
+                    print(f"timing {name}: sync(verify={mode!r}) {dt:.3f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 - recorded; the other engines still run
+            row["error"] = failed(e)
+            print(f"timing {name}: {row['error']}", flush=True)
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
     return out
 
 
@@ -339,13 +435,16 @@ def job(a, engines: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="CPU (gloo, CPU shared memory): the code path only")
-    ap.add_argument("--engines", default=os.environ.get("MCORE2HF_ENGINES", os.path.join(REPO, ".engines")),
-                    help="dir of <name>-<version>/ unpacked engines (else the cached wheels)")
-    ap.add_argument("--pack", metavar="DIR", help="write DIR/engines.tar.xz (what the GPU machine needs) and exit")
+    ap.add_argument("--engines", default=os.environ.get("MCORE2HF_ENGINES", os.path.join(REPO, ".whl-ipc", "engines.tar.xz")),
+                    help="the engines' files: --pack's engines.tar.xz, or a dir of <name>-<version>/ (else the "
+                         "cached wheels)")
+    ap.add_argument("--pack", metavar="DIR", help="write DIR/engines.tar.xz and the wheels the GPU machine needs, exit")
     ap.add_argument("--layers", type=int, default=None, help="timing model layers (Qwen3-30B-A3B shapes; 0: none)")
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--timing-engines", default="sglang-0.5.23,sglang-0.5.20,vllm-0.33.0-packed")
+    ap.add_argument("--verify-engines", default="sglang-0.5.23,vllm-0.33.0-packed",
+                    help="also time sync(verify='checksum' / 'proof') into these (the engines' own checkers)")
     ap.add_argument("--skip-cases", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -367,16 +466,29 @@ def main() -> None:
     ok = True
     for r in res.get("cases", []):
         ok &= r["ok"]
-        print(f"{r['engine']:<26} {r['dtype']:<6} {r['tensors']:>7} {r['buckets']:>7} {r['syncs'][0][:18]:<18} "
-              f"{r['syncs'][1][:18]:<18} {'PASS' if r['ok'] else 'FAIL':>6}")
+        if r.get("control"):
+            print(f"{r['engine'] + ' (control)':<26} {r['dtype']:<6} {r.get('tensors', 0):>7} one tensor loaded wrong "
+                  f"on purpose: {'reported by name' if r['ok'] else 'NOT REPORTED: ' + r['syncs'][0]} "
+                  f"{'PASS' if r['ok'] else 'FAIL':>6}")
+        else:
+            print(f"{r['engine']:<26} {r['dtype']:<6} {r['tensors']:>7} {r['buckets']:>7} {r['syncs'][0][:18]:<18} "
+                  f"{r['syncs'][1][:18]:<18} {'PASS' if r['ok'] else 'FAIL':>6}")
+        if r.get("error"):
+            print(f"    {r['error']}")
     tm = res.get("timing")
     if tm:
-        print(f"\nqwen3_moe (Qwen3-30B-A3B shapes) {tm['layers']} layers, {tm['gb']:.2f} GB bf16, buckets of "
-              f"{tm['bucket_mb']:g} MiB; export alone {tm['export_s']:.3f} s")
-        print(f"{'engine':<26} {'whole sync s':>12} {'overhead s':>11} {'sender s':>9} {'after timing':<20}")
+        print(f"\nqwen3_moe (Qwen3-30B-A3B shapes) {tm['layers']} layers, {tm['gb']:.2f} GB bf16 (params "
+              f"{tm['params_gib']:.1f} GiB), buckets of {tm['bucket_mb']:g} MiB; export alone {tm['export_s']:.3f} s")
+        print(f"{'engine':<26} {'whole sync s':>12} {'overhead s':>11} {'sender s':>9} {'after timing':<17} "
+              f"{'verify checksum s':>17} {'verify proof s':>14}")
+        nan = float("nan")
         for name, e in tm["engines"].items():
             ok &= e["check"] == "every byte equal"
-            print(f"{name:<26} {e['sync_s']:>12.3f} {e['overhead_s']:>11.3f} {e['send_s']:>9.3f} {e['check'][:20]:<20}")
+            print(f"{name:<26} {e.get('sync_s', nan):>12.3f} {e.get('overhead_s', nan):>11.3f} "
+                  f"{e.get('send_s', nan):>9.3f} {e['check'][:17]:<17} {e.get('verify_checksum_s', nan):>17.3f} "
+                  f"{e.get('verify_proof_s', nan):>14.3f}")
+            if e.get("error"):
+                print(f"    {e['error']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1, default=str)

@@ -222,8 +222,9 @@ def install(site_dir: str) -> None:
 # unpickler, UUID-aware CUDA rebuild, flattened-bucket rebuild and group / broadcast receive are the release's own.
 
 
-# Where the engine's ranks hold their parameters: "cpu" (CI: CPU shared memory stands in for CUDA IPC) or "cuda"
-# (bench/gpu_ipc.py on a lent GPU: the handles are real CUDA IPC, rebuilt by the release's patch_torch). Set by serve().
+# Where the engine's ranks hold their parameters: "cpu" (CI: CPU shared memory stands in for CUDA IPC) or "cuda" /
+# "cuda:N" (bench/gpu_ipc.py, bench/gpu_senders.py on lent GPUs: GPU 0 / N of this process; the handles are real
+# CUDA IPC, rebuilt by the release's patch_torch; weight-update groups over NCCL there). Set by serve().
 DEVICE = "cpu"
 SITE_DIR = ""  # the release's unpacked wheel (serve())
 
@@ -343,13 +344,14 @@ class Engine:
         self.version, self.tp_size, self.api_key, self.timeout = __version__, tp_size, api_key, timeout
         self.io, self.common = io_struct, common
         # fork: each rank starts with the release's code already imported (a spawned start re-imports it, ~10 s
-        # a rank on this machine); no thread has been started in this process yet. On a GPU, spawn: importing the
-        # release may have initialized CUDA here (module-level device queries), and a forked child cannot use it
-        ctx = multiprocessing.get_context("fork" if DEVICE == "cpu" else "spawn")
+        # a rank on this machine); no thread has been started in this process yet. Spawn if importing the release
+        # initialized CUDA here (a module-level device query on a GPU machine): a forked child could not use it
+        spawn = DEVICE != "cpu" and torch.cuda.is_initialized()
+        ctx = multiprocessing.get_context("spawn" if spawn else "fork")
         init = f"file://{tempfile.mkdtemp(prefix='sglang-tp-')}/store"
         pipes = [ctx.Pipe() for _ in range(tp_size)]
         self.conns = [parent for parent, _ in pipes]
-        target, extra = (_scheduler_main, ()) if DEVICE == "cpu" else (_spawned_scheduler_main, (SITE_DIR, DEVICE))
+        target, extra = (_spawned_scheduler_main, (SITE_DIR, DEVICE)) if spawn else (_scheduler_main, ())
         self.procs = [ctx.Process(target=target, args=(*extra, r, tp_size, init, pipes[r][1]), daemon=True)
                       for r in range(tp_size)]
         for p in self.procs:
@@ -515,7 +517,7 @@ class _Rank:
         if hasattr(runner_wu, "get_model"):  # weight cache off (runtime_context.get_model().weight_cache_mode)
             runner_wu.get_model = lambda: _t.SimpleNamespace(weight_cache_mode="off")
         updater = runner_wu.WeightUpdater(
-            tp_rank=rank, device=DEVICE, gpu_id=0, model_config=None, custom_weight_loaders={},
+            tp_rank=rank, device=DEVICE.split(":")[0], gpu_id=torch.device(DEVICE).index or 0, model_config=None, custom_weight_loaders={},
             get_model=lambda: model, update_model_fields=lambda *a, **k: None,
             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
         self.groups = updater._model_update_group
@@ -617,7 +619,6 @@ def _spawned_scheduler_main(site_dir: str, device: str, rank: int, tp_size: int,
     global DEVICE, SITE_DIR
     DEVICE, SITE_DIR = device, site_dir
     install(site_dir)
-    torch.cuda.set_device(0)  # the engine's GPU (this process sees its own; the trainer finds it by UUID)
     _scheduler_main(rank, tp_size, init_method, conn)
 
 
@@ -635,6 +636,8 @@ def _scheduler_main(rank: int, tp_size: int, init_method: str, conn) -> None:
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server process
     try:
+        if DEVICE != "cpu":  # the engine's GPU (the trainer names it by UUID, the release maps it back)
+            torch.cuda.set_device(torch.device(DEVICE).index or 0)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp_size)
         r = _Rank(rank, tp_size)
     except Exception as e:  # noqa: BLE001 - reported to the server process
@@ -917,6 +920,6 @@ if __name__ == "__main__":
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--api-key")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="cpu", help='"cpu", "cuda" or "cuda:N"')
     a = ap.parse_args()
     serve(a.site_dir, a.tp, a.api_key, a.port, a.device)
