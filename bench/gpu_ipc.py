@@ -64,7 +64,8 @@ DEVICE_DEPS = ("pydantic==2.14.4", "pydantic_core==2.50.5", "typing-inspection==
                "pyzmq==27.3.0", "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "python-multipart==0.0.34",
                "openai==3.57.0", "jiter==0.19.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5",
                "openai-harmony==0.0.8", "partial-json-parser==0.2.1.1.post7", "xgrammar==0.2.8",
-               "apache-tvm-ffi==0.1.15.post2", "llguidance==1.7.6", "cachetools==8.0.2", "sniffio==1.3.1")
+               "apache-tvm-ffi==0.1.15.post2", "llguidance==1.7.6", "cachetools==8.0.2", "sniffio==1.3.1",
+               "watchfiles==1.3.0")
 
 
 def engine_site(root: str | None, name: str, version: str) -> str:
@@ -334,6 +335,26 @@ def cases(a, device, engines: dict) -> list:
     return rows
 
 
+def module_scan_s(names: list[str]) -> tuple[int, float]:
+    """(modules, seconds) of the scan SGLang 0.5.23 runs on every weight update (model_runner_components/
+    weight_updater.py:55-61, `_unsupported_derived_weight_cache_error`: four getattr per module of the model) over
+    a module tree shaped as the harness' recorder model builds it (one module per dotted prefix of each HF name; a
+    real SGLang model fuses the experts into a few modules per layer)."""
+    import torch
+
+    root = torch.nn.Module()
+    for name in names:
+        m = root
+        for part in name.split(".")[:-1]:
+            if part not in m._modules:
+                m.add_module(part, torch.nn.Module())
+            m = m._modules[part]
+    attrs = ("_hc_attn_tf32_parts", "_hc_ffn_tf32_parts", "_hc_attn_bf16_parts", "_hc_ffn_bf16_parts")
+    t = time.perf_counter()
+    any(any(getattr(m, a, None) is not None for a in attrs) for m in root.modules())
+    return sum(1 for _ in root.modules()), time.perf_counter() - t
+
+
 def timed_sync(ex, sender, bb: int, device, **kw) -> tuple[float, object]:
     import torch
 
@@ -374,10 +395,13 @@ def timing(a, device, engines: dict) -> dict:
     export_alone()  # plan + compile
     export_s = min(export_alone() for _ in range(a.repeat))
     nbytes = ex.plan(bb).total_bytes
+    modules, scan_s = module_scan_s([e.name for b in ex.plan(bb).buckets for e in b.output])
     out = {"layers": a.layers, "gb": nbytes / 1e9, "bucket_mb": a.bucket_mb, "export_s": export_s, "engines": {},
-           "params_gib": sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()) / 2**30}
+           "params_gib": sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()) / 2**30,
+           "recorder_modules": modules, "module_scan_s": scan_s, "buckets": len(ex.plan(bb).buckets)}
     print(f"timing: qwen3_moe {a.layers} layers, {nbytes / 1e9:.2f} GB bf16, buckets of {a.bucket_mb:g} MiB: "
-          f"export alone {export_s:.3f} s", flush=True)
+          f"export alone {export_s:.3f} s; SGLang 0.5.23's per-update module scan over the recorder's {modules} "
+          f"modules: {scan_s * 1e3:.1f} ms (x {out['buckets']} buckets)", flush=True)
     for name in a.timing_engines.split(","):
         kind, version = name.split("-")[0], name.split("-")[1]
         packed = not name.endswith("unpacked")
@@ -478,7 +502,9 @@ def main() -> None:
     tm = res.get("timing")
     if tm:
         print(f"\nqwen3_moe (Qwen3-30B-A3B shapes) {tm['layers']} layers, {tm['gb']:.2f} GB bf16 (params "
-              f"{tm['params_gib']:.1f} GiB), buckets of {tm['bucket_mb']:g} MiB; export alone {tm['export_s']:.3f} s")
+              f"{tm['params_gib']:.1f} GiB), {tm['buckets']} buckets of {tm['bucket_mb']:g} MiB; export alone "
+              f"{tm['export_s']:.3f} s; 0.5.23's per-update module scan over the recorder's {tm['recorder_modules']} "
+              f"modules {tm['module_scan_s'] * 1e3:.1f} ms")
         print(f"{'engine':<26} {'whole sync s':>12} {'overhead s':>11} {'sender s':>9} {'after timing':<17} "
               f"{'verify checksum s':>17} {'verify proof s':>14}")
         nan = float("nan")

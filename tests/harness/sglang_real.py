@@ -45,6 +45,12 @@ ALWAYS_STUB = ("sgl_kernel", "triton", "flashinfer", "vllm", "cuda", "pynvml", "
                "nvidia", "sglang_router", "smg_grpc_proto", "opentelemetry", "py_spy", "torchvision", "torchaudio",
                "triton_kernels", "flashinfer_python", "mamba_ssm", "causal_conv1d", "fla", "gpustat")
 
+# Real on a GPU (--device cuda): SGLang's weight checker hashes CUDA parameters with its own Triton kernel
+# (utils/weight_checker.py _hash_tensor -> managers/mm_utils.py tensor_hash -> kernels/ops/memory/gpu_tensor_hash.py,
+# 0.5.20 / 0.5.23), and triton is installed on the GPU machines.
+REAL_ON_GPU = ("triton", "sglang.kernels")
+STUBBED = ALWAYS_STUB  # what install() stubs: ALWAYS_STUB, less REAL_ON_GPU on a GPU
+
 # Optional modules sglang probes with try/except ImportError and then checks what it got: a stub would pass the
 # import and fail the check (0.5.20 layers/moe/token_dispatcher/nixl.py: `from nixl_ep import topk_idx_t`, else
 # torch.int64, then asserts a torch.dtype), so these stay absent.
@@ -160,18 +166,18 @@ class _StubLoader(importlib.abc.Loader):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder):
-    """First: stubs for ALWAYS_STUB. Last: a stub for any other module no finder could find (never for sglang's
+    """First: stubs for STUBBED. Last: a stub for any other module no finder could find (never for sglang's
     own modules, which must be real)."""
 
     def __init__(self, last: bool):
         self.last = last
 
     def find_spec(self, fullname, path, target=None):
-        if fullname == "sglang" or fullname.startswith("sglang.") and not fullname.startswith(ALWAYS_STUB):
+        if fullname == "sglang" or fullname.startswith("sglang.") and not fullname.startswith(STUBBED):
             return None
         if fullname.split(".")[0] in ABSENT:  # left missing: sglang's own `except ImportError` fallback runs
             return None
-        forced = any(fullname == p or fullname.startswith(p + ".") for p in ALWAYS_STUB)
+        forced = any(fullname == p or fullname.startswith(p + ".") for p in STUBBED)
         # only sglang's imports get stubs: others' availability probes (find_spec, try/except ImportError) must
         # still see what is really installed
         if self.last == forced or not _imported_by_sglang():
@@ -196,6 +202,8 @@ def install(site_dir: str) -> None:
     """Put one release's unpacked wheel first on sys.path and stub what it cannot import here."""
     if any(m == "sglang" or m.startswith("sglang.") for m in sys.modules):
         raise RuntimeError("sglang is already imported in this process: one release per process")
+    global STUBBED
+    STUBBED = ALWAYS_STUB if DEVICE == "cpu" else tuple(m for m in ALWAYS_STUB if m not in REAL_ON_GPU)
     sys.path.insert(0, site_dir)
     # load what torch and transformers import lazily while triton & co are still absent: with stubs in
     # sys.modules they would take them for the real packages. A name another torch/transformers lacks is skipped.
