@@ -424,8 +424,10 @@ def timing(a, device, engines: dict) -> dict:
             print(f"timing {name}: whole sync {sync_s:.3f} s (export alone {export_s:.3f} s, overhead "
                   f"{sync_s - export_s:.3f} s per sync; sender {rep.send_s:.3f} s, {rep.buckets} buckets); after the "
                   f"timed syncs: {err or 'every byte equal'}", flush=True)
-            if name in a.verify_engines.split(","):  # the engine now holds what the trainer holds: proof is valid
-                for mode in ("checksum", "proof"):
+            # the engine now holds what the trainer holds: a proof is valid
+            verify = dict((v.split(":") + ["checksum+proof"])[:2] for v in a.verify_engines.split(",") if v)
+            if name in verify:
+                for mode in verify[name].split("+"):
                     dt, _ = timed_sync(ex, sender, bb, device, verify=mode)
                     row[f"verify_{mode}_s"] = dt
                     print(f"timing {name}: sync(verify={mode!r}) {dt:.3f} s", flush=True)
@@ -467,8 +469,9 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--timing-engines", default="sglang-0.5.23,sglang-0.5.20,vllm-0.33.0-packed")
-    ap.add_argument("--verify-engines", default="sglang-0.5.23,vllm-0.33.0-packed",
-                    help="also time sync(verify='checksum' / 'proof') into these (the engines' own checkers)")
+    ap.add_argument("--verify-engines", default="sglang-0.5.23,vllm-0.33.0-packed:checksum",
+                    help="also time sync(verify=...) into these (the engines' own checkers): ENGINE[:MODE+MODE],... "
+                         "(modes checksum, proof; default both)")
     ap.add_argument("--skip-cases", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
