@@ -45,12 +45,6 @@ ALWAYS_STUB = ("sgl_kernel", "triton", "flashinfer", "vllm", "cuda", "pynvml", "
                "nvidia", "sglang_router", "smg_grpc_proto", "opentelemetry", "py_spy", "torchvision", "torchaudio",
                "triton_kernels", "flashinfer_python", "mamba_ssm", "causal_conv1d", "fla", "gpustat")
 
-# Real on a GPU (--device cuda): SGLang's weight checker hashes CUDA parameters with its own Triton kernel
-# (utils/weight_checker.py _hash_tensor -> managers/mm_utils.py tensor_hash -> kernels/ops/memory/gpu_tensor_hash.py,
-# 0.5.20 / 0.5.23), and triton is installed on the GPU machines.
-REAL_ON_GPU = ("triton", "sglang.kernels")
-STUBBED = ALWAYS_STUB  # what install() stubs: ALWAYS_STUB, less REAL_ON_GPU on a GPU
-
 # Optional modules sglang probes with try/except ImportError and then checks what it got: a stub would pass the
 # import and fail the check (0.5.20 layers/moe/token_dispatcher/nixl.py: `from nixl_ep import topk_idx_t`, else
 # torch.int64, then asserts a torch.dtype), so these stay absent.
@@ -166,18 +160,18 @@ class _StubLoader(importlib.abc.Loader):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder):
-    """First: stubs for STUBBED. Last: a stub for any other module no finder could find (never for sglang's
+    """First: stubs for ALWAYS_STUB. Last: a stub for any other module no finder could find (never for sglang's
     own modules, which must be real)."""
 
     def __init__(self, last: bool):
         self.last = last
 
     def find_spec(self, fullname, path, target=None):
-        if fullname == "sglang" or fullname.startswith("sglang.") and not fullname.startswith(STUBBED):
+        if fullname == "sglang" or fullname.startswith("sglang.") and not fullname.startswith(ALWAYS_STUB):
             return None
         if fullname.split(".")[0] in ABSENT:  # left missing: sglang's own `except ImportError` fallback runs
             return None
-        forced = any(fullname == p or fullname.startswith(p + ".") for p in STUBBED)
+        forced = any(fullname == p or fullname.startswith(p + ".") for p in ALWAYS_STUB)
         # only sglang's imports get stubs: others' availability probes (find_spec, try/except ImportError) must
         # still see what is really installed
         if self.last == forced or not _imported_by_sglang():
@@ -202,8 +196,6 @@ def install(site_dir: str) -> None:
     """Put one release's unpacked wheel first on sys.path and stub what it cannot import here."""
     if any(m == "sglang" or m.startswith("sglang.") for m in sys.modules):
         raise RuntimeError("sglang is already imported in this process: one release per process")
-    global STUBBED
-    STUBBED = ALWAYS_STUB if DEVICE == "cpu" else tuple(m for m in ALWAYS_STUB if m not in REAL_ON_GPU)
     sys.path.insert(0, site_dir)
     # load what torch and transformers import lazily while triton & co are still absent: with stubs in
     # sys.modules they would take them for the real packages. A name another torch/transformers lacks is skipped.
@@ -232,7 +224,11 @@ def install(site_dir: str) -> None:
 
 # Where the engine's ranks hold their parameters: "cpu" (CI: CPU shared memory stands in for CUDA IPC) or "cuda" /
 # "cuda:N" (bench/gpu_ipc.py, bench/gpu_senders.py on lent GPUs: GPU 0 / N of this process; the handles are real
-# CUDA IPC, rebuilt by the release's patch_torch; weight-update groups over NCCL there). Set by serve().
+# CUDA IPC, rebuilt by the release's patch_torch; weight-update groups over NCCL there). Set by serve(). On a GPU
+# the release's weight checker cannot run here: it hashes CUDA parameters with SGLang's Triton kernel
+# (utils/weight_checker.py:255 _hash_tensor -> managers/mm_utils.py:922 tensor_hash -> kernels/ops/memory/
+# gpu_tensor_hash.py, 0.5.23), and sglang.kernels stays stubbed: its JIT toolchain does not import from the
+# releases' .py files alone (kernels/jit/utils/compile/loader.py:18, seen on an H200).
 DEVICE = "cpu"
 SITE_DIR = ""  # the release's unpacked wheel (serve())
 
@@ -352,9 +348,9 @@ class Engine:
         self.version, self.tp_size, self.api_key, self.timeout = __version__, tp_size, api_key, timeout
         self.io, self.common = io_struct, common
         # fork: each rank starts with the release's code already imported (a spawned start re-imports it, ~10 s
-        # a rank on this machine); no thread has been started in this process yet. Spawn if importing the release
-        # initialized CUDA here (a module-level device query on a GPU machine): a forked child could not use it
-        spawn = DEVICE != "cpu" and torch.cuda.is_initialized()
+        # a rank on this machine); no thread has been started in this process yet. On a GPU, spawn: importing the
+        # release may have touched CUDA here (module-level device queries), which a forked child cannot use
+        spawn = DEVICE != "cpu"
         ctx = multiprocessing.get_context("spawn" if spawn else "fork")
         init = f"file://{tempfile.mkdtemp(prefix='sglang-tp-')}/store"
         pipes = [ctx.Pipe() for _ in range(tp_size)]
