@@ -95,6 +95,37 @@ def hf_config(a) -> dict:
     return cfg
 
 
+def random_model(arch: str, config: dict, tp: int, device, seed: int = 1234):
+    """(HF config, model chunks) of a Megatron model of `arch` with `config`'s shapes, bf16, built on `device` as in
+    training (every param carries Megatron's parallel attributes, which mbridge reads), then filled with random
+    normal(0, 0.02) values drawn on the device (seed + rank)."""
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.model_specs.common import build_model, padded_vocab_size
+
+    spec = importlib.import_module(f"mcore2hf.model_specs.{arch}")
+    cfg = load_hf_config(config)
+    cpu = device.type == "cpu"
+    if not cpu:  # Megatron's initialization draws from the tensor-parallel RNG tracker on the GPU
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    with torch.device(device):
+        chunks = build_model(spec, cfg, vocab_size=padded_vocab_size(cfg.vocab_size, tp), params_dtype=torch.bfloat16,
+                             bf16=True, perform_initialization=True, use_cpu_initialization=cpu)
+    chunks = [c.to(torch.bfloat16) for c in chunks]
+    g = torch.Generator(device=device).manual_seed(seed + dist.get_rank())
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.normal_(0, 0.02, generator=g)
+    return cfg, chunks
+
+
 def sync(device):
     import torch
 
@@ -424,37 +455,17 @@ def engine_rows(ex, bb, a, device, rows: dict) -> dict:
 
 
 def job(a):
-    import importlib
 
     import torch
     import torch.distributed as dist
 
     from mcore2hf import HFExporter
-    from mcore2hf.hf_config import load_hf_config
-    from mcore2hf.model_specs.common import build_model, padded_vocab_size
-
-    spec = importlib.import_module(f"mcore2hf.model_specs.{a.arch}")
 
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if not a.cpu else torch.device("cpu")
-    cfg = load_hf_config(hf_config(a))
     lay = LAYOUTS[a.layout]
     t = time.perf_counter()
-    dtype = torch.bfloat16
-    if not a.cpu:  # Megatron's initialization draws from the tensor-parallel RNG tracker on the GPU
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    # initialized as in training, so every param carries Megatron's parallel attributes (mbridge reads them)
-    with torch.device(device):
-        chunks = build_model(spec, cfg, vocab_size=padded_vocab_size(cfg.vocab_size, lay["tp"]), params_dtype=dtype,
-                                       bf16=True, perform_initialization=True, use_cpu_initialization=a.cpu)
-    chunks = [c.to(dtype) for c in chunks]
-    g = torch.Generator(device=device).manual_seed(1234 + rank)
-    with torch.no_grad():
-        for c in chunks:
-            for p in c.parameters():
-                p.normal_(0, 0.02, generator=g)
+    cfg, chunks = random_model(a.arch, hf_config(a), lay["tp"], device)
     sync(device)
     build_s = time.perf_counter() - t
     params_gb = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()) / 1e9
@@ -531,7 +542,7 @@ def job(a):
         per_tensor_baseline(ex, bb)
         base = [timed(lambda: per_tensor_baseline(ex, bb), device) for _ in range(max(1, a.repeat // 2))]
         rows["per-tensor async (slime-style)"] = (min(t for t, _ in base), max(p for _, p in base))
-    floor_need, rate = nccl_floor(ex, device, dtype) if not a.cpu else (0, 0)
+    floor_need, rate = nccl_floor(ex, device, torch.bfloat16) if not a.cpu else (0, 0)
     p2p = p2p_rate(device, int(a.p2p_mb * 2**20)) if engines else 0.0
 
     mb = None

@@ -3,23 +3,19 @@
     python bench/gpu_senders.py        # 2 GPUs
 
 A 2-rank trainer world (NCCL, TP2 x EP2) holds a real megatron-core model loaded from a random HF checkpoint and
-syncs it twice through each SGLang sender to fake engines (harness.fake_engine, which behaves as SGLang
-0.5.23: update sessions, reply formats, and it refuses a CUDA IPC handle that names the GPU by index instead of
-UUID) running as separate processes:
+syncs it twice through each SGLang sender into SGLang 0.5.23's own receive code (harness.sglang_real on the GPU:
+the release's SafeUnpickler, patch_torch's UUID-aware CUDA rebuild, flattened-bucket rebuild, WeightUpdater and
+its NCCL weight-update group) running as separate processes:
 
 * colocated: every trainer rank's bucket goes as a CUDA IPC handle to the engine on its own physical GPU;
 * distributed: trainer rank 0 broadcasts each bucket over an NCCL group to an engine on the other GPU.
 
 Each runs in every combination of the trainer's CUDA_VISIBLE_DEVICES ("0,1" or "1,0") and the engines' (all
 GPUs visible, device = physical index; or only their own GPU, device cuda:0), as Ray deployments do: a device
-index means different GPUs in the two processes, only the UUID names the right one. Each engine hashes every
-tensor it rebuilt; the script checks every byte of every tensor against the source checkpoint on every engine.
-
-Still the fake engine, not harness.sglang_real (the releases' own code, which the CPU tests use): that
-harness runs the scheduler side on CPU only (its WeightUpdater on device "cpu", gloo groups), and its GPU mode
-(the release's patch_torch rebuilding CUDA IPC handles, the weight-update group over NCCL on the engine's GPU) is
-not written; the GPU machines would also need the sglang wheel and its CPU dependencies carried (msgspec,
-pybase64, orjson, dill, pydantic are not in their image).
+index means different GPUs in the two processes, only the UUID names the right one. Each engine's parameters are
+hashed where they live; the script checks every byte of every tensor against the source checkpoint on every
+engine. The engine's files: bench/gpu_ipc.py --engines (its --pack carries them to the GPU machines). One GPU:
+bench/gpu_ipc.py.
 """
 
 from __future__ import annotations
@@ -30,7 +26,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextlib.contextmanager
@@ -53,11 +51,13 @@ def visible(devices: str | None):
 def main() -> None:
     import torch
     import worlds
-    from harness.fake_engine import EngineProcess, digest
+    from gpu_ipc import engine_site, http, sglang_server, sha256
 
     from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
     from mcore2hf.runtime.world import Layout, run_world
 
+    site = engine_site(os.environ.get("MCORE2HF_ENGINES", os.path.join(REPO, ".whl-ipc", "engines.tar.xz")),
+                       "sglang", "0.5.23")
     assert torch.cuda.device_count() >= 2, "needs 2 GPUs"
     work = tempfile.mkdtemp(prefix="mcore2hf-gpu-senders-")
     rows = []
@@ -66,7 +66,7 @@ def main() -> None:
     ckpt = make_hf_checkpoint(tiny_config(arch, hidden_size=512, moe_intermediate_size=256, intermediate_size=768),
                               os.path.join(work, arch), dtype=torch.bfloat16)
     source = read_hf_checkpoint(ckpt)
-    ref = {n: (digest(t), str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in source.items()}
+    ref = {n: (sha256(t), str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in source.items()}
     nbytes = sum(t.numel() * t.element_size() for t in source.values())
     for trainer_cvd in ("0,1", "1,0"):
         phys = [int(g) for g in trainer_cvd.split(",")]  # trainer rank r runs on physical GPU phys[r]
@@ -75,7 +75,9 @@ def main() -> None:
                 engines = []
                 for g in gpus:
                     with visible(str(g) if isolated else None):
-                        engines.append(EngineProcess(device="cuda:0" if isolated else f"cuda:{g}", version="0.5.23"))
+                        engines.append(sglang_server(site, "0.5.23", "cuda:0" if isolated else f"cuda:{g}"))
+                for e in engines:
+                    e.wait()
                 where = f"{'own GPU only' if isolated else 'all GPUs'}: physical {gpus}"
                 try:
                     t = time.perf_counter()
@@ -85,7 +87,7 @@ def main() -> None:
                     dt = time.perf_counter() - t
                     ok = []
                     for e in engines:
-                        st = e.state()
+                        st = http(e.url, "/mcore2hf_state")
                         got = {n: tuple(v) for n, v in st["weights"]["0"].items()}
                         ref_t = {n: tuple(v) for n, v in ref.items()}
                         ok.append(got == ref_t and st["versions"][-1] == "2")

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Run benchmarks on a lent GPU machine (no registry there): install the carried wheels (.whl/: megatron-core,
-# mbridge, einops and an mcore2hf wheel built from this checkout), then run each argument as a command, logging
-# everything to $OUT/bench.log.
+# mbridge, einops and an mcore2hf wheel built from this checkout; .whl-ipc/: bench/gpu_ipc.py's engine deps), then run
+# each argument as a command, logging everything to $OUT/bench.log.
 #   bash bench/on_device.sh "python3 bench/gpu_senders.py" "python3 bench/export_speed.py --layout ep2 --mbridge"
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_NCCL_ENABLE_MONITORING=0  # no heartbeat noise when an engine outlives the trainer's store
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# .whl-ipc/*.whl: what bench/gpu_ipc.py's engines import beyond the image (its --pack writes them)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
+    $(ls .whl-ipc/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site
 cd /tmp  # import mcore2hf from the installed wheel, not the checkout's unmapped converters/ and model_specs/
 REPO=$OLDPWD

@@ -33,39 +33,11 @@ def site(version: str) -> str:
     return str(unpacked_wheel("sglang", version, include=("sglang/*",)))
 
 
-class RealServer:
-    """One release's server (harness.sglang_real) in its own process; `port` 0: one the OS picks. With
-    wait=False the caller starts several, then waits for each (`wait()`)."""
+class RealServer(sglang_real.RealServer):
+    """harness.sglang_real.RealServer of a pinned release (its wheel fetched and cached)."""
 
     def __init__(self, version: str, tp: int = 1, api_key: str | None = None, port: int = 0, wait: bool = True):
-        import tempfile
-
-        cmd = [sys.executable, sglang_real.__file__, site(version), "--tp", str(tp), "--port", str(port)]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        # stderr to a file, not a pipe nobody reads: a server never blocks on it
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        self.wanted = version
-        if wait:
-            self.wait()
-
-    def wait(self) -> "RealServer":
-        line = self.proc.stdout.readline()  # "PORT <n> VERSION <v>" once the release's code is loaded
-        if not line.startswith("PORT"):
-            self.proc.kill()
-            self.log.seek(0)
-            raise RuntimeError(f"sglang {self.wanted} server did not start: {self.log.read()[-3000:]}")
-        self.port = int(line.split()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.version = line.split()[3]
-        return self
-
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait(10)
-        self.log.close()
+        super().__init__(site(version), version, tp, api_key, port, wait)
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:

@@ -1,2 +1,3 @@
-"""Test harnesses (not shipped): the engines' published code on CPU (sglang_real, vllm_real, their wheels), a fake
-SGLang engine for GPU runs (bench/gpu_senders.py), megatron-core's Transformer Engine spec as a naming oracle."""
+"""Test harnesses (not shipped): the engines' published code (sglang_real, vllm_real, their wheels) on CPU, and
+on a GPU with real CUDA IPC (bench/gpu_ipc.py, bench/gpu_senders.py); megatron-core's Transformer Engine spec as a
+naming oracle."""

@@ -222,10 +222,35 @@ def install(site_dir: str) -> None:
 # unpickler, UUID-aware CUDA rebuild, flattened-bucket rebuild and group / broadcast receive are the release's own.
 
 
-def _digest(t) -> str:
+# Where the engine's ranks hold their parameters: "cpu" (CI: CPU shared memory stands in for CUDA IPC) or "cuda" /
+# "cuda:N" (bench/gpu_ipc.py, bench/gpu_senders.py on lent GPUs: GPU 0 / N of this process; the handles are real
+# CUDA IPC, rebuilt by the release's patch_torch; weight-update groups over NCCL there). Set by serve(). On a GPU
+# the release's weight checker cannot run here: it hashes CUDA parameters with SGLang's Triton kernel
+# (utils/weight_checker.py:255 _hash_tensor -> managers/mm_utils.py:922 tensor_hash -> kernels/ops/memory/
+# gpu_tensor_hash.py, 0.5.23), and sglang.kernels stays stubbed: its JIT toolchain does not import from the
+# releases' .py files alone (kernels/jit/utils/compile/loader.py:18, seen on an H200).
+DEVICE = "cpu"
+SITE_DIR = ""  # the release's unpacked wheel (serve())
+
+
+def sha256_digest(t) -> str:
     import hashlib
 
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def fingerprint(t: torch.Tensor, chunk: int = 1 << 26) -> str:
+    """A cheap digest computed where the tensor lives (GPU or CPU), for syncs too large to sha256 in a bench:
+    the byte count, the sum of the bytes and their sum weighted by position (mod a prime), so any changed,
+    missing or moved byte changes it (not cryptographic: no adversary here)."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    s1 = s2 = 0
+    for start in range(0, b.numel(), chunk):
+        x = b[start:start + chunk].to(torch.int64)
+        w = torch.arange(start, start + x.numel(), device=x.device, dtype=torch.int64) % 1000003 + 1
+        s1 += int(x.sum())
+        s2 += int((x * w).sum())
+    return f"{b.numel()}:{s1}:{s2}"
 
 
 class Recorder(torch.nn.Module):
@@ -280,8 +305,21 @@ class Recorder(torch.nn.Module):
         for name, t in weights:
             if name == self.corrupt:
                 t, self.corrupt = (t + 1) if t.is_floating_point() else t ^ 1, None
-            self.store[name] = (_digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
+            if DEVICE == "cpu":
+                self.store[name] = (sha256_digest(t), str(t.dtype).removeprefix("torch."), list(t.shape))
+            else:  # as a model's loader: only the copy into the parameter (timed); hashed when the state is asked
+                self.store[name] = None
             self._keep(name, t)
+
+    def digests(self, how: str = "sha256") -> dict:
+        """What was loaded since the last reset: name -> (digest, dtype, shape); on GPU taken from the parameters
+        the loads copied into (sha256, or `fingerprint` for large syncs)."""
+        if DEVICE == "cpu" and how == "sha256":
+            return dict(self.store)
+        params = dict(self.named_parameters())
+        fn = fingerprint if how == "fingerprint" else sha256_digest
+        return {n: (fn(params[n]), str(params[n].dtype).removeprefix("torch."), list(params[n].shape))
+                for n in self.store}
 
 
 class Engine:
@@ -310,12 +348,15 @@ class Engine:
         self.version, self.tp_size, self.api_key, self.timeout = __version__, tp_size, api_key, timeout
         self.io, self.common = io_struct, common
         # fork: each rank starts with the release's code already imported (a spawned start re-imports it, ~10 s
-        # a rank on this machine); no thread has been started in this process yet
-        ctx = multiprocessing.get_context("fork")
+        # a rank on this machine); no thread has been started in this process yet. On a GPU, spawn: importing the
+        # release may have touched CUDA here (module-level device queries), which a forked child cannot use
+        spawn = DEVICE != "cpu"
+        ctx = multiprocessing.get_context("spawn" if spawn else "fork")
         init = f"file://{tempfile.mkdtemp(prefix='sglang-tp-')}/store"
         pipes = [ctx.Pipe() for _ in range(tp_size)]
         self.conns = [parent for parent, _ in pipes]
-        self.procs = [ctx.Process(target=_scheduler_main, args=(r, tp_size, init, pipes[r][1]), daemon=True)
+        target, extra = (_spawned_scheduler_main, (SITE_DIR, DEVICE)) if spawn else (_scheduler_main, ())
+        self.procs = [ctx.Process(target=target, args=(*extra, r, tp_size, init, pipes[r][1]), daemon=True)
                       for r in range(tp_size)]
         for p in self.procs:
             p.start()
@@ -480,7 +521,7 @@ class _Rank:
         if hasattr(runner_wu, "get_model"):  # weight cache off (runtime_context.get_model().weight_cache_mode)
             runner_wu.get_model = lambda: _t.SimpleNamespace(weight_cache_mode="off")
         updater = runner_wu.WeightUpdater(
-            tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+            tp_rank=rank, device=DEVICE.split(":")[0], gpu_id=torch.device(DEVICE).index or 0, model_config=None, custom_weight_loaders={},
             get_model=lambda: model, update_model_fields=lambda *a, **k: None,
             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
         self.groups = updater._model_update_group
@@ -510,18 +551,18 @@ class _Rank:
         scheduler.__dict__.update(tp_worker=worker, tp_cpu_group=group, memory_saver_adapter=None)
         return scheduler, runner._model_update_group
 
-    def state(self) -> dict:
+    def state(self, how: str | None = None) -> dict:
         """What the release's objects hold: update session (>= 0.5.21), weight-update groups, the scheduler's
-        paused flag, queued requests, flushes; and what the model was given."""
+        paused flag, queued requests, flushes; and what the model was given (digests: `Recorder.digests`)."""
         s = self.scheduler
-        return {"weights": dict(self.model.store), "session": getattr(self.manager, "_session", None) is not None,
+        return {"weights": self.model.digests(how or "sha256"), "session": getattr(self.manager, "_session", None) is not None,
                 "groups": sorted(self.groups), "engine_paused": s._engine_paused, "queued": len(s.waiting_queue),
                 "flushes": s.tree_cache.resets}
 
     def handle(self, method: str, req) -> tuple[bool, object]:
         """Run one request; an exception escapes (the scheduler process then fails as SGLang's does)."""
         if method == _STATE:
-            return True, self.state()
+            return True, self.state(req)
         if method == _RESET:
             self.model.store.clear()
             if (req or {}).get("parameters"):  # another model from now on (as an engine started on another checkpoint)
@@ -564,8 +605,9 @@ def _model_runner(updater, model, ps):
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.utils import weight_checker
 
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    if DEVICE == "cpu":
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.Tensor.cuda = lambda self, *a, **k: self
     if "ps" in inspect.signature(weight_checker.WeightChecker).parameters:  # 0.5.20
         checker = weight_checker.WeightChecker(get_model=lambda: model, ps=ps)
     else:
@@ -574,6 +616,14 @@ def _model_runner(updater, model, ps):
     runner = _t.SimpleNamespace(weight_updater=updater, model=model, _weight_checker=checker)
     runner.check_weights = _t.MethodType(ModelRunner.check_weights, runner)
     return runner
+
+
+def _spawned_scheduler_main(site_dir: str, device: str, rank: int, tp_size: int, init_method: str, conn) -> None:
+    """A scheduler process started by spawn (on a GPU): load the release as serve() did, then run as a forked one."""
+    global DEVICE, SITE_DIR
+    DEVICE, SITE_DIR = device, site_dir
+    install(site_dir)
+    _scheduler_main(rank, tp_size, init_method, conn)
 
 
 def _scheduler_main(rank: int, tp_size: int, init_method: str, conn) -> None:
@@ -590,6 +640,8 @@ def _scheduler_main(rank: int, tp_size: int, init_method: str, conn) -> None:
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server process
     try:
+        if DEVICE != "cpu":  # the engine's GPU (the trainer names it by UUID, the release maps it back)
+            torch.cuda.set_device(torch.device(DEVICE).index or 0)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp_size)
         r = _Rank(rank, tp_size)
     except Exception as e:  # noqa: BLE001 - reported to the server process
@@ -654,7 +706,7 @@ def _release_has(route: str) -> bool:
     return f'"{route}"' in src.read_text()
 
 
-def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int = 0) -> None:
+def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int = 0, device: str = "cpu") -> None:
     import ctypes
     import json
     import os
@@ -663,6 +715,8 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with whoever started it (a test, a rank)
+    global DEVICE, SITE_DIR
+    DEVICE, SITE_DIR = device, site_dir
     install(site_dir)
     from sglang.srt.utils import kill_process_tree
     from sglang.version import __version__
@@ -708,7 +762,7 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
             self.wfile.write(data)
 
         def _auth(self) -> bool:  # sglang utils/auth.py: "Authorization: Bearer <api_key>", 401 otherwise
-            if api_key and self.path not in harness and self.headers.get("Authorization") != f"Bearer {api_key}":
+            if api_key and self.path.split("?")[0] not in harness and self.headers.get("Authorization") != f"Bearer {api_key}":
                 self._send(401, {"error": "Unauthorized"})
                 return False
             return True
@@ -716,8 +770,9 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
         def do_GET(self):
             if not self._auth():
                 return
-            if self.path == "/mcore2hf_state":
-                ok, ranks = run(_STATE, None) if engine is not None else (True, [])
+            if self.path.split("?")[0] == "/mcore2hf_state":  # ?digest=fingerprint: cheap digests (large syncs)
+                how = "fingerprint" if self.path.endswith("digest=fingerprint") else None
+                ok, ranks = run(_STATE, how) if engine is not None else (True, [])
                 weights = {str(r): st.pop("weights") for r, st in enumerate(ranks)}
                 return self._send(200 if ok else 500, {
                     "weights": weights, "ranks": ranks, "versions": front.versions, "calls": front.calls,
@@ -821,6 +876,46 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     server.serve_forever()
 
 
+class RealServer:
+    """One release's server (`serve`) in its own process, started from the test or bench process: `site_dir` the
+    release's unpacked wheel, `wanted` its version; `port` 0: one the OS picks; `device` "cuda": its ranks hold
+    their parameters on this process's GPU 0 and open real CUDA IPC handles. With wait=False the caller starts
+    several, then waits for each (`wait()`)."""
+
+    def __init__(self, site_dir: str, wanted: str, tp: int = 1, api_key: str | None = None, port: int = 0,
+                 wait: bool = True, device: str = "cpu", env: dict | None = None):
+        import os
+        import subprocess
+        import tempfile
+
+        cmd = [sys.executable, __file__, site_dir, "--tp", str(tp), "--port", str(port), "--device", device]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        # stderr to a file, not a pipe nobody reads: a server never blocks on it
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+        self.wanted = wanted
+        if wait:
+            self.wait()
+
+    def wait(self) -> RealServer:
+        line = self.proc.stdout.readline()  # "PORT <n> VERSION <v>" once the release's code is loaded
+        if not line.startswith("PORT"):
+            self.proc.kill()
+            self.log.seek(0)
+            raise RuntimeError(f"sglang {self.wanted} server did not start: {self.log.read()[-3000:]}")
+        self.port = int(line.split()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.version = line.split()[3]
+        return self
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait(10)
+        self.log.close()
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -829,5 +924,6 @@ if __name__ == "__main__":
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--api-key")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help='"cpu", "cuda" or "cuda:N"')
     a = ap.parse_args()
-    serve(a.site_dir, a.tp, a.api_key, a.port)
+    serve(a.site_dir, a.tp, a.api_key, a.port, a.device)

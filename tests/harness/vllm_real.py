@@ -182,10 +182,11 @@ def tiny_model():
     return model
 
 
-def named_model(tensors: dict[str, torch.Tensor]):
-    """A model holding one parameter per HF name (nested modules along the dots, vLLM's default_weight_loader)
-    whose load_weights also keeps a copy of every tensor vLLM's receive path hands it (`model.received[name]`:
-    one per load, in order), to check what each engine rank got."""
+def named_model(tensors: dict[str, torch.Tensor], device: str = "cpu", keep_received: bool = True):
+    """A model holding one parameter per HF name (zeros on `device`, shaped and typed as `tensors`, which may be
+    meta tensors; nested modules along the dots, vLLM's default_weight_loader) whose load_weights also keeps a
+    copy of every tensor vLLM's receive path hands it (`model.received[name]`: one per load, in order), to check
+    what each engine rank got (`keep_received=False`: only the copy into the parameters, as a model's loader)."""
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
@@ -194,7 +195,8 @@ def named_model(tensors: dict[str, torch.Tensor]):
             params = dict(self.named_parameters())
             loaded = set()
             for name, t in weights:
-                self.received.setdefault(name, []).append(t.clone())
+                if keep_received:
+                    self.received.setdefault(name, []).append(t.clone())
                 params[name].weight_loader(params[name], t)
                 loaded.add(name)
             return loaded
@@ -207,7 +209,7 @@ def named_model(tensors: dict[str, torch.Tensor]):
             if not hasattr(m, part):
                 m.add_module(part, torch.nn.Module())
             m = getattr(m, part)
-        p = torch.nn.Parameter(torch.zeros_like(t), requires_grad=False)
+        p = torch.nn.Parameter(torch.zeros(t.shape, dtype=t.dtype, device=device), requires_grad=False)
         p.weight_loader = default_weight_loader
         m.register_parameter(leaf, p)
     record_metadata_for_reloading(model)  # as vLLM's initialize_model does
@@ -250,9 +252,12 @@ def check_model(model, tensors) -> None:
 
 # ---------------------------------------------------------------- vLLM workers, engine clients, servers
 
-def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, torch.Tensor] | None = None):
+def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, torch.Tensor] | None = None,
+                device: str = "cpu", load: bool = True):
     """vLLM's real Worker class (methods unmodified) around a tiny model (or a named_model of `tensors`), with the
-    weight-transfer engine vLLM's factory creates for `backend`; nothing of the GPU worker's init runs."""
+    weight-transfer engine vLLM's factory creates for `backend`; nothing of the GPU worker's init runs. On
+    `device` "cuda" the named_model's parameters and the transfer engine are on GPU 0 (real CUDA IPC); with
+    load=False its parameters start as zeros (no initial load, nothing kept per load)."""
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
@@ -260,9 +265,10 @@ def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, tor
 
     pc = ParallelConfig(tensor_parallel_size=tp)
     pc.rank = rank
-    vc = VllmConfig(parallel_config=pc, device_config=DeviceConfig(device="cpu"))
-    model = tiny_model() if tensors is None else named_model(tensors)
-    initial_load(model, model_tensors(0) if tensors is None else tensors)
+    vc = VllmConfig(parallel_config=pc, device_config=DeviceConfig(device=device))
+    model = tiny_model() if tensors is None else named_model(tensors, device, keep_received=load)
+    if load:
+        initial_load(model, model_tensors(0) if tensors is None else tensors)
     if tensors is not None:
         model.received.clear()
     w = Worker.__new__(Worker)
@@ -273,7 +279,8 @@ def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, tor
     w._weight_update_active, w._weight_update_is_draft = False, False
     vc.model_config = MODEL_CONFIG
     w.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
-        WeightTransferConfig(backend=backend), vc, torch.device("cpu"), model)
+        WeightTransferConfig(backend=backend), vc, torch.device(device, 0) if device == "cuda" else torch.device(device),
+        model)
     w.model = model
     _stub_worker_groups()
     return w
@@ -386,7 +393,7 @@ def local_llm(core: EngineCore):
 class Server:
     """vLLM's RL routes (and /version) with vLLM's exception handlers, served by uvicorn on a port it picks."""
 
-    def __init__(self, client, rl_routes: bool = True, version: str | None = None):
+    def __init__(self, client, rl_routes: bool = True, version: str | None = None, state=None):
         import uvicorn
         from fastapi import FastAPI
         from vllm.entrypoints.rl.factories import register_rl_api_routers
@@ -406,6 +413,11 @@ class Server:
         @app.get("/get_world_size")
         async def world_size():  # api_router.get_world_size reads this config
             return {"world_size": client.vllm_config.parallel_config.world_size_across_dp}
+
+        if state is not None:  # the harness' own route: what the engine's parameters hold (serve())
+            @app.get("/mcore2hf_state")
+            async def harness_state(digest: str = "sha256"):
+                return await asyncio.to_thread(state, digest)
 
         app.state.engine_client = client
         app.state.args = types.SimpleNamespace(log_error_stack=False)  # vLLM's server CLI args, read by its handlers
@@ -972,6 +984,47 @@ SCENARIOS = {
 }
 
 
+def serve(spec: str, device: str) -> None:
+    """One vLLM engine of TP 1 with an IPC weight-transfer engine, serving vLLM's RL routes until stdin closes
+    (bench/gpu_ipc.py runs it as its own process on the trainer's GPU): its model holds one parameter per entry of
+    `spec` (a JSON list of [name, shape, dtype]), zeros on `device` ("cuda": GPU 0, real CUDA IPC rebuilt by
+    vLLM's ipc_engine; "cpu": CPU shared memory as in the scenarios). Prints `URL <url> VERSION <v>`. GET
+    /mcore2hf_state?digest=sha256|fingerprint: per parameter [digest, dtype, shape], the weight version, the
+    engine calls."""
+    from harness.sglang_real import fingerprint, sha256_digest
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if device == "cpu":
+        install_gpu_stubs()
+    else:
+        # vLLM's CUDA platform imports its compiled kernels at module level (vllm/platforms/cuda.py:23
+        # `import vllm._C_stable_libtorch`), which the carried .py files lack: resolve the platform as on a
+        # machine without CUDA (UnspecifiedPlatform, as in CI). The IPC receive path takes the worker's device.
+        import vllm.platforms
+
+        vllm.platforms.builtin_platform_plugins["cuda"] = lambda: None
+        torch.cuda.set_device(0)
+    import vllm
+
+    with open(spec) as f:
+        shapes = {n: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for n, shape, dt in json.load(f)}
+    worker = make_worker("ipc", tensors=shapes, device=device, load=False)
+    core = EngineCore([worker])
+
+    def state(digest: str) -> dict:
+        fn = fingerprint if digest == "fingerprint" else sha256_digest
+        if device == "cuda":
+            torch.cuda.synchronize()
+        params = {n: (fn(p), str(p.dtype).removeprefix("torch."), list(p.shape))
+                  for n, p in worker.model.named_parameters()}
+        return {"weights": params, "version": core.version, "events": list(core.events)}
+
+    server = Server(async_client(core), state=state)
+    print(f"URL {server.url} VERSION {vllm.__version__}", flush=True)
+    sys.stdin.read()  # until the bench closes our stdin (or dies)
+    server.stop()
+
+
 def main(out: str, names: list[str]) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     install_gpu_stubs()
@@ -992,4 +1045,7 @@ def main(out: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--serve":  # --serve SPEC.json DEVICE
+        serve(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2:])
