@@ -75,6 +75,7 @@ class Executor:
         self.core.make_arenas([max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                                for a in range(self.arenas_n)])
         self._compiled = [self._compile_bucket(k, p) for k, p in enumerate(self.programs)]
+        self.core.make_pool(max([p.bucket.nbytes for p in self.programs if p.receive] or [0]))
 
     def _view(self, a: int, byte_offset: int, s: Source) -> torch.Tensor:
         return self.core.arenas[a].view(byte_offset, s.dtype, s.shard_shape)
@@ -253,7 +254,8 @@ class Executor:
             else:
                 flat = self.core.complete(started, self.stats)
         finally:
-            self.core.drop_blobs(s.name for s in b.sources)  # this bucket's FP8 blobs are no longer needed
+            if self.core.scheme is not None:
+                self.core.drop_blobs(s.name for s in b.sources)  # this bucket's FP8 blobs are no longer needed
         if flat is not None and b.out_entries is not None:  # FP8: each full HF weight quantized as a whole
             flat = quantize_flat(flat, b.entries, b.out_entries, self.core.scheme)
         return Bucket(b.index, flat, b.output)
@@ -261,7 +263,7 @@ class Executor:
     def _finish_rounds(self, cb: CBucket, started: tuple) -> torch.Tensor | None:
         """A stacked tensor over the budget: each round's pieces are gathered into the (reused) staging arena and
         written into their items of the one output buffer, so the output is the only full copy held."""
-        flat = torch.empty(cb.nbytes, dtype=torch.uint8, device=self.device) if cb.receive else None
+        flat = self.core.output(cb.nbytes) if cb.receive else None
         for r, rcb in enumerate(cb.rounds):
             if r:
                 started = self.core.start(rcb)
