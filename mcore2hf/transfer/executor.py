@@ -28,7 +28,14 @@ import torch.distributed as dist
 
 from ..layouts import row_strides
 from ..naming import LocalTensor
-from ..quantize import FP8RowSlices, chunks, get_scheme, per_block_cast_to_fp8, per_block_cast_to_fp8_batched
+from ..quantize import (
+    FP8Into,
+    FP8RowSlices,
+    chunks,
+    get_scheme,
+    per_block_cast_to_fp8,
+    per_block_cast_to_fp8_batched,
+)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _data_ptr = torch.Tensor.data_ptr
@@ -39,6 +46,12 @@ def replay_default() -> bool:
     """Whether executors replay precomputed work on pooled output buffers (`OutputPool`); MCORE2HF_REPLAY=0
     selects the earlier path (a new output buffer per bucket, its views made at each run), for comparison."""
     return os.environ.get("MCORE2HF_REPLAY", "1") != "0"
+
+
+def graphs_default() -> bool:
+    """Whether a copy list on a pooled CUDA buffer is captured once as a CUDA graph and replayed (MCORE2HF_GRAPHS=0:
+    launched eagerly each time)."""
+    return os.environ.get("MCORE2HF_GRAPHS", "1") != "0"
 
 
 class OutputPool:
@@ -123,10 +136,11 @@ class Sources:
         # buffers and computed tensors (a LoRA merge) are read through their getter each time
         return (lt.get() if lt.is_buffer or lt.param is None else lt.param).detach()
 
-    def view(self, name: str, sizes, strides, offset: int, bases: dict) -> torch.Tensor | None:
-        """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run."""
+    def view(self, name: str, sizes, strides, offset: int, bases: dict, hooked: bool = False) -> torch.Tensor | None:
+        """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run.
+        `hooked`: of the parameter itself even where a hook gives what is read instead (FP8 quantized in place)."""
         lt = self.local[name]
-        if name in self.hooks or lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
+        if (name in self.hooks and not hooked) or lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
             return None
         b = lt.param.detach()
         bases[name] = (lt.param, b.data_ptr())
@@ -173,6 +187,9 @@ class Copy:
     dup: bool = False
     tag: tuple = ()  # (op, index in its copies()): gate and up halves never merge with each other
     add: float = 0.0  # added after the copy (StridedCopy.add)
+    #: block-FP8 quantized into the output instead of copied: `src` the weight [m, n], the destination its fp8
+    #: entry; (element offset of its scale_inv in the float32 view of the output, the scale's shape)
+    scale: tuple | None = None
 
     @property
     def nbytes(self) -> int:
@@ -206,6 +223,8 @@ class Prepared:
     dynamic: list[tuple[torch.Tensor, Copy]] = field(default_factory=list)
     adds: list[tuple[torch.Tensor, float]] = field(default_factory=list)
     dups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    quant: FP8Into | None = None  # weights quantized into their fp8 and scale entries
+    graph: object = None  # the static launches captured as a CUDA graph (False: capture failed, run eagerly)
 
 
 @dataclass
@@ -281,6 +300,7 @@ class Core:
         self.arenas: list[Arena] = []
         self.timing = False
         self.replay = replay_default()
+        self.graphs = graphs_default()
         self.pool: OutputPool | None = None  # made by the executor's compile (`make_pool`)
 
     # -- compile helpers -----------------------------------------------------------------------------------------
@@ -377,7 +397,8 @@ class Core:
     def run_copies(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple, cache: dict,
                    memo: dict | None = None, key=None) -> None:
         """Copies into the output buffer `flat`: batched launches (then the constants added, then duplicates). On a
-        pooled buffer, the copies' views are made once per buffer (`memo[key, slot]`) and replayed."""
+        pooled buffer, the copies' views are made once per buffer (`memo[key, slot]`) and replayed: on CUDA, the
+        launches that read no source at run time are captured as a CUDA graph after their first run."""
         if not copies:
             return
         slot = self.pool.slot(flat) if self.pool is not None and memo is not None else None
@@ -387,10 +408,6 @@ class Core:
             prep = memo.get((key, slot))
             if prep is None:
                 prep = memo[key, slot] = self.prepare(copies, self.pool.aliases[slot], dtypes)
-        for dsts, srcs in prep.lists:
-            torch._foreach_copy_(dsts, srcs)
-        for out, srcs in prep.cats:
-            torch.cat(srcs, out=out)
         if prep.dynamic:
             dsts, srcs = [], []
             for dst, c in prep.dynamic:
@@ -398,24 +415,66 @@ class Core:
                 dsts.append(dst)
                 srcs.append(t.as_strided(c.sizes, c.src_strides, t.storage_offset() + c.src_offset))
             torch._foreach_copy_(dsts, srcs)
+        if prep.graph:
+            prep.graph.replay()
+            return
+        self.launch_static(prep)
+        if slot is not None and prep.graph is None and self.graphs and flat.is_cuda and not self.timing:
+            prep.graph = self.capture(prep)
+
+    @staticmethod
+    def launch_static(prep: Prepared) -> None:
+        """Everything of a prepared list but the sources read at run time (those ran first)."""
+        for dsts, srcs in prep.lists:
+            torch._foreach_copy_(dsts, srcs)
+        for out, srcs in prep.cats:
+            torch.cat(srcs, out=out)
+        if prep.quant is not None:
+            prep.quant.run()
         for dst, add in prep.adds:
             dst.add_(add)
         for dst, src in prep.dups:  # read outputs written above
             dst.copy_(src)
 
-    @staticmethod
-    def prepare(copies: list[Copy], flat: torch.Tensor, dtypes: tuple) -> Prepared:
+    def capture(self, prep: Prepared):
+        """`launch_static(prep)` as a CUDA graph (captured, not run: its first run was eager), or False where
+        capture fails (then it runs eagerly every time)."""
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.launch_static(prep)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:
+            import logging
+
+            logging.getLogger("mcore2hf").warning("CUDA graph capture of a bucket's copies failed, launching them "
+                                                  "eagerly: %s", e)
+            return False
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return graph
+
+    def prepare(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple) -> Prepared:
         """The copies' destination views in `flat`, grouped into launches: per dtype, the pairs both contiguous (a
         CUDA `_foreach_copy_` takes its fast multi-tensor path only when every pair of its list allows it), then
-        the strided ones; sources read at each run apart."""
+        the strided ones; sources read at each run apart; weights quantized into their entries."""
         n = flat.numel()
         typed = {dt: flat[:n - n % dt.itemsize].view(dt) for dt in dtypes}
         prep = Prepared()
         fast: dict[torch.dtype, tuple[list, list]] = {}
         slow: tuple[list, list] = ([], [])
+        quant = []
         for c in copies:
             view = typed[c.dtype]
             dst = view.as_strided(c.sizes, c.dst_strides, c.dst_offset)
+            if c.scale is not None:
+                soff, sshape = c.scale
+                quant.append((c.src, dst, typed[torch.float32].as_strided(sshape, row_strides(sshape), soff)))
+                continue
             if c.src is None:
                 if c.dup:
                     prep.dups.append((dst, view.as_strided(c.sizes, c.src_strides, c.src_offset)))
@@ -431,6 +490,8 @@ class Core:
             for dt in list(fast):
                 fast[dt] = Core._cat_runs(*fast[dt], typed[dt], prep.cats)
         prep.lists = [lists for lists in (*fast.values(), slow) if lists[0]]
+        if quant:
+            prep.quant = FP8Into(quant, self.scheme.ue8m0)
         return prep
 
     @staticmethod

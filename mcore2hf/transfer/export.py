@@ -37,7 +37,7 @@ from ..layouts import Stacked
 from ..naming import LocalTensor
 from ..parallel import ParallelContext
 from ..plan import BucketPlan, ExportPlan, Source, align
-from ..quantize import quantize_flat
+from ..quantize import FP8RowSlices, quantize_flat
 from .builders import bucket_program, memory_estimate, stage_bytes
 from .executor import CBucket, Copy, Core, CRound, CStage, Pack, copy_bytes
 from .program import LOCAL, OUT, Loc, Program
@@ -93,8 +93,8 @@ class Executor:
         stage_offs, _ = stage_bytes(prog)
         cb = CBucket(k, prog.receive, a, b.nbytes, program=prog)
         cb.dtypes = tuple(sorted({e.dtype for e in b.entries} | {s.dtype for s in b.sources}, key=str))
-        cb.prequant = core.prequant_groups(b.sources, self.local)
         bases = cb.bases
+        inplace: set[str] = set()  # sources quantized straight into the output (no blob)
         region_base: dict = {}
         if prog.p2p is not None:
             r = prog.p2p
@@ -117,7 +117,7 @@ class Executor:
             cb.striped.append(st.striped)
             if st.direct:
                 cat = self._whole_slot(prog, j, bases)
-                pre = [] if cat else self._compile_copies(prog, a, region_base, bases, direct=j)
+                pre = [] if cat else self._compile_copies(prog, a, region_base, bases, direct=j, inplace=inplace)
                 cb.stages.append(CStage(st.axis.group, None, None, direct=(pre, st.axis.size, st.axis.rank, st.slot),
                                         cat=cat))
                 continue
@@ -138,7 +138,8 @@ class Executor:
                         core.pack_into(pack, dst, src, bases)
             cb.stages.append(CStage(st.axis.group, recv, mine, pack))
         if prog.receive:
-            cb.copies = self._compile_copies(prog, a, region_base, bases)
+            cb.copies = self._compile_copies(prog, a, region_base, bases, inplace=inplace)
+        cb.prequant = core.prequant_groups([s for s in b.sources if s.name not in inplace], self.local)
         cb.moved = _moved(prog, cb)
         return cb
 
@@ -165,9 +166,11 @@ class Executor:
         return srcs[0].dtype, lo // isz, hi // isz, views
 
     def _compile_copies(self, prog: Program, a: int, region_base: dict, bases: dict,
-                        direct: int | None = None) -> list[Copy]:
+                        direct: int | None = None, inplace: set | None = None) -> list[Copy]:
         """The copies into the output buffer after the collectives, or with `direct` = j those of the sources
-        this rank converts into its slot of direct stage j, before it (from where they were then)."""
+        this rank converts into its slot of direct stage j, before it (from where they were then). A local
+        weight quantized on its shard whose outputs are whole row ranges of it is quantized straight into its
+        entries instead (its name added to `inplace`): no blob, the fp8 bytes written once."""
         entries = {e.name: e for e in prog.bucket.entries}
         raw: list[Copy] = []
         if direct is not None:
@@ -185,6 +188,8 @@ class Executor:
             specs = s.resolved.op.copies(s.shard_shape, s.count)
             if loc.region == OUT:  # a direct stage delivered its outputs
                 pass
+            elif loc.region == LOCAL and inplace is not None and self._quantize_in_place(s, outs, bases, raw):
+                inplace.add(s.name)
             elif loc.region == LOCAL:
                 for c in specs:
                     strides, off = c.resolve(0)
@@ -202,6 +207,27 @@ class Executor:
                 raw.append(Copy(s.dtype, (first.nbytes // isz,), (1,), e.start // isz, src_strides=(1,),
                                 src_offset=first.start // isz, dup=True))
         return self.core.finish_copies(raw, bases)
+
+    def _quantize_in_place(self, s: Source, outs: list, bases: dict, raw: list[Copy]) -> bool:
+        """A held weight quantized before the collectives (FP8RowSlices) whose every output is one run of whole
+        rows [a, b) of it: one quantizing Copy per output, from a view of the parameter into the weight entry and
+        its scale_inv entry (bit-identical: the rows start on block boundaries, as FP8RowSlices guarantees)."""
+        op = s.resolved.op
+        if not (s.prequant and isinstance(op, FP8RowSlices) and s.count == 1 and op.axis == 0):
+            return False
+        if any(len(pieces) != 1 or pieces[0][0] != 0 or pieces[0][3] != 0 or pieces[0][2] - pieces[0][1] != n
+               for pieces, n in zip(op.outputs, op.out_sizes)):
+            return False
+        found = []
+        for k, ((_, lo, hi, _),) in enumerate(op.outputs):
+            view = self.core.sources.view(s.name, (hi - lo, op.cols), (op.cols, 1), lo * op.cols, bases, hooked=True)
+            if view is None:
+                return False
+            w, sc = outs[2 * k], outs[2 * k + 1]
+            found.append(Copy(w.dtype, (hi - lo, op.cols), (op.cols, 1), w.start // w.dtype.itemsize, src=view,
+                              scale=(sc.start // sc.dtype.itemsize, tuple(sc.shape))))
+        raw.extend(found)
+        return True
 
     @staticmethod
     def _placed(s: Source, c, outs, offs, base, a: int) -> list[Copy]:
