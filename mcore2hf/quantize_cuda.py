@@ -14,6 +14,8 @@ and the oracle (bench/export_speed.py checks every quantized tensor of a model a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -58,13 +60,17 @@ def _block_fp8_kernel(x_ptr, q_ptr, s_ptr, M, N, nb_m, nb_n,
 
 @triton.jit
 def _block_fp8_table_kernel(x_ptr, q_ptr, s_ptr, x_offs, q_offs, s_offs, M, N, nb_m, nb_n,
-                            sx_m, sx_n, sq_m, sq_n, ss_m, ss_n, UE8M0: tl.constexpr, BLOCK: tl.constexpr):
+                            sx_m, sx_n, sq_m, sq_n, ss_m, ss_n, UE8M0: tl.constexpr, BLOCK: tl.constexpr,
+                            X_AL: tl.constexpr, Q_AL: tl.constexpr):
     """Matrix k at element offsets x_offs[k], q_offs[k], s_offs[k] from the first one's pointers (any addresses:
-    parameters allocated apart, outputs anywhere in a bucket)."""
+    parameters allocated apart, outputs anywhere in a bucket). X_AL / Q_AL: elements every offset is a multiple
+    of (up to 16 bytes), so the loads and stores stay vectorized."""
     pid = tl.program_id(0)
     k = pid // (nb_m * nb_n)
     rest = pid % (nb_m * nb_n)
-    _quantize_block(x_ptr + tl.load(x_offs + k), q_ptr + tl.load(q_offs + k), s_ptr + tl.load(s_offs + k),
+    xo = tl.multiple_of(tl.load(x_offs + k), X_AL)
+    qo = tl.multiple_of(tl.load(q_offs + k), Q_AL)
+    _quantize_block(x_ptr + xo, q_ptr + qo, s_ptr + tl.load(s_offs + k),
                     rest // nb_n, rest % nb_n, M, N, sx_m, sx_n, sq_m, sq_n, ss_m, ss_n, UE8M0, BLOCK)
 
 
@@ -104,8 +110,17 @@ class Table:
             isz, base = ts[0].element_size(), ts[0].data_ptr()
             return torch.tensor([(t.data_ptr() - base) // isz for t in ts], dtype=torch.int64).to(x0.device)
 
+        def align(ts: list[torch.Tensor]) -> int:
+            """Elements every offset from the first is a multiple of, at most 16 bytes' worth."""
+            isz, base = ts[0].element_size(), ts[0].data_ptr()
+            g = 16
+            for t in ts:
+                g = math.gcd(g, t.data_ptr() - base)
+            return max(1, g // isz)
+
         self.first = (x0, q0, s0)
         self.offs = [offs([it[j] for it in items]) for j in range(3)]
+        self.align = (align([it[0] for it in items]), align([it[1] for it in items]))
         self.m, self.n, self.k = m, n, len(items)
         self.nb_m, self.nb_n = triton.cdiv(m, BLOCK), triton.cdiv(n, BLOCK)
 
@@ -113,7 +128,7 @@ class Table:
         x0, q0, s0 = self.first
         _block_fp8_table_kernel[(self.k * self.nb_m * self.nb_n,)](
             x0, q0, s0, *self.offs, self.m, self.n, self.nb_m, self.nb_n, *x0.stride(), *q0.stride(), *s0.stride(),
-            UE8M0=ue8m0, BLOCK=BLOCK, num_warps=8)
+            UE8M0=ue8m0, BLOCK=BLOCK, X_AL=self.align[0], Q_AL=self.align[1], num_warps=8)
 
 
 def block_cast_to_fp8(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
