@@ -64,7 +64,8 @@ class OutputPool:
     buffer; a plain `for` loop (its variable holds the previous bucket while the next is built) on two. The
     buffers are kept between exports, as the staging arena is (`HFExporter.release()` frees both). Precomputed
     views are made on an alias of each buffer's memory (`aliases`), which holds no reference to its storage, so
-    the use count sees only what the consumer holds."""
+    the use count sees only what the consumer holds. Where a bucket's collective lands in its output, that output
+    is taken when the bucket starts, while the previous one is still alive: `limit` 3 keeps a `for` loop pooled."""
 
     def __init__(self, nbytes: int, device: torch.device, limit: int = 2):
         self.nbytes, self.device, self.limit = max(nbytes, 64), device, limit
@@ -307,10 +308,10 @@ class Core:
     def make_arenas(self, sizes: list[int]) -> None:
         self.arenas = [Arena(n, self.device) for n in sizes]
 
-    def make_pool(self, nbytes: int) -> None:
-        """Output buffers of `nbytes` (the largest bucket this rank builds), reused (`OutputPool`); none when
-        replay is off or nothing is built here."""
-        self.pool = OutputPool(nbytes, self.device) if self.replay and nbytes > 0 else None
+    def make_pool(self, nbytes: int, limit: int = 2) -> None:
+        """At most `limit` output buffers of `nbytes` (the largest bucket this rank builds), reused (`OutputPool`);
+        none when replay is off or nothing is built here."""
+        self.pool = OutputPool(nbytes, self.device, limit) if self.replay and nbytes > 0 else None
 
     def output(self, nbytes: int) -> torch.Tensor:
         """A bucket's output buffer: pooled where one is free (see OutputPool's lifetime rule), else new."""
@@ -402,8 +403,8 @@ class Core:
         if not copies:
             return
         slot = self.pool.slot(flat) if self.pool is not None and memo is not None else None
-        if slot is None:
-            prep = self.prepare(copies, flat, dtypes)
+        if slot is None:  # a buffer of its own (the consumer holds the pooled ones): views for this run only
+            prep = self.prepare(copies, flat, dtypes, once=True)
         else:
             prep = memo.get((key, slot))
             if prep is None:
@@ -458,7 +459,7 @@ class Core:
         torch.cuda.current_stream(self.device).wait_stream(side)
         return graph
 
-    def prepare(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple) -> Prepared:
+    def prepare(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple, once: bool = False) -> Prepared:
         """The copies' destination views in `flat`, grouped into launches: per dtype, the pairs both contiguous (a
         CUDA `_foreach_copy_` takes its fast multi-tensor path only when every pair of its list allows it), then
         the strided ones; sources read at each run apart; weights quantized into their entries."""
@@ -486,7 +487,7 @@ class Core:
                 lists[1].append(c.src)
             if c.add:
                 prep.adds.append((dst, c.add))
-        if flat.device.type == "cpu":  # `_foreach_copy_` is a loop of copy_ there: back-to-back outputs, one cat
+        if flat.device.type == "cpu" and not once:  # `_foreach_copy_` loops over copy_ there: runs of outputs, cat
             for dt in list(fast):
                 fast[dt] = Core._cat_runs(*fast[dt], typed[dt], prep.cats)
         prep.lists = [lists for lists in (*fast.values(), slow) if lists[0]]

@@ -37,7 +37,7 @@ from ..layouts import Stacked
 from ..naming import LocalTensor
 from ..parallel import ParallelContext
 from ..plan import BucketPlan, ExportPlan, Source, align
-from ..quantize import FP8RowSlices, quantize_flat
+from ..quantize import BLOCK, FP8RowSlices, quantize_flat
 from .builders import bucket_program, memory_estimate, stage_bytes
 from .executor import CBucket, Copy, Core, CRound, CStage, Pack, copy_bytes
 from .program import LOCAL, OUT, Loc, Program
@@ -75,7 +75,8 @@ class Executor:
         self.core.make_arenas([max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                                for a in range(self.arenas_n)])
         self._compiled = [self._compile_bucket(k, p) for k, p in enumerate(self.programs)]
-        self.core.make_pool(max([p.bucket.nbytes for p in self.programs if p.receive] or [0]))
+        direct = any(p.bucket.direct is not None for p in self.programs if p.receive)
+        self.core.make_pool(max([p.bucket.nbytes for p in self.programs if p.receive] or [0]), 3 if direct else 2)
 
     def _view(self, a: int, byte_offset: int, s: Source) -> torch.Tensor:
         return self.core.arenas[a].view(byte_offset, s.dtype, s.shard_shape)
@@ -209,23 +210,25 @@ class Executor:
         return self.core.finish_copies(raw, bases)
 
     def _quantize_in_place(self, s: Source, outs: list, bases: dict, raw: list[Copy]) -> bool:
-        """A held weight quantized before the collectives (FP8RowSlices) whose every output is one run of whole
-        rows [a, b) of it: one quantizing Copy per output, from a view of the parameter into the weight entry and
-        its scale_inv entry (bit-identical: the rows start on block boundaries, as FP8RowSlices guarantees)."""
+        """A weight held whole and quantized before the collectives (FP8RowSlices over one shard, whole rows):
+        each piece, rows [a, b) of it placed at row d of an output, quantized from a view of the parameter straight
+        into those rows of the weight entry and their rows of its scale_inv entry. Bit-identical to quantizing the
+        output: pieces start on block boundaries and end on one or at the last row of both (FP8RowSlices)."""
         op = s.resolved.op
         if not (s.prequant and isinstance(op, FP8RowSlices) and s.count == 1 and op.axis == 0):
             return False
-        if any(len(pieces) != 1 or pieces[0][0] != 0 or pieces[0][3] != 0 or pieces[0][2] - pieces[0][1] != n
-               for pieces, n in zip(op.outputs, op.out_sizes)):
-            return False
+        cols = op.cols
+        scale_cols = -(-cols // BLOCK)
         found = []
-        for k, ((_, lo, hi, _),) in enumerate(op.outputs):
-            view = self.core.sources.view(s.name, (hi - lo, op.cols), (op.cols, 1), lo * op.cols, bases, hooked=True)
-            if view is None:
-                return False
+        for k, pieces in enumerate(op.outputs):
             w, sc = outs[2 * k], outs[2 * k + 1]
-            found.append(Copy(w.dtype, (hi - lo, op.cols), (op.cols, 1), w.start // w.dtype.itemsize, src=view,
-                              scale=(sc.start // sc.dtype.itemsize, tuple(sc.shape))))
+            for _, lo, hi, d in pieces:
+                view = self.core.sources.view(s.name, (hi - lo, cols), (cols, 1), lo * cols, bases, hooked=True)
+                if view is None:
+                    return False
+                found.append(Copy(w.dtype, (hi - lo, cols), (cols, 1), w.start // w.dtype.itemsize + d * cols,
+                                  src=view, scale=(sc.start // sc.dtype.itemsize + d // BLOCK * scale_cols,
+                                                   (-(-(hi - lo) // BLOCK), scale_cols))))
         raw.extend(found)
         return True
 
