@@ -454,6 +454,19 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
         del b
     pooled = {x.data_ptr() for x in pool.buffers}
     assert ptrs & pooled and len(pool.buffers) == pool.limit, (len(ptrs), len(ptrs & pooled), len(pool.buffers))
+    # training swapped every parameter's storage (the old one zeroed): the pooled buffers' prepared copies and the
+    # FP8 weights quantized straight from the parameters follow (recompiled), bf16 and FP8 alike
+    fp8_before = {n: t.clone() for b in ex.buckets(bucket_bytes=8192, quantize="fp8") for n, t in b}
+    with torch.no_grad():
+        for chunk in chunks:
+            for p in chunk.parameters():
+                old = p.data
+                p.data = old.clone()
+                old.zero_()
+    assert_same({n: t.clone() for b in executor.run() for n, t in b}, ref, f"{layout} after a storage swap")
+    fp8_after = {n: t.clone() for b in ex.buckets(bucket_bytes=8192, quantize="fp8") for n, t in b}
+    assert fp8_before.keys() == fp8_after.keys() and all(
+        torch.equal(fp8_before[n].view(torch.uint8), fp8_after[n].view(torch.uint8)) for n in fp8_before)
 
     # interleaving stages and EP ranks keeps the padded PP collective close to the real bytes
     plan = ex.plan(256 * 1024)  # ~20 tensors per bucket (an expert's fc1 is 16 KiB here)
