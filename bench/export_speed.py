@@ -454,6 +454,118 @@ def engine_rows(ex, bb, a, device, rows: dict) -> dict:
     return info
 
 
+def schemes(a) -> list[str]:
+    return [q for q in (a.quantize or "").split(",") if q]
+
+
+def issue_time(fn, device) -> float:
+    """Seconds the host takes to issue fn() (the device finishes later)."""
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t
+    sync(device)
+    return dt
+
+
+def old_executor(ex, bb, device, quantize=None):
+    """An executor of the same plan on the earlier path (MCORE2HF_REPLAY=0: a new output per bucket, views made
+    at each run, no graphs)."""
+    from mcore2hf.transfer.export import Executor
+
+    e = Executor(ex.plan(bb, quantize=quantize), ex.ctx, ex._local, None, device)
+    e.core.replay = False
+    return e
+
+
+def old_path_row(ex, bb, device, repeat: int, quantize=None) -> tuple:
+    old = old_executor(ex, bb, device, quantize)
+    consume(old.run())
+    runs = [timed(lambda: consume(old.run()), device) for _ in range(repeat)]
+    issue = issue_time(lambda: consume(old.run()), device)
+    return min(t for t, _ in runs), max(p for _, p in runs), issue
+
+
+def same_buckets(new, old) -> str:
+    """Every bucket of two exports of one plan equal byte for byte (compared on the device, bucket by bucket)."""
+    import torch
+
+    n = same = 0
+    for b1, b2 in zip(new, old, strict=True):
+        n += 1
+        same += (b1.flat is None and b2.flat is None) or torch.equal(b1.flat, b2.flat)
+        del b1, b2
+    return f"{same}/{n} buckets byte-identical to the earlier path" + ("" if same == n else " DIFFER")
+
+
+def kept_bytes(executor) -> int:
+    """Bytes an executor keeps between exports: staging arena(s) and pooled output buffers."""
+    pool = executor.core.pool
+    return sum(x.flat.numel() for x in executor.core.arenas) + (sum(b.numel() for b in pool.buffers) if pool else 0)
+
+
+def copy_floor(ex, device) -> tuple[float, float]:
+    """(seconds to copy the export's HF bytes once on the device, copy rate in bytes/s), timed in this run: a
+    device-to-device copy of 1 GiB chunks (each byte read once and written once)."""
+    import torch
+
+    total = ex.plan().total_bytes
+    chunk = min(total, 1 << 30)
+    src = torch.empty(chunk, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    rate = 10 * chunk / (time.perf_counter() - t)
+    del src, dst
+    return total / rate, rate
+
+
+def fp8_every_tensor(ex, bb, quantize) -> str:
+    """Every tensor of the FP8 export against the bf16 export of the same model: each quantized weight and scale
+    equal to the torch reference quantizer (quantize.py's, the CPU path's arithmetic, run on the device with
+    MCORE2HF_FP8_KERNEL=torch), every other tensor equal byte for byte."""
+    import torch
+
+    from mcore2hf.quantize import per_block_cast_to_fp8, scale_name
+
+    ue8m0 = quantize == "fp8-ue8m0"
+    n = bad = 0
+    prev = os.environ.get("MCORE2HF_FP8_KERNEL")
+    os.environ["MCORE2HF_FP8_KERNEL"] = "torch"
+    try:
+        for b16, b8 in zip(ex.buckets(bb), ex.buckets(bb, quantize=quantize), strict=True):
+            got = dict(b8)
+            for name, t in b16:
+                n += 1
+                if scale_name(name) in got:
+                    q, sf = per_block_cast_to_fp8(t, ue8m0)
+                    ok = torch.equal(q.view(torch.uint8), got[name].view(torch.uint8)) and \
+                        torch.equal(sf.view(torch.int32), got[scale_name(name)].view(torch.int32))
+                else:
+                    ok = torch.equal(t, got[name])
+                bad += not ok
+            del b16, b8, got
+    finally:
+        if prev is None:
+            os.environ.pop("MCORE2HF_FP8_KERNEL")
+        else:
+            os.environ["MCORE2HF_FP8_KERNEL"] = prev
+    return f"{n - bad}/{n} tensors equal to the torch reference" + (" DIFFER" if bad else "")
+
+
+def staged_rows(ex, staged, bb, device, a, rows) -> tuple[str, dict]:
+    consume(staged.run())
+    runs = [timed(lambda: consume(staged.run()), device) for _ in range(a.repeat)]
+    rows["mcore2hf (all ranks, staged)"] = (min(t for t, _ in runs), max(p for _, p in runs))
+    moved_staged = bytes_moved(staged, 1 + a.repeat)
+    return compare(ours(ex, bb), checksums((n, t) for b in staged.run() for n, t in b)), moved_staged
+
+
 def job(a):
 
     import torch
@@ -481,40 +593,50 @@ def job(a):
         later.append(timed(lambda: consume(ex.buckets(bb)), device))
     rows["mcore2hf (all ranks)"] = (min(t for t, _ in later), max(p for _, p in later))
     moved = bytes_moved(ex.executor(bb), 1 + a.repeat)
+    kept = kept_bytes(ex.executor(bb))
+    old_same = ""
+    if a.old_path:  # the earlier path (MCORE2HF_REPLAY=0) on the same plan and model, and its output bit for bit
+        rows["mcore2hf (all ranks, MCORE2HF_REPLAY=0)"] = old_path_row(ex, bb, device, a.repeat)
+        old_same = same_buckets(ex.buckets(bb), old_executor(ex, bb, device).run())
+    copy = copy_floor(ex, device) if not a.cpu else None
     # the same plan through staging (no collective landing in the output): what the direct layout saves
-    staged = staged_executor(ex, bb, device)
-    consume(staged.run())
-    runs = [timed(lambda: consume(staged.run()), device) for _ in range(a.repeat)]
-    rows["mcore2hf (all ranks, staged)"] = (min(t for t, _ in runs), max(p for _, p in runs))
-    moved_staged = bytes_moved(staged, 1 + a.repeat)
-    staged_same = compare(ours(ex, bb), checksums((n, t) for b in staged.run() for n, t in b))
-    staged = None  # free its arena before the other methods run
-    consume(ex.buckets(bb, receivers=0))
-    one = [timed(lambda: consume(ex.buckets(bb, receivers=0)), device) for _ in range(a.repeat)]
-    rows["mcore2hf (rank 0 only)"] = (min(t for t, _ in one), max(p for _, p in one))
-    consume(ex.buckets(bb, overlap=True))
-    two = [timed(lambda: consume(ex.buckets(bb, overlap=True)), device) for _ in range(a.repeat)]
-    rows["mcore2hf (all ranks, overlap)"] = (min(t for t, _ in two), max(p for _, p in two))
-    ex._executors.pop((bb, None, True, None, None))  # free its two arenas before the other methods run
+    staged = staged_executor(ex, bb, device) if not a.skip_receivers else None
+    if staged is None:
+        staged_same, moved_staged = "-", moved
+    else:
+        staged_same, moved_staged = staged_rows(ex, staged, bb, device, a, rows)
+    staged = None
+    if not a.skip_receivers:
+        consume(ex.buckets(bb, receivers=0))
+        one = [timed(lambda: consume(ex.buckets(bb, receivers=0)), device) for _ in range(a.repeat)]
+        rows["mcore2hf (rank 0 only)"] = (min(t for t, _ in one), max(p for _, p in one))
+        consume(ex.buckets(bb, overlap=True))
+        two = [timed(lambda: consume(ex.buckets(bb, overlap=True)), device) for _ in range(a.repeat)]
+        rows["mcore2hf (all ranks, overlap)"] = (min(t for t, _ in two), max(p for _, p in two))
+        ex._executors.pop((bb, None, True, None, None))  # free its two arenas before the other methods run
     all_wire = wire_bytes(ex, bb)
     engines = engine_rows(ex, bb, a, device, rows) if parse_placements(a) else {}
 
-    fp8 = None
-    if a.quantize:
-        q = a.quantize
+    fp8 = {}
+    for q in schemes(a):
         consume(ex.buckets(bb, quantize=q))  # quantized plan + compile
-        runs = [timed(lambda: consume(ex.buckets(bb, quantize=q)), device) for _ in range(a.repeat)]
+        runs = [timed(lambda q=q: consume(ex.buckets(bb, quantize=q)), device) for _ in range(a.repeat)]
         rows[f"mcore2hf {q} (all ranks)"] = (min(t for t, _ in runs), max(p for _, p in runs))
-        consume(ex.buckets(bb, receivers=0, quantize=q))
-        runs = [timed(lambda: consume(ex.buckets(bb, receivers=0, quantize=q)), device) for _ in range(a.repeat)]
-        rows[f"mcore2hf {q} (rank 0 only)"] = (min(t for t, _ in runs), max(p for _, p in runs))
+        q_issue = issue_time(lambda q=q: consume(ex.buckets(bb, quantize=q)), device)
+        if a.old_path:
+            rows[f"mcore2hf {q} (all ranks, MCORE2HF_REPLAY=0)"] = old_path_row(ex, bb, device, a.repeat, q)
+        if not a.skip_receivers:
+            consume(ex.buckets(bb, receivers=0, quantize=q))
+            runs = [timed(lambda q=q: consume(ex.buckets(bb, receivers=0, quantize=q)), device) for _ in range(a.repeat)]
+            rows[f"mcore2hf {q} (rank 0 only)"] = (min(t for t, _ in runs), max(p for _, p in runs))
+        qplan = ex.plan(bb, quantize=q)
+        fp8[q] = dict(out_bytes=qplan.total_bytes, quantized=len(qplan.quantized_names()),
+                      on_shards=len(qplan.prequantized_names()), wire_bf16=wire_bytes(ex, bb),
+                      wire=wire_bytes(ex, bb, q), need=fp8_floor_need(ex, bb, q), issue=q_issue,
+                      cuda_cpu=fp8_cuda_equals_cpu(ex, bb, q),  # collective: every rank runs it
+                      every=fp8_every_tensor(ex, bb, q))
         for key in [k for k in ex._executors if k[-1] is not None]:
             ex._executors.pop(key)
-        qplan = ex.plan(bb, quantize=q)
-        fp8 = dict(out_bytes=qplan.total_bytes, quantized=len(qplan.quantized_names()),
-                   on_shards=len(qplan.prequantized_names()), wire_bf16=wire_bytes(ex, bb),
-                   wire=wire_bytes(ex, bb, q), need=fp8_floor_need(ex, bb, q),
-                   cuda_cpu=fp8_cuda_equals_cpu(ex, bb, q))  # collective: every rank runs it
 
     # host issue time of a later export: the CPU is done issuing before the GPU is done
     sync(device)
@@ -562,7 +684,8 @@ def job(a):
                 build_s=build_s, issue=issue, busy=busy, cpu=cpu, total=total, leak=leak, floor_need=floor_need, rate=rate,
                 buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb, fp8=fp8, moved=moved,
                 moved_staged=moved_staged, staged_same=staged_same,
-                direct=sum(b.direct is not None for b in plan.buckets), all_wire=all_wire, engines=engines, p2p=p2p)
+                direct=sum(b.direct is not None for b in plan.buckets), all_wire=all_wire, engines=engines, p2p=p2p,
+                kept=kept, old_same=old_same, copy=copy)
 
 
 def main():
@@ -582,8 +705,13 @@ def main():
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU (small models): exercises the code path")
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
-                    help="also time block-FP8 exports (bytes, floor of the FP8 bytes, CUDA == CPU check)")
+    ap.add_argument("--quantize", default=None,
+                    help="also time block-FP8 exports, fp8 and/or fp8-ue8m0 (comma-separated): bytes, floor of the FP8 "
+                         "bytes, every tensor against the torch reference, sampled ones against the CPU")
+    ap.add_argument("--old-path", action="store_true",
+                    help="also time the earlier executor path (MCORE2HF_REPLAY=0) on the same plan, output compared")
+    ap.add_argument("--skip-receivers", action="store_true",
+                    help="leave out the rank-0-only, overlap and staged rows (shorter runs)")
     ap.add_argument("--engine-placements", default=None,
                     help="engine-shard export rows, e.g. sglang:tp2,sglang:tp2ep2,vllm:tp2:masked (colocated)")
     ap.add_argument("--engine", choices=["sglang", "vllm"], default=None, help="one engine placement (with --engine-tp)")
@@ -594,6 +722,9 @@ def main():
     ap.add_argument("--p2p-mb", type=float, default=None,
                     help="bytes per rank pair of the point-to-point rate measurement (default 1024, 8 on --cpu)")
     a = ap.parse_args()
+    bad = [q for q in schemes(a) if q not in ("fp8", "fp8-ue8m0")]
+    if bad:
+        raise SystemExit(f"--quantize: expected fp8 and/or fp8-ue8m0, found {bad}")
     if a.p2p_mb is None:
         a.p2p_mb = 8 if a.cpu else 1024
     parse_placements(a)  # a malformed placement fails before any process starts
@@ -659,6 +790,14 @@ def main():
               + f"; slices vs the all-ranks export: {same}/{n} bit-identical" + (" DIFFER" if same != n else ""))
     print(f"host: issuing a later export took {r0['issue'] * 1e3:.1f} ms of its {r0['total'] * 1e3:.1f} ms "
           f"({r0['issue'] / r0['total']:.0%}; process CPU time {r0['cpu'] * 1e3:.1f} ms)")
+    if r0.get("copy"):
+        copy_s, rate = r0["copy"]
+        print(f"copy floor: a device copy of the same {gb:.1f} GB (read + write) at {rate / 1e9:.0f} GB/s = {copy_s:.4f} s; "
+              + "; ".join(f"{name} {max(x['rows'][name][0] for x in res) / copy_s:.2f}x" for name in r0["rows"]))
+    old = r0["rows"].get("mcore2hf (all ranks, MCORE2HF_REPLAY=0)")
+    if old:
+        print(f"earlier path (MCORE2HF_REPLAY=0): host issue {old[2] * 1e3:.1f} ms; {r0['old_same']}")
+    print(f"kept between exports on rank 0 (staging arena + pooled output buffers): {r0['kept'] / 2**30:.2f} GiB")
     if r0["busy"][1]:
         b, span = r0["busy"]
         print(f"GPU (CUDA profiler, one later export): kernels and copies busy {b * 1e3:.1f} ms of a {span * 1e3:.1f} ms "
@@ -667,19 +806,26 @@ def main():
     if leak:
         print(f"memory allocated after each of {len(leak)} exports: first {leak[0] / 2**30:.3f} GiB, last "
               f"{leak[-1] / 2**30:.3f} GiB, growth {(leak[-1] - leak[0]) / 2**20:.1f} MiB")
-    if r0.get("fp8"):
-        q = a.quantize
+    for q, info in (r0.get("fp8") or {}).items():
         fp8_s = max(x["rows"][f"mcore2hf {q} (all ranks)"][0] for x in res)
-        fp8_floor = max(x["fp8"]["need"] / x["rate"] if x["rate"] else 0 for x in res)
-        wire = max(x["fp8"]["wire"] for x in res)
-        wire_bf16 = max(x["fp8"]["wire_bf16"] for x in res)
-        print(f"{q}: {r0['fp8']['quantized']} weights quantized ({r0['fp8']['on_shards']} on the shards before the "
-              f"collectives); output {r0['fp8']['out_bytes'] / 1e9:.3f} GB vs bf16 {gb:.3f} GB "
-              f"({r0['fp8']['out_bytes'] / r0['hf_bytes']:.2f}x); bytes received per rank over the collectives "
+        fp8_floor = max(x["fp8"][q]["need"] / x["rate"] if x["rate"] else 0 for x in res)
+        wire = max(x["fp8"][q]["wire"] for x in res)
+        wire_bf16 = max(x["fp8"][q]["wire_bf16"] for x in res)
+        print(f"{q}: {info['quantized']} weights quantized ({info['on_shards']} on the shards before the "
+              f"collectives); output {info['out_bytes'] / 1e9:.3f} GB vs bf16 {gb:.3f} GB "
+              f"({info['out_bytes'] / r0['hf_bytes']:.2f}x); bytes received per rank over the collectives "
               f"{wire / 1e9:.3f} GB vs bf16 {wire_bf16 / 1e9:.3f} GB ({wire / max(wire_bf16, 1):.2f}x); export "
-              f"{fp8_s:.3f} s vs bf16 {ref:.3f} s ({fp8_s / ref:.2f}x)"
+              f"{fp8_s:.3f} s vs bf16 {ref:.3f} s ({fp8_s / ref:.2f}x); host issue {info['issue'] * 1e3:.1f} ms"
               + (f"; floor of the FP8 bytes {fp8_floor:.3f} s, ratio {fp8_s / fp8_floor:.2f}x" if fp8_floor else ""))
-        print(f"{q} on {'CPU' if a.cpu else 'CUDA'} vs the CPU reference quantizer: {r0['fp8']['cuda_cpu']}")
+        if r0.get("copy"):
+            copy_s, rate = r0["copy"]
+            # read the bf16 bytes once, write the FP8 output once, at the copy rate (a copy reads and writes each byte)
+            floor8 = (r0["hf_bytes"] + info["out_bytes"]) / (2 * rate)
+            print(f"{q} vs its copy floor (read {gb:.1f} GB bf16 + write {info['out_bytes'] / 1e9:.1f} GB at the copy "
+                  f"rate) {floor8:.4f} s: {fp8_s / floor8:.2f}x; vs the bf16 export {fp8_s / ref:.2f}x")
+        print(f"{q} on {'CPU' if a.cpu else 'CUDA'} vs the CPU reference quantizer: {info['cuda_cpu']}")
+        if info.get("every"):
+            print(f"{q}, every tensor of the model: {info['every']}")
     for x in res:
         if x.get("mbridge_note"):
             print(f"mbridge on rank {x['rank']}: {x['mbridge_note']}")

@@ -138,6 +138,32 @@ def per_block_cast_to_fp8_batched(x: torch.Tensor, use_ue8m0: bool = False,
     return scaled.view_as(padded)[:, :m, :n].contiguous(), sf.view(k, view.size(1), view.size(3))
 
 
+class FP8Into:
+    """Weights quantized straight into their output views (an FP8 export writes its fp8 bytes once): `items` are
+    (weight [m, n], fp8 output view, float32 scale_inv view). On CUDA the fused kernel, one launch per group of
+    same-shaped weights (offset tables made here, once); elsewhere the reference quantizer, then copied."""
+
+    def __init__(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], use_ue8m0: bool):
+        self.items, self.ue8m0 = items, use_ue8m0
+        kernel = _cuda_kernel(items[0][0]) if items else None
+        self.tables = None
+        if kernel is not None:
+            groups: dict[tuple, list] = {}
+            for x, q, s in items:
+                groups.setdefault((tuple(x.shape), x.dtype, x.stride(), q.stride(), s.stride()), []).append((x, q, s))
+            self.tables = [kernel.Table(g) for g in groups.values()]
+
+    def run(self) -> None:
+        if self.tables is not None:
+            for t in self.tables:
+                t.run(self.ue8m0)
+            return
+        for x, q, s in self.items:
+            wq, sf = per_block_cast_to_fp8(x, self.ue8m0)
+            q.copy_(wq)
+            s.copy_(sf)
+
+
 BATCH_ELEMENTS = 1 << 25  # a batched quantization's input (its fp32 temporaries are ~8 bytes per element)
 
 

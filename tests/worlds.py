@@ -438,6 +438,41 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
         del bucket
     assert n > 3
 
+    # the output pool's lifetime rule (issue 24): a bucket that is kept stays valid and unchanged while later
+    # buckets and whole later exports run (each kept bucket has a buffer of its own); dropped buckets' buffers are
+    # reused, at most two kept between exports (three where a collective lands in the output)
+    executor = ex.executor(8192)
+    kept = [(b, {name: t.clone() for name, t in b}) for b in executor.run()]
+    assert len({b.flat.data_ptr() for b, _ in kept}) == len(kept), "a held bucket's buffer was handed out again"
+    for _ in range(2):
+        for b in executor.run():  # a plain for loop: holds the previous bucket while the next is built
+            assert b.flat is not None
+    for b, want in kept:
+        got = dict(b)
+        assert all(torch.equal(got[name], t) for name, t in want.items()), f"held bucket {b.index} was overwritten"
+    del kept, got
+    pool = executor.core.pool
+    assert pool is not None and len(pool.buffers) == pool.limit in (2, 3), pool and len(pool.buffers)
+    ptrs = set()
+    for b in executor.run():  # a bucket whose collective lands in its output starts while two are alive
+        ptrs.add(b.flat.data_ptr())
+        del b
+    pooled = {x.data_ptr() for x in pool.buffers}
+    assert ptrs & pooled and len(pool.buffers) == pool.limit, (len(ptrs), len(ptrs & pooled), len(pool.buffers))
+    # training swapped every parameter's storage (the old one zeroed): the pooled buffers' prepared copies and the
+    # FP8 weights quantized straight from the parameters follow (recompiled), bf16 and FP8 alike
+    fp8_before = {n: t.clone() for b in ex.buckets(bucket_bytes=8192, quantize="fp8") for n, t in b}
+    with torch.no_grad():
+        for chunk in chunks:
+            for p in chunk.parameters():
+                old = p.data
+                p.data = old.clone()
+                old.zero_()
+    assert_same({n: t.clone() for b in executor.run() for n, t in b}, ref, f"{layout} after a storage swap")
+    fp8_after = {n: t.clone() for b in ex.buckets(bucket_bytes=8192, quantize="fp8") for n, t in b}
+    assert fp8_before.keys() == fp8_after.keys() and all(
+        torch.equal(fp8_before[n].view(torch.uint8), fp8_after[n].view(torch.uint8)) for n in fp8_before)
+
     # interleaving stages and EP ranks keeps the padded PP collective close to the real bytes
     plan = ex.plan(256 * 1024)  # ~20 tensors per bucket (an expert's fc1 is 16 KiB here)
     pp = layout.pp

@@ -81,6 +81,7 @@ class EngineExecutor:
             return
         self.core.make_arenas([max([self._arena_bytes(p) for p in self.programs] or [0])])
         self._compiled = [self._compile(p) for p in self.programs]
+        self.core.make_pool(max([cb.nbytes for cb in self._compiled] or [0]))
 
     def _layout(self, prog: EngineProgram) -> tuple[list, dict]:
         """The output's entries and where each SliceEntry's pieces land in it (`slices_where` / `masked_where`)."""

@@ -18,6 +18,7 @@ bucket, so only its views are made per run), no per-tensor Python beyond that.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,9 +28,76 @@ import torch.distributed as dist
 
 from ..layouts import row_strides
 from ..naming import LocalTensor
-from ..quantize import FP8RowSlices, chunks, get_scheme, per_block_cast_to_fp8, per_block_cast_to_fp8_batched
+from ..quantize import (
+    FP8Into,
+    FP8RowSlices,
+    chunks,
+    get_scheme,
+    per_block_cast_to_fp8,
+    per_block_cast_to_fp8_batched,
+)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_data_ptr = torch.Tensor.data_ptr
+_use_count = torch._C._storage_Use_Count  # references to a storage (tensors, views, storage objects)
+
+
+def replay_default() -> bool:
+    """Whether executors replay precomputed work on pooled output buffers (`OutputPool`); MCORE2HF_REPLAY=0
+    selects the earlier path (a new output buffer per bucket, its views made at each run), for comparison."""
+    return os.environ.get("MCORE2HF_REPLAY", "1") != "0"
+
+
+def graphs_default() -> bool:
+    """Whether a copy list on a pooled CUDA buffer is captured once as a CUDA graph and replayed (MCORE2HF_GRAPHS=0:
+    launched eagerly each time)."""
+    return os.environ.get("MCORE2HF_GRAPHS", "1") != "0"
+
+
+class OutputPool:
+    """Output buffers reused by every bucket and export, so a bucket's copies run on views precomputed once.
+
+    Lifetime rule: a buffer is handed out again only when nothing but the pool references its memory (its
+    storage's use count): the Bucket, its `flat`, every tensor or view taken from it, dropped. A bucket you keep
+    stays valid and is never overwritten: the next bucket then takes the other buffer, or a new one that is not
+    kept (beyond `limit` buffers). A consumer that drops each bucket before asking for the next runs on one
+    buffer; a plain `for` loop (its variable holds the previous bucket while the next is built) on two. The
+    buffers are kept between exports, as the staging arena is (`HFExporter.release()` frees both). Precomputed
+    views are made on an alias of each buffer's memory (`aliases`), which holds no reference to its storage, so
+    the use count sees only what the consumer holds. Where a bucket's collective lands in its output, that output
+    is taken when the bucket starts, while the previous one is still alive: `limit` 3 keeps a `for` loop pooled."""
+
+    def __init__(self, nbytes: int, device: torch.device, limit: int = 2):
+        self.nbytes, self.device, self.limit = max(nbytes, 64), device, limit
+        self.buffers: list[torch.Tensor] = []
+        self.aliases: list[torch.Tensor] = []
+        self._free: list[int] = []  # each buffer's use count with no reference outside the pool
+        self._slot: dict[int, int] = {}  # data_ptr -> buffer index
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of `nbytes` bytes: a pooled one nobody holds, else a new one."""
+        if nbytes <= self.nbytes:
+            for i, b in enumerate(self.buffers):
+                if _use_count(b.untyped_storage()._cdata) <= self._free[i]:
+                    return b[:nbytes]
+            if len(self.buffers) < self.limit:
+                b = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                alias = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+                    torch._C._construct_storage_from_data_pointer(b.data_ptr(), b.device, self.nbytes))
+                self._slot[b.data_ptr()] = len(self.buffers)
+                self.buffers.append(b)
+                self.aliases.append(alias)
+                self._free.append(_use_count(b.untyped_storage()._cdata))
+                return b[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def slot(self, flat: torch.Tensor) -> int | None:
+        """The pooled buffer `flat` starts, or None (a buffer of its own)."""
+        return self._slot.get(flat.data_ptr())
+
+    @staticmethod
+    def nbytes_kept(pool: OutputPool | None) -> int:
+        return 0 if pool is None else sum(b.numel() for b in pool.buffers)
 
 
 class Arena:
@@ -69,10 +137,11 @@ class Sources:
         # buffers and computed tensors (a LoRA merge) are read through their getter each time
         return (lt.get() if lt.is_buffer or lt.param is None else lt.param).detach()
 
-    def view(self, name: str, sizes, strides, offset: int, bases: dict) -> torch.Tensor | None:
-        """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run."""
+    def view(self, name: str, sizes, strides, offset: int, bases: dict, hooked: bool = False) -> torch.Tensor | None:
+        """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run.
+        `hooked`: of the parameter itself even where a hook gives what is read instead (FP8 quantized in place)."""
         lt = self.local[name]
-        if name in self.hooks or lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
+        if (name in self.hooks and not hooked) or lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
             return None
         b = lt.param.detach()
         bases[name] = (lt.param, b.data_ptr())
@@ -89,9 +158,15 @@ class Sources:
         return t
 
     @staticmethod
-    def stale(bases: dict) -> bool:
-        """Whether a parameter's storage changed since the views were made (training swapped its .data)."""
-        return any(p.data_ptr() != ptr for p, ptr in bases.values())
+    def watch(bases: dict) -> tuple[tuple, list[int]]:
+        """`bases` as (parameters, their data pointers then) for `unchanged`."""
+        return tuple(p for p, _ in bases.values()), [ptr for _, ptr in bases.values()]
+
+    @staticmethod
+    def unchanged(watched: tuple[tuple, list[int]]) -> bool:
+        """`not stale(bases)` in one pass in C (a later export checks every parameter of every bucket)."""
+        params, ptrs = watched
+        return list(map(_data_ptr, params)) == ptrs
 
 
 @dataclass
@@ -113,6 +188,9 @@ class Copy:
     dup: bool = False
     tag: tuple = ()  # (op, index in its copies()): gate and up halves never merge with each other
     add: float = 0.0  # added after the copy (StridedCopy.add)
+    #: block-FP8 quantized into the output instead of copied: `src` the weight [m, n], the destination its fp8
+    #: entry; (element offset of its scale_inv in the float32 view of the output, the scale's shape)
+    scale: tuple | None = None
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +212,20 @@ class Pack:
     @property
     def nbytes(self) -> int:
         return sum(d.numel() * d.element_size() for d in self.dsts)
+
+
+@dataclass
+class Prepared:
+    """A copy list's launches on one output buffer: (destinations, sources) per `_foreach_copy_`, the copies
+    whose source is read at each run, constants to add, duplicates of outputs."""
+
+    lists: list[tuple[list, list]] = field(default_factory=list)
+    cats: list[tuple[torch.Tensor, list]] = field(default_factory=list)  # (output run, sources) per torch.cat
+    dynamic: list[tuple[torch.Tensor, Copy]] = field(default_factory=list)
+    adds: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    dups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    quant: FP8Into | None = None  # weights quantized into their fp8 and scale entries
+    graph: object = None  # the static launches captured as a CUDA graph (False: capture failed, run eagerly)
 
 
 @dataclass
@@ -182,9 +274,15 @@ class CBucket:
     moved: dict[str, int] = field(default_factory=dict)
     program: object = None
     rounds: list[CBucket] | None = None  # a bucket gathered in rounds: each round's collectives and copies
+    #: (copy list, pooled output buffer) -> its Prepared launches (`Core.run_copies`)
+    prepared: dict = field(default_factory=dict)
+
+    watched: tuple | None = None  # `bases` as Sources.watch gives it, made on the first check
 
     def stale(self) -> bool:
-        return Sources.stale(self.bases) or any(r.stale() for r in self.rounds or ())
+        if self.watched is None:
+            self.watched = Sources.watch(self.bases)
+        return not Sources.unchanged(self.watched) or any(r.stale() for r in self.rounds or ())
 
 
 class Core:
@@ -202,10 +300,24 @@ class Core:
         self._blobs: dict[str, torch.Tensor] = {}  # this export's shards quantized before the collectives
         self.arenas: list[Arena] = []
         self.timing = False
+        self.replay = replay_default()
+        self.graphs = graphs_default()
+        self.pool: OutputPool | None = None  # made by the executor's compile (`make_pool`)
 
     # -- compile helpers -----------------------------------------------------------------------------------------
     def make_arenas(self, sizes: list[int]) -> None:
         self.arenas = [Arena(n, self.device) for n in sizes]
+
+    def make_pool(self, nbytes: int, limit: int = 2) -> None:
+        """At most `limit` output buffers of `nbytes` (the largest bucket this rank builds), reused (`OutputPool`);
+        none when replay is off or nothing is built here."""
+        self.pool = OutputPool(nbytes, self.device, limit) if self.replay and nbytes > 0 else None
+
+    def output(self, nbytes: int) -> torch.Tensor:
+        """A bucket's output buffer: pooled where one is free (see OutputPool's lifetime rule), else new."""
+        if self.pool is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.pool.take(nbytes)
 
     def pack_into(self, pack: Pack, dst: torch.Tensor, src, bases: dict) -> None:
         """Add one pack: `src` an arena view, or (name, sizes, strides, offset) of a local tensor."""
@@ -283,33 +395,130 @@ class Core:
                 srcs[i] = t.as_strided(sizes, strides, t.storage_offset() + off)
         torch._foreach_copy_(pack.dsts, srcs)
 
-    def run_copies(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple, cache: dict) -> None:
-        """Copies into the output buffer `flat`: one batched launch (then the constants added, then duplicates)."""
+    def run_copies(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple, cache: dict,
+                   memo: dict | None = None, key=None) -> None:
+        """Copies into the output buffer `flat`: batched launches (then the constants added, then duplicates). On a
+        pooled buffer, the copies' views are made once per buffer (`memo[key, slot]`) and replayed: on CUDA, the
+        launches that read no source at run time are captured as a CUDA graph after their first run."""
         if not copies:
             return
+        slot = self.pool.slot(flat) if self.pool is not None and memo is not None else None
+        if slot is None:  # a buffer of its own (the consumer holds the pooled ones): views for this run only
+            prep = self.prepare(copies, flat, dtypes, once=True)
+        else:
+            prep = memo.get((key, slot))
+            if prep is None:
+                prep = memo[key, slot] = self.prepare(copies, self.pool.aliases[slot], dtypes)
+        if prep.dynamic:
+            dsts, srcs = [], []
+            for dst, c in prep.dynamic:
+                t = self.sources.resolve(c.name, cache)
+                dsts.append(dst)
+                srcs.append(t.as_strided(c.sizes, c.src_strides, t.storage_offset() + c.src_offset))
+            torch._foreach_copy_(dsts, srcs)
+        if prep.graph:
+            prep.graph.replay()
+            return
+        self.launch_static(prep)
+        if slot is not None and prep.graph is None and self.graphs and flat.is_cuda and not self.timing:
+            prep.graph = self.capture(prep)
+
+    @staticmethod
+    def launch_static(prep: Prepared) -> None:
+        """Everything of a prepared list but the sources read at run time (those ran first)."""
+        for dsts, srcs in prep.lists:
+            torch._foreach_copy_(dsts, srcs)
+        for out, srcs in prep.cats:
+            torch.cat(srcs, out=out)
+        if prep.quant is not None:
+            prep.quant.run()
+        for dst, add in prep.adds:
+            dst.add_(add)
+        for dst, src in prep.dups:  # read outputs written above
+            dst.copy_(src)
+
+    def capture(self, prep: Prepared):
+        """`launch_static(prep)` as a CUDA graph (captured, not run: its first run was eager), or False where
+        capture fails (then it runs eagerly every time)."""
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.launch_static(prep)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:
+            import logging
+
+            logging.getLogger("mcore2hf").warning("CUDA graph capture of a bucket's copies failed, launching them "
+                                                  "eagerly: %s", e)
+            return False
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return graph
+
+    def prepare(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple, once: bool = False) -> Prepared:
+        """The copies' destination views in `flat`, grouped into launches: per dtype, the pairs both contiguous (a
+        CUDA `_foreach_copy_` takes its fast multi-tensor path only when every pair of its list allows it), then
+        the strided ones; sources read at each run apart; weights quantized into their entries."""
         n = flat.numel()
         typed = {dt: flat[:n - n % dt.itemsize].view(dt) for dt in dtypes}
-        dsts, srcs, adds, dups = [], [], [], []
+        prep = Prepared()
+        fast: dict[torch.dtype, tuple[list, list]] = {}
+        slow: tuple[list, list] = ([], [])
+        quant = []
         for c in copies:
             view = typed[c.dtype]
             dst = view.as_strided(c.sizes, c.dst_strides, c.dst_offset)
-            src = c.src
-            if src is None:
+            if c.scale is not None:
+                soff, sshape = c.scale
+                quant.append((c.src, dst, typed[torch.float32].as_strided(sshape, row_strides(sshape), soff)))
+                continue
+            if c.src is None:
                 if c.dup:
-                    dups.append((dst, view.as_strided(c.sizes, c.src_strides, c.src_offset)))
+                    prep.dups.append((dst, view.as_strided(c.sizes, c.src_strides, c.src_offset)))
                     continue
-                t = self.sources.resolve(c.name, cache)
-                src = t.as_strided(c.sizes, c.src_strides, t.storage_offset() + c.src_offset)
-            dsts.append(dst)
-            srcs.append(src)
+                prep.dynamic.append((dst, c))
+            else:
+                lists = fast.setdefault(c.dtype, ([], [])) if dst.is_contiguous() and c.src.is_contiguous() else slow
+                lists[0].append(dst)
+                lists[1].append(c.src)
             if c.add:
-                adds.append((dst, c.add))
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        for dst, add in adds:
-            dst.add_(add)
-        for dst, src in dups:  # read outputs written above
-            dst.copy_(src)
+                prep.adds.append((dst, c.add))
+        if flat.device.type == "cpu" and not once:  # `_foreach_copy_` loops over copy_ there: runs of outputs, cat
+            for dt in list(fast):
+                fast[dt] = Core._cat_runs(*fast[dt], typed[dt], prep.cats)
+        prep.lists = [lists for lists in (*fast.values(), slow) if lists[0]]
+        if quant:
+            prep.quant = FP8Into(quant, self.scheme.ue8m0)
+        return prep
+
+    @staticmethod
+    def _cat_runs(dsts: list, srcs: list, view: torch.Tensor, cats: list) -> tuple[list, list]:
+        """Contiguous copies whose destinations follow each other in `view` as one `torch.cat` per run (into
+        `cats`); the rest returned."""
+        base = view.data_ptr()
+        isz = view.element_size()
+        order = sorted(range(len(dsts)), key=lambda i: dsts[i].data_ptr())
+        rest: tuple[list, list] = ([], [])
+        i = 0
+        while i < len(order):
+            j = i + 1
+            end = dsts[order[i]].data_ptr() + dsts[order[i]].numel() * isz
+            while j < len(order) and dsts[order[j]].data_ptr() == end:
+                end += dsts[order[j]].numel() * isz
+                j += 1
+            if j - i > 1:
+                lo = (dsts[order[i]].data_ptr() - base) // isz
+                cats.append((view[lo:lo + (end - dsts[order[i]].data_ptr()) // isz],
+                             [srcs[k].reshape(-1) for k in order[i:j]]))
+            else:
+                rest[0].append(dsts[order[i]])
+                rest[1].append(srcs[order[i]])
+            i = j
+        return rest
 
     def exchange(self, rnd: CRound, tag: int) -> list:
         """Post every send and receive of a round at once; returns the works to wait on."""
@@ -334,7 +543,7 @@ class Core:
                 typed = flat[:flat.numel() - flat.numel() % dtype.itemsize].view(dtype)
                 torch.cat([p if isinstance(p, torch.Tensor) else self.sources.resolve(p, cache).reshape(-1)
                            for p in srcs], out=typed[lo:hi])
-            self.run_copies(copies, flat, cb.dtypes, cache)
+            self.run_copies(copies, flat, cb.dtypes, cache, cb.prepared, j)
             recv = flat[:members * slot]
             works.append(_all_gather(recv, recv[me * slot:(me + 1) * slot], group=st.group, async_op=True))
             return
@@ -369,7 +578,7 @@ class Core:
         cache: dict = {}
         flat = None
         if cb.receive and any(st.direct is not None for st in cb.stages):
-            flat = torch.empty(cb.nbytes, dtype=torch.uint8, device=self.device)
+            flat = self.output(cb.nbytes)
         if cb.prequant:
             self.quantize_held(cb)
         works: list = []
@@ -396,11 +605,11 @@ class Core:
         cb, works, j, started, cache = run
         flat = started if flat is None else flat
         if flat is None and cb.receive:
-            flat = torch.empty(cb.nbytes, dtype=torch.uint8, device=self.device)
+            flat = self.output(cb.nbytes)
             if fill is not None:
                 fill(flat)
         if cb.local:
-            self.run_copies(cb.local, flat, cb.dtypes, cache)
+            self.run_copies(cb.local, flat, cb.dtypes, cache, cb.prepared, "local")
         t0 = self.now()
         for w in works:
             w.wait()
@@ -412,7 +621,7 @@ class Core:
             j += 1
         t1 = self.now()
         if cb.receive:
-            self.run_copies(cb.copies, flat, cb.dtypes, cache)
+            self.run_copies(cb.copies, flat, cb.dtypes, cache, cb.prepared, "copies")
         if "gather_s" in stats:
             stats["gather_s"] += t1 - t0
             stats["convert_s"] += self.now() - t1

@@ -37,7 +37,7 @@ from ..layouts import Stacked
 from ..naming import LocalTensor
 from ..parallel import ParallelContext
 from ..plan import BucketPlan, ExportPlan, Source, align
-from ..quantize import quantize_flat
+from ..quantize import BLOCK, FP8RowSlices, quantize_flat
 from .builders import bucket_program, memory_estimate, stage_bytes
 from .executor import CBucket, Copy, Core, CRound, CStage, Pack, copy_bytes
 from .program import LOCAL, OUT, Loc, Program
@@ -75,6 +75,8 @@ class Executor:
         self.core.make_arenas([max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                                for a in range(self.arenas_n)])
         self._compiled = [self._compile_bucket(k, p) for k, p in enumerate(self.programs)]
+        direct = any(p.bucket.direct is not None for p in self.programs if p.receive)
+        self.core.make_pool(max([p.bucket.nbytes for p in self.programs if p.receive] or [0]), 3 if direct else 2)
 
     def _view(self, a: int, byte_offset: int, s: Source) -> torch.Tensor:
         return self.core.arenas[a].view(byte_offset, s.dtype, s.shard_shape)
@@ -92,8 +94,8 @@ class Executor:
         stage_offs, _ = stage_bytes(prog)
         cb = CBucket(k, prog.receive, a, b.nbytes, program=prog)
         cb.dtypes = tuple(sorted({e.dtype for e in b.entries} | {s.dtype for s in b.sources}, key=str))
-        cb.prequant = core.prequant_groups(b.sources, self.local)
         bases = cb.bases
+        inplace: set[str] = set()  # sources quantized straight into the output (no blob)
         region_base: dict = {}
         if prog.p2p is not None:
             r = prog.p2p
@@ -116,7 +118,7 @@ class Executor:
             cb.striped.append(st.striped)
             if st.direct:
                 cat = self._whole_slot(prog, j, bases)
-                pre = [] if cat else self._compile_copies(prog, a, region_base, bases, direct=j)
+                pre = [] if cat else self._compile_copies(prog, a, region_base, bases, direct=j, inplace=inplace)
                 cb.stages.append(CStage(st.axis.group, None, None, direct=(pre, st.axis.size, st.axis.rank, st.slot),
                                         cat=cat))
                 continue
@@ -137,7 +139,8 @@ class Executor:
                         core.pack_into(pack, dst, src, bases)
             cb.stages.append(CStage(st.axis.group, recv, mine, pack))
         if prog.receive:
-            cb.copies = self._compile_copies(prog, a, region_base, bases)
+            cb.copies = self._compile_copies(prog, a, region_base, bases, inplace=inplace)
+        cb.prequant = core.prequant_groups([s for s in b.sources if s.name not in inplace], self.local)
         cb.moved = _moved(prog, cb)
         return cb
 
@@ -164,9 +167,11 @@ class Executor:
         return srcs[0].dtype, lo // isz, hi // isz, views
 
     def _compile_copies(self, prog: Program, a: int, region_base: dict, bases: dict,
-                        direct: int | None = None) -> list[Copy]:
+                        direct: int | None = None, inplace: set | None = None) -> list[Copy]:
         """The copies into the output buffer after the collectives, or with `direct` = j those of the sources
-        this rank converts into its slot of direct stage j, before it (from where they were then)."""
+        this rank converts into its slot of direct stage j, before it (from where they were then). A local
+        weight quantized on its shard whose outputs are whole row ranges of it is quantized straight into its
+        entries instead (its name added to `inplace`): no blob, the fp8 bytes written once."""
         entries = {e.name: e for e in prog.bucket.entries}
         raw: list[Copy] = []
         if direct is not None:
@@ -184,6 +189,8 @@ class Executor:
             specs = s.resolved.op.copies(s.shard_shape, s.count)
             if loc.region == OUT:  # a direct stage delivered its outputs
                 pass
+            elif loc.region == LOCAL and inplace is not None and self._quantize_in_place(s, outs, bases, raw):
+                inplace.add(s.name)
             elif loc.region == LOCAL:
                 for c in specs:
                     strides, off = c.resolve(0)
@@ -201,6 +208,29 @@ class Executor:
                 raw.append(Copy(s.dtype, (first.nbytes // isz,), (1,), e.start // isz, src_strides=(1,),
                                 src_offset=first.start // isz, dup=True))
         return self.core.finish_copies(raw, bases)
+
+    def _quantize_in_place(self, s: Source, outs: list, bases: dict, raw: list[Copy]) -> bool:
+        """A weight held whole and quantized before the collectives (FP8RowSlices over one shard, whole rows):
+        each piece, rows [a, b) of it placed at row d of an output, quantized from a view of the parameter straight
+        into those rows of the weight entry and their rows of its scale_inv entry. Bit-identical to quantizing the
+        output: pieces start on block boundaries and end on one or at the last row of both (FP8RowSlices)."""
+        op = s.resolved.op
+        if not (s.prequant and isinstance(op, FP8RowSlices) and s.count == 1 and op.axis == 0):
+            return False
+        cols = op.cols
+        scale_cols = -(-cols // BLOCK)
+        found = []
+        for k, pieces in enumerate(op.outputs):
+            w, sc = outs[2 * k], outs[2 * k + 1]
+            for _, lo, hi, d in pieces:
+                view = self.core.sources.view(s.name, (hi - lo, cols), (cols, 1), lo * cols, bases, hooked=True)
+                if view is None:
+                    return False
+                found.append(Copy(w.dtype, (hi - lo, cols), (cols, 1), w.start // w.dtype.itemsize + d * cols,
+                                  src=view, scale=(sc.start // sc.dtype.itemsize + d // BLOCK * scale_cols,
+                                                   (-(-(hi - lo) // BLOCK), scale_cols))))
+        raw.extend(found)
+        return True
 
     @staticmethod
     def _placed(s: Source, c, outs, offs, base, a: int) -> list[Copy]:
@@ -253,7 +283,8 @@ class Executor:
             else:
                 flat = self.core.complete(started, self.stats)
         finally:
-            self.core.drop_blobs(s.name for s in b.sources)  # this bucket's FP8 blobs are no longer needed
+            if self.core.scheme is not None:
+                self.core.drop_blobs(s.name for s in b.sources)  # this bucket's FP8 blobs are no longer needed
         if flat is not None and b.out_entries is not None:  # FP8: each full HF weight quantized as a whole
             flat = quantize_flat(flat, b.entries, b.out_entries, self.core.scheme)
         return Bucket(b.index, flat, b.output)
@@ -261,7 +292,7 @@ class Executor:
     def _finish_rounds(self, cb: CBucket, started: tuple) -> torch.Tensor | None:
         """A stacked tensor over the budget: each round's pieces are gathered into the (reused) staging arena and
         written into their items of the one output buffer, so the output is the only full copy held."""
-        flat = torch.empty(cb.nbytes, dtype=torch.uint8, device=self.device) if cb.receive else None
+        flat = self.core.output(cb.nbytes) if cb.receive else None
         for r, rcb in enumerate(cb.rounds):
             if r:
                 started = self.core.start(rcb)
