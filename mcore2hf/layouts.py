@@ -282,15 +282,23 @@ class QKV(LayoutOp):
     """Fused `linear_qkv` (weight or bias) -> q, k, v.
 
     Megatron interleaves per query group: [q_g (heads_per_group * d); k_g (d); v_g (d)] for each group g, and
-    TP splits whole groups, so each shard is the same interleave over its own groups."""
+    TP splits whole groups, so each shard is the same interleave over its own groups.
+
+    `fused=True`: one HF tensor [q; k; v] (the three outputs concatenated by rows): the Qwen3-VL vision tower's
+    `attn.qkv` (transformers 5.24 modeling_qwen3_vl.py Qwen3VLVisionAttention: `qkv(x).reshape(seq, 3, heads,
+    -1)`), whose Megatron `linear_qkv` is the per-head [q_h; k_h; v_h] interleave (groups == heads; Megatron-Bridge
+    0.6.2 qwen3_vl_bridge.py maps it with ConcatenatedQKVMapping)."""
 
     tp_dim = 0
     n_out = 3
 
-    def __init__(self, num_heads: int, num_groups: int, head_dim: int):
+    def __init__(self, num_heads: int, num_groups: int, head_dim: int, fused: bool = False):
         if num_heads % num_groups:
             raise ShapeMismatchError(f"num_attention_heads {num_heads} is not a multiple of num_query_groups {num_groups}")
         self.num_heads, self.num_groups, self.head_dim = num_heads, num_groups, head_dim
+        self.fused = fused
+        if fused:
+            self.n_out = 1
 
     @classmethod
     def from_dims(cls, dims) -> QKV:
@@ -306,6 +314,8 @@ class QKV(LayoutOp):
                f"linear_qkv rows = groups*(heads_per_group+2)*head_dim ({g}*({hpg}+2)*{d})",
                g * (hpg + 2) * d, full_shape[0])
         rest = tuple(full_shape[1:])
+        if self.fused:
+            return [tuple(full_shape)]
         return [(self.num_heads * d, *rest), (g * d, *rest), (g * d, *rest)]
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
@@ -314,16 +324,23 @@ class QKV(LayoutOp):
         gl = shard_shape[0] // ((hpg + 2) * self.head_dim)  # query groups per shard
         block = (hpg + 2) * d  # one group: [q heads; k; v]
         spans = [(0, hpg * d), (hpg * d, d), ((hpg + 1) * d, d)]
-        return [StridedCopy(j, (count, gl, n), (gl * n, n, 1), (S, block, 1), src_offset=start)
+        # fused: q, k and v are row blocks of output 0, at q's and q + k's elements
+        starts = [0, self.num_groups * hpg * d, self.num_groups * (hpg + 1) * d] if self.fused else [0, 0, 0]
+        return [StridedCopy(0 if self.fused else j, (count, gl, n), (gl * n, n, 1), (S, block, 1),
+                            dst_offset=starts[j], src_offset=start)
                 for j, (start, n) in enumerate(spans)]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         d, hpg = self.head_dim, self._hpg
         gl = self.num_groups // count
         g0, g1 = index * gl, (index + 1) * gl
-        q = _take(hf[0], 0, g0 * hpg * d, g1 * hpg * d)
-        k = _take(hf[1], 0, g0 * d, g1 * d)
-        v = _take(hf[2], 0, g0 * d, g1 * d)
+        # fused: k and v start after all of q's (and k's) rows of the one HF tensor
+        (qh, q0), (kh, k0), (vh, v0) = ([(hf[0], 0), (hf[0], self.num_heads * d),
+                                         (hf[0], (self.num_heads + self.num_groups) * d)] if self.fused
+                                        else [(h, 0) for h in hf])
+        q = _take(qh, 0, q0 + g0 * hpg * d, q0 + g1 * hpg * d)
+        k = _take(kh, 0, k0 + g0 * d, k0 + g1 * d)
+        v = _take(vh, 0, v0 + g0 * d, v0 + g1 * d)
         rest = tuple(q.shape[1:])
         parts = [q.reshape(gl, hpg * d, *rest), k.reshape(gl, d, *rest), v.reshape(gl, d, *rest)]
         return torch.cat(parts, dim=1).reshape(gl * (hpg + 2) * d, *rest)

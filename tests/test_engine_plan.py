@@ -288,3 +288,13 @@ def test_masked_engine_bucket_as_bucket_debug_needs_a_nan_filling_executor():
         EngineBucket(0, flat, [], full).as_bucket(debug=True)
     bucket = EngineBucket(0, flat, [], full, nan=True)
     assert bucket.as_bucket(debug=True).flat is flat and bucket.as_bucket().flat is flat
+
+
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("full", [(45, 7), (45,)])
+def test_pieces_partition_fused_vision_qkv_heads3_d5(count, full):
+    """The vision tower's fused QKV (one HF output [q; k; v]): pieces cover it once and equal `to_hf`."""
+    from mcore2hf.layouts import QKV
+
+    op = QKV(3, 3, 5, fused=True)
+    _check_partition(op, full, _shards(op, full, count), (full, count))
