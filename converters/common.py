@@ -19,6 +19,8 @@ from mcore2hf.quantize import FP8Policy
 
 L = "decoder.layers.{L}"
 HL = "model.layers.{L}"
+#: the native Megatron vision tower's blocks and HF's (Qwen3-VL)
+VL, HV = "vision_model.decoder.layers.{V}", "model.visual.blocks.{V}"
 
 
 def embeddings(mtp_copies: bool = False) -> list[Rule]:
@@ -171,3 +173,62 @@ def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str =
     if block_sparse_moe:
         keep += (r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight",)
     return FP8Policy(keep=keep, list_not_converted=list_not_converted, source=source)
+
+
+def vision_qkv(dims) -> LayoutOp:
+    """The vision tower's `linear_qkv`: per head [q_h; k_h; v_h] (no GQA) -> HF's one `attn.qkv` [q; k; v]."""
+    return QKV(dims.vision_num_heads, dims.vision_num_heads, dims.vision_head_dim, fused=True)
+
+
+def _patch_merger(megatron: str, hf: str) -> list[Rule]:
+    """A patch merger: LayerNorm (`patch_norm` -> `norm`), column-parallel fc1, GELU, row-parallel fc2 (its bias
+    added once after the TP reduction: replicated)."""
+    return [
+        Rule(f"{megatron}.patch_norm.weight", f"{hf}.norm.weight"),
+        Rule(f"{megatron}.patch_norm.bias", f"{hf}.norm.bias"),
+        Rule(f"{megatron}.linear_fc1.weight", f"{hf}.linear_fc1.weight", Column),
+        Rule(f"{megatron}.linear_fc1.bias", f"{hf}.linear_fc1.bias", Column),
+        Rule(f"{megatron}.linear_fc2.weight", f"{hf}.linear_fc2.weight", Row),
+        Rule(f"{megatron}.linear_fc2.bias", f"{hf}.linear_fc2.bias"),
+    ]
+
+
+def native_vision_tower(deepstack: bool = True) -> list[Rule]:
+    """Qwen3-VL's vision tower as Megatron builds it natively (layout 1 of issue 26): `vision_model.*`, megatron-core
+    ViT layers (LayerNorm, biased linears, GELU MLP) tensor-parallel in the LM's TP group, on the first pipeline
+    stage only -> `model.visual.*` (transformers 5.24 modeling_qwen3_vl.py Qwen3VLVisionModel).
+
+    Names: Megatron-Bridge 0.6.2 models/qwen_vl/qwen3_vl_bridge.py:123-193 (Qwen3VLBridge.mapping_registry, the
+    same in Qwen3VLMoEBridge) and mbridge's qwen3_vl (github ISEEKYAN/mbridge main, mbridge/models/qwen3_vl/
+    __init__.py `_QWEN3VIT_*_MAPPING`; no PyPI release has it: 0.15.1 is the newest and ends at qwen2_5_vl),
+    with TE's fused norms under their local-spec names (naming.TE_RENAMES: `linear_qkv.layer_norm_weight` is
+    `input_layernorm.weight`, HF `norm1`; `mlp.linear_fc1.layer_norm_weight` is `pre_mlp_layernorm.weight`, HF
+    `norm2`). Split rules: `linear_qkv` per head [q_h; k_h; v_h] -> one [q; k; v] (Bridge's
+    ConcatenatedQKVMapping, mbridge base_bridge.py `_weight_to_hf_format`: view(heads, 3, ...).transpose(0, 1));
+    `patch_embed.proj` (Conv3d) and `pos_embed` (nn.Embedding) replicated (Bridge's ReplicatedMapping;
+    vision_model.py:134-135 builds them as plain torch modules); `linear_proj` / `linear_fc2` row-parallel with a
+    replicated bias, `linear_fc1` column-parallel (Bridge's AutoMapping of TERowParallelLinear /
+    TEColumnParallelLinear). `deepstack`: the Qwen3-VL deepstack mergers (transformer_block.py:89-99
+    `Qwen3VLVisionTransformerBlock.deepstack_merger_list`), absent in Qwen3.5's tower."""
+    a, h = f"{VL}.self_attention", f"{HV}.attn"
+    rules = [
+        Rule("vision_model.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight"),
+        Rule("vision_model.patch_embed.proj.bias", "model.visual.patch_embed.proj.bias"),
+        Rule("vision_model.pos_embed.weight", "model.visual.pos_embed.weight"),
+        Rule(f"{VL}.input_layernorm.weight", f"{HV}.norm1.weight"),
+        Rule(f"{VL}.input_layernorm.bias", f"{HV}.norm1.bias"),
+        Rule(f"{a}.linear_qkv.weight", f"{h}.qkv.weight", vision_qkv),
+        Rule(f"{a}.linear_qkv.bias", f"{h}.qkv.bias", vision_qkv),
+        Rule(f"{a}.linear_proj.weight", f"{h}.proj.weight", Row),
+        Rule(f"{a}.linear_proj.bias", f"{h}.proj.bias"),
+        Rule(f"{VL}.pre_mlp_layernorm.weight", f"{HV}.norm2.weight"),
+        Rule(f"{VL}.pre_mlp_layernorm.bias", f"{HV}.norm2.bias"),
+        Rule(f"{VL}.mlp.linear_fc1.weight", f"{HV}.mlp.linear_fc1.weight", Column),
+        Rule(f"{VL}.mlp.linear_fc1.bias", f"{HV}.mlp.linear_fc1.bias", Column),
+        Rule(f"{VL}.mlp.linear_fc2.weight", f"{HV}.mlp.linear_fc2.weight", Row),
+        Rule(f"{VL}.mlp.linear_fc2.bias", f"{HV}.mlp.linear_fc2.bias"),
+    ]
+    rules += _patch_merger("vision_model.merger", "model.visual.merger")
+    if deepstack:
+        rules += _patch_merger("vision_model.decoder.deepstack_merger_list.{D}", "model.visual.deepstack_merger_list.{D}")
+    return rules

@@ -3,7 +3,8 @@
 A converter is one table of `Rule`s. Patterns name *canonical* Megatron parameters (see `naming`): local-spec
 names with global indices, so one rule covers every PP/VPP/EP layout and both the local and the TE spec.
 
-Placeholders in patterns: {L} decoder layer, {E} routed expert, {M} MTP layer. In HF templates the same fields
+Placeholders in patterns: {L} decoder layer, {E} routed expert, {M} MTP layer, {V} vision-tower block, {D}
+deepstack merger. In HF templates the same fields
 are available; in MTP rules {L} is `num_hidden_layers + M`, the index HF checkpoints give MTP layers. In `copies`,
 {MTP} expands to every MTP layer's HF index (e.g. the embedding copy DeepSeek-V3 / GLM-4.5 keep in layer N).
 """
@@ -50,6 +51,9 @@ class ModelDims:
     # megatron-core keeps its rotary rows ("first" as HF, "last", "last_interleaved": layouts.IndexerRope)
     index_head_dim: int | None = None
     indexer_rope: str | None = None
+    # a native Megatron vision tower (Qwen3-VL's ViT): its attention heads and head dim (no GQA: groups == heads)
+    vision_num_heads: int | None = None
+    vision_head_dim: int | None = None
 
 
 OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]

@@ -7,7 +7,8 @@ Canonical names are local-spec names with global indices, whatever the layout an
   here and nothing depends on `get_transformer_layer_offset`'s signature in a given megatron-core release;
 * routed experts: `mlp.experts.{E}.linear_fc{1,2}.weight` with E = ep_rank * num_local_experts + local index,
   from the local spec's `local_experts.{i}` and TE's grouped `linear_fc{1,2}.weight{i}` alike;
-* TE's fused norms are renamed to the local spec's modules (`TE_RENAMES`);
+* TE's fused norms are renamed to the local spec's modules (`TE_RENAMES`), in a native vision tower's blocks
+  (`vision_model.decoder.layers.{i}`, whole on the first pipeline stage) too;
 * LoRA (Megatron-Bridge PEFT): a wrapped linear's base `<module>.to_wrap.weight` is named `<module>.weight`; its
   adapter factors keep their names, `<module>.adapter.linear_{in,out}.weight` (see `lora`);
 * MTP layer m: `mtp.layers.{m}.{enorm,hnorm,eh_proj,final_layernorm}` and its inner transformer layer as decoder
@@ -49,6 +50,9 @@ TE_RENAMES: dict[str, str] = {
 #: (megatron-bridge 0.3.1 and 0.6.2 peft/adapter_wrapper.py:101-102 AdapterWrapper.__init__)
 LORA_BASE = ".to_wrap."
 _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
+#: a native vision tower's blocks (Qwen3-VL: Megatron-Bridge 0.6.2 modelling_qwen3_vl/vision_model.py:149
+#: `Qwen3VLVisionModel.decoder`), whole on the first pipeline stage: the local index is the block's index
+_VISION_LAYER = regex.compile(r"(vision_model\.decoder\.layers\.\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GROUPED_EXPERT = regex.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
 _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
@@ -290,6 +294,9 @@ def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_loca
                    num_layers: int, hybrid: HybridLayout | None = None) -> str:
     """Canonical global name of `name` (a name in `chunk.named_parameters()`); `num_layers` counts HF layers."""
     name = name.replace(LORA_BASE, ".")  # a LoRA-wrapped linear's base weight keeps its own name
+    v = _VISION_LAYER.fullmatch(name)
+    if v is not None:  # TE's fused norms under the local spec's names, as in the decoder
+        return f"{v.group(1)}.{TE_RENAMES.get(v.group(2), v.group(2))}"
     m = _LAYER.fullmatch(name)
     if m is None:
         return FINAL_NORM if hybrid and name == HYBRID_FINAL_NORM else name
