@@ -13,8 +13,9 @@ from mcore2hf.layouts import (
     Replicated,
     Row,
     VocabRows,
+    WholeOrSplit,
 )
-from mcore2hf.mapping import Rule
+from mcore2hf.mapping import OpSpec, Rule
 from mcore2hf.quantize import FP8Policy
 
 L = "decoder.layers.{L}"
@@ -180,15 +181,25 @@ def vision_qkv(dims) -> LayoutOp:
     return QKV(dims.vision_num_heads, dims.vision_num_heads, dims.vision_head_dim, fused=True)
 
 
-def _patch_merger(megatron: str, hf: str) -> list[Rule]:
+def merger_column(dims) -> LayoutOp:
+    """The patch merger's `linear_fc1`: column-parallel natively, whole in an embedded HF tower (same name)."""
+    return WholeOrSplit(dims.vision_merged_size, 0)
+
+
+def merger_row(dims) -> LayoutOp:
+    """The patch merger's `linear_fc2` weight: row-parallel natively, whole in an embedded HF tower."""
+    return WholeOrSplit(dims.vision_merged_size, 1)
+
+
+def _patch_merger(megatron: str, hf: str, column: OpSpec = Column, row: OpSpec = Row) -> list[Rule]:
     """A patch merger: LayerNorm (`patch_norm` -> `norm`), column-parallel fc1, GELU, row-parallel fc2 (its bias
     added once after the TP reduction: replicated)."""
     return [
         Rule(f"{megatron}.patch_norm.weight", f"{hf}.norm.weight"),
         Rule(f"{megatron}.patch_norm.bias", f"{hf}.norm.bias"),
-        Rule(f"{megatron}.linear_fc1.weight", f"{hf}.linear_fc1.weight", Column),
-        Rule(f"{megatron}.linear_fc1.bias", f"{hf}.linear_fc1.bias", Column),
-        Rule(f"{megatron}.linear_fc2.weight", f"{hf}.linear_fc2.weight", Row),
+        Rule(f"{megatron}.linear_fc1.weight", f"{hf}.linear_fc1.weight", column),
+        Rule(f"{megatron}.linear_fc1.bias", f"{hf}.linear_fc1.bias", column),
+        Rule(f"{megatron}.linear_fc2.weight", f"{hf}.linear_fc2.weight", row),
         Rule(f"{megatron}.linear_fc2.bias", f"{hf}.linear_fc2.bias"),
     ]
 
@@ -205,7 +216,8 @@ def native_vision_tower(deepstack: bool = True) -> list[Rule]:
     `input_layernorm.weight`, HF `norm1`; `mlp.linear_fc1.layer_norm_weight` is `pre_mlp_layernorm.weight`, HF
     `norm2`). Split rules: `linear_qkv` per head [q_h; k_h; v_h] -> one [q; k; v] (Bridge's
     ConcatenatedQKVMapping, mbridge base_bridge.py `_weight_to_hf_format`: view(heads, 3, ...).transpose(0, 1));
-    `patch_embed.proj` (Conv3d) and `pos_embed` (nn.Embedding) replicated (Bridge's ReplicatedMapping;
+    the main merger's linears split or whole as the shard says (`WholeOrSplit`: an embedded HF tower has the
+    same names, unsplit); `patch_embed.proj` (Conv3d) and `pos_embed` (nn.Embedding) replicated (Bridge's ReplicatedMapping;
     vision_model.py:134-135 builds them as plain torch modules); `linear_proj` / `linear_fc2` row-parallel with a
     replicated bias, `linear_fc1` column-parallel (Bridge's AutoMapping of TERowParallelLinear /
     TEColumnParallelLinear). `deepstack`: the Qwen3-VL deepstack mergers (transformer_block.py:89-99
@@ -228,7 +240,8 @@ def native_vision_tower(deepstack: bool = True) -> list[Rule]:
         Rule(f"{VL}.mlp.linear_fc2.weight", f"{HV}.mlp.linear_fc2.weight", Row),
         Rule(f"{VL}.mlp.linear_fc2.bias", f"{HV}.mlp.linear_fc2.bias"),
     ]
-    rules += _patch_merger("vision_model.merger", "model.visual.merger")
+    # `vision_model.merger.linear_fc{1,2}` are also the names of an embedded HF tower's (whole) merger linears
+    rules += _patch_merger("vision_model.merger", "model.visual.merger", merger_column, merger_row)
     if deepstack:
         rules += _patch_merger("vision_model.decoder.deepstack_merger_list.{D}", "model.visual.deepstack_merger_list.{D}")
     return rules

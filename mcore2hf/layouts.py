@@ -347,18 +347,45 @@ class QKV(LayoutOp):
 
 
 
-class LatentDown(Concat):
+class WholeOrSplit(Concat):
+    """A linear whose Megatron module is split over TP along `tp_dim` in one model and whole on every TP rank in
+    another, under the same name; the shard itself says which (`size` rows or columns: whole, else split), as
+    Megatron decides for MLA's down projections (it compares the output width with the latent rank).
+
+    MLA down projections (`LatentDown`); the Qwen3-VL patch merger's `linear_fc1` / `linear_fc2`: column- and
+    row-parallel in a native Megatron tower (Megatron-Bridge 0.6.2 modelling_qwen3_vl/utils.py:136-162), whole in
+    transformers' tower embedded in the Megatron model (Bridge 0.3.1), both named `vision_model.merger.*`."""
+
+    check_attributes = False
+
+    def __init__(self, size: int, tp_dim: int = 0):
+        self.size, self.tp_dim = size, tp_dim
+
+    def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
+        if group == 1 or shard_shape[self.tp_dim] == self.size:
+            return 1, None
+        _check(shard_shape[self.tp_dim] * group == self.size, f"dim {self.tp_dim} of {self.size} split over "
+               f"{group} TP ranks", self.size // group, shard_shape[self.tp_dim])
+        return group, self.tp_dim
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[self.tp_dim] == self.size, f"dim {self.tp_dim} size", self.size, full_shape[self.tp_dim])
+        return [tuple(full_shape)]
+
+
+class LatentDown(WholeOrSplit):
     """MLA down projections (`linear_q_down_proj`, `linear_kv_down_proj`) -> q_a_proj / kv_a_proj_with_mqa.
 
     The local spec builds them column-parallel (split over TP), TE's spec duplicated on every rank, and TE marks
     even its duplicated weights `tensor_model_parallel=True`. Like Megatron itself (which compares the output
     width with the latent rank), this op decides from the shard's rows: all `rows` -> replicated, else split."""
 
-    tp_dim = 0
-    check_attributes = False
-
     def __init__(self, rows: int):
-        self.rows = rows
+        super().__init__(rows, 0)
+
+    @property
+    def rows(self) -> int:
+        return self.size
 
     @classmethod
     def q_down(cls, dims) -> LatentDown:
@@ -367,17 +394,6 @@ class LatentDown(Concat):
     @classmethod
     def kv_down(cls, dims) -> LatentDown:
         return cls(dims.kv_lora_rank + dims.qk_rope_head_dim)
-
-    def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
-        if group == 1 or shard_shape[0] == self.rows:
-            return 1, None
-        _check(shard_shape[0] * group == self.rows, f"MLA down projection rows (latent rank {self.rows}) "
-               f"split over {group} TP ranks", self.rows // group, shard_shape[0])
-        return group, 0
-
-    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[0] == self.rows, "MLA down projection rows", self.rows, full_shape[0])
-        return [tuple(full_shape)]
 
 
 class IndexerRope(LayoutOp):

@@ -54,6 +54,8 @@ class ModelDims:
     # a native Megatron vision tower (Qwen3-VL's ViT): its attention heads and head dim (no GQA: groups == heads)
     vision_num_heads: int | None = None
     vision_head_dim: int | None = None
+    #: its patch mergers' width: hidden_size x spatial_merge_size^2
+    vision_merged_size: int | None = None
 
 
 OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]

@@ -29,7 +29,8 @@ from .common import supported_kwargs
 def vision_dims(vision_cfg) -> dict:
     """`ModelDims` fields of the tower: heads and head dim (Bridge transformer_config.py:127 `kv_channels = hidden
     // heads`, :128 `num_query_groups = num_attention_heads`)."""
-    return dict(vision_num_heads=vision_cfg.num_heads, vision_head_dim=vision_cfg.hidden_size // vision_cfg.num_heads)
+    return dict(vision_num_heads=vision_cfg.num_heads, vision_head_dim=vision_cfg.hidden_size // vision_cfg.num_heads,
+                vision_merged_size=vision_cfg.hidden_size * vision_cfg.spatial_merge_size ** 2)
 
 
 def vision_transformer_config(vision_cfg, lm_config):

@@ -372,3 +372,19 @@ def test_indexer_rope_rows_give_megatron_the_scores_transformers_computes(hf_int
     # without the row move (a one-to-one copy) the scores differ
     wrong = torch.einsum("shd,tgd->sht", megatron(q), megatron(k))
     assert (wrong - hf).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("tp_dim", [0, 1])
+def test_whole_or_split_decides_from_the_shard_merged12_tp3(tp_dim):
+    """The Qwen3-VL merger's linears: split over TP natively (column / row), whole in an embedded HF tower, one
+    name; the shard's size along the TP dim says which (as for MLA's down projections)."""
+    from mcore2hf.layouts import WholeOrSplit
+
+    op = WholeOrSplit(12, tp_dim)
+    full = rand(12, 12)
+    assert op.split((12, 12), 3) == (1, None)
+    shape = (4, 12) if tp_dim == 0 else (12, 4)
+    assert op.split(shape, 3) == (3, tp_dim)
+    roundtrip(op, list(full.chunk(3, tp_dim)), [full])
+    with pytest.raises(ShapeMismatchError):
+        op.split((5, 5), 3)
