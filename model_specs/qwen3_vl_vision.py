@@ -206,8 +206,9 @@ class VisionModel(nn.Module):
             out.append(emb)
         return torch.cat(out)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-        x = self.patch_embed(pixel_values) + self.pos_embeds(grid_thw)
+    def forward(self, hidden_states: torch.Tensor, grid_thw: torch.Tensor):
+        """`hidden_states`: the pixel patches [patches, channels x temporal x patch x patch] (Bridge's name)."""
+        x = self.patch_embed(hidden_states) + self.pos_embeds(grid_thw)
         s = x.shape[0]
         rotary = self.rot_pos_emb(grid_thw).reshape(s, 1, 1, -1).repeat(1, 1, 1, 2)
         # one attention block per frame (Bridge vision_model.py:381-393 build_packed_seq_params), True = masked
@@ -218,6 +219,126 @@ class VisionModel(nn.Module):
         return self.merger(x[:, 0]), features
 
 
-def build_vision_model(hf_config, lm_config) -> VisionModel:
-    """The tower of the HF config's `vision_config`, tensor-parallel like `lm_config` (the language model's)."""
-    return VisionModel(hf_config.vision_config, lm_config)
+def mrope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, *, merge: int,
+                    image_token_id: int, vision_start_token_id: int) -> torch.Tensor:
+    """The [3, batch, seq] (t, h, w) rope positions of a text + image input: Bridge 0.6.2 rope.py:245-321
+    `_build_llm_rope_positions` (transformers' `Qwen3VLModel.get_rope_index`), images only: text tokens count on
+    from the previous maximum, an image's tokens get (0, row, column) of its merged grid after the text before it."""
+    b, s = input_ids.shape
+    out = torch.empty(3, b, s, dtype=torch.long)
+    index = 0
+    for i in range(b):
+        ids = input_ids[i].tolist()
+        starts = [j + 1 for j, t in enumerate(ids[:-1]) if t == vision_start_token_id and ids[j + 1] == image_token_id]
+        parts, st = [], 0
+        for ed in starts:
+            t, h, w = image_grid_thw[index].tolist()
+            index += 1
+            gh, gw = h // merge, w // merge
+            base = int(parts[-1].max()) + 1 if parts else 0
+            parts.append(torch.arange(ed - st).expand(3, -1) + base)
+            grid = torch.stack([torch.arange(t).repeat_interleave(gh * gw), torch.arange(gh).repeat_interleave(gw).repeat(t),
+                                torch.arange(gw).repeat(t * gh)])
+            parts.append(grid + ed - st + base)
+            st = ed + t * gh * gw
+        if st < s:
+            base = int(parts[-1].max()) + 1 if parts else 0
+            parts.append(torch.arange(s - st).expand(3, -1) + base)
+        out[:, i] = torch.cat(parts, dim=1)
+    return out
+
+
+def mrope_freqs(position_ids: torch.Tensor, inv_freq: torch.Tensor, section: list[int]) -> torch.Tensor:
+    """Qwen3-VL's interleaved multimodal rope as per-token rotary frequencies [seq, batch, 1, head_dim] (Bridge
+    0.6.2 rope.py:143-204 `Qwen3VLMultimodalRotaryEmbedding`; transformers 5.24 `apply_interleaved_mrope`):
+    frequency i takes the height position where i % 3 == 1 and i < 3 x section[1], the width position where
+    i % 3 == 2 and i < 3 x section[2], else the temporal one."""
+    freqs = position_ids.float()[..., None] * inv_freq  # [3, b, s, d/2]
+    out = freqs[0].clone()
+    for dim, offset in ((1, 1), (2, 2)):
+        idx = slice(offset, section[dim] * 3, 3)
+        out[..., idx] = freqs[dim, ..., idx]
+    emb = torch.cat((out, out), dim=-1)  # [b, s, d]
+    return emb.transpose(0, 1)[:, :, None, :].contiguous()
+
+
+class NativeVLModel(nn.Module):
+    """A Qwen3-VL model chunk with the native tower, the module tree of Megatron-Bridge 0.6.2's `Qwen3VLModel`
+    (modelling_qwen3_vl/model.py:224-381): `vision_model` (VisionModel, only where the chunk holds the first
+    pipeline stage's embedding: model.py:323 `if self.pre_process and self.add_encoder`) beside `language_model`,
+    the GPT decoder (here megatron-core's GPTModel; its rope module is not used: this forward computes Qwen3-VL's
+    interleaved multimodal rope, Bridge's Qwen3VLGPTModel does the same).
+
+    `forward(input_ids, position_ids, attention_mask, pixel_values=None, image_grid_thw=None)`: Bridge's forward
+    (model.py:493-931) for images: the tower's embeddings replace the image tokens' (model.py:721), the rope
+    positions from the image grids (`mrope_positions`, when `position_ids` is not [3, b, s]), the deepstack features
+    added to the image tokens' hidden states after decoder layers 0..k-1 (transformer_block.py:760-767, 794-801;
+    they must be on the first stage, as Bridge asserts, model.py:370-375). Returns the language model's output:
+    logits [b, s, vocab / TP] on the last stage, hidden states [s, b, h] before it."""
+
+    def __init__(self, language_model, vision_model: VisionModel | None, hf_config):
+        super().__init__()
+        self.language_model, self.vision_model = language_model, vision_model
+        self.config = language_model.config
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        text = hf_config.text_config
+        rope = get(text, "rope_parameters", default=None) or get(text, "rope_scaling", default=None) or {}
+        self.mrope_section = list(rope["mrope_section"])
+        theta = float(rope.get("rope_theta", get(text, "rope_theta", default=10000.0)))
+        dim = self.config.kv_channels
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.merge = hf_config.vision_config.spatial_merge_size
+        self.image_token_id, self.vision_start_token_id = hf_config.image_token_id, hf_config.vision_start_token_id
+
+    @property
+    def decoder(self):
+        """The language model's decoder (Bridge model.py:396-404 exposes it the same way)."""
+        return self.language_model.decoder
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None,
+                **kwargs):
+        lm = self.language_model
+        if position_ids is None or position_ids.dim() != 3:
+            position_ids = mrope_positions(input_ids, image_grid_thw, merge=self.merge,
+                                           image_token_id=self.image_token_id,
+                                           vision_start_token_id=self.vision_start_token_id)
+        rotary = mrope_freqs(position_ids, self.inv_freq, self.mrope_section)
+        deepstack, image_mask = [], None
+        if self.pre_process:
+            hidden = lm.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+            if pixel_values is not None:
+                embeds, deepstack = self.vision_model(pixel_values, image_grid_thw)
+                image_mask = input_ids == self.image_token_id  # [b, s]
+                hidden = hidden.transpose(0, 1).clone()
+                hidden[image_mask] = embeds.to(hidden.dtype)
+                hidden = hidden.transpose(0, 1).contiguous()
+        else:
+            hidden = lm.decoder.input_tensor
+        for layer in lm.decoder.layers:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=rotary)
+            n = layer.layer_number - 1
+            if n < len(deepstack):
+                hidden = hidden.transpose(0, 1).clone()
+                hidden[image_mask] = hidden[image_mask] + deepstack[n].to(hidden.dtype)
+                hidden = hidden.transpose(0, 1).contiguous()
+        if deepstack and len(deepstack) > len(lm.decoder.layers):
+            from mcore2hf.errors import ConfigMismatchError
+
+            raise ConfigMismatchError(f"{len(deepstack)} deepstack features need the first pipeline stage to hold "
+                                      f"decoder layers 0..{len(deepstack) - 1}; it holds {len(lm.decoder.layers)}")
+        if not self.post_process:
+            return hidden
+        hidden = lm.decoder.final_layernorm(hidden)
+        weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights else None
+        logits, _ = lm.output_layer(hidden, weight=weight)
+        return logits.transpose(0, 1).contiguous()
+
+
+def wrap_native(chunks: list, hf_config) -> list[NativeVLModel]:
+    """The language-model chunks (GPTModel, one per virtual stage) of a Qwen3-VL model as `NativeVLModel`s, the
+    tower built in the chunk that holds the embedding (first pipeline stage, first virtual stage)."""
+    return [NativeVLModel(c, VisionModel(hf_config.vision_config, c.config) if c.pre_process else None, hf_config)
+            for c in chunks]

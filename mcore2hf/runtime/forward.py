@@ -42,11 +42,15 @@ def _main_model_only(chunk):
         chunk.mtp_process, chunk.config.mtp_num_layers = saved
 
 
-def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int, images: dict | None = None) -> torch.Tensor:
     """Forward of `tokens` [batch, seq] through every pipeline stage and virtual chunk in order (stage 0 chunk 0,
     stage 1 chunk 0, ..., stage 0 chunk 1, ...: Megatron's interleaved layer order), hidden states passed with
     point-to-point sends over the PP group; the vocab-parallel logits gathered over TP, trimmed to the HF vocab
-    and broadcast from the last stage, so every rank returns the same fp32 [batch, seq, vocab] tensor."""
+    and broadcast from the last stage, so every rank returns the same fp32 [batch, seq, vocab] tensor.
+
+    `images`: a vision-language model's image input (`pixel_values`, `image_grid_thw`), given to every chunk (the
+    tower runs where it is, the rope positions need the grids on every stage); the chunks compute their own
+    multimodal rope positions from the tokens."""
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
@@ -66,7 +70,7 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tens
             if hidden is not None:
                 chunk.set_input_tensor(hidden)
             with _main_model_only(chunk):
-                out = chunk(tokens, pos, attention_mask=mask)
+                out = chunk(tokens, pos, attention_mask=mask, **(images or {}))
             last = v == len(chunks) - 1 and stage == pp - 1
             if last:
                 logits = out
