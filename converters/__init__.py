@@ -19,4 +19,5 @@ from . import (  # noqa: F401
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
+    qwen3_vl,
 )

@@ -142,6 +142,24 @@ def mtp() -> list[Rule]:
     ]
 
 
+def language_model(rules: list[Rule]) -> list[Rule]:
+    """The same rules with the decoder's HF names under `model.language_model.` (`lm_head.weight` stays at the
+    top): transformers 5's multimodal classes (Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration,
+    Glm4vMoeForConditionalGeneration: `model.language_model` beside `model.visual`)."""
+    def move(name: str) -> str:
+        return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
+
+    return [Rule(r.megatron, [move(n) for n in r.hf], r.op, copies=[move(n) for n in r.copies],
+                 keep_dtype=r.keep_dtype, stack=r.stack) for r in rules]
+
+
+def hf_tower(megatron: str, hf: str) -> list[Rule]:
+    """A part of a vision-language wrapper that already carries HF's own names (layout 2 of docs/vlm.md: an HF
+    vision tower embedded in the Megatron model, replicated on every TP rank of the first stage): every tensor
+    under `megatron` passes through to the same path under `hf`, one copy, never gathered over TP."""
+    return [Rule(f"{megatron}.{{NAME}}", f"{hf}.{{NAME}}", Replicated)]
+
+
 def llama_like() -> list[Rule]:
     """Dense decoders: Llama, Qwen2, Qwen3 (and the dense layers of MoE models)."""
     return embeddings() + gqa_attention() + dense_mlp()

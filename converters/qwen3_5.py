@@ -14,7 +14,7 @@ from mcore2hf.mapping import Converter, Rule
 from mcore2hf.registry import register
 
 from . import qwen3_next
-from .common import HL, L, dense_mlp, embeddings, gqa_attention
+from .common import HL, L, dense_mlp, embeddings, gqa_attention, language_model
 
 #: the vision tower and the MTP module of the published (multimodal) checkpoints
 NOT_HELD = (r"model\.visual\..*", r"mtp\..*")
@@ -26,15 +26,6 @@ def gated_delta_net() -> list[Rule]:
     in_proj = Rule(f"{a}.in_proj.weight", [f"{h}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")],
                    ColumnParts.gdn_in_proj)
     return [in_proj] + [r for r in qwen3_next.gated_delta_net() if r.megatron != in_proj.megatron]
-
-
-def language_model(rules: list[Rule]) -> list[Rule]:
-    """The same rules with the decoder's HF names under `model.language_model.` (lm_head stays)."""
-    def move(name: str) -> str:
-        return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
-
-    return [Rule(r.megatron, [move(n) for n in r.hf], r.op, copies=[move(n) for n in r.copies],
-                 keep_dtype=r.keep_dtype, stack=r.stack) for r in rules]
 
 
 QWEN3_5 = register(Converter(

@@ -8,8 +8,8 @@ from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
 from . import qwen3_next
-from .common import embeddings, gqa_attention, moe
-from .qwen3_5 import NOT_HELD, gated_delta_net, language_model
+from .common import embeddings, gqa_attention, language_model, moe
+from .qwen3_5 import NOT_HELD, gated_delta_net
 
 QWEN3_5_MOE = register(Converter(
     model_type="qwen3_5_moe",

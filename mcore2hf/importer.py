@@ -63,7 +63,7 @@ from .errors import (
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .hf_dir import HFDirectory
 from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
-from .mapping import Converter, ModelDims, compile_pattern
+from .mapping import Converter, ModelDims, compile_pattern, match_fields
 from .naming import HybridLayout
 from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
 from .registry import get_converter
@@ -121,7 +121,7 @@ def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) ->
             m = pattern.fullmatch(hf_name)
             if m is None:
                 continue
-            fields = {k: int(v) for k, v in m.groupdict().items()}
+            fields = match_fields(m)
             if "{M}" in rule.megatron:
                 fields["M"] = fields.get("L", -1) - dims.num_layers
                 if fields["M"] < 0:

@@ -7,6 +7,8 @@ Placeholders in patterns: {L} decoder layer, {E} routed expert, {M} MTP layer, {
 deepstack merger. In HF templates the same fields
 are available; in MTP rules {L} is `num_hidden_layers + M`, the index HF checkpoints give MTP layers. In `copies`,
 {MTP} expands to every MTP layer's HF index (e.g. the embedding copy DeepSeek-V3 / GLM-4.5 keep in layer N).
+{NAME} is a dotted module path, the same on both sides: a vision tower that already carries HF names is one rule,
+`vision_model.{NAME}` -> `model.visual.{NAME}` (`converters.common.hf_tower`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from .layouts import LayoutOp, Replicated, Stacked
 from .quantize import FP8Policy
 
 _PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")
+#: the placeholder of a dotted name (string-valued); every other placeholder is an index
+NAME = "NAME"
+_NAME_PATTERN = r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*"
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,16 @@ def compile_pattern(pattern: str) -> regex.Pattern:
     parts = _PLACEHOLDER.split(pattern)
     out = []
     for i, part in enumerate(parts):
-        out.append(f"(?P<{part}>\\d+)" if i % 2 else regex.escape(part))
+        if i % 2:
+            out.append(f"(?P<{part}>{_NAME_PATTERN})" if part == NAME else f"(?P<{part}>\\d+)")
+        else:
+            out.append(regex.escape(part))
     return regex.compile("".join(out))
+
+
+def match_fields(m: regex.Match) -> dict[str, int | str]:
+    """A matched pattern's placeholders: indices as ints, {NAME} as the dotted name it matched."""
+    return {k: v if k == NAME else int(v) for k, v in m.groupdict().items()}
 
 
 @dataclass
@@ -149,7 +162,7 @@ class Converter:
             m = rule._regex.fullmatch(name)
             if m is None:
                 continue
-            fields = {k: int(v) for k, v in m.groupdict().items()}
+            fields = match_fields(m)
             if "M" in fields:
                 fields["L"] = dims.num_layers + fields["M"]
             hf = tuple(t.format(**fields) for t in rule.hf)

@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from mcore2hf.hf_config import get, partial_rotary_factor, rope_theta
+from mcore2hf.hf_config import get, partial_rotary_factor, rope_theta, text_config
 
 
 def supported_kwargs(fn: Callable, **kwargs) -> dict:
@@ -156,7 +156,7 @@ def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, u
         kwargs = dict(spec.gpt_kwargs(hf_config))
         model = GPTModel(**supported_kwargs(
             GPTModel.__init__, config=config, transformer_layer_spec=block,
-            vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
+            vocab_size=vocab_size or text_config(hf_config).vocab_size, pre_process=pre, post_process=post,
             mtp_block_spec=mtp, vp_stage=vp_stage, **kwargs))
         chunks.append(model)
     return chunks
@@ -203,6 +203,23 @@ def sigmoid_router_fields(cfg, *, num_experts: int, topk: int) -> dict:
                                       "Megatron scores groups by their top topk//topk_group experts, HF by their top 2")
         fields.update(moe_router_num_groups=n_group, moe_router_group_topk=topk_group)
     return fields
+
+
+class TextView:
+    """A multimodal config's language model as a text model's spec reads it: the nested `text_config`
+    (hf_config.text_config), with the fields transformers keeps on the outer config only (Qwen3VLConfig:
+    `tie_word_embeddings`) and `fields` (values the text spec needs under another name) laid over it."""
+
+    def __init__(self, cfg, **fields):
+        from mcore2hf.hf_config import text_config
+
+        self._text = text_config(cfg)
+        if getattr(self._text, "tie_word_embeddings", None) is None:
+            self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str):
+        return getattr(self._text, name)
 
 
 def mtp_fields(cfg) -> dict:
@@ -471,7 +488,7 @@ def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = 
         kwargs = dict(spec.gpt_kwargs(hf_config))
         chunks.append(model_cls(**supported_kwargs(
             model_cls.__init__, config=config, mamba_stack_spec=stack_spec, hybrid_stack_spec=stack_spec,
-            vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
+            vocab_size=vocab_size or text_config(hf_config).vocab_size, pre_process=pre, post_process=post,
             vp_stage=vp_stage, **{pattern_arg: pattern}, **kwargs)))
     return chunks
 

@@ -118,10 +118,11 @@ def to_te_names(model, single_grouped: bool = False, grouped: bool = True) -> No
     linears, extensions/transformer_engine_spec_provider.py `grouped_mlp_modules`), named as the local spec's."""
     from megatron.core import parallel_state as ps
 
-    from ..naming import unwrap_model
+    from ..naming import language_model, unwrap_model
 
     explicit = ps.get_expert_tensor_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1
     for chunk in unwrap_model(model):
+        chunk = language_model(chunk)  # a vision-language wrapper: its GPT model
         layers = list(chunk.decoder.layers) if getattr(chunk, "decoder", None) is not None else []
         mtp = getattr(chunk, "mtp", None)
         if mtp is not None:

@@ -157,6 +157,22 @@ TINY_CONFIGS.update({
                         vision_config=_QWEN3_5_VISION, tie_word_embeddings=False),
 })
 
+# Vision-language models (docs/vlm.md), odd-shaped: no dimension a multiple of 8 (a transposition or a wrong
+# split cannot hide behind equal sizes); TP2 still splits heads (4, 2 kv), ffn (50) and experts (6). 4 layers so
+# PP2 x VPP2 has a layer per chunk; a vision tower of 3 patch-3 blocks with 2 deepstack mergers (Qwen3-VL).
+_VL_TEXT = dict(vocab_size=101, hidden_size=44, intermediate_size=50, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=10, max_position_embeddings=256, rms_norm_eps=1e-6,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+_VL_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 1], "mrope_interleaved": True}
+_QWEN3_VL_VISION = dict(depth=3, hidden_size=36, intermediate_size=30, num_heads=3, out_hidden_size=44,
+                        num_position_embeddings=25, patch_size=3, temporal_patch_size=2, spatial_merge_size=2,
+                        deepstack_visual_indexes=[0, 1])
+TINY_CONFIGS.update({
+    "qwen3_vl": dict(text_config=dict(_VL_TEXT, rope_parameters=_VL_MROPE), vision_config=_QWEN3_VL_VISION,
+                     tie_word_embeddings=False, image_token_id=97, video_token_id=98, vision_start_token_id=99,
+                     vision_end_token_id=100),
+})
+
 # Members of a registered family whose config.json is the family's format with other values (not an
 # architecture of their own: tests run them where the values matter, logit parity). Scaled-down published values.
 TINY_VARIANTS: dict[str, dict] = {
