@@ -312,9 +312,6 @@ def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_loca
                    num_layers: int, hybrid: HybridLayout | None = None) -> str:
     """Canonical global name of `name` (a name in `chunk.named_parameters()`); `num_layers` counts HF layers."""
     name = name.replace(LORA_BASE, ".")  # a LoRA-wrapped linear's base weight keeps its own name
-    v = _VISION_LAYER.fullmatch(name)
-    if v is not None:  # TE's fused norms under the local spec's names, as in the decoder
-        return f"{v.group(1)}.{TE_RENAMES.get(v.group(2), v.group(2))}"
     m = _LAYER.fullmatch(name)
     if m is None:
         return FINAL_NORM if hybrid and name == HYBRID_FINAL_NORM else name
@@ -328,6 +325,14 @@ def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_loca
             if inner is not None:
                 rest = f"transformer_layer.{inner.group(2)}"
     return canonical_layer_name(kind, number, rest, num_layers, ctx_ep_rank * num_local_experts)
+
+
+def wrapper_part_name(name: str) -> str:
+    """Canonical name of a vision-language wrapper's own parameter (tower, projector): its wrapper-relative name,
+    a native tower's blocks with TE's fused norms under the local spec's names, as in the decoder."""
+    name = name.replace(LORA_BASE, ".")
+    v = _VISION_LAYER.fullmatch(name)
+    return name if v is None else f"{v.group(1)}.{TE_RENAMES.get(v.group(2), v.group(2))}"
 
 
 def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[LocalTensor]:
@@ -362,7 +367,7 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
             if name.startswith(inner):
                 canon = canonical_name(name[len(inner):], lm, ctx.ep.rank, num_local, num_layers, hybrid)
             else:  # a wrapper's own part (vision tower, projector): its wrapper-relative name, mapped by the table
-                canon = name.replace(LORA_BASE, ".")
+                canon = wrapper_part_name(name)
             if canon == "output_layer.weight" and getattr(t, "shared_embedding", False):
                 canon = "embedding.word_embeddings.weight"  # the last (or MTP) stage's copy of a tied embedding
             if canon in seen:

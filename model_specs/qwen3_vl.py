@@ -11,14 +11,20 @@ tensors are the same whichever the trainer uses."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import qwen3
 from .common import TextView, spec_builder
+from .qwen3_vl_vision import vision_dims, wrap_native
 
 HF_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 
 
 def dims(cfg):
-    return qwen3.dims(TextView(cfg))
+    """Qwen3's, with the vision tower's heads, head dim and merger width (its layout ops need them)."""
+    base = qwen3.dims(TextView(cfg))
+    vision = getattr(cfg, "vision_config", None)
+    return base if vision is None else dataclasses.replace(base, **vision_dims(vision))
 
 
 def is_moe_layer(cfg, layer: int) -> bool:
@@ -38,3 +44,5 @@ def gpt_kwargs(cfg) -> dict:
 
 
 build_model = spec_builder(__name__)
+#: `build_model(..., vision_tower="native")`: the language-model chunks wrapped with the native Megatron tower
+native_vision_tower = wrap_native

@@ -1434,3 +1434,31 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
         assert not os.path.exists(out), f"{name}: {out} was written"
     return messages
 
+
+
+def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict, layout: Layout) -> dict:
+    """Qwen3-VL with the native Megatron vision tower (build_model(vision_tower="native"), layout 1 of issue 26)
+    at `layout`: the whole HF checkpoint loads (nothing skipped), every export mode gives it back bit for bit
+    (tower included: fused QKV, replicated patch / position embeddings, TP-split mergers), save_pretrained writes
+    it; the Megatron forward of a text + image input and of text alone, for the transformers oracle."""
+    from mcore2hf.hf_config import text_config
+
+    rank = dist.get_rank()
+    cfg, chunks = build(ckpt, layout, vision_tower="native")
+    report = load_hf_weights(chunks, ckpt)
+    full = read_hf_checkpoint(ckpt)
+    assert not report.skipped, report.skipped[:3]
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), full, f"{layout} all ranks")
+    assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}, full, f"{layout} 4 KiB buckets")
+    got0 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0) for n, t in b}
+    agree(checked(lambda: assert_same(got0, full, f"{layout} receivers=[0] 4 KiB") if rank == 0 else None)
+          or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
+    out = os.path.join(out_root, str(layout))
+    ex.save_pretrained(out, max_shard_size=20_000)
+    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained"))
+          if rank == 0 else None)
+    vocab = text_config(cfg).vocab_size
+    held = sum(1 for c in chunks if c.vision_model is not None)
+    return {"image": megatron_logits(chunks, tokens, vocab, images=images),
+            "text": megatron_logits(chunks, TOKENS, vocab), "towers": held, "dir": out}

@@ -1,0 +1,63 @@
+"""Qwen3-VL with its vision tower built natively in Megatron (issue 26, layout 1: Megatron-Bridge 0.6.2's
+Qwen3VLModel / mbridge's qwen3_vl module tree, model_specs/qwen3_vl_vision.py), in one world of 4 ranks at TP2 x PP2,
+TP2, PP2 and TP1 (data-parallel replicas beside): loading the HF checkpoint and every export mode are bit-exact
+(tower included), transformers loads the exported directory with no missing, unexpected or mismatched key, and the
+Megatron forward of text + two images (vision tower, mergers, multimodal rope, deepstack) equals transformers'.
+
+The tiny tower: 2 heads of 20 (TP2 splits the heads; transformers' 2-D vision rope needs head_dim % 4 == 0, so
+with an even head count the width is a multiple of 8 here, unlike every other dimension), ffn 30, 3 blocks,
+deepstack after blocks 0 and 1, patches of 2 x 3 x 3 over a 5 x 5 position grid."""
+
+import pytest
+import torch
+import worlds
+
+from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+VISION = dict(depth=3, hidden_size=40, intermediate_size=30, num_heads=2, out_hidden_size=44,
+              num_position_embeddings=25, patch_size=3, temporal_patch_size=2, spatial_merge_size=2,
+              deepstack_visual_indexes=[0, 1])
+LAYOUTS = [Layout(tp=2, pp=2), Layout(tp=2), Layout(pp=2), Layout()]
+#: two images (grids t x h x w in patches: 6 and 2 tokens after the 2 x 2 merge) between text
+GRID = torch.tensor([[1, 4, 6], [1, 2, 4]])
+IMAGE, START, END = 97, 99, 100
+TOKENS = torch.tensor([[5, 7, START] + [IMAGE] * 6 + [END, 11, 12, START] + [IMAGE] * 2 + [END, 40, 41, 42]])
+#: measured max |Megatron - transformers| fp32 logit difference over these layouts: see test_native_tower_...
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_hf_checkpoint(tiny_config("qwen3_vl", vision_config=VISION), tmp_path_factory.mktemp("q3vl") / "ckpt")
+
+
+def test_native_tower_exports_bit_exact_and_matches_transformers_forward(ckpt, tmp_path, capsys):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    pixels = torch.randn(int(GRID.prod(-1).sum()), 3 * 2 * 3 * 3, generator=torch.Generator().manual_seed(1))
+    images = {"pixel_values": pixels, "image_grid_thw": GRID}
+    per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.native_vl_suite, ckpt, str(tmp_path),
+                         TOKENS, images, timeout=600)
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_image = hf(input_ids=TOKENS, pixel_values=pixels, image_grid_thw=GRID,
+                       mm_token_type_ids=(TOKENS == IMAGE).int()).logits
+        ref_text = hf(input_ids=worlds.TOKENS).logits
+    worst = {}
+    for layout in LAYOUTS:
+        key = str(layout)
+        res = [r[key] for r in per_rank]
+        # the tower only on the first pipeline stage: one chunk per rank of stage 0, none elsewhere
+        stage = [rank // (len(res) // layout.pp) for rank in range(len(res))]  # Megatron's order: PP outermost
+        assert [r["towers"] for r in res] == [int(s == 0) for s in stage], (key, [r["towers"] for r in res])
+        for r in res:
+            worst[key] = max(worst.get(key, 0.0), (r["image"] - ref_image).abs().max().item(),
+                             (r["text"] - ref_text).abs().max().item())
+        _, info = Qwen3VLForConditionalGeneration.from_pretrained(res[0]["dir"], output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (key, info)
+    with capsys.disabled():
+        print(f"\nqwen3_vl native tower: max |Megatron - transformers| logits per layout {worst}")
+    assert max(worst.values()) < TOL, worst
