@@ -3,6 +3,8 @@ Qwen3VLModel / mbridge's qwen3_vl module tree, model_specs/qwen3_vl_vision.py), 
 TP2, PP2 and TP1 (data-parallel replicas beside): loading the HF checkpoint and every export mode are bit-exact
 (tower included), transformers loads the exported directory with no missing, unexpected or mismatched key, and the
 Megatron forward of text + two images (vision tower, mergers, multimodal rope, deepstack) equals transformers'.
+Under Transformer Engine's names (runtime.te_naming) the tower's parameters are exactly names of Megatron-Bridge
+0.6.2's own Qwen3-VL table (models/qwen_vl/qwen3_vl_bridge.py, read from the published wheel) and export the same.
 
 The tiny tower: 2 heads of 20 (TP2 splits the heads; transformers' 2-D vision rope needs head_dim % 4 == 0, so
 with an even head count the width is a multiple of 8 here, unlike every other dimension), ffn 30, 3 blocks,
@@ -27,6 +29,22 @@ IMAGE, START, END = 97, 99, 100
 TOKENS = torch.tensor([[5, 7, START] + [IMAGE] * 6 + [END, 11, 12, START] + [IMAGE] * 2 + [END, 40, 41, 42]])
 #: measured max |Megatron - transformers| fp32 logit difference over these layouts: see test_native_tower_...
 TOL = 1e-4
+#: Megatron-Bridge 0.6.2's Qwen3-VL table (its vision_model.* names are those of its TE-built native tower)
+BRIDGE, BRIDGE_TABLE = "0.6.2", "megatron/bridge/models/qwen_vl/qwen3_vl_bridge.py"
+
+
+def bridge_tower_patterns() -> list[str]:
+    """The `vision_model.*` Megatron names of Bridge's Qwen3VLBridge.mapping_registry as regexes (`*` a layer
+    index, `**` any rest, as its param_mapping matches them)."""
+    import re
+
+    from harness.wheels import unpacked_wheel
+
+    text = (unpacked_wheel("megatron-bridge", BRIDGE, (BRIDGE_TABLE,)) / BRIDGE_TABLE).read_text()
+    table = text[text.index("class Qwen3VLBridge"):text.index("class Qwen3VLMoEBridge")]
+    names = sorted(set(re.findall(r'"(vision_model\.[^"]+)"', table)))
+    assert len(names) > 20, names
+    return [re.escape(n).replace(r"\*\*", ".+").replace(r"\*", r"\d+") for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +76,12 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(ckpt, t
                              (r["text"] - ref_text).abs().max().item())
         _, info = Qwen3VLForConditionalGeneration.from_pretrained(res[0]["dir"], output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (key, info)
+    # TE names (one TP rank of the first stage holds the whole tower's names): all in Bridge 0.6.2's table
+    import re
+
+    patterns = bridge_tower_patterns()
+    names = per_rank[0][str(LAYOUTS[0])]["te_tower"]
+    assert names and not [n for n in names if not any(re.fullmatch(p, n) for p in patterns)], names
     with capsys.disabled():
         print(f"\nqwen3_vl native tower: max |Megatron - transformers| logits per layout {worst}")
     assert max(worst.values()) < TOL, worst

@@ -1460,5 +1460,10 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
           if rank == 0 else None)
     vocab = text_config(cfg).vocab_size
     held = sum(1 for c in chunks if c.vision_model is not None)
-    return {"image": megatron_logits(chunks, tokens, vocab, images=images),
-            "text": megatron_logits(chunks, TOKENS, vocab), "towers": held, "dir": out}
+    logits = {"image": megatron_logits(chunks, tokens, vocab, images=images),
+              "text": megatron_logits(chunks, TOKENS, vocab)}
+    # the tower as Bridge 0.6.2 builds it (Transformer Engine's ViT spec: fused LayerNorms) exports the same
+    to_te_names(chunks)
+    assert_same(ex.state_dict(), full, f"{layout} TE names")
+    tower = sorted(n for c in chunks for n, _ in c.named_parameters() if n.startswith("vision_model."))
+    return dict(logits, towers=held, dir=out, te_tower=tower)
