@@ -55,6 +55,8 @@ Quantize = str | FP8Scheme | None  # "fp8" / "fp8-ue8m0": block-FP8 output (see 
 log = logging.getLogger("mcore2hf")
 
 _DECODER_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.")
+#: a native vision tower's blocks and deepstack mergers (canonical names, naming.wrapper_part_name)
+_VISION_PART = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(\d+)\.")
 
 
 class HFExporter:
@@ -453,9 +455,32 @@ def structure_problems(sources: dict[str, Source], spec, hf_config, dims) -> lis
         if has_router and experts != set(range(dims.num_experts)):
             problems.append(f"layer {layer}: HF config has {dims.num_experts} experts, the model has experts "
                             f"{sorted(experts)[:8]}{'...' if len(experts) > 8 else ''} ({len(experts)})")
+    problems += vision_tower_problems(sources, hf_config)
     has_output = "output_layer.weight" in sources
     if dims.tie_word_embeddings and has_output:
         problems.append("HF config ties word embeddings, the model has a separate output_layer")
     if not dims.tie_word_embeddings and not has_output:
         problems.append("HF config has a separate lm_head, the model shares embedding and output weights")
+    return problems
+
+
+def vision_tower_problems(names, hf_config) -> list[str]:
+    """A native vision tower (Qwen3-VL's) against the HF vision_config: its blocks are 0..depth-1 and its deepstack
+    mergers one per `deepstack_visual_indexes` entry (the ops check each tensor's shape, not how many there are)."""
+    found: dict[str, set[int]] = {"layers": set(), "deepstack_merger_list": set()}
+    for name in names:
+        m = _VISION_PART.match(name)
+        if m:
+            found[m.group(1)].add(int(m.group(2)))
+    vision = getattr(hf_config, "vision_config", None)
+    if not found["layers"] or vision is None:
+        return []
+    problems = []
+    if found["layers"] != set(range(vision.depth)):
+        problems.append(f"vision tower blocks: HF vision_config has depth {vision.depth}, the model has blocks "
+                        f"{sorted(found['layers'])}")
+    want = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if found["deepstack_merger_list"] != set(range(want)):
+        problems.append(f"vision tower deepstack mergers: HF vision_config has {want} "
+                        f"(deepstack_visual_indexes), the model has {sorted(found['deepstack_merger_list'])}")
     return problems

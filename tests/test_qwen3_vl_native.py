@@ -85,3 +85,20 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(ckpt, t
     with capsys.disabled():
         print(f"\nqwen3_vl native tower: max |Megatron - transformers| logits per layout {worst}")
     assert max(worst.values()) < TOL, worst
+
+
+def test_native_tower_block_and_deepstack_counts_are_checked_against_the_hf_vision_config():
+    """The export's structure check (exporter.vision_tower_problems): blocks 0..depth-1 and one deepstack merger
+    per deepstack_visual_indexes entry; a tower of another depth or without its mergers is named."""
+    from mcore2hf.exporter import vision_tower_problems
+
+    cfg = tiny_config("qwen3_vl", vision_config=VISION)
+    block = "vision_model.decoder.layers.{}.self_attention.linear_qkv.weight"
+    merger = "vision_model.decoder.deepstack_merger_list.{}.linear_fc1.weight"
+    good = [block.format(i) for i in range(3)] + [merger.format(i) for i in range(2)]
+    assert vision_tower_problems(good, cfg) == []
+    assert vision_tower_problems(["model.x"], cfg) == []  # no native tower: nothing to check
+    (depth,) = vision_tower_problems(good[1:], cfg)
+    assert "depth 3" in depth and "[1, 2]" in depth, depth
+    (deep,) = vision_tower_problems(good[:3], cfg)
+    assert "has 2 (deepstack_visual_indexes)" in deep, deep
