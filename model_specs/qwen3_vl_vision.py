@@ -262,6 +262,12 @@ def mrope_freqs(position_ids: torch.Tensor, inv_freq: torch.Tensor, section: lis
     return emb.transpose(0, 1)[:, :, None, :].contiguous()
 
 
+#: transformers 5.24's mrope_section when the config has none (modeling_qwen3_vl.py Qwen3VLTextRotaryEmbedding,
+#: modeling_qwen3_5.py / modeling_qwen3_5_moe.py Qwen3_5TextRotaryEmbedding `rope_parameters.get("mrope_section", ...)`)
+DEFAULT_MROPE_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_vl_moe": [24, 20, 20], "qwen3_5": [11, 11, 10],
+                         "qwen3_5_moe": [11, 11, 10]}
+
+
 class NativeVLModel(nn.Module):
     """A Qwen3-VL model chunk with the native tower, the module tree of Megatron-Bridge 0.6.2's `Qwen3VLModel`
     (modelling_qwen3_vl/model.py:224-381): `vision_model` (VisionModel, only where the chunk holds the first
@@ -283,9 +289,11 @@ class NativeVLModel(nn.Module):
         self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
         text = hf_config.text_config
         rope = get(text, "rope_parameters", default=None) or get(text, "rope_scaling", default=None) or {}
-        self.mrope_section = list(rope["mrope_section"])
+        self.mrope_section = list(rope.get("mrope_section") or DEFAULT_MROPE_SECTION[hf_config.model_type])
         theta = float(rope.get("rope_theta", get(text, "rope_theta", default=10000.0)))
-        dim = self.config.kv_channels
+        # partial rotary (Qwen3.5: 0.25): the first dims of each head rotate, as Megatron applies freqs narrower
+        # than the head (rope_utils.py _apply_rotary_pos_emb_bshd) and transformers computes inv_freq
+        dim = int(self.config.kv_channels * float(rope.get("partial_rotary_factor", 1.0)))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         self.merge = hf_config.vision_config.spatial_merge_size
         self.image_token_id, self.vision_start_token_id = hf_config.image_token_id, hf_config.vision_start_token_id
