@@ -1436,6 +1436,13 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
 
 
 
+def native_vl_archs(ckpts: dict[str, str], everywhere: str, out_root: str, tokens: torch.Tensor, images: dict,
+                    first: Layout, layout: Layout) -> dict:
+    """native_vl_suite at `layout` for the architecture `everywhere`, and at `first` for every architecture."""
+    chosen = {mt: c for mt, c in ckpts.items() if mt == everywhere or layout == first}
+    return for_each_arch(native_vl_suite, chosen, out_root, tokens, images, layout)
+
+
 def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict, layout: Layout) -> dict:
     """Qwen3-VL with the native Megatron vision tower (build_model(vision_tower="native"), layout 1 of issue 26)
     at `layout`: the whole HF checkpoint loads (nothing skipped), every export mode gives it back bit for bit
@@ -1454,7 +1461,7 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     got0 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0) for n, t in b}
     agree(checked(lambda: assert_same(got0, full, f"{layout} receivers=[0] 4 KiB") if rank == 0 else None)
           or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
-    out = os.path.join(out_root, str(layout))
+    out = os.path.join(out_root, cfg.model_type, str(layout))
     ex.save_pretrained(out, max_shard_size=20_000)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained"))
           if rank == 0 else None)
