@@ -158,9 +158,9 @@ TINY_CONFIGS.update({
 })
 
 # Vision-language models (docs/vlm.md), odd-shaped: no dimension a multiple of 8 (a transposition or a wrong
-# split cannot hide behind equal sizes); TP2 still splits heads (4, 2 kv), ffn (50) and experts (6). 4 layers so
-# PP2 x VPP2 has a layer per chunk; a vision tower of 3 patch-3 blocks with 2 deepstack mergers (Qwen3-VL).
-_VL_TEXT = dict(vocab_size=101, hidden_size=44, intermediate_size=50, num_hidden_layers=4, num_attention_heads=4,
+# split cannot hide behind equal sizes); TP2 still splits heads (4, 2 kv) and ffn, EP 2 and 4 the 12 experts. 4 layers so
+# PP2 x VPP2 has a layer per chunk; ffn 52 and expert ffn 20 divide over engine TP 4; a vision tower of 3 patch-3 blocks with 2 deepstack mergers (Qwen3-VL).
+_VL_TEXT = dict(vocab_size=101, hidden_size=44, intermediate_size=52, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=10, max_position_embeddings=256, rms_norm_eps=1e-6,
                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _VL_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 1]}
@@ -168,15 +168,15 @@ _QWEN3_VL_VISION = dict(depth=3, hidden_size=36, intermediate_size=30, num_heads
                         num_position_embeddings=25, patch_size=3, temporal_patch_size=2, spatial_merge_size=2,
                         deepstack_visual_indexes=[0, 1])
 _VL_IDS = dict(image_token_id=97, video_token_id=98, vision_start_token_id=99, vision_end_token_id=100)
-_VL_MOE = dict(moe_intermediate_size=14, num_experts_per_tok=2)
+_VL_MOE = dict(moe_intermediate_size=20, num_experts_per_tok=2)
 TINY_CONFIGS.update({
     "qwen3_vl": dict(text_config=dict(_VL_TEXT, rope_parameters=_VL_MROPE), vision_config=_QWEN3_VL_VISION,
                      tie_word_embeddings=False, **_VL_IDS),
-    "qwen3_vl_moe": dict(text_config=dict(_VL_TEXT, rope_parameters=_VL_MROPE, num_experts=6, decoder_sparse_step=1,
+    "qwen3_vl_moe": dict(text_config=dict(_VL_TEXT, rope_parameters=_VL_MROPE, num_experts=12, decoder_sparse_step=1,
                                           mlp_only_layers=[], **_VL_MOE),
                          vision_config=_QWEN3_VL_VISION, tie_word_embeddings=False, **_VL_IDS),
     # GLM-4.5V: head_dim 12 (partial rotary 0.5 needs an even rotary dim), q/k/v bias, dense first layer, 1 shared
-    "glm4v_moe": dict(text_config=dict(_VL_TEXT, head_dim=12, n_routed_experts=6, n_shared_experts=1,
+    "glm4v_moe": dict(text_config=dict(_VL_TEXT, head_dim=12, n_routed_experts=12, n_shared_experts=1,
                                        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
                                        attention_bias=True, rms_norm_eps=1e-5, **_VL_MOE,
                                        rope_parameters=dict(_VL_MROPE, partial_rotary_factor=0.5)),
@@ -185,8 +185,8 @@ TINY_CONFIGS.update({
                       tie_word_embeddings=False),
     # Kimi-K2.5: Kimi-K2's MLA text model (DeepseekV3Config) and its MoonViT tower with projector
     "kimi_k25": dict(text_config=dict(
-        vocab_size=101, hidden_size=44, intermediate_size=50, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=6, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        vocab_size=101, hidden_size=44, intermediate_size=52, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=12, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
         topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, q_lora_rank=22, kv_lora_rank=18,
         qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=10, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
         max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False, bos_token_id=None,
