@@ -142,12 +142,14 @@ def mtp() -> list[Rule]:
     ]
 
 
-def language_model(rules: list[Rule]) -> list[Rule]:
-    """The same rules with the decoder's HF names under `model.language_model.` (`lm_head.weight` stays at the
-    top): transformers 5's multimodal classes (Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration,
-    Glm4vMoeForConditionalGeneration: `model.language_model` beside `model.visual`)."""
+def language_model(rules: list[Rule], model: str = "model.language_model.", lm_head: str = "lm_head.weight") -> list[Rule]:
+    """The same rules with the decoder's HF names `model.*` under `model` and `lm_head.weight` named `lm_head`:
+    by default transformers 5's multimodal classes (Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration,
+    Glm4vMoeForConditionalGeneration: `model.language_model` beside `model.visual`, lm_head at the top)."""
     def move(name: str) -> str:
-        return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
+        if name == "lm_head.weight":
+            return lm_head
+        return model + name.removeprefix("model.") if name.startswith("model.") else name
 
     return [Rule(r.megatron, [move(n) for n in r.hf], r.op, copies=[move(n) for n in r.copies],
                  keep_dtype=r.keep_dtype, stack=r.stack) for r in rules]

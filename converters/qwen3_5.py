@@ -7,16 +7,18 @@ Names: what transformers 5.23.0 saves for Qwen3_5ForConditionalGeneration, the p
 (models/qwen3_5/modeling_qwen3_5.py: Qwen3_5GatedDeltaNet, Qwen3_5Model.language_model / .visual). The published
 checkpoints also hold the vision tower (`model.visual.*`) and MTP weights (`mtp.*`), which a text-only Megatron
 model does not have: declared `not_held`, so loading skips them and `save_pretrained(base=...)` copies them from
-the base checkpoint. A trainer that builds the tower natively (Megatron-Bridge 0.6.2's Qwen3.5-VL:
-qwen35_vl_bridge.py:72-130, Qwen3-VL's tower without deepstack mergers) exports and loads it through
-`native_vision_tower(deepstack=False)`. No FP8 table (as Qwen3-Next)."""
+the base checkpoint. A tower embedded in the Megatron model as transformers' module at `vision_model` (as
+Megatron-Bridge 0.3.1 embeds Qwen3-VL's) passes through under `model.visual.` (docs/vlm.md). A native Megatron tower
+(Megatron-Bridge 0.6.2's Qwen3.5-VL: qwen35_vl_bridge.py:72-130, Qwen3-VL's tower without deepstack mergers)
+exports and loads through `native_vision_tower(deepstack=False)`, ahead of the pass-through. No FP8 table (as
+Qwen3-Next)."""
 
 from mcore2hf.layouts import ColumnParts, GatedQKV
 from mcore2hf.mapping import Converter, Rule
 from mcore2hf.registry import register
 
 from . import qwen3_next
-from .common import HL, L, dense_mlp, embeddings, gqa_attention, language_model, native_vision_tower
+from .common import HL, L, dense_mlp, embeddings, gqa_attention, hf_tower, language_model, native_vision_tower
 
 #: the vision tower and the MTP module of the published (multimodal) checkpoints
 NOT_HELD = (r"model\.visual\..*", r"mtp\..*")
@@ -34,6 +36,6 @@ QWEN3_5 = register(Converter(
     model_type="qwen3_5",
     spec="mcore2hf.model_specs.qwen3_5",
     rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + dense_mlp())
-          + native_vision_tower(deepstack=False),
+    + native_vision_tower(deepstack=False) + hf_tower("vision_model", "model.visual"),
     not_held=NOT_HELD,
 ))

@@ -8,7 +8,7 @@ from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
 from . import qwen3_next
-from .common import embeddings, gqa_attention, language_model, moe, native_vision_tower
+from .common import embeddings, gqa_attention, hf_tower, language_model, moe, native_vision_tower
 from .qwen3_5 import NOT_HELD, gated_delta_net
 
 QWEN3_5_MOE = register(Converter(
@@ -16,6 +16,6 @@ QWEN3_5_MOE = register(Converter(
     spec="mcore2hf.model_specs.qwen3_5",
     rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe()
                          + qwen3_next.gated_shared_expert())
-          + native_vision_tower(deepstack=False),
+          + native_vision_tower(deepstack=False) + hf_tower("vision_model", "model.visual"),
     not_held=NOT_HELD,
 ))

@@ -62,7 +62,7 @@ from .errors import (
 )
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .hf_dir import HFDirectory
-from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
+from .layouts import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
 from .mapping import Converter, ModelDims, compile_pattern, match_fields
 from .naming import HybridLayout
 from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
@@ -232,7 +232,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
 
 
 #: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one
-GLU_FC1 = (GatedColumn, GatedInterleaved)
+GLU_FC1 = (GatedColumn, GatedInterleaved, GatedTransposed)
 
 
 def _torch_save(obj, f) -> None:

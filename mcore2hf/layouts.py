@@ -478,6 +478,40 @@ class GatedInterleaved(LayoutOp):
         return torch.cat([gate.t(), up.t()] if dim else [gate, up], dim=0).contiguous()
 
 
+class GatedTransposed(LayoutOp):
+    """GLU `linear_fc1` of an expert -> Qwen3-VL-MoE's `gate_up_proj` slice [hidden, 2 * ffn]: [gate | up] by
+    column, i.e. Megatron's [gate; up] transposed (the published checkpoints' layout, transformers 4.57
+    Qwen3VLMoeTextExperts `gate_up_proj` [E, hidden, 2 * expert_dim], `gate, up = (x @ gate_up_proj).chunk(2)`;
+    transformers 5.24 transposes it on load, conversion_mapping.py "qwen3_vl_moe").
+
+    Expert-TP shard i holds [gate_i; up_i] ([2f, hidden]): out[c, j * F + i * f + r] = shard_i[j * f + r, c],
+    F = f * count, j = 0 (gate) or 1 (up)."""
+
+    tp_dim = 0
+    strides = (1, 2)
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(len(full_shape) == 2 and full_shape[0] % 2 == 0, "GLU linear_fc1 weight [gate + up, hidden]",
+               "2-D with even rows", list(full_shape))
+        return [tuple(reversed(full_shape))]
+
+    def full_shape(self, hf_shapes: list[Shape]) -> Shape:
+        return tuple(reversed(hf_shapes[0]))
+
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        f, h = shard_shape[0] // 2, shard_shape[1]
+        cols = 2 * f * count
+        return [StridedCopy(0, (count, f, h), (f, 1, cols), (S, h, 1), dst_offset=j * f * count, src_offset=j * f * h)
+                for j in (0, 1)]
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        big = full_shape[0] // 2  # gate (and up) columns of the HF tensor
+        f = big // count
+        gate = _take(hf[0], 1, index * f, (index + 1) * f)
+        up = _take(hf[0], 1, big + index * f, big + (index + 1) * f)
+        return torch.cat([gate.t(), up.t()], dim=0).contiguous()
+
+
 class RowTransposed(LayoutOp):
     """Row-parallel `linear_fc2` of an expert ([hidden, ffn], shards [hidden, ffn / n]) -> gpt-oss's
     `down_proj` slice [ffn, hidden] (HF multiplies `x @ down_proj[e]`)."""

@@ -207,19 +207,40 @@ def sigmoid_router_fields(cfg, *, num_experts: int, topk: int) -> dict:
 
 class TextView:
     """A multimodal config's language model as a text model's spec reads it: the nested `text_config`
-    (hf_config.text_config), with the fields transformers keeps on the outer config only (Qwen3VLConfig:
-    `tie_word_embeddings`) and `fields` (values the text spec needs under another name) laid over it."""
+    (hf_config.text_config), with the outer config's `tie_word_embeddings` (the one transformers 5.24 ties by:
+    modeling_utils.py `getattr(self.config, "tie_word_embeddings")` of the ForConditionalGeneration model, while
+    e.g. Qwen3VLMoeTextConfig defaults its own to True) and `fields` (values the text spec needs under another
+    name) laid over it."""
 
     def __init__(self, cfg, **fields):
         from mcore2hf.hf_config import text_config
 
         self._text = text_config(cfg)
-        if getattr(self._text, "tie_word_embeddings", None) is None:
-            self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self._text is not cfg and getattr(cfg, "tie_word_embeddings", None) is not None:
+            self.tie_word_embeddings = bool(cfg.tie_word_embeddings)
         self.__dict__.update(fields)
 
     def __getattr__(self, name: str):
         return getattr(self._text, name)
+
+
+def multimodal(text_spec: ModuleType, **fields) -> dict[str, Callable]:
+    """The spec functions (dims, is_moe_layer, transformer_config, structural_fields, gpt_kwargs and, where the
+    text spec has one, layer_spec) of a multimodal config's language model: `text_spec`'s, on TextView(cfg)."""
+    def view(cfg):
+        return TextView(cfg, **fields)
+
+    def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
+        return text_spec.layer_spec(config, view(cfg), vp_stage=vp_stage, use_te=use_te)
+
+    out = dict(dims=lambda cfg: text_spec.dims(view(cfg)),
+               is_moe_layer=lambda cfg, layer: text_spec.is_moe_layer(view(cfg), layer),
+               transformer_config=lambda cfg, **overrides: text_spec.transformer_config(view(cfg), **overrides),
+               structural_fields=lambda cfg: text_spec.structural_fields(view(cfg)),
+               gpt_kwargs=lambda cfg: text_spec.gpt_kwargs(view(cfg)))
+    if hasattr(text_spec, "layer_spec"):
+        out["layer_spec"] = layer_spec
+    return out
 
 
 def mtp_fields(cfg) -> dict:

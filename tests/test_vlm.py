@@ -1,0 +1,72 @@
+"""Vision-language models (issue 26, docs/vlm.md): the language model of Qwen3-VL, Qwen3-VL-MoE, GLM-4.5V and
+Kimi-K2.5 from their multimodal checkpoints (tiny odd-shaped configs, runtime/tiny.py, in the published checkpoint
+layouts), the tower passed through where the Megatron model embeds transformers' tower (Megatron-Bridge 0.3.1's
+Qwen3VLModel, tests/harness/bridge_vlm.py) and delivered from the checkpoint where it holds none. The oracle is
+transformers 5.24: its classes load every exported directory with no missing, unexpected or mismatched keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import worlds
+from harness.bridge_vlm import bridge_vlm_root
+
+from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+from mcore2hf.runtime.world import Layout, run_world
+
+ARCHS = ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25")
+#: one world of 4 processes runs both layouts in turn (CI time): TP2 x PP2 x EP2 (expert-TP 1; also Bridge's
+#: Qwen3VLModel), and PP2 x VPP2 x EP2 (the virtual pipeline; Bridge 0.3.1's model takes no vp_stage)
+LAYOUTS = [Layout(tp=2, pp=2, ep=2, etp=1), Layout(pp=2, vpp=2, ep=2, etp=1)]
+
+
+@pytest.fixture(scope="module")
+def vlm_ckpts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("vlm")
+    return {mt: make_hf_checkpoint(tiny_config(mt), root / mt) for mt in ARCHS}
+
+
+def _loads_cleanly(path: str, ckpt: str) -> None:
+    """transformers' class loads the directory with nothing missing, unexpected or mismatched, and holds what
+    the checkpoint it came from holds (the same model: every parameter equal)."""
+    from transformers import AutoModelForImageTextToText
+
+    model, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (path, info)
+    base = AutoModelForImageTextToText.from_pretrained(ckpt)
+    ours, theirs = model.state_dict(), base.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[n], theirs[n]) for n in theirs), path
+
+
+def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
+    """Every family's language model at TP2 x PP2 x EP2 and PP2 x VPP2 x EP2: loading skips the tower, exports are
+    the language model's tensors bit for bit, engine-sharded export at the world's placements, save_pretrained
+    completed from the checkpoint equals it and loads in transformers; the frozen tower (layout 3) is delivered
+    live once per sync, or only with the first, only to the receivers; Bridge's Qwen3VLModel (layout 2) exports
+    the whole checkpoint, its tower once, from the first stage."""
+    per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.vlm_archs, dict(vlm_ckpts), str(tmp_path),
+                         bridge_vlm_root(), timeout=600)
+    for layout in LAYOUTS:
+        results = dict(per_rank[0][str(layout)])
+        bridge = results.pop("bridge", None)
+        assert (bridge is not None) == (layout.vpp is None)
+        for mt, r in results.items():
+            problems = worlds.engine_problems(mt, [res[str(layout)][mt]["engine"] for res in per_rank], layout)
+            assert not problems, "\n".join(problems)
+            tower_bytes = sum(t.nbytes for n, t in read_hf_checkpoint(vlm_ckpts[mt]).items() if _tower(mt, n))
+            for rank, res in enumerate(per_rank):
+                sent = res[str(layout)][mt]["tower"]
+                want = tower_bytes if rank == 0 else 0  # receivers (0,): the others are handed nothing
+                assert sent == {"first": [want, 0, 0], "every": [want] * 3}, (mt, layout, rank, sent)
+            _loads_cleanly(r["dir"], vlm_ckpts[mt])
+        if bridge is not None:
+            # stage 0 holds the tower (its TP ranks a full copy each), the last stage none of it
+            assert any(n.startswith("vision_model.") for n in bridge["names"]), bridge["names"][:3]
+            assert not any(n.startswith("vision_model.") for n in per_rank[-1][str(layout)]["bridge"]["names"])
+            _loads_cleanly(bridge["dir"], vlm_ckpts["qwen3_vl"])
+
+
+def _tower(model_type: str, name: str) -> bool:
+    from mcore2hf.registry import get_converter
+
+    return get_converter(model_type).not_held_by_model(name)
