@@ -1561,8 +1561,10 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> 
     sources = ex.plan(4096).sources
     first_stage = {r.rank for r in ex.planner.records if r.pp == 0}
     tower = {s.name: s for s in sources.values() if s.name.startswith("vision_model.")}
-    bad = [s.name for s in tower.values() if s.count != 1 or s.stages != (0,) or type(s.resolved.op).__name__ !=
-           "Replicated" or set(s.holders[0]) != first_stage or not s.hf_names[0].startswith("model.visual.")]
+    # the merger linears share their names with a native tower's TP-split ones: WholeOrSplit, whole here (count 1)
+    bad = [s.name for s in tower.values() if s.count != 1 or s.stages != (0,) or type(s.resolved.op).__name__ not in
+           ("Replicated", "WholeOrSplit") or set(s.holders[0]) != first_stage
+           or not s.hf_names[0].startswith("model.visual.")]
     assert tower and not bad, bad[:4]
     sender = RecordingSender(receivers=(0,))
     sync(ex, sender, bucket_bytes=4096, pause=False, progress=False)
