@@ -7,7 +7,9 @@ every export mode are bit-exact (tower included), the tower is held on the first
 loads the exported directory with no missing, unexpected or mismatched key, and the Megatron forward of text + two
 images (vision tower, mergers, multimodal rope, deepstack) and of text alone equals transformers'. Under
 Transformer Engine's names (runtime.te_naming) the tower's parameters are exactly names of Megatron-Bridge 0.6.2's
-own Qwen3-VL table (models/qwen_vl/qwen3_vl_bridge.py, read from the published wheel) and export the same.
+own Qwen3-VL table (models/qwen_vl/qwen3_vl_bridge.py, read from the published wheel) and export the same; and
+Bridge 0.6.2's own tower module (harness.bridge_vision), put in place of mcore2hf's at TP2 x PP2, has the same
+parameter names, shapes and TP attributes on every rank and loads and exports the checkpoint bit for bit.
 
 The tiny towers: 2 heads of 20 (TP2 splits the heads; transformers' 2-D vision rope needs head_dim % 4 == 0, so
 with an even head count the width is a multiple of 8 here, unlike the other tower dimensions), ffn 30, patches of
@@ -18,6 +20,7 @@ import re
 import pytest
 import torch
 import worlds
+from harness.bridge_vision import BRIDGE_VISION_FILES, BRIDGE_VISION_VERSION, bridge_vision_root
 
 from mcore2hf.runtime.forward import MARGIN, logit_tolerance
 from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
@@ -49,7 +52,7 @@ TOKENS = torch.tensor([[5, 7, START] + [IMAGE] * 6 + [END, 11, 12, START] + [IMA
 TOL = {"qwen3_vl": 1e-4, "qwen3_vl_moe": 1e-4, "qwen3_5": logit_tolerance("qwen3_5"), "qwen3_5_moe": logit_tolerance("qwen3_5_moe")}
 TOL_IMAGE_GDN = MARGIN * 5.3e-4
 #: Megatron-Bridge 0.6.2's Qwen3-VL table (its vision_model.* names are those of its TE-built native tower)
-BRIDGE, BRIDGE_TABLE = "0.6.2", "megatron/bridge/models/qwen_vl/qwen3_vl_bridge.py"
+BRIDGE_TABLE = "megatron/bridge/models/qwen_vl/qwen3_vl_bridge.py"
 
 
 def bridge_tower_patterns() -> list[str]:
@@ -57,7 +60,7 @@ def bridge_tower_patterns() -> list[str]:
     index, `**` any rest, as its param_mapping matches them)."""
     from harness.wheels import unpacked_wheel
 
-    text = (unpacked_wheel("megatron-bridge", BRIDGE, (BRIDGE_TABLE,)) / BRIDGE_TABLE).read_text()
+    text = (unpacked_wheel("megatron-bridge", BRIDGE_VISION_VERSION, BRIDGE_VISION_FILES) / BRIDGE_TABLE).read_text()
     table = text[text.index("class Qwen3VLBridge"):text.index("class Qwen3VLMoEBridge")]
     names = sorted(set(re.findall(r'"(vision_model\.[^"]+)"', table)))
     assert len(names) > 20, names
@@ -76,7 +79,9 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
     pixels = torch.randn(int(GRID.prod(-1).sum()), 3 * 2 * 3 * 3, generator=torch.Generator().manual_seed(1))
     images = {"pixel_values": pixels, "image_grid_thw": GRID}
     per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.native_vl_archs, vl_ckpts, "qwen3_vl",
-                         str(tmp_path), TOKENS, images, LAYOUTS[0], timeout=900)
+                         str(tmp_path), TOKENS, images, LAYOUTS[0], bridge_vision_root(), timeout=900)
+    # Megatron-Bridge 0.6.2's own tower: mcore2hf's names, shapes and TP attributes on every rank, exports the same
+    assert [r[str(LAYOUTS[0])]["bridge"]["compared"] for r in per_rank] == [57, 57, 0, 0], per_rank
     patterns = bridge_tower_patterns()
     worst: dict[str, float] = {}
     for mt, ckpt in vl_ckpts.items():

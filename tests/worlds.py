@@ -1439,10 +1439,40 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
 
 
 def native_vl_archs(ckpts: dict[str, str], everywhere: str, out_root: str, tokens: torch.Tensor, images: dict,
-                    first: Layout, layout: Layout) -> dict:
-    """native_vl_suite at `layout` for the architecture `everywhere`, and at `first` for every architecture."""
+                    first: Layout, bridge_root: str, layout: Layout) -> dict:
+    """native_vl_suite at `layout` for the architecture `everywhere`, and at `first` for every architecture (and
+    there, for `everywhere`, Megatron-Bridge 0.6.2's own tower from `bridge_root` too)."""
     chosen = {mt: c for mt, c in ckpts.items() if mt == everywhere or layout == first}
-    return for_each_arch(native_vl_suite, chosen, out_root, tokens, images, layout)
+    out = for_each_arch(native_vl_suite, chosen, out_root, tokens, images, layout)
+    if layout == first:
+        out["bridge"] = bridge_native_tower(ckpts[everywhere], bridge_root, layout)
+    return out
+
+
+def bridge_native_tower(ckpt: str, bridge_root: str, layout: Layout) -> dict:
+    """Megatron-Bridge 0.6.2's own Qwen3VLVisionModel (harness.bridge_vision) in place of mcore2hf's tower: the same
+    parameter names, shapes and TP attributes (tensor_model_parallel, partition_dim) on every rank, and the HF
+    checkpoint loads into it and exports back bit for bit (its forward needs TE's attention: not run)."""
+    from harness.bridge_vision import build_bridge_tower
+
+    cfg, chunks = build(ckpt, layout, vision_tower="native")
+
+    def described(module) -> dict:
+        return {n: (tuple(p.shape), bool(getattr(p, "tensor_model_parallel", False)), getattr(p, "partition_dim", None))
+                for n, p in module.named_parameters()}
+
+    compared, error = 0, None
+    for c in chunks:
+        if c.vision_model is not None:
+            bridge = build_bridge_tower(bridge_root, cfg, c.config)
+            mine, theirs = described(c.vision_model), described(bridge)
+            if mine != theirs:
+                error = f"Bridge's tower differs: {sorted(set(mine.items()) ^ set(theirs.items()))[:4]}"
+            c.vision_model, compared = bridge, compared + len(theirs)
+    agree(error)  # every rank, towers or not: the collectives stay in step
+    load_hf_weights(chunks, ckpt)
+    assert_same(HFExporter(chunks, cfg).state_dict(), read_hf_checkpoint(ckpt), f"{layout} Bridge 0.6.2 tower")
+    return {"compared": compared}
 
 
 def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict, layout: Layout) -> dict:
