@@ -9,7 +9,8 @@ images (vision tower, mergers, multimodal rope, deepstack) and of text alone equ
 Transformer Engine's names (runtime.te_naming) the tower's parameters are exactly names of Megatron-Bridge 0.6.2's
 own Qwen3-VL table (models/qwen_vl/qwen3_vl_bridge.py, read from the published wheel) and export the same; and
 Bridge 0.6.2's own tower module (harness.bridge_vision), put in place of mcore2hf's at TP2 x PP2, has the same
-parameter names, shapes and TP attributes on every rank and loads and exports the checkpoint bit for bit.
+parameter names, shapes and TP attributes on every rank and loads and exports the checkpoint bit for bit; the
+one-process dry run (`mcore2hf plan --vision-tower native`) is the live plan.
 
 The tiny towers: 2 heads of 20 (TP2 splits the heads; transformers' 2-D vision rope needs head_dim % 4 == 0, so
 with an even head count the width is a multiple of 8 here, unlike the other tower dimensions), ffn 30, patches of
@@ -105,6 +106,12 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
             # TE names (a TP rank of the first stage holds every tower name): each is a name of Bridge 0.6.2's table
             names = res[0]["te_tower"]
             assert names and not [n for n in names if not any(re.fullmatch(p, n) for p in patterns)], (mt, names)
+    # `mcore2hf plan --vision-tower native`: the one-process dry run is the plan the live ranks built (records,
+    # describe() text, every rank's memory estimate)
+    text, records, memory = worlds.in_fresh_process(worlds.native_dry_run, vl_ckpts["qwen3_vl"], LAYOUTS[0], 4096)
+    live = [r[str(LAYOUTS[0])]["qwen3_vl"]["plan_4k"] for r in per_rank]
+    assert records == live[0][1] and text == live[0][0], "dry run != live plan"
+    assert memory == [p[2] for p in live], (memory, [p[2] for p in live])
     with capsys.disabled():
         print(f"\nnative vision tower: max |Megatron - transformers| fp32 logits {worst}")
     assert len(worst) == 2 * (len(LAYOUTS) + len(CONFIGS) - 1), sorted(worst)

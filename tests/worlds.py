@@ -1497,6 +1497,8 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     ex.save_pretrained(out, max_shard_size=20_000)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained"))
           if rank == 0 else None)
+    plan = ex.plan(4096)  # the live plan, for the one-process dry run (`mcore2hf plan --vision-tower native`)
+    live_plan = (plan.describe(), plan.records, ex.executor(4096).memory_estimate())
     vocab = text_config(cfg).vocab_size
     held = sum(1 for c in chunks if c.vision_model is not None)
     logits = {"image": megatron_logits(chunks, tokens, vocab, images=images),
@@ -1505,7 +1507,15 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     to_te_names(chunks)
     assert_same(ex.state_dict(), full, f"{layout} TE names")
     tower = sorted(n for c in chunks for n, _ in c.named_parameters() if n.startswith("vision_model."))
-    return dict(logits, towers=held, dir=out, te_tower=tower)
+    return dict(logits, towers=held, dir=out, te_tower=tower, plan_4k=live_plan)
+
+
+def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int) -> tuple:
+    """The one-process dry run of the native-tower model at `layout` (run in a fresh process)."""
+    from mcore2hf.planning import dry_run
+
+    plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower="native")
+    return plan.describe(), plan.records, memory
 
 
 # --- vision-language models (docs/vlm.md) --------------------------------------------------------------------------
