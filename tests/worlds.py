@@ -1497,6 +1497,19 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     ex.save_pretrained(out, max_shard_size=20_000)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained"))
           if rank == 0 else None)
+    # engine-sharded export: the engines' sharding of the tower is not in the table, refused naming its tensors
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.plan import colocated_ranks
+
+    try:
+        ex.engine_plan(colocated_ranks(dist.get_world_size(), "sglang", 2))
+    except EngineShardError as e:
+        refused = str(e)
+    else:
+        refused = ""
+    # (Qwen3-VL-MoE's packed experts are refused too and listed first)
+    assert "no engine sharding rule" in refused and ("model.visual.blocks.0.attn.qkv.weight" in refused
+                                                     or cfg.model_type == "qwen3_vl_moe"), refused
     plan = ex.plan(4096)  # the live plan, for the one-process dry run (`mcore2hf plan --vision-tower native`)
     live_plan = (plan.describe(), plan.records, ex.executor(4096).memory_estimate())
     vocab = text_config(cfg).vocab_size
