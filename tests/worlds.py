@@ -1566,13 +1566,19 @@ def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained(base=)"))
           if rank == 0 else None)
     tower = frozen_tower(chunks, cfg, ckpt, ref, full, layout)
-    return {"tensors": len(ref), "skipped": len(report.skipped), "engine": engine, "dir": out, "tower": tower}
+    plan = HFExporter(chunks, cfg).plan(4096)  # the live plan, for the dry run (`mcore2hf plan`) to equal
+    return {"tensors": len(ref), "skipped": len(report.skipped), "engine": engine, "dir": out, "tower": tower,
+            "plan_4k": (plan.describe(), plan.records)}
 
 
-def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, layout: Layout) -> dict:
+def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dist_layout: Layout,
+              layout: Layout) -> dict:
     """vlm_suite for every architecture at `layout`; with `bridge_root` (a layout without virtual PP) also
-    Megatron-Bridge's Qwen3VLModel (`bridge_tower`)."""
+    Megatron-Bridge's Qwen3VLModel (`bridge_tower`); at `dist_layout` also a torch_dist checkpoint of each
+    language model under out_root/dist/<arch>/ckpt (the offline export's input)."""
     out = for_each_arch(vlm_suite, ckpts, layout, out_root)
     if bridge_root is not None and not layout.vpp:
         out["bridge"] = bridge_tower(ckpts["qwen3_vl"], layout, bridge_root, out_root)
+    if layout == dist_layout:
+        out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out
