@@ -1534,6 +1534,10 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> 
     else:
         refused = ""
     assert "model.visual.blocks.0.attn.qkv.weight" in refused and "no engine sharding rule" in refused, refused
+    # block-FP8: the language model's weights quantized as the reference quantizer does, the tower kept as it is
+    fp8 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, quantize="fp8") for n, t in b}
+    agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge fp8")))
+    assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
     out = os.path.join(out_root, "bridge", str(layout))
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge save_pretrained"))
