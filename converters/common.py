@@ -3,6 +3,8 @@
 A rule for a parameter that a given config does not have (q/k norm, attention bias) is harmless: rules match
 by name. Whether the model *should* have it is checked against the HF config by the model spec."""
 
+import regex
+
 from mcore2hf.layouts import (
     QKV,
     Column,
@@ -187,12 +189,18 @@ FP8_KEEP_DSA = (r"model\.layers\.\d+\.self_attn\.indexer\.weights_proj\.weight",
 
 
 def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str = "",
-               block_sparse_moe: bool = False, dsa_indexer: bool = False) -> FP8Policy:
+               block_sparse_moe: bool = False, dsa_indexer: bool = False, tower: tuple[str, ...] = ()) -> FP8Policy:
     """Embeddings, lm_head and routers stay unquantized (Mixtral-style names: the router is block_sparse_moe.gate;
-    `dsa_indexer`: and the sparse-attention indexer's weights_proj)."""
+    `dsa_indexer`: and the sparse-attention indexer's weights_proj). `tower`: a vision-language model's tower and
+    projector prefixes (e.g. "model.visual."), kept unquantized whole; its language model's names may also be
+    under `model.language_model.` or `language_model.model.` (`language_model`)."""
     keep = FP8_KEEP + (FP8_KEEP_MTP if mtp else ()) + (FP8_KEEP_DSA if dsa_indexer else ())
     if block_sparse_moe:
         keep += (r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight",)
+    if tower:  # the same names under a multimodal model's language-model prefixes, and the tower whole
+        keep = tuple(p.replace(r"model\.", r"(?:language_model\.)?model\.(?:language_model\.)?", 1)
+                     .replace(r"lm_head\.", r"(?:language_model\.)?lm_head\.") for p in keep)
+        keep += tuple(regex.escape(t) + ".*" for t in tower)
     return FP8Policy(keep=keep, list_not_converted=list_not_converted, source=source)
 
 
@@ -265,3 +273,12 @@ def native_vision_tower(deepstack: bool = True) -> list[Rule]:
     if deepstack:
         rules += _patch_merger("vision_model.decoder.deepstack_merger_list.{D}", "model.visual.deepstack_merger_list.{D}")
     return rules
+
+
+#: VLM FP8 exports keep the vision tower (and projector) in the export dtype. The published Qwen3-VL-*-FP8 and
+#: GLM-4.5V-FP8 config.json files could not be read here (no network access to the hub): their
+#: modules_to_not_convert lists are NOT checked; the towers are kept, as the FP8 releases of Qwen3-VL / Qwen3.5
+#: found (e.g. llm-compressor recipes with ignore "re:.*visual.*", Qwen3.6-35B-A3B-FP8's description keeping vision
+#: layers bf16). docs/vlm.md says so.
+VLM_FP8_SOURCE = ("the text family's table under the language-model prefix; the tower kept whole (not checked "
+                  "against the published FP8 config.json, docs/vlm.md)")

@@ -10,7 +10,16 @@ Without a tower in the Megatron model, `model.visual.*` is declared not held (do
 from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
-from .common import dense_mlp, embeddings, gqa_attention, hf_tower, language_model, moe
+from .common import (
+    VLM_FP8_SOURCE,
+    dense_mlp,
+    embeddings,
+    fp8_policy,
+    gqa_attention,
+    hf_tower,
+    language_model,
+    moe,
+)
 
 GLM4V_MOE = register(Converter(
     model_type="glm4v_moe",
@@ -18,4 +27,5 @@ GLM4V_MOE = register(Converter(
     rules=language_model(embeddings() + gqa_attention() + dense_mlp() + moe(shared_experts=True, expert_bias=True))
     + hf_tower("visual", "model.visual"),
     not_held=(r"model\.visual\..*",),
+    fp8=fp8_policy(source=VLM_FP8_SOURCE, tower=("model.visual.",)),
 ))

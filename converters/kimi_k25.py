@@ -11,7 +11,16 @@ through); without one, both are declared not held (docs/vlm.md)."""
 from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
-from .common import dense_mlp, embeddings, hf_tower, language_model, mla_attention, moe
+from .common import (
+    VLM_FP8_SOURCE,
+    dense_mlp,
+    embeddings,
+    fp8_policy,
+    hf_tower,
+    language_model,
+    mla_attention,
+    moe,
+)
 
 KIMI_K25 = register(Converter(
     model_type="kimi_k25",
@@ -20,4 +29,6 @@ KIMI_K25 = register(Converter(
                          model="language_model.model.", lm_head="language_model.lm_head.weight")
     + hf_tower("vision_tower", "vision_tower") + hf_tower("mm_projector", "mm_projector"),
     not_held=(r"vision_tower\..*", r"mm_projector\..*"),
+    # DeepSeek-V3 / Kimi-K2's block-FP8 format (no modules_to_not_convert), the tower kept
+    fp8=fp8_policy(list_not_converted=False, source=VLM_FP8_SOURCE, tower=("vision_tower.", "mm_projector.")),
 ))

@@ -16,7 +16,7 @@ The tower, by Megatron-side layout (docs/vlm.md):
 from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
-from .common import hf_tower, language_model, llama_like, native_vision_tower
+from .common import VLM_FP8_SOURCE, fp8_policy, hf_tower, language_model, llama_like, native_vision_tower
 
 #: the vision tower's HF tensors: the Megatron model may hold them (an embedded tower) or not (layout 3)
 VISUAL = (r"model\.visual\..*",)
@@ -26,4 +26,5 @@ QWEN3_VL = register(Converter(
     spec="mcore2hf.model_specs.qwen3_vl",
     rules=language_model(llama_like()) + native_vision_tower() + hf_tower("vision_model", "model.visual"),
     not_held=VISUAL,
+    fp8=fp8_policy(source=VLM_FP8_SOURCE, tower=("model.visual.",)),
 ))

@@ -22,4 +22,5 @@ QWEN3_VL_MOE = register(Converter(
         Rule(f"{_E}.linear_fc2.weight", f"{_HE}.down_proj", RowTransposed, stack="E"),
     ]) + native_vision_tower() + hf_tower("vision_model", "model.visual"),
     not_held=VISUAL,
+    # no fp8 policy: block-FP8 of the packed [E, hidden, 2 * ffn] experts is a format no engine loads (as gpt-oss)
 ))

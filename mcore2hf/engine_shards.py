@@ -226,8 +226,9 @@ def sharding_kind(hf_name: str, model_type: str | None = None) -> tuple[str, int
     """The engine-sharding kind of an HF tensor, and its routed-expert index (None for non-expert tensors)."""
     for pattern, kind in _ARCH_COMPILED.get(model_type, []) + _COMPILED:
         m = pattern.fullmatch(hf_name)
-        if m is not None and kind is None:
-            break  # declared not covered (ARCH_KINDS)
+        if m is not None and kind is None:  # declared not covered (ARCH_KINDS)
+            raise EngineShardError(f"{hf_name}: not declared for {model_type}: the engines' loaders of this tensor "
+                                   "are not in the engine sharding table (mcore2hf.engine_shards.ARCH_KINDS)")
         if m is not None:
             e = m.groupdict().get("E")
             return kind, None if e is None else int(e)

@@ -13,6 +13,7 @@ from mcore2hf.layouts import (
     GatedColumn,
     GatedInterleaved,
     GatedQKV,
+    GatedTransposed,
     GDNInProj,
     IndexerRope,
     Replicated,
@@ -197,7 +198,7 @@ def test_to_hf_writes_into_views_of_one_flat_buffer_qkv_tp2():
 @pytest.mark.parametrize("op,full", [
     (Replicated(), (16,)), (Column(), (12, 8)), (Row(), (8, 12)), (GatedColumn(), (16, 8)),
     (QKV(8, 2, 4), (48, 16)), (QKV(3, 3, 5, fused=True), (45, 7)), (VocabRows(100), (100, 8)), (GatedInterleaved(), (16, 6)), (GatedInterleaved(), (16,)),
-    (RowTransposed(), (6, 8)), (Stacked(GatedInterleaved(), 1, 3), (16, 6)), (Stacked(RowTransposed(), 2, 3), (6, 8)),
+    (RowTransposed(), (6, 8)), (GatedTransposed(), (18, 7)), (Stacked(GatedInterleaved(), 1, 3), (16, 6)), (Stacked(RowTransposed(), 2, 3), (6, 8)),
     (GatedQKV(8, 2, 4), (80, 16)), (GDNInProj(2, 4, 4, 3), (48, 8)), (ColumnParts((8, 8, 12)), (28, 1, 4)),
     (ZeroCentered(), (12,)), (IndexerRope(8, 4, True), (24, 6)), (IndexerRope(8, 4, False), (8,)),
 ], ids=lambda x: type(x).__name__ if not isinstance(x, tuple) else "x".join(map(str, x)))

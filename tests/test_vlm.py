@@ -6,15 +6,18 @@ transformers 5.24: its classes load every exported directory with no missing, un
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import worlds
+from conftest import VLM_ARCHS
 from harness.bridge_vlm import bridge_vlm_root
 
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
 
-ARCHS = ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25")
+ARCHS = tuple(VLM_ARCHS)
 #: one world of 4 processes runs both layouts in turn (CI time): TP2 x PP2 x EP2 (expert-TP 1; also Bridge's
 #: Qwen3VLModel), and PP2 x VPP2 x EP2 (the virtual pipeline; Bridge 0.3.1's model takes no vp_stage)
 LAYOUTS = [Layout(tp=2, pp=2, ep=2, etp=1), Layout(pp=2, vpp=2, ep=2, etp=1)]
@@ -45,10 +48,18 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
     live once per sync, or only with the first, only to the receivers; Bridge's Qwen3VLModel (layout 2) exports
     the whole checkpoint, its tower once, from the first stage."""
     per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.vlm_archs, dict(vlm_ckpts), str(tmp_path),
-                         bridge_vlm_root(), timeout=600)
+                         bridge_vlm_root(), LAYOUTS[0], timeout=600)
     for layout in LAYOUTS:
         results = dict(per_rank[0][str(layout)])
         bridge = results.pop("bridge", None)
+        saved = results.pop("dist", {})
+        assert set(saved) == (set(ARCHS) if layout == LAYOUTS[0] else set()), sorted(saved)
+        for mt, r in saved.items():
+            _offline(mt, os.path.join(r["base"], "ckpt"), vlm_ckpts[mt], tmp_path)
+        # the dry run (`mcore2hf plan`, one process, no world) is the plan the live ranks built
+        dry = worlds.in_fresh_process(worlds.dry_run_plans, dict(vlm_ckpts), layout, "float32", 4096)
+        for mt, (text, records, _) in dry.items():
+            assert (text, records) == results[mt]["plan_4k"], mt
         assert (bridge is not None) == (layout.vpp is None)
         for mt, r in results.items():
             problems = worlds.engine_problems(mt, [res[str(layout)][mt]["engine"] for res in per_rank], layout)
@@ -64,6 +75,26 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
             assert any(n.startswith("vision_model.") for n in bridge["names"]), bridge["names"][:3]
             assert not any(n.startswith("vision_model.") for n in per_rank[-1][str(layout)]["bridge"]["names"])
             _loads_cleanly(bridge["dir"], vlm_ckpts["qwen3_vl"])
+
+
+def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:
+    """The offline export of the language model's torch_dist checkpoint (saved by Megatron at TP2 x PP2 x EP2),
+    completed from the multimodal checkpoint, equals it; `mcore2hf import` of the checkpoint (the tower skipped:
+    not held) exported again equals it too."""
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.offline import export_checkpoint
+
+    want = read_hf_checkpoint(hf_dir)
+    out = tmp_path / "offline" / model_type
+    export_checkpoint(ckpt_dir, out, hf_dir, progress=False, base=hf_dir)
+    got = read_hf_checkpoint(out)
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), model_type
+    imported = tmp_path / "imported" / model_type
+    import_checkpoint(hf_dir, imported, progress=False)
+    again = tmp_path / "reexported" / model_type
+    export_checkpoint(imported, again, hf_dir, progress=False, base=hf_dir)
+    got = read_hf_checkpoint(again)
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), model_type
 
 
 def _tower(model_type: str, name: str) -> bool:

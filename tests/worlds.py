@@ -1629,6 +1629,10 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> 
     else:
         refused = ""
     assert "model.visual.blocks.0.attn.qkv.weight" in refused and "no engine sharding rule" in refused, refused
+    # block-FP8: the language model's weights quantized as the reference quantizer does, the tower kept as it is
+    fp8 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, quantize="fp8") for n, t in b}
+    agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge fp8")))
+    assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
     out = os.path.join(out_root, "bridge", str(layout))
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge save_pretrained"))
@@ -1661,13 +1665,19 @@ def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained(base=)"))
           if rank == 0 else None)
     tower = frozen_tower(chunks, cfg, ckpt, ref, full, layout)
-    return {"tensors": len(ref), "skipped": len(report.skipped), "engine": engine, "dir": out, "tower": tower}
+    plan = HFExporter(chunks, cfg).plan(4096)  # the live plan, for the dry run (`mcore2hf plan`) to equal
+    return {"tensors": len(ref), "skipped": len(report.skipped), "engine": engine, "dir": out, "tower": tower,
+            "plan_4k": (plan.describe(), plan.records)}
 
 
-def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, layout: Layout) -> dict:
+def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dist_layout: Layout,
+              layout: Layout) -> dict:
     """vlm_suite for every architecture at `layout`; with `bridge_root` (a layout without virtual PP) also
-    Megatron-Bridge's Qwen3VLModel (`bridge_tower`)."""
+    Megatron-Bridge's Qwen3VLModel (`bridge_tower`); at `dist_layout` also a torch_dist checkpoint of each
+    language model under out_root/dist/<arch>/ckpt (the offline export's input)."""
     out = for_each_arch(vlm_suite, ckpts, layout, out_root)
     if bridge_root is not None and not layout.vpp:
         out["bridge"] = bridge_tower(ckpts["qwen3_vl"], layout, bridge_root, out_root)
+    if layout == dist_layout:
+        out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out

@@ -23,7 +23,9 @@ FAMILY = {"qwen3": "dense", "qwen2": "dense", "llama": "dense", "mistral": "dens
           "deepseek_v3": "mla", "deepseek_v2": "mla", "glm4_moe_lite": "mla", "kimi_k2": "mla", "moonlight": "mla",
           "deepseek_v32": "mla", "glm_moe_dsa": "mla",
           "gpt_oss": "gpt_oss", "qwen3_next": "gated_deltanet", "qwen3_5": "gated_deltanet",
-          "qwen3_5_moe": "gated_deltanet"}
+          "qwen3_5_moe": "gated_deltanet",
+          # vision-language models: their language model's family (text tokens; docs/vlm.md)
+          "qwen3_vl": "dense", "qwen3_vl_moe": "moe", "glm4v_moe": "moe", "kimi_k25": "mla"}
 
 
 def logit_tolerance(model_type: str) -> float:

@@ -179,7 +179,8 @@ TINY_CONFIGS.update({
     "glm4v_moe": dict(text_config=dict(_VL_TEXT, head_dim=12, n_routed_experts=12, n_shared_experts=1,
                                        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
                                        attention_bias=True, rms_norm_eps=1e-5, **_VL_MOE,
-                                       rope_parameters=dict(_VL_MROPE, partial_rotary_factor=0.5)),
+                                       rope_parameters=dict(_VL_MROPE, partial_rotary_factor=0.5,
+                                                            mrope_section=[1, 1, 1])),
                       vision_config=dict(depth=2, hidden_size=30, intermediate_size=26, num_heads=3, out_hidden_size=44,
                                          patch_size=3, temporal_patch_size=2, spatial_merge_size=2, image_size=9),
                       tie_word_embeddings=False),
@@ -282,39 +283,20 @@ def make_hf_checkpoint(cfg: PretrainedConfig, out_dir: str | os.PathLike, *, see
     model.save_pretrained(out)
     if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0):
         _add_mtp_tensors(cfg, out, seed)
-    if cfg.model_type in _PUBLISHED_LAYOUT:
-        _to_published_layout(out, _PUBLISHED_LAYOUT[cfg.model_type])
+    from ..hf_config import PUBLISHED_LAYOUT
+
+    if cfg.model_type in PUBLISHED_LAYOUT:  # where transformers saves another layout than the published one
+        _to_published_layout(out, cfg.model_type)
     return out
 
 
-# transformers 5.24 saves these models in a layout of its own where the published checkpoints differ (both load):
-# Qwen3-VL-MoE's packed experts transposed back to [E, hidden, 2 * ffn] / [E, ffn, hidden] (conversion_mapping.py
-# "qwen3_vl_moe" transposes them on load, with check_dims, but not on save); Kimi-K2.5's language model layers
-# under `language_model.model.layers` (the "blocks" -> "layers" rename meant for its vision tower is reverted on
-# the language model's names too when saving), and its projector's norm under `mm_projector.` as the rest of the
-# projector (saved as `model.mm_projector.pre_norm`: no rename of it is registered)
-_PUBLISHED_LAYOUT: dict[str, tuple[tuple[str, str], ...]] = {
-    "qwen3_vl_moe": ((r"\.mlp\.experts\.(gate_up_proj|down_proj)$", "transpose"),),
-    "kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
-                 (r"^model\.mm_projector\.", "mm_projector.")),
-}
-
-
-def _to_published_layout(path: str, rules: tuple[tuple[str, str], ...]) -> None:
-    import re
-
+def _to_published_layout(path: str, model_type: str) -> None:
+    """Rewrite a checkpoint transformers saved into the published checkpoints' layout (hf_config.PUBLISHED_LAYOUT)."""
     from safetensors.torch import save_file
 
-    sd = read_hf_checkpoint(path)
-    out = {}
-    for name, t in sd.items():
-        for pattern, action in rules:
-            if re.search(pattern, name):
-                if action == "transpose":
-                    t = t.transpose(1, 2).contiguous()
-                else:
-                    name = re.sub(pattern, action, name)
-        out[name] = t
+    from ..hf_config import published_layout
+
+    out = dict(published_layout(model_type, n, t) for n, t in read_hf_checkpoint(path).items())
     for f in os.listdir(path):
         if f.endswith(".safetensors") or f == "model.safetensors.index.json":
             os.remove(os.path.join(path, f))
