@@ -1497,6 +1497,10 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     ex.save_pretrained(out, max_shard_size=20_000)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained"))
           if rank == 0 else None)
+    if cfg.model_type == "qwen3_vl":  # block-FP8: the language model as the reference quantizer, the tower kept
+        fp8 = ex.state_dict(quantize="fp8")
+        assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} fp8")
+        assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
     # engine-sharded export: the engines' sharding of the tower is not in the table, refused naming its tensors
     from mcore2hf.engine_shards import EngineShardError
     from mcore2hf.plan import colocated_ranks
