@@ -246,7 +246,7 @@ def native_vision_tower(deepstack: bool = True) -> list[Rule]:
     ConcatenatedQKVMapping, mbridge base_bridge.py `_weight_to_hf_format`: view(heads, 3, ...).transpose(0, 1));
     the main merger's linears split or whole as the shard says (`WholeOrSplit`: an embedded HF tower has the
     same names, unsplit); `patch_embed.proj` (Conv3d) and `pos_embed` (nn.Embedding) replicated (Bridge's ReplicatedMapping;
-    vision_model.py:134-135 builds them as plain torch modules); `linear_proj` / `linear_fc2` row-parallel with a
+    vision_model.py:144-145 builds them as plain torch modules); `linear_proj` / `linear_fc2` row-parallel with a
     replicated bias, `linear_fc1` column-parallel (Bridge's AutoMapping of TERowParallelLinear /
     TEColumnParallelLinear). `deepstack`: the Qwen3-VL deepstack mergers (transformer_block.py:89-99
     `Qwen3VLVisionTransformerBlock.deepstack_merger_list`), absent in Qwen3.5's tower."""

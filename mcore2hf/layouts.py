@@ -353,7 +353,7 @@ class WholeOrSplit(Concat):
     Megatron decides for MLA's down projections (it compares the output width with the latent rank).
 
     MLA down projections (`LatentDown`); the Qwen3-VL patch merger's `linear_fc1` / `linear_fc2`: column- and
-    row-parallel in a native Megatron tower (Megatron-Bridge 0.6.2 modelling_qwen3_vl/utils.py:136-162), whole in
+    row-parallel in a native Megatron tower (Megatron-Bridge 0.6.2 modelling_qwen3_vl/utils.py:140-167), whole in
     transformers' tower embedded in the Megatron model (Bridge 0.3.1), both named `vision_model.merger.*`."""
 
     check_attributes = False

@@ -54,7 +54,7 @@ TE_RENAMES: dict[str, str] = {
 #: (megatron-bridge 0.3.1 and 0.6.2 peft/adapter_wrapper.py:101-102 AdapterWrapper.__init__)
 LORA_BASE = ".to_wrap."
 _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
-#: a native vision tower's blocks (Qwen3-VL: Megatron-Bridge 0.6.2 modelling_qwen3_vl/vision_model.py:149
+#: a native vision tower's blocks (Qwen3-VL: Megatron-Bridge 0.6.2 modelling_qwen3_vl/vision_model.py:156
 #: `Qwen3VLVisionModel.decoder`), whole on the first pipeline stage: the local index is the block's index
 _VISION_LAYER = regex.compile(r"(vision_model\.decoder\.layers\.\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")

@@ -6,12 +6,12 @@ transformer_config.py `get_vision_model_config`); mbridge's qwen3_vl (github ISE
 is where Bridge copied it from (transformer_block.py:16-18). Bridge 0.6.2 needs megatron-core 0.19 and Python 3.12,
 so it does not run beside megatron-core 0.16.1 here: this module rebuilds the tower with the same module tree (every
 parameter name below is Bridge's, cited per module), from megatron-core 0.16.1's ViT layer spec
-(models/vision/vit_layer_specs.py `get_vit_layer_with_local_spec`, Bridge uses its TE twin, model.py:329) with
-bidirectional attention over each frame, as Bridge's packed `thd` attention (vision_model.py:381-393) and
+(models/vision/vit_layer_specs.py `get_vit_layer_with_local_spec`, Bridge uses its TE twin, model.py:305) with
+bidirectional attention over each frame, as Bridge's packed `thd` attention (vision_model.py:377-393) and
 transformers' `cu_seqlens` compute.
 
 One deliberate difference: the patch mergers' activation. Bridge's merger applies the ViT config's
-`activation_func` (utils.py:166, tanh-approximated GELU, transformer_config.py:128), transformers 5.24's
+`activation_func` (utils.py:154/177, tanh-approximated GELU, transformer_config.py:113), transformers 5.24's
 `Qwen3VLVisionPatchMerger` exact `nn.GELU()`; mcore2hf's tower follows transformers, the published checkpoints'
 reference, so that its forward is transformers' (parameters are the same either way)."""
 
@@ -27,14 +27,14 @@ from .common import supported_kwargs
 
 
 def vision_dims(vision_cfg) -> dict:
-    """`ModelDims` fields of the tower: heads and head dim (Bridge transformer_config.py:127 `kv_channels = hidden
-    // heads`, :128 `num_query_groups = num_attention_heads`)."""
+    """`ModelDims` fields of the tower: heads and head dim (Bridge transformer_config.py:114 `kv_channels = hidden
+    // heads`, :115 `num_query_groups = num_attention_heads`)."""
     return dict(vision_num_heads=vision_cfg.num_heads, vision_head_dim=vision_cfg.hidden_size // vision_cfg.num_heads,
                 vision_merged_size=vision_cfg.hidden_size * vision_cfg.spatial_merge_size ** 2)
 
 
 def vision_transformer_config(vision_cfg, lm_config):
-    """The tower's TransformerConfig: Bridge 0.6.2 transformer_config.py:64-158 `get_vision_model_config` (LayerNorm
+    """The tower's TransformerConfig: Bridge 0.6.2 transformer_config.py:63-158 `get_vision_model_config` (LayerNorm
     eps 1e-6, biased linears, tanh GELU MLP, no GQA, TP of the language model, no PP / SP / CP), with the
     language model's dtype and CPU initialization."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -69,7 +69,7 @@ def _hidden_act(vision_cfg):
 
 def vision_layer_spec():
     """megatron-core 0.16.1's local ViT layer (vit_layer_specs.py:61-84) with bidirectional attention under an
-    explicit mask (one block per frame); Bridge (model.py:329) uses the TE spec, whose fused norms naming.TE_RENAMES
+    explicit mask (one block per frame); Bridge (model.py:305) uses the TE spec, whose fused norms naming.TE_RENAMES
     maps to these names."""
     import copy
 
@@ -97,7 +97,7 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """Bridge utils.py:97-177 `Qwen3VLVisionPatchMerger`: `patch_norm` (LayerNorm, over the tower width, or over
+    """Bridge utils.py:112-177 `Qwen3VLVisionPatchMerger`: `patch_norm` (LayerNorm, over the tower width, or over
     the merged width with `postshuffle` for the deepstack mergers), `linear_fc1` column- and `linear_fc2`
     row-parallel over the language model's TP group, both biased; exact GELU between (transformers'; see the
     module docstring)."""
@@ -129,7 +129,7 @@ def _vision_block_class():
     class VisionTransformerBlock(TransformerBlock):
         """Bridge transformer_block.py:56-100 `Qwen3VLVisionTransformerBlock`: the ViT layers (no final norm) and
         `deepstack_merger_list`, one postshuffle merger per `deepstack_visual_indexes` entry, applied to the
-        output of that layer (:364-369)."""
+        output of that layer (:366-369)."""
 
         def __init__(self, config, spec, vision_cfg):
             super().__init__(config=config, spec=spec, post_layer_norm=False, pre_process=True, post_process=True)
@@ -172,8 +172,8 @@ class VisionModel(nn.Module):
         self.merger = PatchMerger(self.config, vision_cfg.out_hidden_size, self.merge, postshuffle=False)
 
     def rot_pos_emb(self, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Bridge vision_model.py:184-221: per patch the rotary frequencies of its row and column (patches in
-        merge-window order), dim head_dim // 2 (theta 10000, utils.py:66-92)."""
+        """Bridge vision_model.py:188-225: per patch the rotary frequencies of its row and column (patches in
+        merge-window order), dim head_dim // 2 (theta 10000, utils.py:70-92)."""
         dim = self.head_dim // 2
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         m = self.merge
@@ -189,7 +189,7 @@ class VisionModel(nn.Module):
         return table[pos].flatten(1)
 
     def pos_embeds(self, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Bridge vision_model.py:223-282 `fast_pos_embed_interpolate`: pos_embed's n x n grid bilinearly
+        """Bridge vision_model.py:227-286 `fast_pos_embed_interpolate`: pos_embed's n x n grid bilinearly
         interpolated (corners aligned) to each image's h x w, repeated over t, in merge-window order."""
         n, m = self.num_grid_per_side, self.merge
         weight = self.pos_embed.weight
@@ -270,16 +270,16 @@ DEFAULT_MROPE_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_vl_moe": [24, 20, 20],
 
 class NativeVLModel(nn.Module):
     """A Qwen3-VL model chunk with the native tower, the module tree of Megatron-Bridge 0.6.2's `Qwen3VLModel`
-    (modelling_qwen3_vl/model.py:224-381): `vision_model` (VisionModel, only where the chunk holds the first
-    pipeline stage's embedding: model.py:323 `if self.pre_process and self.add_encoder`) beside `language_model`,
+    (modelling_qwen3_vl/model.py:209-381): `vision_model` (VisionModel, only where the chunk holds the first
+    pipeline stage's embedding: model.py:302 `if self.pre_process and self.add_encoder`) beside `language_model`,
     the GPT decoder (here megatron-core's GPTModel; its rope module is not used: this forward computes Qwen3-VL's
     interleaved multimodal rope, Bridge's Qwen3VLGPTModel does the same).
 
     `forward(input_ids, position_ids, attention_mask, pixel_values=None, image_grid_thw=None)`: Bridge's forward
-    (model.py:493-931) for images: the tower's embeddings replace the image tokens' (model.py:721), the rope
+    (model.py:499-931) for images: the tower's embeddings replace the image tokens' (model.py:714), the rope
     positions from the image grids (`mrope_positions`, when `position_ids` is not [3, b, s]), the deepstack features
     added to the image tokens' hidden states after decoder layers 0..k-1 (transformer_block.py:760-767, 794-801;
-    they must be on the first stage, as Bridge asserts, model.py:370-375). Returns the language model's output:
+    they must be on the first stage, as Bridge asserts, model.py:357-364). Returns the language model's output:
     logits [b, s, vocab / TP] on the last stage, hidden states [s, b, h] before it."""
 
     def __init__(self, language_model, vision_model: VisionModel | None, hf_config):
@@ -300,7 +300,7 @@ class NativeVLModel(nn.Module):
 
     @property
     def decoder(self):
-        """The language model's decoder (Bridge model.py:396-404 exposes it the same way)."""
+        """The language model's decoder (Bridge model.py:404-411 exposes it the same way)."""
         return self.language_model.decoder
 
     def set_input_tensor(self, input_tensor) -> None:

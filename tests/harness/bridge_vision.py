@@ -9,12 +9,12 @@ Bridge 0.6.2 as a package needs megatron-core 0.19 and Python 3.12 (the wheel is
 `BRIDGE_VISION_FILES` are unpacked. What is built, with why:
 
 * the layer spec: megatron-core's local ViT spec (vit_layer_specs.py `get_vit_layer_with_local_spec`) with Bridge's
-  `Qwen3VLSelfAttention` as the attention module, as model.py:329-338 does with the TE spec (no TE here; the TE
+  `Qwen3VLSelfAttention` as the attention module, as model.py:305-312 does with the TE spec (no TE here; the TE
   spec's fused norms are the local spec's under naming.TE_RENAMES);
-* the merger spec: PatchMergerSubmodules of the local twins of model.py:330-334's TENorm / TEColumnParallelLinear /
+* the merger spec: PatchMergerSubmodules of the local twins of model.py:306-310's TENorm / TEColumnParallelLinear /
   TERowParallelLinear (WrappedTorchNorm, ColumnParallelLinear, RowParallelLinear);
 * the config: Bridge's `get_vision_model_config(hf vision config, megatron_config=the language model's)`
-  (transformer_config.py:64-158), TP from the language model.
+  (transformer_config.py:63-158), TP from the language model.
 
 Its forward does not run on CPU (it packs frames as `thd`, which only TE's attention takes): the tests load and
 export it, and compare its parameters with mcore2hf's tower (model_specs/qwen3_vl_vision.py), which runs."""
