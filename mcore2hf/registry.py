@@ -75,6 +75,14 @@ VERIFIED: dict[str, str] = {
        for mt in ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25")},
 }
 
+#: the vision tower built natively in Megatron (build_model(vision_tower="native"), Megatron-Bridge 0.6.2's layout;
+#: tests/test_qwen3_vl_native.py, docs/architectures.md)
+for _mt, _layouts in (("qwen3_vl", "TP2 x PP2, TP2, PP2, TP1"), ("qwen3_vl_moe", "TP2 x PP2"), ("qwen3_5", "TP2 x PP2"),
+                      ("qwen3_5_moe", "TP2 x PP2")):
+    VERIFIED[_mt] += (f"; the native Megatron tower ({_layouts}): bit-identical with the tower, transformers loads it, "
+                      "text + image logits = transformers'" + (", Bridge 0.6.2's own tower module, FP8, the dry run"
+                                                               if _mt == "qwen3_vl" else ""))
+
 
 def verified(model_type: str) -> str:
     """What the test suite verifies for `model_type` (an alias: its format's)."""
