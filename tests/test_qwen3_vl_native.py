@@ -1,6 +1,7 @@
 """Vision-language models with their vision tower built natively in Megatron (issue 26, layout 1: Megatron-Bridge
 0.6.2's Qwen3VLModel and Qwen3.5-VL model / mbridge's qwen3_vl module tree, model_specs/qwen3_vl_vision.py), in one
-world of 4 ranks: Qwen3-VL at TP2 x PP2, TP2, PP2 and TP1 (data-parallel replicas beside), Qwen3-VL-MoE (packed
+world of 4 ranks: Qwen3-VL at TP2 x PP2, TP2, PP2, TP1 (data-parallel replicas beside) and PP2 x VPP2 (the tower in
+the first virtual chunk; the forward with images needs the deepstack layers there: text only), Qwen3-VL-MoE (packed
 experts; deepstack after blocks 0 and 2), Qwen3.5 and Qwen3.5-MoE (gated-DeltaNet language models, a tower without
 deepstack mergers) at TP2 x PP2. Loading the HF checkpoint and
 every export mode are bit-exact (tower included), the tower is held on the first pipeline stage only, transformers
@@ -39,7 +40,7 @@ CONFIGS = {
     "qwen3_5": dict(vision_config=dict(TOWER, depth=2, out_hidden_size=64), **IDS),
     "qwen3_5_moe": dict(vision_config=dict(TOWER, depth=2, out_hidden_size=64), **IDS),
 }
-LAYOUTS = [Layout(tp=2, pp=2), Layout(tp=2), Layout(pp=2), Layout()]
+LAYOUTS = [Layout(tp=2, pp=2), Layout(tp=2), Layout(pp=2), Layout(), Layout(pp=2, vpp=2)]
 #: two images (grids t x h x w in patches: 6 and 2 tokens after the 2 x 2 merge) between text
 GRID = torch.tensor([[1, 4, 6], [1, 2, 4]])
 IMAGE, START, END = 95, 97, 98
@@ -97,10 +98,12 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
                 continue
             res = [r[key][mt] for r in per_rank]
             # the tower only on the first pipeline stage: one chunk per rank of stage 0, none elsewhere
+            # (with a virtual pipeline, in the first chunk only: one tower per rank still)
             stage = [rank // (len(res) // layout.pp) for rank in range(len(res))]  # Megatron's order: PP outermost
             assert [r["towers"] for r in res] == [int(s == 0) for s in stage], (mt, key, [r["towers"] for r in res])
             for what, ref in (("image", ref_image), ("text", ref_text)):
-                worst[f"{mt} {key} {what}"] = max((r[what] - ref).abs().max().item() for r in res)
+                if res[0][what] is not None:  # (no image forward at PP2 x VPP2: deepstack needs 2 layers there)
+                    worst[f"{mt} {key} {what}"] = max((r[what] - ref).abs().max().item() for r in res)
             _, info = AutoModelForImageTextToText.from_pretrained(res[0]["dir"], output_loading_info=True)
             assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (mt, key, info)
             # TE names (a TP rank of the first stage holds every tower name): each is a name of Bridge 0.6.2's table
@@ -114,7 +117,7 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
     assert memory == [p[2] for p in live], (memory, [p[2] for p in live])
     with capsys.disabled():
         print(f"\nnative vision tower: max |Megatron - transformers| fp32 logits {worst}")
-    assert len(worst) == 2 * (len(LAYOUTS) + len(CONFIGS) - 1), sorted(worst)
+    assert len(worst) == 2 * (len(LAYOUTS) + len(CONFIGS) - 1) - 1, sorted(worst)
     bad = {k: v for k, v in worst.items()
            if v >= (TOL_IMAGE_GDN if k.endswith("image") and k.startswith("qwen3_5") else TOL[k.split()[0]])}
     assert not bad, bad

@@ -1518,8 +1518,14 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     live_plan = (plan.describe(), plan.records, ex.executor(4096).memory_estimate())
     vocab = text_config(cfg).vocab_size
     held = sum(1 for c in chunks if c.vision_model is not None)
-    logits = {"image": megatron_logits(chunks, tokens, vocab, images=images),
-              "text": megatron_logits(chunks, TOKENS, vocab)}
+    # with a virtual pipeline the embedding chunk holds one decoder layer, fewer than the deepstack features need
+    # (Bridge asserts the same, model.py:357-364): text only there
+    deep = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or [])
+    image = len(chunks[0].language_model.decoder.layers) >= deep if chunks[0].vision_model is not None else None
+    flags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, image)
+    logits = {"image": megatron_logits(chunks, tokens, vocab, images=images) if all(f is not False for f in flags)
+              else None, "text": megatron_logits(chunks, TOKENS, vocab)}
     # the tower as Bridge 0.6.2 builds it (Transformer Engine's ViT spec: fused LayerNorms) exports the same
     to_te_names(chunks)
     assert_same(ex.state_dict(), full, f"{layout} TE names")
