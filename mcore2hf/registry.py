@@ -77,7 +77,7 @@ VERIFIED: dict[str, str] = {
 
 #: the vision tower built natively in Megatron (build_model(vision_tower="native"), Megatron-Bridge 0.6.2's layout;
 #: tests/test_qwen3_vl_native.py, docs/architectures.md)
-for _mt, _layouts in (("qwen3_vl", "TP2 x PP2, TP2, PP2, TP1"), ("qwen3_vl_moe", "TP2 x PP2"), ("qwen3_5", "TP2 x PP2"),
+for _mt, _layouts in (("qwen3_vl", "TP2 x PP2, TP2, PP2, TP1, PP2 x VPP2"), ("qwen3_vl_moe", "TP2 x PP2"), ("qwen3_5", "TP2 x PP2"),
                       ("qwen3_5_moe", "TP2 x PP2")):
     VERIFIED[_mt] += (f"; the native Megatron tower ({_layouts}): bit-identical with the tower, transformers loads it, "
                       "text + image logits = transformers'" + (", Bridge 0.6.2's own tower module, FP8, the dry run"
