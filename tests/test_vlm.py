@@ -79,16 +79,21 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
 
 def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:
     """The offline export of the language model's torch_dist checkpoint (saved by Megatron at TP2 x PP2 x EP2),
-    completed from the multimodal checkpoint, equals it; `mcore2hf import` of the checkpoint (the tower skipped:
-    not held) exported again equals it too."""
+    completed from the multimodal checkpoint, equals it; `mcore2hf verify` finds them identical but for the tower;
+    `mcore2hf import` of the checkpoint (the tower skipped: not held) exported again equals it too."""
     from mcore2hf.importer import import_checkpoint
     from mcore2hf.offline import export_checkpoint
+    from mcore2hf.verify import compare
 
     want = read_hf_checkpoint(hf_dir)
     out = tmp_path / "offline" / model_type
     export_checkpoint(ckpt_dir, out, hf_dir, progress=False, base=hf_dir)
     got = read_hf_checkpoint(out)
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), model_type
+    # `mcore2hf verify` of the checkpoint against Megatron's: identical, the tower the only tensors it lacks
+    r = compare(hf_dir, ckpt_dir)
+    assert r.compared and not r.rows and not r.unexpected and r.missing == sorted(
+        n for n in want if _tower(model_type, n)), (model_type, r.rows[:3], r.unexpected[:3], r.missing[:3])
     imported = tmp_path / "imported" / model_type
     import_checkpoint(hf_dir, imported, progress=False)
     again = tmp_path / "reexported" / model_type
