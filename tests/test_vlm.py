@@ -79,16 +79,21 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
 
 def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:
     """The offline export of the language model's torch_dist checkpoint (saved by Megatron at TP2 x PP2 x EP2),
-    completed from the multimodal checkpoint, equals it; `mcore2hf import` of the checkpoint (the tower skipped:
-    not held) exported again equals it too."""
+    completed from the multimodal checkpoint, equals it; `mcore2hf verify` finds them identical but for the tower;
+    `mcore2hf import` of the checkpoint (the tower skipped: not held) exported again equals it too."""
     from mcore2hf.importer import import_checkpoint
     from mcore2hf.offline import export_checkpoint
+    from mcore2hf.verify import compare
 
     want = read_hf_checkpoint(hf_dir)
     out = tmp_path / "offline" / model_type
     export_checkpoint(ckpt_dir, out, hf_dir, progress=False, base=hf_dir)
     got = read_hf_checkpoint(out)
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), model_type
+    # `mcore2hf verify` of the checkpoint against Megatron's: identical, the tower the only tensors it lacks
+    r = compare(hf_dir, ckpt_dir)
+    assert r.compared and not r.rows and not r.unexpected and r.missing == sorted(
+        n for n in want if _tower(model_type, n)), (model_type, r.rows[:3], r.unexpected[:3], r.missing[:3])
     imported = tmp_path / "imported" / model_type
     import_checkpoint(hf_dir, imported, progress=False)
     again = tmp_path / "reexported" / model_type
@@ -101,3 +106,39 @@ def _tower(model_type: str, name: str) -> bool:
     from mcore2hf.registry import get_converter
 
     return get_converter(model_type).not_held_by_model(name)
+
+
+def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
+    """vLLM 0.33.0's own WeightsMapper of Qwen3VLForConditionalGeneration / Qwen3_5ForConditionalGeneration
+    (harness.vllm_vlm_names: read from the wheel, run on CPU) maps every name an export sends (language model and
+    tower, checkpoint order) into the modules the class builds; Qwen3.5's MTP names it drops."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness.vllm_vlm_names import MODULES
+    from harness.wheels import unpacked_wheel
+
+    from mcore2hf.hf_config import hf_tensor_shapes
+
+    repo = Path(__file__).resolve().parents[1]
+    names = {mt: sorted(hf_tensor_shapes(tiny_config(mt))) for mt in ("qwen3_vl", "qwen3_5")}
+    names["qwen3_5"].append("mtp.fc.weight")  # published Qwen3.5 checkpoints carry MTP weights (declared not held)
+    inp, out = tmp_path / "names.json", tmp_path / "mapped.json"
+    inp.write_text(json.dumps(names))
+    wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), str(repo / "tests"), str(repo)]),
+               VLLM_LOGGING_LEVEL="WARNING")
+    r = subprocess.run([sys.executable, "-m", "harness.vllm_vlm_names", str(inp), str(out)], env=env, cwd=repo,
+                       capture_output=True, text=True, timeout=300)
+    assert out.exists(), r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["vllm"] == "0.33.0" and res["file"].startswith(str(wheel)), res
+    for mt in ("qwen3_vl", "qwen3_5"):
+        mapped = res[mt]
+        assert any(n.startswith("model.visual.") for n in mapped) and len(mapped) == len(names[mt])
+        bad = {n: m for n, m in mapped.items() if not (m is None and n.startswith("mtp.")) and
+               not (m is not None and m.startswith(MODULES))}
+        assert not bad, (mt, list(bad.items())[:4])
+        assert mapped["lm_head.weight"] == "language_model.lm_head.weight", mt
