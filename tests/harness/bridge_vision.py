@@ -16,6 +16,9 @@ Bridge 0.6.2 as a package needs megatron-core 0.19 and Python 3.12 (the wheel is
 * the config: Bridge's `get_vision_model_config(hf vision config, megatron_config=the language model's)`
   (transformer_config.py:63-158), TP from the language model.
 
+Worker processes are reused across tests, and another Bridge release (0.3.1, harness.bridge_lora / bridge_vlm) may
+already be `megatron.bridge` in them: its modules are set aside while 0.6.2's are imported and put back after.
+
 Its forward does not run on CPU (it packs frames as `thd`, which only TE's attention takes): the tests load and
 export it, and compare its parameters with mcore2hf's tower (model_specs/qwen3_vl_vision.py), which runs."""
 
@@ -58,6 +61,24 @@ def build_bridge_tower(root: str, hf_config, lm_config):
     apply_cpu_shims()
     import megatron.core.extensions.transformer_engine  # noqa: F401
 
+    # worker processes are reused across tests: another Bridge release (0.3.1: harness.bridge_lora, bridge_vlm) may
+    # be registered as `megatron.bridge` here; set it aside while 0.6.2's modules are imported, then put it back
+    saved = {k: m for k, m in sys.modules.items() if k == "megatron.bridge" or k.startswith("megatron.bridge.")}
+    for k in saved:
+        del sys.modules[k]
+    attr = megatron.__dict__.pop("bridge", None)
+    try:
+        return _build(root, hf_config, lm_config)
+    finally:
+        for k in [k for k in sys.modules if k == "megatron.bridge" or k.startswith("megatron.bridge.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+        megatron.__dict__.pop("bridge", None)
+        if attr is not None:
+            megatron.bridge = attr
+
+
+def _build(root: str, hf_config, lm_config):
     from harness.bridge_lora import _stub_transformer_engine
 
     bridge = f"{root}/megatron/bridge"
