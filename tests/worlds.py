@@ -1571,8 +1571,9 @@ def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
           if rank == 0 else None)
     tower = frozen_tower(chunks, cfg, ckpt, ref, full, layout)
     plan = HFExporter(chunks, cfg).plan(4096)  # the live plan, for the dry run (`mcore2hf plan`) to equal
+    logits = megatron_logits(chunks, TOKENS, cfg.text_config.vocab_size)  # text tokens: transformers' VLM class
     return {"tensors": len(ref), "skipped": len(report.skipped), "engine": engine, "dir": out, "tower": tower,
-            "plan_4k": (plan.describe(), plan.records)}
+            "plan_4k": (plan.describe(), plan.records), "logits": logits}
 
 
 def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dist_layout: Layout,
