@@ -236,7 +236,7 @@ class HFExporter:
         Checked once per settings (no communication: every rank reads the same headers), before anything moves:
         the base is this model's checkpoint (model_type, unquantized, shapes of the tensors both have) and what it
         adds is only what the converter declares not held (`senders.safetensors.base_completion`)."""
-        if self.base is None or (self.base_sync == "first" and self._base_delivered):
+        if self.base is None or self.lora == "adapter" or (self.base_sync == "first" and self._base_delivered):
             return []
         key = (bucket_bytes, name_filter, get_scheme(quantize))
         if key not in self._base_groups:
@@ -308,6 +308,12 @@ class HFExporter:
         if quantize is not None:
             raise EngineShardError(f"quantize={quantize!r} with engine sharding: not supported yet (FP8 blocks need "
                                    "128-aligned regions); export unquantized or with buckets()")
+        pending = [t.name for g in self.base_groups(bucket_bytes, name_filter) for t in g]
+        if pending:
+            raise EngineShardError(f"engine sharding with a base checkpoint: its {len(pending)} tensor(s) the model "
+                                   f"does not hold (e.g. {pending[:3]}) are read whole from disk, not sharded for the "
+                                   "engines' ranks; sync them without engine sharding first (base_sync='first'), or "
+                                   "export them with buckets()")
         key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter, output, debug)
         if key not in self._executors:
             self._executors[key] = EngineExecutor(self.engine_plan(engine_ranks, bucket_bytes, name_filter),

@@ -69,8 +69,8 @@ VERIFIED: dict[str, str] = {
     **{mt: "its own world (TP2 x PP2 x EP2, PP2 x VPP2 x EP2): the language model bit-identical, the tower completed "
            "from the multimodal checkpoint offline and live (once per sync or with the first), offline export and "
            "import, engine shards" + (" (its packed experts refused)" if mt == "qwen3_vl_moe" else "")
-           + ", the dry run, transformers loads every directory; logits (text) = transformers' "
-           "in the demo" + (", Megatron-Bridge 0.3.1's Qwen3VLModel with its HF tower (TP2 x PP2)"
+           + ", the dry run, transformers loads every directory; logits (text tokens) = transformers' at both, "
+           "demo" + (", Megatron-Bridge 0.3.1's Qwen3VLModel with its HF tower (TP2 x PP2)"
                             if mt == "qwen3_vl" else "")
        for mt in ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25")},
 }

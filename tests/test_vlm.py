@@ -13,6 +13,7 @@ import torch
 import worlds
 from conftest import VLM_ARCHS
 from harness.bridge_vlm import bridge_vlm_root
+from oracle import logit_problems
 
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
@@ -42,7 +43,8 @@ def _loads_cleanly(path: str, ckpt: str) -> None:
 
 
 def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
-    """Every family's language model at TP2 x PP2 x EP2 and PP2 x VPP2 x EP2: loading skips the tower, exports are
+    """Every family's language model at TP2 x PP2 x EP2 and PP2 x VPP2 x EP2: text-token logits = transformers'
+    class's on every rank; loading skips the tower, exports are
     the language model's tensors bit for bit, engine-sharded export at the world's placements, save_pretrained
     completed from the checkpoint equals it and loads in transformers; the frozen tower (layout 3) is delivered
     live once per sync, or only with the first, only to the receivers; Bridge's Qwen3VLModel (layout 2) exports
@@ -61,6 +63,10 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
         for mt, (text, records, _) in dry.items():
             assert (text, records) == results[mt]["plan_4k"], mt
         assert (bridge is not None) == (layout.vpp is None)
+        # the oracle that is not mcore2hf: the Megatron forward of text tokens at this layout = transformers' class
+        logits = [{mt: res[str(layout)][mt]["logits"] for mt in results} for res in per_rank]
+        problems = logit_problems(logits, {mt: vlm_ckpts[mt] for mt in results}, worlds.TOKENS, str(layout))
+        assert not problems, "\n".join(problems)
         for mt, r in results.items():
             problems = worlds.engine_problems(mt, [res[str(layout)][mt]["engine"] for res in per_rank], layout)
             assert not problems, "\n".join(problems)

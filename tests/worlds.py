@@ -1572,11 +1572,23 @@ def frozen_tower(chunks, cfg, ckpt: str, ref: dict, full: dict, layout: Layout) 
     delivers the tower's tensors as stored, after the model's, with the first export only or with every export;
     to every rank (receivers "all": each rank reads them, nothing is gathered) or only to the receivers, and
     exactly once per delivery. Returns the bytes of tower buckets each sync handed the sender on this rank."""
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.errors import UsageError
+    from mcore2hf.plan import colocated_ranks
     from mcore2hf.senders import sync
 
     rank = dist.get_rank()
     tower = {n: t for n, t in full.items() if n not in ref}
     ex = HFExporter(chunks, cfg, base=ckpt)  # base_sync="first"
+    for attempt, words in ((lambda: ex.engine_executor(colocated_ranks(layout.size, "vllm", 1)),
+                            "engine sharding with a base checkpoint"),
+                           (lambda: next(iter(ex.buckets(quantize="fp8"))), "not completed from a base")):
+        try:  # refused before anything moves, naming what it refuses
+            attempt()
+        except (EngineShardError, UsageError) as e:
+            assert words in str(e) and (words.startswith("not") or any(n in str(e) for n in tower)), str(e)
+        else:
+            raise AssertionError(f"not refused: {words}")
     first = [(n, t.clone()) for b in ex.buckets(bucket_bytes=4096) for n, t in b]
     agree(_counted(first, full, f"{layout} base first export, rank {rank}"))
     again = [(n, t.clone()) for b in ex.buckets(bucket_bytes=4096) for n, t in b]
@@ -1676,8 +1688,9 @@ def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
           if rank == 0 else None)
     tower = frozen_tower(chunks, cfg, ckpt, ref, full, layout)
     plan = HFExporter(chunks, cfg).plan(4096)  # the live plan, for the dry run (`mcore2hf plan`) to equal
+    logits = megatron_logits(chunks, TOKENS, cfg.text_config.vocab_size)  # text tokens: transformers' VLM class
     return {"tensors": len(ref), "skipped": len(report.skipped), "engine": engine, "dir": out, "tower": tower,
-            "plan_4k": (plan.describe(), plan.records)}
+            "plan_4k": (plan.describe(), plan.records), "logits": logits}
 
 
 def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dist_layout: Layout,

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..buckets import DEFAULT_BUCKET_BYTES
-from ..engine_shards import EngineShardError
 from ..errors import UsageError
 from .checker import check_mode
 
@@ -88,13 +87,9 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         raise UsageError("debug_nan: expected a sender with engine_sharding=True (an all-ranks sync writes every "
                          "element)")
     # the base checkpoint's tensors the model does not hold (HFExporter(base=...): a frozen vision tower), checked
-    # before any engine is called
-    base_groups = exporter.base_groups(bucket_bytes, name_filter) if hasattr(exporter, "base_groups") else []
-    if base_groups and engine_exec is not None:
-        names = [t.name for g in base_groups for t in g]
-        raise EngineShardError(f"engine sharding with a base checkpoint: its {len(names)} tensor(s) the model does "
-                               f"not hold (e.g. {names[:3]}) are read whole from disk, not sharded for the engines' "
-                               "ranks; sync them without engine_sharding, or export them once with buckets()")
+    # before any engine is called (an engine-sharded executor refuses them above)
+    base_groups = [] if engine_exec is not None or not hasattr(exporter, "base_groups") else \
+        exporter.base_groups(bucket_bytes, name_filter)
     t0 = time.perf_counter()
     if hasattr(sender, "begin"):
         sender.begin(version)  # engine senders check the engines here, before anything is paused or sent
