@@ -6,8 +6,10 @@ from . import (  # noqa: F401
     deepseek_v32,
     glm4_moe,
     glm4_moe_lite,
+    glm4v_moe,
     glm_moe_dsa,
     gpt_oss,
+    kimi_k25,
     llama,
     minimax_m2,
     mistral,
@@ -19,4 +21,6 @@ from . import (  # noqa: F401
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
+    qwen3_vl,
+    qwen3_vl_moe,
 )

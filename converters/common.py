@@ -3,6 +3,8 @@
 A rule for a parameter that a given config does not have (q/k norm, attention bias) is harmless: rules match
 by name. Whether the model *should* have it is checked against the HF config by the model spec."""
 
+import regex
+
 from mcore2hf.layouts import (
     QKV,
     Column,
@@ -13,12 +15,15 @@ from mcore2hf.layouts import (
     Replicated,
     Row,
     VocabRows,
+    WholeOrSplit,
 )
-from mcore2hf.mapping import Rule
+from mcore2hf.mapping import OpSpec, Rule
 from mcore2hf.quantize import FP8Policy
 
 L = "decoder.layers.{L}"
 HL = "model.layers.{L}"
+#: the native Megatron vision tower's blocks and HF's (Qwen3-VL)
+VL, HV = "vision_model.decoder.layers.{V}", "model.visual.blocks.{V}"
 
 
 def embeddings(mtp_copies: bool = False) -> list[Rule]:
@@ -139,6 +144,26 @@ def mtp() -> list[Rule]:
     ]
 
 
+def language_model(rules: list[Rule], model: str = "model.language_model.", lm_head: str = "lm_head.weight") -> list[Rule]:
+    """The same rules with the decoder's HF names `model.*` under `model` and `lm_head.weight` named `lm_head`:
+    by default transformers 5's multimodal classes (Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration,
+    Glm4vMoeForConditionalGeneration: `model.language_model` beside `model.visual`, lm_head at the top)."""
+    def move(name: str) -> str:
+        if name == "lm_head.weight":
+            return lm_head
+        return model + name.removeprefix("model.") if name.startswith("model.") else name
+
+    return [Rule(r.megatron, [move(n) for n in r.hf], r.op, copies=[move(n) for n in r.copies],
+                 keep_dtype=r.keep_dtype, stack=r.stack) for r in rules]
+
+
+def hf_tower(megatron: str, hf: str) -> list[Rule]:
+    """A part of a vision-language wrapper that already carries HF's own names (layout 2 of docs/vlm.md: an HF
+    vision tower embedded in the Megatron model, replicated on every TP rank of the first stage): every tensor
+    under `megatron` passes through to the same path under `hf`, one copy, never gathered over TP."""
+    return [Rule(f"{megatron}.{{NAME}}", f"{hf}.{{NAME}}", Replicated)]
+
+
 def llama_like() -> list[Rule]:
     """Dense decoders: Llama, Qwen2, Qwen3 (and the dense layers of MoE models)."""
     return embeddings() + gqa_attention() + dense_mlp()
@@ -164,10 +189,96 @@ FP8_KEEP_DSA = (r"model\.layers\.\d+\.self_attn\.indexer\.weights_proj\.weight",
 
 
 def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str = "",
-               block_sparse_moe: bool = False, dsa_indexer: bool = False) -> FP8Policy:
+               block_sparse_moe: bool = False, dsa_indexer: bool = False, tower: tuple[str, ...] = ()) -> FP8Policy:
     """Embeddings, lm_head and routers stay unquantized (Mixtral-style names: the router is block_sparse_moe.gate;
-    `dsa_indexer`: and the sparse-attention indexer's weights_proj)."""
+    `dsa_indexer`: and the sparse-attention indexer's weights_proj). `tower`: a vision-language model's tower and
+    projector prefixes (e.g. "model.visual."), kept unquantized whole; its language model's names may also be
+    under `model.language_model.` or `language_model.model.` (`language_model`)."""
     keep = FP8_KEEP + (FP8_KEEP_MTP if mtp else ()) + (FP8_KEEP_DSA if dsa_indexer else ())
     if block_sparse_moe:
         keep += (r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight",)
+    if tower:  # the same names under a multimodal model's language-model prefixes, and the tower whole
+        keep = tuple(p.replace(r"model\.", r"(?:language_model\.)?model\.(?:language_model\.)?", 1)
+                     .replace(r"lm_head\.", r"(?:language_model\.)?lm_head\.") for p in keep)
+        keep += tuple(regex.escape(t) + ".*" for t in tower)
     return FP8Policy(keep=keep, list_not_converted=list_not_converted, source=source)
+
+
+def vision_qkv(dims) -> LayoutOp:
+    """The vision tower's `linear_qkv`: per head [q_h; k_h; v_h] (no GQA) -> HF's one `attn.qkv` [q; k; v]."""
+    return QKV(dims.vision_num_heads, dims.vision_num_heads, dims.vision_head_dim, fused=True)
+
+
+def merger_column(dims) -> LayoutOp:
+    """The patch merger's `linear_fc1`: column-parallel natively, whole in an embedded HF tower (same name)."""
+    return WholeOrSplit(dims.vision_merged_size, 0)
+
+
+def merger_row(dims) -> LayoutOp:
+    """The patch merger's `linear_fc2` weight: row-parallel natively, whole in an embedded HF tower."""
+    return WholeOrSplit(dims.vision_merged_size, 1)
+
+
+def _patch_merger(megatron: str, hf: str, column: OpSpec = Column, row: OpSpec = Row) -> list[Rule]:
+    """A patch merger: LayerNorm (`patch_norm` -> `norm`), column-parallel fc1, GELU, row-parallel fc2 (its bias
+    added once after the TP reduction: replicated)."""
+    return [
+        Rule(f"{megatron}.patch_norm.weight", f"{hf}.norm.weight"),
+        Rule(f"{megatron}.patch_norm.bias", f"{hf}.norm.bias"),
+        Rule(f"{megatron}.linear_fc1.weight", f"{hf}.linear_fc1.weight", column),
+        Rule(f"{megatron}.linear_fc1.bias", f"{hf}.linear_fc1.bias", column),
+        Rule(f"{megatron}.linear_fc2.weight", f"{hf}.linear_fc2.weight", row),
+        Rule(f"{megatron}.linear_fc2.bias", f"{hf}.linear_fc2.bias"),
+    ]
+
+
+def native_vision_tower(deepstack: bool = True) -> list[Rule]:
+    """Qwen3-VL's vision tower as Megatron builds it natively (layout 1 of issue 26): `vision_model.*`, megatron-core
+    ViT layers (LayerNorm, biased linears, GELU MLP) tensor-parallel in the LM's TP group, on the first pipeline
+    stage only -> `model.visual.*` (transformers 5.24 modeling_qwen3_vl.py Qwen3VLVisionModel).
+
+    Names: Megatron-Bridge 0.6.2 models/qwen_vl/qwen3_vl_bridge.py:123-193 (Qwen3VLBridge.mapping_registry, the
+    same in Qwen3VLMoEBridge) and mbridge's qwen3_vl (github ISEEKYAN/mbridge main, mbridge/models/qwen3_vl/
+    __init__.py `_QWEN3VIT_*_MAPPING`; no PyPI release has it: 0.15.1 is the newest and ends at qwen2_5_vl),
+    with TE's fused norms under their local-spec names (naming.TE_RENAMES: `linear_qkv.layer_norm_weight` is
+    `input_layernorm.weight`, HF `norm1`; `mlp.linear_fc1.layer_norm_weight` is `pre_mlp_layernorm.weight`, HF
+    `norm2`). Split rules: `linear_qkv` per head [q_h; k_h; v_h] -> one [q; k; v] (Bridge's
+    ConcatenatedQKVMapping, mbridge base_bridge.py `_weight_to_hf_format`: view(heads, 3, ...).transpose(0, 1));
+    the main merger's linears split or whole as the shard says (`WholeOrSplit`: an embedded HF tower has the
+    same names, unsplit); `patch_embed.proj` (Conv3d) and `pos_embed` (nn.Embedding) replicated (Bridge's ReplicatedMapping;
+    vision_model.py:144-145 builds them as plain torch modules); `linear_proj` / `linear_fc2` row-parallel with a
+    replicated bias, `linear_fc1` column-parallel (Bridge's AutoMapping of TERowParallelLinear /
+    TEColumnParallelLinear). `deepstack`: the Qwen3-VL deepstack mergers (transformer_block.py:89-99
+    `Qwen3VLVisionTransformerBlock.deepstack_merger_list`), absent in Qwen3.5's tower."""
+    a, h = f"{VL}.self_attention", f"{HV}.attn"
+    rules = [
+        Rule("vision_model.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight"),
+        Rule("vision_model.patch_embed.proj.bias", "model.visual.patch_embed.proj.bias"),
+        Rule("vision_model.pos_embed.weight", "model.visual.pos_embed.weight"),
+        Rule(f"{VL}.input_layernorm.weight", f"{HV}.norm1.weight"),
+        Rule(f"{VL}.input_layernorm.bias", f"{HV}.norm1.bias"),
+        Rule(f"{a}.linear_qkv.weight", f"{h}.qkv.weight", vision_qkv),
+        Rule(f"{a}.linear_qkv.bias", f"{h}.qkv.bias", vision_qkv),
+        Rule(f"{a}.linear_proj.weight", f"{h}.proj.weight", Row),
+        Rule(f"{a}.linear_proj.bias", f"{h}.proj.bias"),
+        Rule(f"{VL}.pre_mlp_layernorm.weight", f"{HV}.norm2.weight"),
+        Rule(f"{VL}.pre_mlp_layernorm.bias", f"{HV}.norm2.bias"),
+        Rule(f"{VL}.mlp.linear_fc1.weight", f"{HV}.mlp.linear_fc1.weight", Column),
+        Rule(f"{VL}.mlp.linear_fc1.bias", f"{HV}.mlp.linear_fc1.bias", Column),
+        Rule(f"{VL}.mlp.linear_fc2.weight", f"{HV}.mlp.linear_fc2.weight", Row),
+        Rule(f"{VL}.mlp.linear_fc2.bias", f"{HV}.mlp.linear_fc2.bias"),
+    ]
+    # `vision_model.merger.linear_fc{1,2}` are also the names of an embedded HF tower's (whole) merger linears
+    rules += _patch_merger("vision_model.merger", "model.visual.merger", merger_column, merger_row)
+    if deepstack:
+        rules += _patch_merger("vision_model.decoder.deepstack_merger_list.{D}", "model.visual.deepstack_merger_list.{D}")
+    return rules
+
+
+#: VLM FP8 exports keep the vision tower (and projector) in the export dtype. The published Qwen3-VL-*-FP8 and
+#: GLM-4.5V-FP8 config.json files could not be read here (no network access to the hub): their
+#: modules_to_not_convert lists are NOT checked; the towers are kept, as the FP8 releases of Qwen3-VL / Qwen3.5
+#: found (e.g. llm-compressor recipes with ignore "re:.*visual.*", Qwen3.6-35B-A3B-FP8's description keeping vision
+#: layers bf16). docs/vlm.md says so.
+VLM_FP8_SOURCE = ("the text family's table under the language-model prefix; the tower kept whole (not checked "
+                  "against the published FP8 config.json, docs/vlm.md)")

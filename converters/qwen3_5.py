@@ -7,14 +7,18 @@ Names: what transformers 5.23.0 saves for Qwen3_5ForConditionalGeneration, the p
 (models/qwen3_5/modeling_qwen3_5.py: Qwen3_5GatedDeltaNet, Qwen3_5Model.language_model / .visual). The published
 checkpoints also hold the vision tower (`model.visual.*`) and MTP weights (`mtp.*`), which a text-only Megatron
 model does not have: declared `not_held`, so loading skips them and `save_pretrained(base=...)` copies them from
-the base checkpoint. No FP8 table (as Qwen3-Next)."""
+the base checkpoint. A tower embedded in the Megatron model as transformers' module at `vision_model` (as
+Megatron-Bridge 0.3.1 embeds Qwen3-VL's) passes through under `model.visual.` (docs/vlm.md). A native Megatron tower
+(Megatron-Bridge 0.6.2's Qwen3.5-VL: qwen35_vl_bridge.py:72-130, Qwen3-VL's tower without deepstack mergers)
+exports and loads through `native_vision_tower(deepstack=False)`, ahead of the pass-through. No FP8 table (as
+Qwen3-Next)."""
 
 from mcore2hf.layouts import ColumnParts, GatedQKV
 from mcore2hf.mapping import Converter, Rule
 from mcore2hf.registry import register
 
 from . import qwen3_next
-from .common import HL, L, dense_mlp, embeddings, gqa_attention
+from .common import HL, L, dense_mlp, embeddings, gqa_attention, hf_tower, language_model, native_vision_tower
 
 #: the vision tower and the MTP module of the published (multimodal) checkpoints
 NOT_HELD = (r"model\.visual\..*", r"mtp\..*")
@@ -28,18 +32,10 @@ def gated_delta_net() -> list[Rule]:
     return [in_proj] + [r for r in qwen3_next.gated_delta_net() if r.megatron != in_proj.megatron]
 
 
-def language_model(rules: list[Rule]) -> list[Rule]:
-    """The same rules with the decoder's HF names under `model.language_model.` (lm_head stays)."""
-    def move(name: str) -> str:
-        return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
-
-    return [Rule(r.megatron, [move(n) for n in r.hf], r.op, copies=[move(n) for n in r.copies],
-                 keep_dtype=r.keep_dtype, stack=r.stack) for r in rules]
-
-
 QWEN3_5 = register(Converter(
     model_type="qwen3_5",
     spec="mcore2hf.model_specs.qwen3_5",
-    rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + dense_mlp()),
+    rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + dense_mlp())
+    + native_vision_tower(deepstack=False) + hf_tower("vision_model", "model.visual"),
     not_held=NOT_HELD,
 ))

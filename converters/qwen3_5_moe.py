@@ -8,13 +8,14 @@ from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 
 from . import qwen3_next
-from .common import embeddings, gqa_attention, moe
-from .qwen3_5 import NOT_HELD, gated_delta_net, language_model
+from .common import embeddings, gqa_attention, hf_tower, language_model, moe, native_vision_tower
+from .qwen3_5 import NOT_HELD, gated_delta_net
 
 QWEN3_5_MOE = register(Converter(
     model_type="qwen3_5_moe",
     spec="mcore2hf.model_specs.qwen3_5",
     rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe()
-                         + qwen3_next.gated_shared_expert()),
+                         + qwen3_next.gated_shared_expert())
+          + native_vision_tower(deepstack=False) + hf_tower("vision_model", "model.visual"),
     not_held=NOT_HELD,
 ))

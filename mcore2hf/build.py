@@ -14,7 +14,7 @@ def transformer_engine_available() -> bool:
 
 
 def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_vocab_size_divisible_by: int = 128,
-                model_class: str = "gpt", **overrides) -> list[torch.nn.Module]:
+                model_class: str = "gpt", vision_tower: str | None = None, **overrides) -> list[torch.nn.Module]:
     """Megatron GPTModel chunks (one per virtual-PP stage of this rank) for the HF model `hf_config`.
 
     `model_class="hybrid"`: megatron-core's HybridModel (0.19; MambaModel on 0.16-0.18) instead, whose stack
@@ -25,7 +25,11 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
     HFExporter accepts (PretrainedConfig, dict, config.json or an HF directory). `overrides`: TransformerConfig
     fields (e.g. params_dtype=torch.bfloat16, bf16=True, mtp_num_layers=None). The layer spec is the one the
     architecture needs: Transformer Engine's when it is installed (`use_te=None`), the local spec otherwise.
-    The vocabulary is padded as Megatron pads it (a multiple of make_vocab_size_divisible_by x TP)."""
+    The vocabulary is padded as Megatron pads it (a multiple of make_vocab_size_divisible_by x TP).
+
+    `vision_tower="native"` (vision-language architectures that have one, e.g. qwen3_vl): each chunk wraps the
+    language model with a vision tower built natively in Megatron (`vision_model`, on the first pipeline stage,
+    tensor-parallel), as Megatron-Bridge 0.6.2's Qwen3VLModel holds it; without it, the language model only."""
     from megatron.core import parallel_state as ps
 
     from .errors import ParallelStateError, UsageError
@@ -43,8 +47,14 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
         use_te = transformer_engine_available()
     vocab = padded_vocab_size(text_config(cfg).vocab_size, ps.get_tensor_model_parallel_world_size(),
                               make_vocab_size_divisible_by)
+    if vision_tower not in (None, "native") or (vision_tower and not hasattr(spec, "native_vision_tower")):
+        raise UsageError(f"vision_tower={vision_tower!r}: expected None or 'native' (model types with a native "
+                         f"Megatron vision tower), {cfg.model_type!r} has "
+                         f"{'one' if hasattr(spec, 'native_vision_tower') else 'none'}")
     if model_class == "hybrid":
         from .model_specs.common import build_hybrid_model
 
-        return build_hybrid_model(spec, cfg, vocab_size=vocab, use_te=use_te, **overrides)
-    return spec.build_model(cfg, vocab_size=vocab, use_te=use_te, **overrides)
+        chunks = build_hybrid_model(spec, cfg, vocab_size=vocab, use_te=use_te, **overrides)
+    else:
+        chunks = spec.build_model(cfg, vocab_size=vocab, use_te=use_te, **overrides)
+    return spec.native_vision_tower(chunks, cfg) if vision_tower else chunks

@@ -147,7 +147,7 @@ def cmd_plan(a) -> int:
         cfg = load_hf_config(a.hf_config)
     layout = _layout(a)
     report = run_plan(cfg, layout, bucket_bytes=a.bucket_size, dtype=DTYPES[a.dtype], te_names=a.te_names,
-                      name_filter=_name_filter(a), quantize=a.quantize)
+                      name_filter=_name_filter(a), quantize=a.quantize, vision_tower=a.vision_tower)
     print(json.dumps(report, indent=2) if a.json else plan_report(report, a.limit))
     return 0
 
@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="show Transformer Engine parameter names as Megatron sources (fused norms, grouped experts)")
     pl.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="plan a block-FP8 export: which weights are quantized (and where), their scale shapes")
+    pl.add_argument("--vision-tower", choices=["native"], default=None,
+                    help="a vision-language model with its vision tower built natively in Megatron (qwen3_vl, "
+                         "qwen3_vl_moe, qwen3_5, qwen3_5_moe: Megatron-Bridge 0.6.2's layout)")
     _filters(pl)
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine_shards import EngineRank, EngineShardError, clip, engine_regions
+from .engine_shards import EngineRank, EngineShardError, clip, engine_regions, has_sharding_kind
+from .errors import problem_list
 from .layouts import Piece, pieces
 from .mapping import ModelDims
 from .plan import ExportPlan
@@ -81,6 +82,12 @@ def plan_engine_shards(export: ExportPlan, ranks: list[EngineRank], dims: ModelD
     if len({er.rank for er in ranks}) != len(ranks):
         raise EngineShardError(f"engine ranks: expected one engine rank per training rank, found "
                                f"{sorted(er.rank for er in ranks)}")
+    unknown = sorted({n for s in export.sources.values() for n in s.hf_names
+                      if not has_sharding_kind(n, export.model_type)})
+    if unknown:  # e.g. a vision tower: the engines' tower loaders are not in the table; every such tensor named
+        raise EngineShardError(f"engine-sharded export: {len(unknown)} HF tensor(s) have no engine sharding rule "
+                               f"(mcore2hf.engine_shards.KINDS; a vision tower's are not covered: export it with "
+                               f"buckets() or exclude it with a name filter): " + problem_list(unknown, groups=8))
     piece_cache: dict = {}
     loads = LeastLoaded()  # the one route rule (transfer/routes.py), shared with the receivers export
     all_routes, all_outputs = [], []

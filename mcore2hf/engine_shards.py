@@ -138,15 +138,17 @@ LINEAR_HEADS = "linear_heads"
 #: region is three boxes (mamba_v2_sharded_weight_loader; MergedColumnParallelLinear shard ids 0, 1, 2)
 LINEAR_QKV_PARTS = "linear_qkv_parts"
 
-# Qwen3.5 (multimodal checkpoints) keeps the decoder under model.language_model.
-_L = r"model\.(?:language_model\.)?layers\.\d+"
+# multimodal checkpoints keep the decoder under model.language_model. (Qwen3.5, Qwen3-VL, GLM-4.5V) or
+# language_model.model. (Kimi-K2.5, whose head is language_model.lm_head)
+_LM = r"(?:language_model\.)?model\.(?:language_model\.)?"
+_L = rf"{_LM}layers\.\d+"
 _LA = rf"{_L}\.linear_attn"
 _MOE = rf"{_L}\.(?:mlp|block_sparse_moe)"
 
 #: HF name pattern -> kind, first full match wins; a name no pattern matches is refused
 KINDS: list[tuple[str, str]] = [
     # embeddings and heads, also MTP layers' copies (vocab_parallel_embedding.py)
-    (rf"model\.(?:language_model\.)?embed_tokens\.weight|lm_head\.weight|{_L}\.embed_tokens\.weight"
+    (rf"{_LM}embed_tokens\.weight|(?:language_model\.)?lm_head\.weight|{_L}\.embed_tokens\.weight"
      rf"|{_L}\.shared_head\.head\.weight", VOCAB),
     # attention: QKVParallelLinear (q column, k/v by kv heads), MLA's ColumnParallelLinear q_proj / q_b / kv_b
     (rf"{_L}\.self_attn\.q_proj\.(?:weight|bias)", COLUMN),
@@ -166,7 +168,7 @@ KINDS: list[tuple[str, str]] = [
     # norms (q_norm / k_norm: per-head or full-width replicated; MiniMax-M2 overrides below)
     (rf"{_L}\.(?:input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight"
      rf"|{_L}\.self_attn\.(?:q_norm|k_norm|q_a_layernorm|kv_a_layernorm)\.weight"
-     rf"|model\.(?:language_model\.)?norm\.weight", REPLICATED),
+     rf"|{_LM}norm\.weight", REPLICATED),
     (rf"{_L}\.eh_proj\.weight", REPLICATED),  # MTP: nn.Linear in both engines' MTP models
     # dense and shared-expert MLPs: MergedColumnParallelLinear gate_up_proj, RowParallelLinear down_proj
     (rf"{_L}\.mlp\.shared_experts\.(?:gate_proj|up_proj)\.weight", SHARED_COLUMN),
@@ -199,12 +201,24 @@ KINDS: list[tuple[str, str]] = [
 
 #: per-architecture entries, checked before KINDS: MiniMax-M2's full-width q/k norms are split by heads in both
 #: engines (sglang MiniMaxM2RMSNormTP, vllm MiniMaxText01RMSNormTP with weight_shard_rank = tp_rank // replicas)
-ARCH_KINDS: dict[str, list[tuple[str, str]]] = {
+ARCH_KINDS: dict[str, list[tuple[str, str | None]]] = {
     "minimax_m2": [(rf"{_L}\.self_attn\.q_norm\.weight", COLUMN), (rf"{_L}\.self_attn\.k_norm\.weight", KV_HEADS)],
+    # Qwen3-VL-MoE's packed experts ([E, hidden, 2 * ffn], gate | up by column) are not gpt-oss's interleaved ones:
+    # the engines' loaders for them are not in this table
+    "qwen3_vl_moe": [(rf"{_L}\.mlp\.experts\.(?:gate_up_proj|down_proj)", None)],
 }
 
 _COMPILED = [(regex.compile(p), k) for p, k in KINDS]
 _ARCH_COMPILED = {a: [(regex.compile(p), k) for p, k in t] for a, t in ARCH_KINDS.items()}
+
+
+def has_sharding_kind(hf_name: str, model_type: str | None = None) -> bool:
+    """Whether the table says how the engines shard `hf_name` (`sharding_kind` raises where it does not)."""
+    try:
+        sharding_kind(hf_name, model_type)
+    except EngineShardError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=1 << 18)  # plans ask per name and engine rank: one regex scan per name
@@ -212,6 +226,9 @@ def sharding_kind(hf_name: str, model_type: str | None = None) -> tuple[str, int
     """The engine-sharding kind of an HF tensor, and its routed-expert index (None for non-expert tensors)."""
     for pattern, kind in _ARCH_COMPILED.get(model_type, []) + _COMPILED:
         m = pattern.fullmatch(hf_name)
+        if m is not None and kind is None:  # declared not covered (ARCH_KINDS)
+            raise EngineShardError(f"{hf_name}: not declared for {model_type}: the engines' loaders of this tensor "
+                                   "are not in the engine sharding table (mcore2hf.engine_shards.ARCH_KINDS)")
         if m is not None:
             e = m.groupdict().get("E")
             return kind, None if e is None else int(e)

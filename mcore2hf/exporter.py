@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 import regex
 import torch
 
-from .buckets import DEFAULT_BUCKET_BYTES, Bucket
+from .buckets import DEFAULT_BUCKET_BYTES, Bucket, group_tensors, stored_buckets
 from .collective import agree
 from .engine_plan import EngineShardPlan, plan_engine_shards
 from .engine_shards import EngineRank, EngineShardError
@@ -41,7 +41,14 @@ from .plan import (
 )
 from .quantize import FP8Scheme, get_scheme
 from .registry import get_converter
-from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
+from .senders.safetensors import (
+    SafetensorsWriter,
+    TensorInfo,
+    base_completion,
+    check_base,
+    check_target,
+    read_base,
+)
 from .sizes import format_size
 from .transfer.engine import EngineBucket, EngineExecutor
 from .transfer.export import Executor
@@ -49,10 +56,13 @@ from .transfer.export import Executor
 Receivers = str | int | Sequence[int] | None
 NameFilterLike = Callable[[str], bool] | None  # e.g. naming.NameFilter(exclude=(r"^model\.layers\.48\.",))
 Quantize = str | FP8Scheme | None  # "fp8" / "fp8-ue8m0": block-FP8 output (see mcore2hf.quantize)
+BASE_SYNC = ("first", "every")  # HFExporter(base=...): the base's tensors with the first export, or with every one
 
 log = logging.getLogger("mcore2hf")
 
 _DECODER_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.")
+#: a native vision tower's blocks and deepstack mergers (canonical names, naming.wrapper_part_name)
+_VISION_PART = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(\d+)\.")
 
 
 class HFExporter:
@@ -74,12 +84,25 @@ class HFExporter:
     """
 
     def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None,
-                 lora: str | None = None):
+                 lora: str | None = None, base: str | os.PathLike | None = None, base_sync: str = "first"):
         """`lora`: for a model with Megatron-Bridge LoRA adapters (docs/lora.md), what is exported: "adapter" (the
         adapters alone, HF/PEFT names; `save_pretrained` writes a PEFT adapter directory), "merged" (W + alpha/r B A,
-        computed on the shards; the model is not modified) or "base" (the frozen base weights)."""
+        computed on the shards; the model is not modified) or "base" (the frozen base weights).
+
+        `base` (an HF directory, e.g. the published checkpoint): the tensors the converter declares not held by the
+        Megatron model that it does not produce (a frozen vision tower the trainer does not hold, docs/vlm.md
+        layout 3) complete the export, read from it as stored (hf_dir: one bucket in memory at a time) and
+        delivered after the model's own buckets, on the ranks that receive (each read by those ranks alone, never
+        gathered): with the first export only (`base_sync="first"`: `buckets()` iterated to its end, or a
+        `sync()` that committed), or with every export (`"every"`: engines that reload or free them).
+        `save_pretrained` completes its directory from it unless given another `base`."""
         if lora is not None and lora not in LORA_MODES:
             raise UsageError(f"lora must be one of {LORA_MODES} or None, got {lora!r}")
+        if base_sync not in BASE_SYNC:
+            raise UsageError(f"base_sync must be one of {BASE_SYNC}, got {base_sync!r}")
+        self.base, self.base_sync = (None if base is None else os.fspath(base)), base_sync
+        self._base_delivered = False
+        self._base_groups: dict[tuple, list] = {}
         self.lora = lora
         self.lora_info: LoraInfo | None = None
         self._merger: Merger | None = None
@@ -193,8 +216,56 @@ class HFExporter:
         runs the next bucket's first collectives while this one is converted, with one more bucket of staging.
         `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`). `quantize="fp8"` /
         `"fp8-ue8m0"`: block-FP8 weights and their `weight_scale_inv` tensors, ordinary entries of the bucket."""
+        groups = self.base_groups(bucket_bytes, name_filter, quantize)  # checked before anything moves
+        yield from self._model_buckets(bucket_bytes, receivers, overlap, name_filter, quantize)
+        yield from self.base_buckets(bucket_bytes, receivers, name_filter, quantize, groups=groups)
+        self.base_delivered()
+
+    def _model_buckets(self, bucket_bytes: int, receivers: Receivers, overlap: bool, name_filter: NameFilterLike,
+                       quantize: Quantize) -> Iterator[Bucket]:
         self._refresh_merge()
         yield from self.executor(bucket_bytes, receivers, overlap, name_filter, quantize).run()
+
+    # -- base completion (the base's tensors the model does not hold) -----------------------------------------------
+    def base_groups(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
+                    quantize: Quantize = None) -> list:
+        """The base checkpoint's tensors this export delivers after the model's, in buckets of at most
+        `bucket_bytes` (`buckets.group_tensors`); [] without a base, or once delivered with base_sync="first".
+        Checked once per settings (no communication: every rank reads the same headers), before anything moves:
+        the base is this model's checkpoint (model_type, unquantized, shapes of the tensors both have) and what it
+        adds is only what the converter declares not held (`senders.safetensors.base_completion`)."""
+        if self.base is None or self.lora == "adapter" or (self.base_sync == "first" and self._base_delivered):
+            return []
+        key = (bucket_bytes, name_filter, get_scheme(quantize))
+        if key not in self._base_groups:
+            if quantize is not None:
+                raise UsageError("a quantized export is not completed from a base checkpoint (its tensors would be "
+                                 "missing from the quantization config): drop quantize, or base")
+            check_base(self.base, self.config_source)
+            produced = [TensorInfo(e.name, e.shape, e.dtype) for e in self.plan(bucket_bytes, name_filter).hf_entries()]
+            tensors = base_completion(produced, read_base(self.base), self.converter.not_held_by_model)
+            keep = name_filter or (lambda name: True)
+            self._base_groups[key] = group_tensors([t for t in tensors if keep(t.name)], bucket_bytes)
+        return self._base_groups[key]
+
+    def base_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
+                     name_filter: NameFilterLike = None, quantize: Quantize = None,
+                     groups: list | None = None) -> Iterator[Bucket]:
+        """The base's tensors (`base_groups`) as buckets, numbered after the model's: read from the base directory
+        on each receiving rank (empty buckets elsewhere, so loops stay in step). `buckets()` and `sync()` send them
+        after the model's; call `base_delivered()` once they reached their destination."""
+        if groups is None:
+            groups = self.base_groups(bucket_bytes, name_filter, quantize)
+        if not groups:
+            return iter(())
+        recv = self._receivers(receivers)
+        device = self.device if recv is None or self.ctx.rank in recv else None
+        first = len(self.plan(bucket_bytes, name_filter, quantize).buckets)
+        return stored_buckets(self.base, groups, first, device)
+
+    def base_delivered(self) -> None:
+        """The base's tensors reached the engines (with base_sync="first", later exports do without them)."""
+        self._base_delivered = True
 
     def _refresh_merge(self) -> None:
         """lora="merged": gather the adapters' split factors (collective, before every export: training moves them)."""
@@ -235,6 +306,12 @@ class HFExporter:
         if quantize is not None:
             raise EngineShardError(f"quantize={quantize!r} with engine sharding: not supported yet (FP8 blocks need "
                                    "128-aligned regions); export unquantized or with buckets()")
+        pending = [t.name for g in self.base_groups(bucket_bytes, name_filter) for t in g]
+        if pending:
+            raise EngineShardError(f"engine sharding with a base checkpoint: its {len(pending)} tensor(s) the model "
+                                   f"does not hold (e.g. {pending[:3]}) are read whole from disk, not sharded for the "
+                                   "engines' ranks; sync them without engine sharding first (base_sync='first'), or "
+                                   "export them with buckets()")
         key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter, output, debug)
         if key not in self._executors:
             self._executors[key] = EngineExecutor(self.engine_plan(engine_ranks, bucket_bytes, name_filter),
@@ -272,6 +349,8 @@ class HFExporter:
         target_modules, `base_model_name_or_path`: `base` or else the HF config's directory) and one
         adapter_model.safetensors, as peft's PeftModel.from_pretrained loads it."""
         scheme = get_scheme(quantize)
+        if base is None and self.base is not None and scheme is None and self.lora != "adapter":
+            base = self.base  # the exporter's base completes its directory too
         adapter_config = None
         if self.lora == "adapter":
             if quantize is not None:
@@ -308,7 +387,8 @@ class HFExporter:
             from tqdm import tqdm
 
             bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="save_pretrained", disable=None)
-        for bucket in self.buckets(bucket_bytes, receivers=writer_rank, name_filter=name_filter, quantize=scheme):
+        # the model's buckets: the writer completes the directory from `base` itself (byte ranges, file to file)
+        for bucket in self._model_buckets(bucket_bytes, writer_rank, False, name_filter, scheme):
             if writer is not None and error is None:
                 try:
                     writer.send(bucket)
@@ -451,9 +531,32 @@ def structure_problems(sources: dict[str, Source], spec, hf_config, dims) -> lis
         if has_router and experts != set(range(dims.num_experts)):
             problems.append(f"layer {layer}: HF config has {dims.num_experts} experts, the model has experts "
                             f"{sorted(experts)[:8]}{'...' if len(experts) > 8 else ''} ({len(experts)})")
+    problems += vision_tower_problems(sources, hf_config)
     has_output = "output_layer.weight" in sources
     if dims.tie_word_embeddings and has_output:
         problems.append("HF config ties word embeddings, the model has a separate output_layer")
     if not dims.tie_word_embeddings and not has_output:
         problems.append("HF config has a separate lm_head, the model shares embedding and output weights")
+    return problems
+
+
+def vision_tower_problems(names, hf_config) -> list[str]:
+    """A native vision tower (Qwen3-VL's) against the HF vision_config: its blocks are 0..depth-1 and its deepstack
+    mergers one per `deepstack_visual_indexes` entry (the ops check each tensor's shape, not how many there are)."""
+    found: dict[str, set[int]] = {"layers": set(), "deepstack_merger_list": set()}
+    for name in names:
+        m = _VISION_PART.match(name)
+        if m:
+            found[m.group(1)].add(int(m.group(2)))
+    vision = getattr(hf_config, "vision_config", None)
+    if not found["layers"] or vision is None:
+        return []
+    problems = []
+    if found["layers"] != set(range(vision.depth)):
+        problems.append(f"vision tower blocks: HF vision_config has depth {vision.depth}, the model has blocks "
+                        f"{sorted(found['layers'])}")
+    want = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if found["deepstack_merger_list"] != set(range(want)):
+        problems.append(f"vision tower deepstack mergers: HF vision_config has {want} "
+                        f"(deepstack_visual_indexes), the model has {sorted(found['deepstack_merger_list'])}")
     return problems

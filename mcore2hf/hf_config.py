@@ -214,6 +214,35 @@ def output_config(source: ConfigSource, dtype, quantization: dict | None = None)
     return text, notes
 
 
+#: where the published checkpoints' layout differs from what transformers 5.24 saves (`revert_weight_conversion`
+#: gives the latter; both load): per model_type, (regex, action) with action "transpose" (dims 1 and 2 swapped) or
+#: a replacement name. Qwen3-VL-MoE's packed experts are published as [E, hidden, 2 * ffn] / [E, ffn, hidden]
+#: (conversion_mapping.py "qwen3_vl_moe" transposes them on load, with check_dims, not back on save); Kimi-K2.5's
+#: language model layers as `language_model.model.layers` (its "blocks" -> "layers" rename, meant for the vision
+#: tower, is reverted on the language model's names too when saving) and its projector norm under `mm_projector.`
+PUBLISHED_LAYOUT: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen3_vl_moe": ((r"\.mlp\.experts\.(gate_up_proj|down_proj)$", "transpose"),),
+    "kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+                 (r"^model\.mm_projector\.", "mm_projector.")),
+}
+
+
+def published_layout(model_type: str, name: str, value):
+    """(name, value) as the published checkpoints of `model_type` store a tensor transformers saves as (name,
+    value); `value` is a tensor or a shape tuple."""
+    import re
+
+    for pattern, action in PUBLISHED_LAYOUT.get(model_type, ()):
+        if re.search(pattern, name):
+            if action != "transpose":
+                name = re.sub(pattern, action, name)
+            elif isinstance(value, tuple):
+                value = (value[0], value[2], value[1], *value[3:])
+            else:
+                value = value.transpose(1, 2).contiguous()
+    return name, value
+
+
 def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
                      not_held: Callable[[str], bool] | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of `cfg` holds, with its shape, as transformers itself defines it: the model
@@ -221,7 +250,7 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
     5's in-memory fusions, e.g. of experts). MTP layers, which transformers does not build, are the last decoder
     layer's tensors (and a DSA indexer, see below) plus DeepSeek-V3's published MTP extras. A multimodal config (Qwen3.5) is built as its
     published class (AutoModelForImageTextToText); `not_held` drops the tensors a converter declares the
-    Megatron model never holds (its vision tower)."""
+    Megatron model never holds (its vision tower). Names and shapes are the published checkpoints' (PUBLISHED_LAYOUT)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -235,9 +264,9 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
         pass
     else:
         sd = revert_weight_conversion(model, sd)
+    shapes = dict(published_layout(cfg.model_type, k, tuple(v.shape)) for k, v in sd.items())
     if not_held is not None:
-        sd = {k: v for k, v in sd.items() if not not_held(k)}
-    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        shapes = {k: v for k, v in shapes.items() if not not_held(k)}
     if getattr(cfg, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)  # tied: checkpoints hold the embedding only
     n, h = text_config(cfg).num_hidden_layers, text_config(cfg).hidden_size

@@ -251,6 +251,16 @@ class HFDirectory:
                 raise HFDirectoryError(path, f"cannot read {path}: {e.strerror or e}") from e
         return fd
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """The whole tensor `name`'s bytes into `out` (a contiguous CPU uint8 tensor of its size): one positioned
+        read, no buffer of its own (live base completion reads a bucket's tensors into its flat buffer)."""
+        t = self.info(name)
+        if out.dtype != torch.uint8 or out.numel() != t.nbytes or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"read_into({name}): expected a contiguous CPU uint8 tensor of {t.nbytes} bytes, found "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        if t.nbytes:
+            self._read_into(t, t.offset, memoryview(out.numpy()))
+
     def read_bytes(self, t: StoredTensor, offset: int, n: int) -> torch.Tensor:
         """`n` bytes at absolute `offset` of t's file, as a fresh uint8 tensor."""
         out = torch.empty(n, dtype=torch.uint8)  # not zero-filled, unlike a bytearray

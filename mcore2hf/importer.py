@@ -62,8 +62,8 @@ from .errors import (
 )
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .hf_dir import HFDirectory
-from .layouts import GatedColumn, GatedInterleaved, VocabRows, shape_of
-from .mapping import Converter, ModelDims, compile_pattern
+from .layouts import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
+from .mapping import Converter, ModelDims, compile_pattern, match_fields
 from .naming import HybridLayout
 from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
 from .registry import get_converter
@@ -121,7 +121,7 @@ def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) ->
             m = pattern.fullmatch(hf_name)
             if m is None:
                 continue
-            fields = {k: int(v) for k, v in m.groupdict().items()}
+            fields = match_fields(m)
             if "{M}" in rule.megatron:
                 fields["M"] = fields.get("L", -1) - dims.num_layers
                 if fields["M"] < 0:
@@ -232,7 +232,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
 
 
 #: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one
-GLU_FC1 = (GatedColumn, GatedInterleaved)
+GLU_FC1 = (GatedColumn, GatedInterleaved, GatedTransposed)
 
 
 def _torch_save(obj, f) -> None:

@@ -282,15 +282,23 @@ class QKV(LayoutOp):
     """Fused `linear_qkv` (weight or bias) -> q, k, v.
 
     Megatron interleaves per query group: [q_g (heads_per_group * d); k_g (d); v_g (d)] for each group g, and
-    TP splits whole groups, so each shard is the same interleave over its own groups."""
+    TP splits whole groups, so each shard is the same interleave over its own groups.
+
+    `fused=True`: one HF tensor [q; k; v] (the three outputs concatenated by rows): the Qwen3-VL vision tower's
+    `attn.qkv` (transformers 5.24 modeling_qwen3_vl.py Qwen3VLVisionAttention: `qkv(x).reshape(seq, 3, heads,
+    -1)`), whose Megatron `linear_qkv` is the per-head [q_h; k_h; v_h] interleave (groups == heads; Megatron-Bridge
+    0.6.2 qwen3_vl_bridge.py maps it with ConcatenatedQKVMapping)."""
 
     tp_dim = 0
     n_out = 3
 
-    def __init__(self, num_heads: int, num_groups: int, head_dim: int):
+    def __init__(self, num_heads: int, num_groups: int, head_dim: int, fused: bool = False):
         if num_heads % num_groups:
             raise ShapeMismatchError(f"num_attention_heads {num_heads} is not a multiple of num_query_groups {num_groups}")
         self.num_heads, self.num_groups, self.head_dim = num_heads, num_groups, head_dim
+        self.fused = fused
+        if fused:
+            self.n_out = 1
 
     @classmethod
     def from_dims(cls, dims) -> QKV:
@@ -306,6 +314,8 @@ class QKV(LayoutOp):
                f"linear_qkv rows = groups*(heads_per_group+2)*head_dim ({g}*({hpg}+2)*{d})",
                g * (hpg + 2) * d, full_shape[0])
         rest = tuple(full_shape[1:])
+        if self.fused:
+            return [tuple(full_shape)]
         return [(self.num_heads * d, *rest), (g * d, *rest), (g * d, *rest)]
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
@@ -314,34 +324,68 @@ class QKV(LayoutOp):
         gl = shard_shape[0] // ((hpg + 2) * self.head_dim)  # query groups per shard
         block = (hpg + 2) * d  # one group: [q heads; k; v]
         spans = [(0, hpg * d), (hpg * d, d), ((hpg + 1) * d, d)]
-        return [StridedCopy(j, (count, gl, n), (gl * n, n, 1), (S, block, 1), src_offset=start)
+        # fused: q, k and v are row blocks of output 0, at q's and q + k's elements
+        starts = [0, self.num_groups * hpg * d, self.num_groups * (hpg + 1) * d] if self.fused else [0, 0, 0]
+        return [StridedCopy(0 if self.fused else j, (count, gl, n), (gl * n, n, 1), (S, block, 1),
+                            dst_offset=starts[j], src_offset=start)
                 for j, (start, n) in enumerate(spans)]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         d, hpg = self.head_dim, self._hpg
         gl = self.num_groups // count
         g0, g1 = index * gl, (index + 1) * gl
-        q = _take(hf[0], 0, g0 * hpg * d, g1 * hpg * d)
-        k = _take(hf[1], 0, g0 * d, g1 * d)
-        v = _take(hf[2], 0, g0 * d, g1 * d)
+        # fused: k and v start after all of q's (and k's) rows of the one HF tensor
+        (qh, q0), (kh, k0), (vh, v0) = ([(hf[0], 0), (hf[0], self.num_heads * d),
+                                         (hf[0], (self.num_heads + self.num_groups) * d)] if self.fused
+                                        else [(h, 0) for h in hf])
+        q = _take(qh, 0, q0 + g0 * hpg * d, q0 + g1 * hpg * d)
+        k = _take(kh, 0, k0 + g0 * d, k0 + g1 * d)
+        v = _take(vh, 0, v0 + g0 * d, v0 + g1 * d)
         rest = tuple(q.shape[1:])
         parts = [q.reshape(gl, hpg * d, *rest), k.reshape(gl, d, *rest), v.reshape(gl, d, *rest)]
         return torch.cat(parts, dim=1).reshape(gl * (hpg + 2) * d, *rest)
 
 
 
-class LatentDown(Concat):
+class WholeOrSplit(Concat):
+    """A linear whose Megatron module is split over TP along `tp_dim` in one model and whole on every TP rank in
+    another, under the same name; the shard itself says which (`size` rows or columns: whole, else split), as
+    Megatron decides for MLA's down projections (it compares the output width with the latent rank).
+
+    MLA down projections (`LatentDown`); the Qwen3-VL patch merger's `linear_fc1` / `linear_fc2`: column- and
+    row-parallel in a native Megatron tower (Megatron-Bridge 0.6.2 modelling_qwen3_vl/utils.py:140-167), whole in
+    transformers' tower embedded in the Megatron model (Bridge 0.3.1), both named `vision_model.merger.*`."""
+
+    check_attributes = False
+
+    def __init__(self, size: int, tp_dim: int = 0):
+        self.size, self.tp_dim = size, tp_dim
+
+    def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
+        if group == 1 or shard_shape[self.tp_dim] == self.size:
+            return 1, None
+        _check(shard_shape[self.tp_dim] * group == self.size, f"dim {self.tp_dim} of {self.size} split over "
+               f"{group} TP ranks", self.size // group, shard_shape[self.tp_dim])
+        return group, self.tp_dim
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(full_shape[self.tp_dim] == self.size, f"dim {self.tp_dim} size", self.size, full_shape[self.tp_dim])
+        return [tuple(full_shape)]
+
+
+class LatentDown(WholeOrSplit):
     """MLA down projections (`linear_q_down_proj`, `linear_kv_down_proj`) -> q_a_proj / kv_a_proj_with_mqa.
 
     The local spec builds them column-parallel (split over TP), TE's spec duplicated on every rank, and TE marks
     even its duplicated weights `tensor_model_parallel=True`. Like Megatron itself (which compares the output
     width with the latent rank), this op decides from the shard's rows: all `rows` -> replicated, else split."""
 
-    tp_dim = 0
-    check_attributes = False
-
     def __init__(self, rows: int):
-        self.rows = rows
+        super().__init__(rows, 0)
+
+    @property
+    def rows(self) -> int:
+        return self.size
 
     @classmethod
     def q_down(cls, dims) -> LatentDown:
@@ -350,17 +394,6 @@ class LatentDown(Concat):
     @classmethod
     def kv_down(cls, dims) -> LatentDown:
         return cls(dims.kv_lora_rank + dims.qk_rope_head_dim)
-
-    def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
-        if group == 1 or shard_shape[0] == self.rows:
-            return 1, None
-        _check(shard_shape[0] * group == self.rows, f"MLA down projection rows (latent rank {self.rows}) "
-               f"split over {group} TP ranks", self.rows // group, shard_shape[0])
-        return group, 0
-
-    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[0] == self.rows, "MLA down projection rows", self.rows, full_shape[0])
-        return [tuple(full_shape)]
 
 
 class IndexerRope(LayoutOp):
@@ -443,6 +476,40 @@ class GatedInterleaved(LayoutOp):
         part = _take(hf[0], dim, 2 * index * f, 2 * (index + 1) * f)  # [.., 2f]: gate_i / up_i interleaved
         gate, up = (part[..., j::2] for j in (0, 1))
         return torch.cat([gate.t(), up.t()] if dim else [gate, up], dim=0).contiguous()
+
+
+class GatedTransposed(LayoutOp):
+    """GLU `linear_fc1` of an expert -> Qwen3-VL-MoE's `gate_up_proj` slice [hidden, 2 * ffn]: [gate | up] by
+    column, i.e. Megatron's [gate; up] transposed (the published checkpoints' layout, transformers 4.57
+    Qwen3VLMoeTextExperts `gate_up_proj` [E, hidden, 2 * expert_dim], `gate, up = (x @ gate_up_proj).chunk(2)`;
+    transformers 5.24 transposes it on load, conversion_mapping.py "qwen3_vl_moe").
+
+    Expert-TP shard i holds [gate_i; up_i] ([2f, hidden]): out[c, j * F + i * f + r] = shard_i[j * f + r, c],
+    F = f * count, j = 0 (gate) or 1 (up)."""
+
+    tp_dim = 0
+    strides = (1, 2)
+
+    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
+        _check(len(full_shape) == 2 and full_shape[0] % 2 == 0, "GLU linear_fc1 weight [gate + up, hidden]",
+               "2-D with even rows", list(full_shape))
+        return [tuple(reversed(full_shape))]
+
+    def full_shape(self, hf_shapes: list[Shape]) -> Shape:
+        return tuple(reversed(hf_shapes[0]))
+
+    def copies(self, shard_shape, count) -> list[StridedCopy]:
+        f, h = shard_shape[0] // 2, shard_shape[1]
+        cols = 2 * f * count
+        return [StridedCopy(0, (count, f, h), (f, 1, cols), (S, h, 1), dst_offset=j * f * count, src_offset=j * f * h)
+                for j in (0, 1)]
+
+    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
+        big = full_shape[0] // 2  # gate (and up) columns of the HF tensor
+        f = big // count
+        gate = _take(hf[0], 1, index * f, (index + 1) * f)
+        up = _take(hf[0], 1, big + index * f, big + (index + 1) * f)
+        return torch.cat([gate.t(), up.t()], dim=0).contiguous()
 
 
 class RowTransposed(LayoutOp):

@@ -3,9 +3,12 @@
 A converter is one table of `Rule`s. Patterns name *canonical* Megatron parameters (see `naming`): local-spec
 names with global indices, so one rule covers every PP/VPP/EP layout and both the local and the TE spec.
 
-Placeholders in patterns: {L} decoder layer, {E} routed expert, {M} MTP layer. In HF templates the same fields
+Placeholders in patterns: {L} decoder layer, {E} routed expert, {M} MTP layer, {V} vision-tower block, {D}
+deepstack merger. In HF templates the same fields
 are available; in MTP rules {L} is `num_hidden_layers + M`, the index HF checkpoints give MTP layers. In `copies`,
 {MTP} expands to every MTP layer's HF index (e.g. the embedding copy DeepSeek-V3 / GLM-4.5 keep in layer N).
+{NAME} is a dotted module path, the same on both sides: a vision tower that already carries HF names is one rule,
+`vision_model.{NAME}` -> `model.visual.{NAME}` (`converters.common.hf_tower`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from .layouts import LayoutOp, Replicated, Stacked
 from .quantize import FP8Policy
 
 _PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")
+#: the placeholder of a dotted name (string-valued); every other placeholder is an index
+NAME = "NAME"
+_NAME_PATTERN = r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*"
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,11 @@ class ModelDims:
     # megatron-core keeps its rotary rows ("first" as HF, "last", "last_interleaved": layouts.IndexerRope)
     index_head_dim: int | None = None
     indexer_rope: str | None = None
+    # a native Megatron vision tower (Qwen3-VL's ViT): its attention heads and head dim (no GQA: groups == heads)
+    vision_num_heads: int | None = None
+    vision_head_dim: int | None = None
+    #: its patch mergers' width: hidden_size x spatial_merge_size^2
+    vision_merged_size: int | None = None
 
 
 OpSpec = type[LayoutOp] | LayoutOp | Callable[[ModelDims], LayoutOp]
@@ -60,8 +71,16 @@ def compile_pattern(pattern: str) -> regex.Pattern:
     parts = _PLACEHOLDER.split(pattern)
     out = []
     for i, part in enumerate(parts):
-        out.append(f"(?P<{part}>\\d+)" if i % 2 else regex.escape(part))
+        if i % 2:
+            out.append(f"(?P<{part}>{_NAME_PATTERN})" if part == NAME else f"(?P<{part}>\\d+)")
+        else:
+            out.append(regex.escape(part))
     return regex.compile("".join(out))
+
+
+def match_fields(m: regex.Match) -> dict[str, int | str]:
+    """A matched pattern's placeholders: indices as ints, {NAME} as the dotted name it matched."""
+    return {k: v if k == NAME else int(v) for k, v in m.groupdict().items()}
 
 
 @dataclass
@@ -143,7 +162,7 @@ class Converter:
             m = rule._regex.fullmatch(name)
             if m is None:
                 continue
-            fields = {k: int(v) for k, v in m.groupdict().items()}
+            fields = match_fields(m)
             if "M" in fields:
                 fields["L"] = dims.num_layers + fields["M"]
             hf = tuple(t.format(**fields) for t in rule.hf)

@@ -7,7 +7,8 @@ Canonical names are local-spec names with global indices, whatever the layout an
   here and nothing depends on `get_transformer_layer_offset`'s signature in a given megatron-core release;
 * routed experts: `mlp.experts.{E}.linear_fc{1,2}.weight` with E = ep_rank * num_local_experts + local index,
   from the local spec's `local_experts.{i}` and TE's grouped `linear_fc{1,2}.weight{i}` alike;
-* TE's fused norms are renamed to the local spec's modules (`TE_RENAMES`);
+* TE's fused norms are renamed to the local spec's modules (`TE_RENAMES`), in a native vision tower's blocks
+  (`vision_model.decoder.layers.{i}`, whole on the first pipeline stage) too;
 * LoRA (Megatron-Bridge PEFT): a wrapped linear's base `<module>.to_wrap.weight` is named `<module>.weight`; its
   adapter factors keep their names, `<module>.adapter.linear_{in,out}.weight` (see `lora`);
 * MTP layer m: `mtp.layers.{m}.{enorm,hnorm,eh_proj,final_layernorm}` and its inner transformer layer as decoder
@@ -15,7 +16,11 @@ Canonical names are local-spec names with global indices, whatever the layout an
 * the last stage's copy of a tied embedding (and the MTP stage's) is the embedding itself, a replica;
 * hybrid models (megatron-core 0.16's MambaModel, 0.19's HybridModel), whose stack holds a mixer (attention) and
   an MLP as separate Megatron layers: Megatron layer i belongs to HF layer `HybridLayout.hf_layer[i]`, read from
-  the model's own layer pattern, so their names are the names a GPTModel of the same weights has.
+  the model's own layer pattern, so their names are the names a GPTModel of the same weights has;
+* vision-language wrappers (Megatron-Bridge's `Qwen3VLModel`, `GLM45VModel`), which hold the GPT decoder as
+  `language_model`: its parameters are named as that GPTModel's own (the prefix dropped, every rule above
+  applied through it), the wrapper's other parameters (a vision tower, a projector) keep their wrapper-relative
+  names (`vision_model.blocks.0.attn.qkv.weight`), which the architecture's table maps.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ TE_RENAMES: dict[str, str] = {
 #: (megatron-bridge 0.3.1 and 0.6.2 peft/adapter_wrapper.py:101-102 AdapterWrapper.__init__)
 LORA_BASE = ".to_wrap."
 _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
+#: a native vision tower's blocks (Qwen3-VL: Megatron-Bridge 0.6.2 modelling_qwen3_vl/vision_model.py:156
+#: `Qwen3VLVisionModel.decoder`), whole on the first pipeline stage: the local index is the block's index
+_VISION_LAYER = regex.compile(r"(vision_model\.decoder\.layers\.\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GROUPED_EXPERT = regex.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
 _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
@@ -130,10 +138,23 @@ def _hf_layers(pattern: str, full_pattern: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+#: where a vision-language wrapper holds its GPT decoder (Megatron-Bridge 0.3.1 and 0.6.2
+#: models/qwen_vl/modelling_qwen3_vl/model.py `Qwen3VLModel.language_model`, 0.3.1 glm_vl/modeling_glm_45v.py
+#: `GLM45VModel.language_model`)
+LANGUAGE_MODEL = "language_model"
+
+
+def language_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPT (or hybrid) model of `chunk`: its `language_model` for a vision-language wrapper, else itself."""
+    inner = getattr(chunk, LANGUAGE_MODEL, None)
+    return inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "decoder") else chunk
+
+
 def hybrid_pattern_of(chunk: torch.nn.Module) -> str | None:
     """The full layer pattern a hybrid model chunk was built with (None for a GPTModel), read from the model:
     0.19 HybridModel.hybrid_layer_pattern (also set when built from the deprecated arguments), 0.16
     MambaModel.hybrid_override_pattern, else the allocation 0.16 computes from its ratios."""
+    chunk = language_model(chunk)
     if not hasattr(chunk.decoder, "layer_type_list"):
         return None
     for attr in ("hybrid_layer_pattern", "hybrid_override_pattern"):
@@ -192,7 +213,7 @@ def checkpoint_hybrid_layout(keys, pattern: str) -> HybridLayout | None:
 def model_config(chunks: list[torch.nn.Module]):
     """The chunks' TransformerConfig as an HF model has it: for a hybrid model a copy with `num_layers` in HF
     layers, `mtp_num_layers` in MTP depths and `hybrid_layout` set (None for other models)."""
-    config = chunks[0].config
+    config = language_model(chunks[0]).config
     layout = hybrid_layout(chunks[0])
     if layout is None:
         return config
@@ -221,11 +242,12 @@ class LocalTensor:
 
 
 def unwrap_model(model) -> list[torch.nn.Module]:
-    """The model chunks (one per virtual-PP stage) without DDP / Float16Module wrappers."""
+    """The model chunks (one per virtual-PP stage) without DDP / Float16Module wrappers (a vision-language
+    wrapper is a chunk: its tower is part of the model)."""
     chunks = list(model) if isinstance(model, list | tuple) else [model]
     out = []
     for m in chunks:
-        while not hasattr(m, "decoder") and hasattr(m, "module"):
+        while not hasattr(m, "decoder") and not hasattr(m, LANGUAGE_MODEL) and hasattr(m, "module"):
             m = m.module
         out.append(m)
     return out
@@ -305,13 +327,23 @@ def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_loca
     return canonical_layer_name(kind, number, rest, num_layers, ctx_ep_rank * num_local_experts)
 
 
+def wrapper_part_name(name: str) -> str:
+    """Canonical name of a vision-language wrapper's own parameter (tower, projector): its wrapper-relative name,
+    a native tower's blocks with TE's fused norms under the local spec's names, as in the decoder."""
+    name = name.replace(LORA_BASE, ".")
+    v = _VISION_LAYER.fullmatch(name)
+    return name if v is None else f"{v.group(1)}.{TE_RENAMES.get(v.group(2), v.group(2))}"
+
+
 def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[LocalTensor]:
     """Every parameter and `expert_bias` buffer of this rank, canonically named."""
     out: list[LocalTensor] = []
     seen: set[str] = set()
     for vp, chunk in enumerate(chunks):
-        cfg = chunk.config
-        hybrid = hybrid_layout(chunk)
+        lm = language_model(chunk)
+        inner = "" if lm is chunk else LANGUAGE_MODEL + "."  # a wrapper's decoder parameters: named as lm's own
+        cfg = lm.config
+        hybrid = hybrid_layout(lm)
         num_layers = hybrid.num_layers if hybrid is not None else cfg.num_layers
         num_experts = getattr(cfg, "num_moe_experts", None) or 0
         num_local = num_experts // ctx.ep.size if num_experts else 0
@@ -332,7 +364,10 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
                 owner, _, attr = name.rpartition(".")
                 items.append((name, b, _buffer_getter(_submodule(chunk, owner), attr), True))
         for name, t, getter, is_buffer in items:
-            canon = canonical_name(name, chunk, ctx.ep.rank, num_local, num_layers, hybrid)
+            if name.startswith(inner):
+                canon = canonical_name(name[len(inner):], lm, ctx.ep.rank, num_local, num_layers, hybrid)
+            else:  # a wrapper's own part (vision tower, projector): its wrapper-relative name, mapped by the table
+                canon = wrapper_part_name(name)
             if canon == "output_layer.weight" and getattr(t, "shared_embedding", False):
                 canon = "embedding.word_embeddings.weight"  # the last (or MTP) stage's copy of a tied embedding
             if canon in seen:

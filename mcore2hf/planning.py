@@ -73,7 +73,8 @@ def _no_rope_tables():
         cls._set_cos_sin_cache = real
 
 
-def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_names: bool):
+def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_names: bool,
+                 vision_tower: str | None = None):
     """The model chunks of `rank` on the meta device, built under Megatron's parallel state at `layout` in a
     fake torch.distributed world (as `rank` of `world`); also the ParallelContext megatron-core gives that rank.
     The world and the parallel state are torn down before returning."""
@@ -95,7 +96,8 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
             overrides.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         with torch.device("meta"), _no_rope_tables():  # shapes and names only: no memory, no initialization
             # local spec: TE names, when asked for, are applied below (Transformer Engine needs no GPU then)
-            chunks = build_model(hf_config, use_te=False, **overrides)  # initialized as in training (on meta)
+            chunks = build_model(hf_config, use_te=False, vision_tower=vision_tower,  # initialized as in training
+                                 **overrides)
             chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
         if te_names:
             from .runtime.te_naming import to_te_names
@@ -108,7 +110,8 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
         sys.excepthook = hook
 
 
-def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: bool = False):
+def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: bool = False,
+                    vision_tower: str | None = None):
     """(every rank's RankRecord, every rank's ParallelContext, the Megatron model's TransformerConfig) at `layout`,
     derived in this process (module docstring). torch.distributed must not be initialized here."""
     import dataclasses
@@ -129,7 +132,7 @@ def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: boo
     for stage in range(layout.pp):
         ranks = [c for c in contexts if c.pp.rank == stage]
         first = ranks[0]
-        chunks, megatron_ctx = _stage_model(hf_config, layout, first.rank, layout.size, dtype, te_names)
+        chunks, megatron_ctx = _stage_model(hf_config, layout, first.rank, layout.size, dtype, te_names, vision_tower)
         mine = dataclasses.replace(megatron_ctx, backend=first.backend)
         mine = dataclasses.replace(mine, tp=dataclasses.replace(mine.tp, group=None),
                                    pp=dataclasses.replace(mine.pp, group=None),
@@ -151,9 +154,10 @@ def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: boo
 
 
 def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te_names: bool = False,
-            name_filter=None, quantize: str | None = None):
+            name_filter=None, quantize: str | None = None, vision_tower: str | None = None):
     """(the ExportPlan every rank of a live world at `layout` would build, each rank's memory estimate as
-    `Executor.memory_estimate()` gives it, all ranks receiving), computed in this process."""
+    `Executor.memory_estimate()` gives it, all ranks receiving), computed in this process. `vision_tower="native"`:
+    the model as `build_model(..., vision_tower="native")` builds it (its tower on the first stage)."""
     from importlib import import_module
 
     from .exporter import Planner, check_model_config, model_dims
@@ -162,7 +166,7 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     from .transfer.builders import memory_estimates
 
     cfg = load_hf_config(hf_config)
-    records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names)
+    records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names, vision_tower=vision_tower)
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     check_model_config(config, spec, cfg)  # as HFExporter checks the live model
@@ -172,7 +176,7 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
 
 
 def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te_names: bool = False,
-             name_filter=None, quantize: str | None = None) -> dict:
+             name_filter=None, quantize: str | None = None, vision_tower: str | None = None) -> dict:
     """The plan as a dict (tensors, buckets, layout, each rank's memory). The layout is checked first.
     `quantize="fp8"` / `"fp8-ue8m0"`: the FP8 export's plan (which weights are quantized, scale shapes)."""
     from .hf_config import load_hf_config
@@ -181,7 +185,7 @@ def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", t
     cfg = load_hf_config(hf_config)
     layout.check(cfg, processes=False)
     plan, memory = dry_run(cfg, layout, bucket_bytes=bucket_bytes, dtype=dtype, te_names=te_names,
-                           name_filter=name_filter, quantize=quantize)
+                           name_filter=name_filter, quantize=quantize, vision_tower=vision_tower)
     report = plan.to_dict()
     report["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep,
                         "etp": layout.expert_tp, "world_size": layout.size}

@@ -66,7 +66,22 @@ VERIFIED: dict[str, str] = {
     **{mt: "its own worlds (TP2 x EP2, PP2, TP1 x DP2); logits (and fp32 round-off) = transformers' at each, "
            "completed from the multimodal checkpoint, offline export, engine shards, demo"
        for mt in ("qwen3_5", "qwen3_5_moe")},
+    **{mt: "its own world (TP2 x PP2 x EP2, PP2 x VPP2 x EP2): the language model bit-identical, the tower completed "
+           "from the multimodal checkpoint offline and live (once per sync or with the first), offline export and "
+           "import, engine shards" + (" (its packed experts refused)" if mt == "qwen3_vl_moe" else "")
+           + ", the dry run, transformers loads every directory; logits (text tokens) = transformers' at both, "
+           "demo" + (", Megatron-Bridge 0.3.1's Qwen3VLModel with its HF tower (TP2 x PP2)"
+                            if mt == "qwen3_vl" else "")
+       for mt in ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25")},
 }
+
+#: the vision tower built natively in Megatron (build_model(vision_tower="native"), Megatron-Bridge 0.6.2's layout;
+#: tests/test_qwen3_vl_native.py, docs/architectures.md)
+for _mt, _layouts in (("qwen3_vl", "TP2 x PP2, TP2, PP2, TP1, PP2 x VPP2"), ("qwen3_vl_moe", "TP2 x PP2"), ("qwen3_5", "TP2 x PP2"),
+                      ("qwen3_5_moe", "TP2 x PP2")):
+    VERIFIED[_mt] += (f"; the native Megatron tower ({_layouts}): bit-identical with the tower, transformers loads it, "
+                      "text + image logits = transformers'" + (", Bridge 0.6.2's own tower module, FP8, the dry run"
+                                                               if _mt == "qwen3_vl" else ""))
 
 
 def verified(model_type: str) -> str:

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from mcore2hf.hf_config import get, partial_rotary_factor, rope_theta
+from mcore2hf.hf_config import get, partial_rotary_factor, rope_theta, text_config
 
 
 def supported_kwargs(fn: Callable, **kwargs) -> dict:
@@ -163,7 +163,7 @@ def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, u
         kwargs = dict(spec.gpt_kwargs(hf_config))
         model = GPTModel(**supported_kwargs(
             GPTModel.__init__, config=config, transformer_layer_spec=block,
-            vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
+            vocab_size=vocab_size or text_config(hf_config).vocab_size, pre_process=pre, post_process=post,
             mtp_block_spec=mtp, vp_stage=vp_stage, **kwargs))
         chunks.append(model)
     return chunks
@@ -210,6 +210,44 @@ def sigmoid_router_fields(cfg, *, num_experts: int, topk: int) -> dict:
                                       "Megatron scores groups by their top topk//topk_group experts, HF by their top 2")
         fields.update(moe_router_num_groups=n_group, moe_router_group_topk=topk_group)
     return fields
+
+
+class TextView:
+    """A multimodal config's language model as a text model's spec reads it: the nested `text_config`
+    (hf_config.text_config), with the outer config's `tie_word_embeddings` (the one transformers 5.24 ties by:
+    modeling_utils.py `getattr(self.config, "tie_word_embeddings")` of the ForConditionalGeneration model, while
+    e.g. Qwen3VLMoeTextConfig defaults its own to True) and `fields` (values the text spec needs under another
+    name) laid over it."""
+
+    def __init__(self, cfg, **fields):
+        from mcore2hf.hf_config import text_config
+
+        self._text = text_config(cfg)
+        if self._text is not cfg and getattr(cfg, "tie_word_embeddings", None) is not None:
+            self.tie_word_embeddings = bool(cfg.tie_word_embeddings)
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str):
+        return getattr(self._text, name)
+
+
+def multimodal(text_spec: ModuleType, **fields) -> dict[str, Callable]:
+    """The spec functions (dims, is_moe_layer, transformer_config, structural_fields, gpt_kwargs and, where the
+    text spec has one, layer_spec) of a multimodal config's language model: `text_spec`'s, on TextView(cfg)."""
+    def view(cfg):
+        return TextView(cfg, **fields)
+
+    def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
+        return text_spec.layer_spec(config, view(cfg), vp_stage=vp_stage, use_te=use_te)
+
+    out = dict(dims=lambda cfg: text_spec.dims(view(cfg)),
+               is_moe_layer=lambda cfg, layer: text_spec.is_moe_layer(view(cfg), layer),
+               transformer_config=lambda cfg, **overrides: text_spec.transformer_config(view(cfg), **overrides),
+               structural_fields=lambda cfg: text_spec.structural_fields(view(cfg)),
+               gpt_kwargs=lambda cfg: text_spec.gpt_kwargs(view(cfg)))
+    if hasattr(text_spec, "layer_spec"):
+        out["layer_spec"] = layer_spec
+    return out
 
 
 def mtp_fields(cfg) -> dict:
@@ -478,7 +516,7 @@ def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = 
         kwargs = dict(spec.gpt_kwargs(hf_config))
         chunks.append(model_cls(**supported_kwargs(
             model_cls.__init__, config=config, mamba_stack_spec=stack_spec, hybrid_stack_spec=stack_spec,
-            vocab_size=vocab_size or hf_config.vocab_size, pre_process=pre, post_process=post,
+            vocab_size=vocab_size or text_config(hf_config).vocab_size, pre_process=pre, post_process=post,
             vp_stage=vp_stage, **{pattern_arg: pattern}, **kwargs)))
     return chunks
 

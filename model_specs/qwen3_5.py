@@ -13,10 +13,13 @@ Differences from Qwen3-Next, read in the 5.23.0 modeling files:
 
 from __future__ import annotations
 
+import dataclasses
+
 from mcore2hf.hf_config import text_config
 
 from . import qwen3_next
 from .common import spec_builder
+from .qwen3_vl_vision import vision_dims, wrap_native
 
 HF_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 
@@ -40,7 +43,10 @@ def _text(cfg):
 
 
 def dims(cfg):
-    return qwen3_next.dims(_text(cfg))
+    """Qwen3-Next's, with the vision tower's heads, head dim and merger width (a native tower's ops need them)."""
+    base = qwen3_next.dims(_text(cfg))
+    vision = getattr(cfg, "vision_config", None)
+    return base if vision is None else dataclasses.replace(base, **vision_dims(vision))
 
 
 def is_moe_layer(cfg, layer: int) -> bool:
@@ -64,3 +70,6 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
 
 
 build_model = spec_builder(__name__)
+#: `build_model(..., vision_tower="native")`: Bridge 0.6.2's Qwen3.5-VL tower (qwen35_vl_provider.py:504-520 builds
+#: the same Qwen3VLVisionModel, without deepstack mergers) around the language model
+native_vision_tower = wrap_native

@@ -21,6 +21,9 @@ ARCHS = ["qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "glm
 #: cover every parallel dimension (TP2 x PP2 x EP2 with expert-TP != TP, PP2 x VPP2, uneven PP), in parity at both
 #: layouts, the default-layout demo, import and one FP8 world; the others run everywhere.
 FORMAT_MATES = {"glm4_moe_lite", "deepseek_v2", "mistral", "mixtral", "olmoe", "deepseek_v32", "glm_moe_dsa"}
+#: vision-language models (tests/test_vlm.py runs their language models and towers in its own world; the demo runs
+#: them at its default layout only: their rules are the text families' above under another prefix)
+VLM_ARCHS = ["qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25"]
 #: architectures whose megatron-core TE spec the `te_specs` fixture derives (ARCHS and the gated-DeltaNet ones)
 TE_SPEC_ARCHS = ARCHS + ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 #: MCORE2HF_ARCHS=qwen3,deepseek_v3: the architecture checkpoints (fixtures ckpts, ckpts_bf16) hold only these, so

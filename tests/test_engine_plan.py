@@ -326,3 +326,13 @@ def test_slices_bucket_as_bucket_equals_mask_to_engine_column_row_and_two_region
     for n, t in full.items():
         for r in regions[n]:
             assert torch.equal(plain[n][region_slices(r)], t[region_slices(r)])
+
+
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("full", [(45, 7), (45,)])
+def test_pieces_partition_fused_vision_qkv_heads3_d5(count, full):
+    """The vision tower's fused QKV (one HF output [q; k; v]): pieces cover it once and equal `to_hf`."""
+    from mcore2hf.layouts import QKV
+
+    op = QKV(3, 3, 5, fused=True)
+    _check_partition(op, full, _shards(op, full, count), (full, count))

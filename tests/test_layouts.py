@@ -13,6 +13,7 @@ from mcore2hf.layouts import (
     GatedColumn,
     GatedInterleaved,
     GatedQKV,
+    GatedTransposed,
     GDNInProj,
     IndexerRope,
     Replicated,
@@ -119,6 +120,35 @@ def test_qkv_bias_heads8_groups2_d4(tp):
     roundtrip(QKV(8, 2, 4), list(fused.chunk(tp, 0)), [q, k, v])
 
 
+@pytest.mark.parametrize("tp", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qkv_vision_tower_heads3_d5_h7(tp, bias):
+    """Qwen3-VL's vision tower: Megatron's per-head [q_h; k_h; v_h] (groups == heads) <-> HF's one `attn.qkv`
+    [q; k; v] (transformers 5.24 Qwen3VLVisionAttention: qkv(x).reshape(seq, 3, heads, -1)), also read lazily."""
+    heads, d = 3, 5
+    rest = () if bias else (7,)
+    q, k, v = rand(heads * d, *rest), rand(heads * d, *rest), rand(heads * d, *rest)
+    fused = megatron_qkv(q, k, v, heads, heads, d)
+    qkv = torch.cat([q, k, v])
+    op = QKV(heads, heads, d, fused=True)
+    assert op.n_out == 1 and op.full_shape(op.hf_shapes(tuple(fused.shape))) == tuple(fused.shape)
+    roundtrip(op, list(fused.chunk(tp, 0)), [qkv])
+    # what the model computes: HF's split of the fused output equals Megatron's per-head split, head by head
+    per_head = fused.view(heads, 3, d, *rest)
+    hf = qkv.view(3, heads, d, *rest)
+    assert all(torch.equal(per_head[:, j], hf[j]) for j in range(3))
+
+
+def test_fused_qkv_reads_safetensors_slices_heads4_d3_tp2(tmp_path):
+    q, k, v = rand(12, 5), rand(12, 5), rand(12, 5)
+    save_file({"qkv": torch.cat([q, k, v])}, tmp_path / "x.safetensors")
+    fused = megatron_qkv(q, k, v, 4, 4, 3)
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        for i, shard in enumerate(fused.chunk(2, 0)):
+            assert torch.equal(QKV(4, 4, 3, fused=True).shard_from_hf([f.get_slice("qkv")], i, 2,
+                                                                       tuple(fused.shape)), shard)
+
+
 def test_shard_from_hf_reads_safetensors_slices_qkv_heads8_groups2_d4_tp2(tmp_path):
     q, k, v = rand(32, 16), rand(8, 16), rand(8, 16)
     save_file({"q": q, "k": k, "v": v}, tmp_path / "x.safetensors")
@@ -167,8 +197,8 @@ def test_to_hf_writes_into_views_of_one_flat_buffer_qkv_tp2():
 
 @pytest.mark.parametrize("op,full", [
     (Replicated(), (16,)), (Column(), (12, 8)), (Row(), (8, 12)), (GatedColumn(), (16, 8)),
-    (QKV(8, 2, 4), (48, 16)), (VocabRows(100), (100, 8)), (GatedInterleaved(), (16, 6)), (GatedInterleaved(), (16,)),
-    (RowTransposed(), (6, 8)), (Stacked(GatedInterleaved(), 1, 3), (16, 6)), (Stacked(RowTransposed(), 2, 3), (6, 8)),
+    (QKV(8, 2, 4), (48, 16)), (QKV(3, 3, 5, fused=True), (45, 7)), (VocabRows(100), (100, 8)), (GatedInterleaved(), (16, 6)), (GatedInterleaved(), (16,)),
+    (RowTransposed(), (6, 8)), (GatedTransposed(), (18, 7)), (Stacked(GatedInterleaved(), 1, 3), (16, 6)), (Stacked(RowTransposed(), 2, 3), (6, 8)),
     (GatedQKV(8, 2, 4), (80, 16)), (GDNInProj(2, 4, 4, 3), (48, 8)), (ColumnParts((8, 8, 12)), (28, 1, 4)),
     (ZeroCentered(), (12,)), (IndexerRope(8, 4, True), (24, 6)), (IndexerRope(8, 4, False), (8,)),
 ], ids=lambda x: type(x).__name__ if not isinstance(x, tuple) else "x".join(map(str, x)))
@@ -343,3 +373,19 @@ def test_indexer_rope_rows_give_megatron_the_scores_transformers_computes(hf_int
     # without the row move (a one-to-one copy) the scores differ
     wrong = torch.einsum("shd,tgd->sht", megatron(q), megatron(k))
     assert (wrong - hf).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("tp_dim", [0, 1])
+def test_whole_or_split_decides_from_the_shard_merged12_tp3(tp_dim):
+    """The Qwen3-VL merger's linears: split over TP natively (column / row), whole in an embedded HF tower, one
+    name; the shard's size along the TP dim says which (as for MLA's down projections)."""
+    from mcore2hf.layouts import WholeOrSplit
+
+    op = WholeOrSplit(12, tp_dim)
+    full = rand(12, 12)
+    assert op.split((12, 12), 3) == (1, None)
+    shape = (4, 12) if tp_dim == 0 else (12, 4)
+    assert op.split(shape, 3) == (3, tp_dim)
+    roundtrip(op, list(full.chunk(3, tp_dim)), [full])
+    with pytest.raises(ShapeMismatchError):
+        op.split((5, 5), 3)

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mcore2hf.errors import ShapeMismatchError
-from mcore2hf.layouts import GatedInterleaved, Replicated, RowTransposed, Stacked
+from mcore2hf.layouts import GatedInterleaved, GatedTransposed, Replicated, RowTransposed, Stacked
 
 g = torch.Generator().manual_seed(0)
 
@@ -46,6 +46,25 @@ def roundtrip(op, shards, hf):
 def test_gated_interleaved_weight_gate8_up8_h6_to_6x16(etp):
     gate, up = rand(8, 6), rand(8, 6)
     roundtrip(GatedInterleaved(), glu_shards(gate, up, etp), interleave_ref(gate, up))
+
+
+def chunked_ref(gate, up):
+    """Qwen3-VL-MoE's published gate_up_proj[e] ([hidden, 2f]: gate columns then up columns; transformers 4.57
+    Qwen3VLMoeTextExperts `gate, up = (x @ gate_up_proj[e]).chunk(2, dim=-1)`), with loops."""
+    f, h = gate.shape
+    out = torch.empty(h, 2 * f)
+    for r in range(f):
+        out[:, r] = gate[r]
+        out[:, f + r] = up[r]
+    return out
+
+
+@pytest.mark.parametrize("etp", [1, 3])
+def test_gated_transposed_weight_gate9_up9_h7_to_7x18(etp):
+    gate, up = rand(9, 7), rand(9, 7)
+    roundtrip(GatedTransposed(), glu_shards(gate, up, etp), chunked_ref(gate, up))
+    with pytest.raises(ShapeMismatchError):
+        GatedTransposed().hf_shapes((9, 7))
 
 
 @pytest.mark.parametrize("etp", [1, 2, 4])

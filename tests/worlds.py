@@ -1237,6 +1237,8 @@ def engine_matrix(ex: HFExporter, ref: dict, layout: Layout, model_type: str) ->
 ENGINE_REFUSALS = {
     "gpt_oss": (lambda engine, tp, ep: engine == "sglang" and ep > 1,
                 r"mlp\.experts\.\w+: not declared for sglang with ep_size \d"),
+    # Qwen3-VL-MoE's packed experts: the engines' loaders for them are not in the table (engine_shards.ARCH_KINDS)
+    "qwen3_vl_moe": (lambda engine, tp, ep: True, r"(?s)have no engine sharding rule .*mlp\.experts\.gate_up_proj"),
     "qwen3_next": (lambda engine, tp, ep: tp == 4, r"linear_attn\.\w+(?:\.weight)?: expected tp_size 4 dividing the 2 "
                    r"linear key heads"),
 }
@@ -1496,3 +1498,271 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
         assert not os.path.exists(out), f"{name}: {out} was written"
     return messages
 
+
+
+def native_vl_archs(ckpts: dict[str, str], everywhere: str, out_root: str, tokens: torch.Tensor, images: dict,
+                    first: Layout, bridge_root: str, layout: Layout) -> dict:
+    """native_vl_suite at `layout` for the architecture `everywhere`, and at `first` for every architecture (and
+    there, for `everywhere`, Megatron-Bridge 0.6.2's own tower from `bridge_root` too)."""
+    chosen = {mt: c for mt, c in ckpts.items() if mt == everywhere or layout == first}
+    out = for_each_arch(native_vl_suite, chosen, out_root, tokens, images, layout)
+    if layout == first:
+        out["bridge"] = bridge_native_tower(ckpts[everywhere], bridge_root, layout)
+    return out
+
+
+def bridge_native_tower(ckpt: str, bridge_root: str, layout: Layout) -> dict:
+    """Megatron-Bridge 0.6.2's own Qwen3VLVisionModel (harness.bridge_vision) in place of mcore2hf's tower: the same
+    parameter names, shapes and TP attributes (tensor_model_parallel, partition_dim) on every rank, and the HF
+    checkpoint loads into it and exports back bit for bit (its forward needs TE's attention: not run)."""
+    from harness.bridge_vision import build_bridge_tower
+
+    cfg, chunks = build(ckpt, layout, vision_tower="native")
+
+    def described(module) -> dict:
+        return {n: (tuple(p.shape), bool(getattr(p, "tensor_model_parallel", False)), getattr(p, "partition_dim", None))
+                for n, p in module.named_parameters()}
+
+    compared, error = 0, None
+    for c in chunks:
+        if c.vision_model is not None:
+            bridge = build_bridge_tower(bridge_root, cfg, c.config)
+            mine, theirs = described(c.vision_model), described(bridge)
+            if mine != theirs:
+                error = f"Bridge's tower differs: {sorted(set(mine.items()) ^ set(theirs.items()))[:4]}"
+            c.vision_model, compared = bridge, compared + len(theirs)
+    agree(error)  # every rank, towers or not: the collectives stay in step
+    load_hf_weights(chunks, ckpt)
+    assert_same(HFExporter(chunks, cfg).state_dict(), read_hf_checkpoint(ckpt), f"{layout} Bridge 0.6.2 tower")
+    return {"compared": compared}
+
+
+def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict, layout: Layout) -> dict:
+    """Qwen3-VL with the native Megatron vision tower (build_model(vision_tower="native"), layout 1 of issue 26)
+    at `layout`: the whole HF checkpoint loads (nothing skipped), every export mode gives it back bit for bit
+    (tower included: fused QKV, replicated patch / position embeddings, TP-split mergers), save_pretrained writes
+    it; the Megatron forward of a text + image input and of text alone, for the transformers oracle."""
+    from mcore2hf.hf_config import text_config
+
+    rank = dist.get_rank()
+    cfg, chunks = build(ckpt, layout, vision_tower="native")
+    report = load_hf_weights(chunks, ckpt)
+    full = read_hf_checkpoint(ckpt)
+    assert not report.skipped, report.skipped[:3]
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), full, f"{layout} all ranks")
+    assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=4096) for n, t in b}, full, f"{layout} 4 KiB buckets")
+    got0 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0) for n, t in b}
+    agree(checked(lambda: assert_same(got0, full, f"{layout} receivers=[0] 4 KiB") if rank == 0 else None)
+          or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
+    out = os.path.join(out_root, cfg.model_type, str(layout))
+    ex.save_pretrained(out, max_shard_size=20_000)
+    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained"))
+          if rank == 0 else None)
+    if cfg.model_type == "qwen3_vl":  # block-FP8: the language model as the reference quantizer, the tower kept
+        fp8 = ex.state_dict(quantize="fp8")
+        assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} fp8")
+        assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
+    # engine-sharded export: the engines' sharding of the tower is not in the table, refused naming its tensors
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.plan import colocated_ranks
+
+    try:
+        ex.engine_plan(colocated_ranks(dist.get_world_size(), "sglang", 2))
+    except EngineShardError as e:
+        refused = str(e)
+    else:
+        refused = ""
+    # (Qwen3-VL-MoE's packed experts are refused too and listed first)
+    assert "no engine sharding rule" in refused and ("model.visual.blocks.0.attn.qkv.weight" in refused
+                                                     or cfg.model_type == "qwen3_vl_moe"), refused
+    plan = ex.plan(4096)  # the live plan, for the one-process dry run (`mcore2hf plan --vision-tower native`)
+    live_plan = (plan.describe(), plan.records, ex.executor(4096).memory_estimate())
+    vocab = text_config(cfg).vocab_size
+    held = sum(1 for c in chunks if c.vision_model is not None)
+    # with a virtual pipeline the embedding chunk holds one decoder layer, fewer than the deepstack features need
+    # (Bridge asserts the same, model.py:357-364): text only there
+    deep = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or [])
+    image = len(chunks[0].language_model.decoder.layers) >= deep if chunks[0].vision_model is not None else None
+    flags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, image)
+    logits = {"image": megatron_logits(chunks, tokens, vocab, images=images) if all(f is not False for f in flags)
+              else None, "text": megatron_logits(chunks, TOKENS, vocab)}
+    # the tower as Bridge 0.6.2 builds it (Transformer Engine's ViT spec: fused LayerNorms) exports the same
+    to_te_names(chunks)
+    assert_same(ex.state_dict(), full, f"{layout} TE names")
+    tower = sorted(n for c in chunks for n, _ in c.named_parameters() if n.startswith("vision_model."))
+    return dict(logits, towers=held, dir=out, te_tower=tower, plan_4k=live_plan)
+
+
+def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int) -> tuple:
+    """The one-process dry run of the native-tower model at `layout` (run in a fresh process)."""
+    from mcore2hf.planning import dry_run
+
+    plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower="native")
+    return plan.describe(), plan.records, memory
+
+
+# --- vision-language models (docs/vlm.md) --------------------------------------------------------------------------
+
+class RecordingSender:
+    """A sender as `sync()` drives one (send / finish, `receivers`): it keeps what each sync handed it on this rank,
+    so a test counts every tensor it was sent (none of our engine protocols is involved)."""
+
+    def __init__(self, receivers=(0,)):
+        self.receivers = receivers
+        self.syncs: list[list[tuple[str, torch.Tensor]]] = [[]]
+
+    def send(self, bucket) -> None:
+        self.syncs[-1] += [(n, t.clone()) for n, t in bucket]
+
+    def finish(self) -> None:
+        self.syncs.append([])
+
+
+def _counted(pairs: list[tuple[str, torch.Tensor]], want: dict, what: str) -> str | None:
+    """None if `pairs` hold every tensor of `want` exactly once, bit for bit, and nothing else; else the problem."""
+    names = [n for n, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return f"{what}: sent more than once: {twice[:4]}"
+    return checked(lambda: assert_same(dict(pairs), want, what))
+
+
+def frozen_tower(chunks, cfg, ckpt: str, ref: dict, full: dict, layout: Layout) -> dict:
+    """Layout 3 (the trainer holds the language model, the tower comes from the checkpoint): HFExporter(base=...)
+    delivers the tower's tensors as stored, after the model's, with the first export only or with every export;
+    to every rank (receivers "all": each rank reads them, nothing is gathered) or only to the receivers, and
+    exactly once per delivery. Returns the bytes of tower buckets each sync handed the sender on this rank."""
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.errors import UsageError
+    from mcore2hf.plan import colocated_ranks
+    from mcore2hf.senders import sync
+
+    rank = dist.get_rank()
+    tower = {n: t for n, t in full.items() if n not in ref}
+    ex = HFExporter(chunks, cfg, base=ckpt)  # base_sync="first"
+    for attempt, words in ((lambda: ex.engine_executor(colocated_ranks(layout.size, "vllm", 1)),
+                            "engine sharding with a base checkpoint"),
+                           (lambda: next(iter(ex.buckets(quantize="fp8"))), "not completed from a base")):
+        try:  # refused before anything moves, naming what it refuses
+            attempt()
+        except (EngineShardError, UsageError) as e:
+            assert words in str(e) and (words.startswith("not") or any(n in str(e) for n in tower)), str(e)
+        else:
+            raise AssertionError(f"not refused: {words}")
+    first = [(n, t.clone()) for b in ex.buckets(bucket_bytes=4096) for n, t in b]
+    agree(_counted(first, full, f"{layout} base first export, rank {rank}"))
+    again = [(n, t.clone()) for b in ex.buckets(bucket_bytes=4096) for n, t in b]
+    agree(_counted(again, ref, f"{layout} base second export (first only)"))
+    out = {}
+    for mode in ("first", "every"):
+        ex = HFExporter(chunks, cfg, base=ckpt, base_sync=mode)
+        sender = RecordingSender(receivers=(0,))
+        for _ in range(3):
+            sync(ex, sender, bucket_bytes=4096, pause=False, progress=False)
+        got = sender.syncs[:3]
+        for k, pairs in enumerate(got):
+            want = {} if rank else (full if mode == "every" or k == 0 else ref)
+            agree(_counted(pairs, want, f"{layout} sync {k} base_sync={mode}, rank {rank}"))
+        out[mode] = [sum(t.nbytes for n, t in pairs if n in tower) for pairs in got]
+    return out
+
+
+def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> dict:
+    """Layout 2 (an HF tower embedded in the Megatron model): Megatron-Bridge 0.3.1's own Qwen3VLModel at
+    `layout`, its `vision_model` (transformers' Qwen3VLVisionModel, first stage, every TP rank) loaded and exported
+    through the pass-through rule: the export equals the whole checkpoint bit for bit; each tower tensor is one
+    source, replicated (never gathered over TP), held by the first stage's ranks only, sent exactly once to each
+    receiver; engine sharding refuses naming the tower's tensors."""
+    from harness.bridge_vlm import build_qwen3_vl_model
+    from megatron.core import parallel_state as ps
+
+    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.model_specs.common import padded_vocab_size
+    from mcore2hf.plan import colocated_ranks
+    from mcore2hf.senders import sync
+
+    rank = dist.get_rank()
+    cfg = load_hf_config(ckpt)
+    full = read_hf_checkpoint(ckpt)
+    vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
+    chunks = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
+    names = [n for c in chunks for n, _ in c.named_parameters()]
+    zero_(chunks)
+    report = load_hf_weights(chunks, ckpt)
+    assert not report.skipped, report.skipped  # the tower is held: nothing skipped
+    ex = HFExporter(chunks, cfg)
+    every = [(n, t.clone()) for b in ex.buckets(bucket_bytes=4096) for n, t in b]
+    agree(_counted(every, full, f"{layout} Bridge Qwen3VLModel, all ranks, rank {rank}"))
+    sources = ex.plan(4096).sources
+    first_stage = {r.rank for r in ex.planner.records if r.pp == 0}
+    tower = {s.name: s for s in sources.values() if s.name.startswith("vision_model.")}
+    # the merger linears share their names with a native tower's TP-split ones: WholeOrSplit, whole here (count 1)
+    bad = [s.name for s in tower.values() if s.count != 1 or s.stages != (0,) or type(s.resolved.op).__name__ not in
+           ("Replicated", "WholeOrSplit") or set(s.holders[0]) != first_stage
+           or not s.hf_names[0].startswith("model.visual.")]
+    assert tower and not bad, bad[:4]
+    sender = RecordingSender(receivers=(0,))
+    sync(ex, sender, bucket_bytes=4096, pause=False, progress=False)
+    agree(_counted(sender.syncs[0], {} if rank else full, f"{layout} Bridge sync to rank 0, rank {rank}"))
+    try:
+        ex.engine_plan(colocated_ranks(layout.size, "sglang", 2))
+    except EngineShardError as e:
+        refused = str(e)
+    else:
+        refused = ""
+    assert "model.visual.blocks.0.attn.qkv.weight" in refused and "no engine sharding rule" in refused, refused
+    # block-FP8: the language model's weights quantized as the reference quantizer does, the tower kept as it is
+    fp8 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, quantize="fp8") for n, t in b}
+    agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge fp8")))
+    assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
+    out = os.path.join(out_root, "bridge", str(layout))
+    ex.save_pretrained(out, max_shard_size=20_000, progress=False)
+    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge save_pretrained"))
+          if rank == 0 else None)
+    return {"names": names, "tower_sources": len(tower), "dir": out}
+
+
+def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
+    """A vision-language model's language model built by build_model at `layout` from its (multimodal) checkpoint:
+    loading skips the tower (declared not held), every export equals the language model's tensors bit for bit,
+    engine-sharded export at this world's placements, save_pretrained completed from the checkpoint equals it;
+    then the frozen tower delivered live (`frozen_tower`)."""
+    from mcore2hf.registry import get_converter
+
+    rank = dist.get_rank()
+    cfg, chunks = build(ckpt, layout)
+    full = read_hf_checkpoint(ckpt)
+    conv = get_converter(cfg.model_type)
+    ref = {n: t for n, t in full.items() if not conv.not_held_by_model(n)}
+    report = load_hf_weights(chunks, ckpt)
+    assert report.skipped == sorted(set(full) - set(ref)) and report.skipped, report.skipped[:3]
+    ex = HFExporter(chunks, cfg)
+    assert_same(ex.state_dict(), ref, f"{layout} all ranks")
+    got0 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, receivers=0) for n, t in b}
+    agree(checked(lambda: assert_same(got0, ref, f"{layout} receivers=[0] 4 KiB") if rank == 0 else None)
+          or (None if rank == 0 or not got0 else "a non-receiver got tensors"))
+    engine = engine_matrix(ex, ref, layout, cfg.model_type)
+    out = os.path.join(out_root, cfg.model_type, str(layout))
+    ex.save_pretrained(out, max_shard_size=20_000, base=ckpt, progress=False)
+    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} save_pretrained(base=)"))
+          if rank == 0 else None)
+    tower = frozen_tower(chunks, cfg, ckpt, ref, full, layout)
+    plan = HFExporter(chunks, cfg).plan(4096)  # the live plan, for the dry run (`mcore2hf plan`) to equal
+    logits = megatron_logits(chunks, TOKENS, cfg.text_config.vocab_size)  # text tokens: transformers' VLM class
+    return {"tensors": len(ref), "skipped": len(report.skipped), "engine": engine, "dir": out, "tower": tower,
+            "plan_4k": (plan.describe(), plan.records), "logits": logits}
+
+
+def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dist_layout: Layout,
+              layout: Layout) -> dict:
+    """vlm_suite for every architecture at `layout`; with `bridge_root` (a layout without virtual PP) also
+    Megatron-Bridge's Qwen3VLModel (`bridge_tower`); at `dist_layout` also a torch_dist checkpoint of each
+    language model under out_root/dist/<arch>/ckpt (the offline export's input)."""
+    out = for_each_arch(vlm_suite, ckpts, layout, out_root)
+    if bridge_root is not None and not layout.vpp:
+        out["bridge"] = bridge_tower(ckpts["qwen3_vl"], layout, bridge_root, out_root)
+    if layout == dist_layout:
+        out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
+    return out

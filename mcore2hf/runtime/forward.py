@@ -23,7 +23,9 @@ FAMILY = {"qwen3": "dense", "qwen2": "dense", "llama": "dense", "mistral": "dens
           "deepseek_v3": "mla", "deepseek_v2": "mla", "glm4_moe_lite": "mla", "kimi_k2": "mla", "moonlight": "mla",
           "deepseek_v32": "mla", "glm_moe_dsa": "mla",
           "gpt_oss": "gpt_oss", "qwen3_next": "gated_deltanet", "qwen3_5": "gated_deltanet",
-          "qwen3_5_moe": "gated_deltanet"}
+          "qwen3_5_moe": "gated_deltanet",
+          # vision-language models: their language model's family (text tokens; docs/vlm.md)
+          "qwen3_vl": "dense", "qwen3_vl_moe": "moe", "glm4v_moe": "moe", "kimi_k25": "mla"}
 
 
 def logit_tolerance(model_type: str) -> float:
@@ -42,11 +44,15 @@ def _main_model_only(chunk):
         chunk.mtp_process, chunk.config.mtp_num_layers = saved
 
 
-def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int, images: dict | None = None) -> torch.Tensor:
     """Forward of `tokens` [batch, seq] through every pipeline stage and virtual chunk in order (stage 0 chunk 0,
     stage 1 chunk 0, ..., stage 0 chunk 1, ...: Megatron's interleaved layer order), hidden states passed with
     point-to-point sends over the PP group; the vocab-parallel logits gathered over TP, trimmed to the HF vocab
-    and broadcast from the last stage, so every rank returns the same fp32 [batch, seq, vocab] tensor."""
+    and broadcast from the last stage, so every rank returns the same fp32 [batch, seq, vocab] tensor.
+
+    `images`: a vision-language model's image input (`pixel_values`, `image_grid_thw`), given to every chunk (the
+    tower runs where it is, the rope positions need the grids on every stage); the chunks compute their own
+    multimodal rope positions from the tokens."""
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
@@ -68,7 +74,7 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tens
             if hidden is not None:
                 chunk.set_input_tensor(hidden)
             with _main_model_only(chunk):
-                out = chunk(tokens, pos, attention_mask=mask)
+                out = chunk(tokens, pos, attention_mask=mask, **(images or {}))
             last = v == len(chunks) - 1 and stage == pp - 1
             if last:
                 logits = out

@@ -14,7 +14,9 @@ Parameter objects (so values are unchanged). Where each name comes from (megatro
   `linear_q_up_proj`/`linear_kv_up_proj` `.layer_norm_weight`. Gated DeltaNet
   (models/gpt/experimental_attention_variant_module_specs.py `get_gated_delta_net_module_spec`, metainfo
   fuse_input_layernorm): `input_layernorm.weight` -> `self_attention.in_proj.layer_norm_weight`. The pairs are
-  those of post_training/modelopt/gpt/state_dict_hooks.py `mcore_gpt_load_te_state_dict_pre_hook`. MTP layers'
+  those of post_training/modelopt/gpt/state_dict_hooks.py `mcore_gpt_load_te_state_dict_pre_hook`. A native vision
+  tower's ViT layers (Qwen3-VL, models/vision/vit_layer_specs.py): both LayerNorms' weight and bias likewise
+  (`layer_norm_weight` / `layer_norm_bias`, Megatron-Bridge 0.6.2 qwen3_vl_bridge.py:131-134). MTP layers'
   transformer_layer is built from the decoder's last layer spec (`get_gpt_mtp_block_spec`): the same rules.
 * grouped experts (`moe_grouped_gemm`, extensions/transformer_engine_spec_provider.py `grouped_mlp_modules`:
   TEGroupedMLP of TE GroupedLinears): `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` ->
@@ -88,6 +90,8 @@ def _te_layer(layer: nn.Module, explicit_expert_comm: bool, single_grouped: bool
     if experts is None:
         if hasattr(mlp, "linear_fc1") and "weight" in layer.pre_mlp_layernorm._parameters:
             _move(layer.pre_mlp_layernorm, "weight", mlp.linear_fc1, "layer_norm_weight")
+            if "bias" in layer.pre_mlp_layernorm._parameters:  # LayerNorm (a ViT's)
+                _move(layer.pre_mlp_layernorm, "bias", mlp.linear_fc1, "layer_norm_bias")
         return
     if not grouped:  # moe_grouped_gemm=False: SequentialMLP of TE linears, the local experts' names
         return
@@ -118,10 +122,16 @@ def to_te_names(model, single_grouped: bool = False, grouped: bool = True) -> No
     linears, extensions/transformer_engine_spec_provider.py `grouped_mlp_modules`), named as the local spec's."""
     from megatron.core import parallel_state as ps
 
-    from ..naming import unwrap_model
+    from ..naming import language_model, unwrap_model
 
     explicit = ps.get_expert_tensor_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1
     for chunk in unwrap_model(model):
+        # a native vision tower's ViT layers: megatron-core 0.16.1 vit_layer_specs.py
+        # `get_vit_layer_with_transformer_engine_spec` fuses both LayerNorms (weight and bias) as the GPT spec does
+        tower = getattr(getattr(chunk, "vision_model", None), "decoder", None)
+        for layer in getattr(tower, "layers", []):
+            _te_layer(layer, explicit, single_grouped, grouped)
+        chunk = language_model(chunk)  # a vision-language wrapper: its GPT model
         layers = list(chunk.decoder.layers) if getattr(chunk, "decoder", None) is not None else []
         mtp = getattr(chunk, "mtp", None)
         if mtp is not None:

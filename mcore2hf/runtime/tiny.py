@@ -157,6 +157,46 @@ TINY_CONFIGS.update({
                         vision_config=_QWEN3_5_VISION, tie_word_embeddings=False),
 })
 
+# Vision-language models (docs/vlm.md), odd-shaped: no dimension a multiple of 8 (a transposition or a wrong
+# split cannot hide behind equal sizes); TP2 still splits heads (4, 2 kv) and ffn, EP 2 and 4 the 12 experts. 4 layers so
+# PP2 x VPP2 has a layer per chunk; ffn 52 and expert ffn 20 divide over engine TP 4; a vision tower of 3 patch-3 blocks with 2 deepstack mergers (Qwen3-VL).
+_VL_TEXT = dict(vocab_size=101, hidden_size=44, intermediate_size=52, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=10, max_position_embeddings=256, rms_norm_eps=1e-6,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+_VL_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 1]}
+_QWEN3_VL_VISION = dict(depth=3, hidden_size=36, intermediate_size=30, num_heads=3, out_hidden_size=44,
+                        num_position_embeddings=25, patch_size=3, temporal_patch_size=2, spatial_merge_size=2,
+                        deepstack_visual_indexes=[0, 1])
+_VL_IDS = dict(image_token_id=97, video_token_id=98, vision_start_token_id=99, vision_end_token_id=100)
+_VL_MOE = dict(moe_intermediate_size=20, num_experts_per_tok=2)
+TINY_CONFIGS.update({
+    "qwen3_vl": dict(text_config=dict(_VL_TEXT, rope_parameters=_VL_MROPE), vision_config=_QWEN3_VL_VISION,
+                     tie_word_embeddings=False, **_VL_IDS),
+    "qwen3_vl_moe": dict(text_config=dict(_VL_TEXT, rope_parameters=_VL_MROPE, num_experts=12, decoder_sparse_step=1,
+                                          mlp_only_layers=[], **_VL_MOE),
+                         vision_config=_QWEN3_VL_VISION, tie_word_embeddings=False, **_VL_IDS),
+    # GLM-4.5V: head_dim 12 (partial rotary 0.5 needs an even rotary dim), q/k/v bias, dense first layer, 1 shared
+    "glm4v_moe": dict(text_config=dict(_VL_TEXT, head_dim=12, n_routed_experts=12, n_shared_experts=1,
+                                       first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                                       attention_bias=True, rms_norm_eps=1e-5, **_VL_MOE,
+                                       rope_parameters=dict(_VL_MROPE, partial_rotary_factor=0.5,
+                                                            mrope_section=[1, 1, 1])),
+                      vision_config=dict(depth=2, hidden_size=30, intermediate_size=26, num_heads=3, out_hidden_size=44,
+                                         patch_size=3, temporal_patch_size=2, spatial_merge_size=2, image_size=9),
+                      tie_word_embeddings=False),
+    # Kimi-K2.5: Kimi-K2's MLA text model (DeepseekV3Config) and its MoonViT tower with projector
+    "kimi_k25": dict(text_config=dict(
+        vocab_size=101, hidden_size=44, intermediate_size=52, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=12, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, q_lora_rank=22, kv_lora_rank=18,
+        qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=10, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
+        max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, **_VL_MOE),
+        vision_config=dict(patch_size=3, pos_emb_height=5, pos_emb_width=5, pos_emb_time=2, num_attention_heads=3,
+                           num_hidden_layers=2, hidden_size=30, intermediate_size=26),
+        projection_hidden_size=30, tie_word_embeddings=False),
+})
+
 # Members of a registered family whose config.json is the family's format with other values (not an
 # architecture of their own: tests run them where the values matter, logit parity). Scaled-down published values.
 TINY_VARIANTS: dict[str, dict] = {
@@ -243,7 +283,24 @@ def make_hf_checkpoint(cfg: PretrainedConfig, out_dir: str | os.PathLike, *, see
     model.save_pretrained(out)
     if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0):
         _add_mtp_tensors(cfg, out, seed)
+    from ..hf_config import PUBLISHED_LAYOUT
+
+    if cfg.model_type in PUBLISHED_LAYOUT:  # where transformers saves another layout than the published one
+        _to_published_layout(out, cfg.model_type)
     return out
+
+
+def _to_published_layout(path: str, model_type: str) -> None:
+    """Rewrite a checkpoint transformers saved into the published checkpoints' layout (hf_config.PUBLISHED_LAYOUT)."""
+    from safetensors.torch import save_file
+
+    from ..hf_config import published_layout
+
+    out = dict(published_layout(model_type, n, t) for n, t in read_hf_checkpoint(path).items())
+    for f in os.listdir(path):
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(path, f))
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _add_mtp_tensors(cfg: PretrainedConfig, path: str, seed: int) -> None:

@@ -107,11 +107,9 @@ def check_target(out_dir: str | os.PathLike, overwrite: bool, inputs: Sequence[s
     check_output_dir(out_dir, overwrite, HF_OUTPUT, inputs)
 
 
-def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_config) -> list[str]:
-    """The export's companion files, plus the base's of other names (the export's win: they come with the config
-    the model was built from). The base's config.json must have the export config's model_type."""
-    from ..hf_config import COMPANION_FILES
-
+def check_base(base: str | os.PathLike, hf_config) -> None:
+    """A base checkpoint completes an export only if its config.json (when it has one) has the export config's
+    model_type and no quantization_config (its tensors are copied as stored, in the export's dtype)."""
     root = os.fspath(base)
     base_config = os.path.join(root, "config.json")
     if hf_config is not None and os.path.isfile(base_config):
@@ -128,6 +126,15 @@ def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_con
             if json.load(f).get("quantization_config") is not None:  # its weights are not this export's dtype
                 raise Mcore2HFError(f"base checkpoint {root} is quantized (config.json has a quantization_config):"
                                     " complete the output from an unquantized checkpoint")
+
+
+def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_config) -> list[str]:
+    """The export's companion files, plus the base's of other names (the export's win: they come with the config
+    the model was built from). The base must be one for this export (`check_base`)."""
+    from ..hf_config import COMPANION_FILES
+
+    check_base(base, hf_config)
+    root = os.fspath(base)
     have = {os.path.basename(p) for p in extra_files}
     return [*extra_files, *(os.path.join(root, f) for f in COMPANION_FILES
                             if f not in have and os.path.isfile(os.path.join(root, f)))]

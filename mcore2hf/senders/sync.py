@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -85,6 +86,10 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     elif debug_nan:
         raise UsageError("debug_nan: expected a sender with engine_sharding=True (an all-ranks sync writes every "
                          "element)")
+    # the base checkpoint's tensors the model does not hold (HFExporter(base=...): a frozen vision tower), checked
+    # before any engine is called (an engine-sharded executor refuses them above)
+    base_groups = [] if engine_exec is not None or not hasattr(exporter, "base_groups") else \
+        exporter.base_groups(bucket_bytes, name_filter)
     t0 = time.perf_counter()
     if hasattr(sender, "begin"):
         sender.begin(version)  # engine senders check the engines here, before anything is paused or sent
@@ -99,6 +104,10 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
             # this sync's phase times; the executor's byte counters (received/packed/copied) stay and keep counting
             executor.stats = {**getattr(executor, "stats", {}), "gather_s": 0.0, "convert_s": 0.0}
             stats, total, buckets = executor.stats, len(executor.programs), executor.run(timing=timing)
+            if base_groups:  # read on the receiving ranks, after the model's buckets
+                total += len(base_groups)
+                buckets = itertools.chain(buckets, exporter.base_buckets(
+                    bucket_bytes, getattr(sender, "receivers", "all"), name_filter, groups=base_groups))
         else:
             stats = {"gather_s": 0.0, "convert_s": 0.0}
             total, buckets = len(engine_exec.programs), (b.as_bucket() for b in engine_exec.run())
@@ -126,6 +135,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         sender.finish()  # raises on every rank if anything failed anywhere
         if hasattr(sender, "commit"):
             sender.commit()
+        if engine_exec is None and base_groups:
+            exporter.base_delivered()
         if pause and hasattr(sender, "resume"):
             sender.resume()
     except BaseException:

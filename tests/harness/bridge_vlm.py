@@ -1,0 +1,98 @@
+"""Megatron-Bridge 0.3.1's own `Qwen3VLModel` (models/qwen_vl/modelling_qwen3_vl/model.py) on CPU beside
+megatron-core 0.16.1: the "HF tower embedded in the Megatron model" layout (docs/vlm.md, layout 2). It holds
+transformers' `Qwen3VLVisionModel` at `vision_model` (built only where `pre_process`, i.e. on the first pipeline
+stage, replicated on every TP rank, `hook_hf_module_setattr_for_tp_grad_sync` marking its parameters for a TP
+gradient all-reduce) beside `language_model`, its `Qwen3VLGPTModel` (a GPTModel subclass with Qwen3-VL's
+interleaved mRoPE), so the tests export the module tree Bridge users train.
+
+Imported as harness.bridge_lora imports Bridge's PEFT (read its docstring): the wheel unpacked without its
+dependencies, `megatron.bridge`, `.models`, `.models.qwen_vl`, `.qwen_vl.modelling_qwen3_vl` registered as bare
+packages (their `__init__`s import every model bridge, which needs transformers < 5), Transformer Engine stubbed after megatron-core is imported.
+Only `modelling_qwen3_vl/*`, `models/transformer_config.py` and `utils/*` are imported; they need transformers'
+Qwen3-VL classes, which 5.24 has. The language model is built with mcore2hf's local layer spec for the HF config
+(the provider's TE spec needs Transformer Engine), in the config class Bridge's model expects."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+from harness.bridge_lora import BRIDGE_VERSION
+
+#: what is unpacked from the wheel for the vision-language model (besides bridge_lora's)
+BRIDGE_VLM_FILES = ("megatron/bridge/models/qwen_vl/modelling_qwen3_vl/*", "megatron/bridge/models/transformer_config.py",
+                    "megatron/bridge/utils/*")
+
+
+def bridge_vlm_root() -> str:
+    """The unpacked wheel's root (download once, cached); call in the test process, pass to the workers."""
+    from harness.wheels import unpacked_wheel
+
+    return str(unpacked_wheel("megatron-bridge", BRIDGE_VERSION, BRIDGE_VLM_FILES))
+
+
+def _bare_package(name: str, path: str) -> None:
+    if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [path]
+        sys.modules[name] = pkg
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, pkg)
+
+
+def import_qwen3_vl_model(root: str):
+    """Bridge's `Qwen3VLModel` and `Qwen3VLTransformerConfig` from the unpacked wheel at `root` (in a worker)."""
+    import megatron
+    import megatron.core  # noqa: F401 - before the TE stub: megatron-core must see no TE
+
+    from mcore2hf.runtime.cpu import apply_cpu_shims
+
+    apply_cpu_shims()
+    import megatron.core.extensions.transformer_engine  # noqa: F401
+
+    from harness.bridge_lora import _stub_transformer_engine
+
+    _bare_package("megatron.bridge", f"{root}/megatron/bridge")
+    _bare_package("megatron.bridge.models", f"{root}/megatron/bridge/models")
+    _bare_package("megatron.bridge.models.qwen_vl", f"{root}/megatron/bridge/models/qwen_vl")
+    _bare_package("megatron.bridge.models.qwen_vl.modelling_qwen3_vl",  # its __init__ imports the bridges too
+                  f"{root}/megatron/bridge/models/qwen_vl/modelling_qwen3_vl")
+    _stub_transformer_engine()
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_config import Qwen3VLTransformerConfig
+
+    return Qwen3VLModel, Qwen3VLTransformerConfig
+
+
+def build_qwen3_vl_model(root: str, cfg, vocab_size: int, **overrides):
+    """Bridge's Qwen3VLModel for the HF Qwen3VLConfig `cfg` at the initialized parallel layout (no virtual PP:
+    0.3.1's model takes no vp_stage), the language model's TransformerConfig being mcore2hf's for `cfg`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mcore2hf.model_specs.common import block_specs, stage_ends
+    from mcore2hf.registry import get_model_spec
+
+    model_cls, config_cls = import_qwen3_vl_model(root)
+    spec = get_model_spec(cfg.model_type)
+    base = spec.transformer_config(cfg, **overrides)
+    text, vision = cfg.text_config, cfg.vision_config
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+    kwargs = spec.gpt_kwargs(cfg)
+    vl = dict(vocab_size=vocab_size, language_max_sequence_length=kwargs["max_sequence_length"],
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+        spatial_merge_size=vision.spatial_merge_size, num_position_embeddings=vision.num_position_embeddings,
+        out_hidden_size=vision.out_hidden_size, deepstack_visual_indexes=list(vision.deepstack_visual_indexes),
+        share_embeddings_and_output_weights=kwargs["share_embeddings_and_output_weights"],
+        rotary_percent=kwargs["rotary_percent"], rotary_base=kwargs["rotary_base"],
+        mrope_section=list(text.rope_parameters["mrope_section"]), hf_text_config=text,
+        image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+        vision_start_token_id=cfg.vision_start_token_id)
+    config = config_cls(**{**fields, **vl})
+    block, _ = block_specs(spec, cfg, config, use_te=False)
+    pre, post = stage_ends(None)
+    assert ps.get_virtual_pipeline_model_parallel_world_size() in (None, 1)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    return [model_cls(config, block, vision, pre_process=pre, post_process=post, pg_collection=pgs)]
