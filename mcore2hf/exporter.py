@@ -255,6 +255,17 @@ class HFExporter:
         return {name: t.clone() for name, t in self.named_tensors(receivers=receivers, name_filter=name_filter,
                                                                   quantize=quantize)}
 
+    def adapter_config(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
+                       base: str | os.PathLike | None = None) -> dict:
+        """lora="adapter": the PEFT adapter_config.json of this export as a dict (r, lora_alpha, target_modules,
+        `base_model_name_or_path`: `base` or else the HF config's directory); collective on first use (the plan).
+        What save_pretrained writes, and what the engine senders hand SGLang (`config_dict`)."""
+        if self.lora != "adapter":
+            raise UsageError(f"adapter_config: expected an HFExporter(lora='adapter'), found lora={self.lora!r}")
+        names = [e.name for e in self.plan(bucket_bytes, name_filter).hf_entries()]  # sets lora_info
+        return peft_config(self.lora_info, names, self.dims.num_layers,
+                           os.fspath(base) if base is not None else self.config_source.directory)
+
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer_rank: int = 0,
                         overwrite: bool = False, extra_files: Sequence[str] | None = None,
@@ -278,9 +289,7 @@ class HFExporter:
         if self.lora == "adapter":
             if quantize is not None:
                 raise UsageError("a LoRA adapter export is not quantized: drop quantize")
-            names = [e.name for e in self.plan(bucket_bytes, name_filter).hf_entries()]  # sets lora_info
-            adapter_config = peft_config(self.lora_info, names, self.dims.num_layers,
-                                         os.fspath(base) if base is not None else self.config_source.directory)
+            adapter_config = self.adapter_config(bucket_bytes, name_filter, base)
         plan = self.plan(bucket_bytes, name_filter, scheme)
         quantization = None
         if scheme is not None:
