@@ -19,7 +19,7 @@ import torch
 from harness.bridge_lora import bridge_root
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
-from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals
+from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
 
 from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import read_hf_checkpoint
@@ -310,3 +310,84 @@ def test_peft_target_modules():
     pm = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=12.5, target_modules=some["target_modules"]))
     wrapped = sorted(n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A"))
     assert wrapped == some["target_modules"]
+
+
+def _sglang_expected(src: dict[str, torch.Tensor], cfg, tp: int, rank: int, b_scale: float) -> dict[str, list]:
+    """What SGLang's LoRA buffers of engine TP rank `rank` must hold, from the PEFT source alone (independent of
+    mcore2hf and of SGLang): q/k/v (gate/up) stacked, A whole, B sliced to the rank's heads (columns);
+    row-parallel o_proj / down_proj: A sliced on its input, B whole."""
+    import hashlib
+
+    def digest(t):
+        t = t.contiguous()
+        return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
+
+    hd = cfg.head_dim
+    qs, ks, inter = cfg.num_attention_heads * hd // tp, cfg.num_key_value_heads * hd // tp, cfg.intermediate_size // tp
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        def a(m, i=i):
+            return src[f"base_model.model.model.layers.{i}.{m}.lora_A.weight"]
+
+        def b(m, i=i):
+            return src[f"base_model.model.model.layers.{i}.{m}.lora_B.weight"] * b_scale
+
+        def part(t, size):
+            return t[rank * size:(rank + 1) * size]
+
+        q, k, v = (f"self_attn.{x}_proj" for x in "qkv")
+        out[f"{i}.qkv_proj.lora_A"] = digest(torch.cat([a(q), a(k), a(v)]))
+        out[f"{i}.qkv_proj.lora_B"] = digest(torch.cat([part(b(q), qs), part(b(k), ks), part(b(v), ks)]))
+        out[f"{i}.o_proj.lora_A"] = digest(part(a("self_attn.o_proj").T, qs).T)
+        out[f"{i}.o_proj.lora_B"] = digest(b("self_attn.o_proj"))
+        out[f"{i}.gate_up_proj.lora_A"] = digest(torch.cat([a("mlp.gate_proj"), a("mlp.up_proj")]))
+        out[f"{i}.gate_up_proj.lora_B"] = digest(torch.cat([part(b("mlp.gate_proj"), inter),
+                                                            part(b("mlp.up_proj"), inter)]))
+        out[f"{i}.down_proj.lora_A"] = digest(part(a("mlp.down_proj").T, inter).T)
+        out[f"{i}.down_proj.lora_B"] = digest(b("mlp.down_proj"))
+    return out
+
+
+def test_lora_sync_into_sglang(ckpts, adapters):
+    """Adapter-only sync (sync() of HFExporter(lora="adapter") with SGLangColocatedSender(lora_name=...)) of a
+    Bridge LoRA qwen3 at TP2 into SGLang 0.5.23's own adapter-loading code at engine TP 2 (harness.sglang_real:
+    the release's LoadLoRAAdapterFromTensorsReqInput, tokenizer-side checks and merge, own-rank deserialization
+    and flattened-bucket rebuild, LoRAManager and LoRAAdapter normalization, the LoRA layers' per-TP-rank slicing).
+    A server started without LoRA refuses it before anything is paused (no engine call after the probe, version
+    unchanged); then base weights (v1), adapter (v2), a training step and the adapter again (v3): each engine TP
+    rank holds exactly its slices of the new adapter, the old one unloaded first, every call inside the pause."""
+    import json
+    import urllib.request
+
+    from test_sglang_contract import SESSION_RELEASE, RealServer
+
+    ckpt = ckpts["qwen3"]
+    servers = {"lora": RealServer(SESSION_RELEASE, tp=2, wait=False, extra=("--hf-config", ckpt, "--enable-lora")),
+               "nolora": RealServer(SESSION_RELEASE, tp=2, wait=False)}
+    try:
+        for s in servers.values():
+            s.wait()
+        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters["qwen3"], bridge_root(), LORA_TARGETS,
+                        {n: s.url for n, s in servers.items()}, timeout=600)[0]
+        states = {n: json.load(urllib.request.urlopen(s.url + "/mcore2hf_state")) for n, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+    print(f"\nrefused: {res['refused']}")
+    assert "started without LoRA" in res["refused"] and "--enable-lora" in res["refused"]
+    assert res["refused_version"] == 0 and states["nolora"]["calls"] == ["/server_info"]
+    assert res["version"] == 3
+    calls = [c for c in states["lora"]["calls"] if c not in ("/server_info", "/update_weights_from_tensor")]
+    pause, cont = "/pause_generation", "/continue_generation"
+    assert calls == [pause, "/begin_weight_update", "/flush_cache", "/end_weight_update", cont,
+                     pause, "/load_lora_adapter_from_tensors", cont,
+                     pause, "/unload_lora_adapter", "/load_lora_adapter_from_tensors", cont], calls
+    src = load_file(os.path.join(adapters["qwen3"], "adapter_model.safetensors"))
+    assert res["adapter_bytes"] == sum(t.numel() * t.element_size() for t in src.values())
+    cfg = AutoConfig.from_pretrained(ckpt)
+    for rank, state in enumerate(states["lora"]["ranks"]):
+        assert list(state["loras"]) == ["policy"]
+        got, want = state["loras"]["policy"], _sglang_expected(src, cfg, 2, rank, 2.0)
+        assert sorted(got) == sorted(want)
+        bad = [k for k in want if got[k] != want[k]]
+        assert not bad, f"engine TP rank {rank}: {bad[:5]}"

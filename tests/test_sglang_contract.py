@@ -37,10 +37,11 @@ class RealServer:
     """One release's server (harness.sglang_real) in its own process; `port` 0: one the OS picks. With
     wait=False the caller starts several, then waits for each (`wait()`)."""
 
-    def __init__(self, version: str, tp: int = 1, api_key: str | None = None, port: int = 0, wait: bool = True):
+    def __init__(self, version: str, tp: int = 1, api_key: str | None = None, port: int = 0, wait: bool = True,
+                 extra: tuple[str, ...] = ()):
         import tempfile
 
-        cmd = [sys.executable, sglang_real.__file__, site(version), "--tp", str(tp), "--port", str(port)]
+        cmd = [sys.executable, sglang_real.__file__, site(version), "--tp", str(tp), "--port", str(port), *extra]
         if api_key:
             cmd += ["--api-key", api_key]
         # stderr to a file, not a pipe nobody reads: a server never blocks on it
