@@ -391,3 +391,61 @@ def test_lora_sync_into_sglang(ckpts, adapters):
         assert sorted(got) == sorted(want)
         bad = [k for k in want if got[k] != want[k]]
         assert not bad, f"engine TP rank {rank}: {bad[:5]}"
+
+
+def _digest(t: torch.Tensor) -> list:
+    import hashlib
+
+    t = t.contiguous()
+    return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
+
+
+def test_lora_sync_into_vllm(ckpts, adapters):
+    """Adapter-only sync of a Bridge LoRA qwen3 at TP2 (VLLMColocatedSender(lora_name=...)) into vLLM 0.33.0's own
+    /v1/load_lora_adapter path at engine TP 2 (harness.vllm_real --serve-lora: the release's LoRA api_router and
+    OpenAIServingModels, the LoRARequest through the engine core's msgpack conversion, each worker's
+    LRUCacheWorkerLoRAManager._load_adapter building the LoRAModel from our PEFT directory). A server without the
+    LoRA routes refuses it before anything is paused; then the adapter, a training step, the adapter again in
+    place (load_inplace, the same id) from a new directory, each load followed by a prefix-cache reset inside the
+    pause: every worker's LoRA model holds exactly the source's A and the doubled B, scaling alpha/r; only the
+    loaded directory is kept, none after close()."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from harness.wheels import unpacked_wheel
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), os.path.join(repo, "tests"), repo]),
+               VLLM_LOGGING_LEVEL="WARNING")
+    ckpt = ckpts["qwen3"]
+    proc = subprocess.Popen([sys.executable, "-m", "harness.vllm_real", "--serve-lora", ckpt, "2"], env=env,
+                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORTS"), line
+        lora, nolora = (f"http://127.0.0.1:{p}" for p in line.split()[1:])
+        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters["qwen3"], bridge_root(), LORA_TARGETS,
+                        {"lora": lora, "nolora": nolora}, "vllm", timeout=600)[0]
+        state = json.load(urllib.request.urlopen(lora + "/mcore2hf_lora"))
+    finally:
+        proc.kill()
+        proc.wait(10)
+    print(f"\nrefused: {res['refused']}")
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in res["refused"] and res["refused_version"] == 0
+    assert res["version"] == 2 and res["paths"][0] != res["paths"][1]
+    assert res["kept"] == [os.path.basename(res["paths"][1])] and res["closed"] is False
+    one = ["pause:abort", "add_lora:policy:True", "reset_prefix_cache", "resume"]
+    assert state["events"] == one + one, state["events"]
+    src = load_file(os.path.join(adapters["qwen3"], "adapter_model.safetensors"))
+    want = {}
+    for name, t in src.items():
+        module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        want.setdefault(module, {"rank": LORA_R, "scaling": LORA_ALPHA / LORA_R})
+        want[module]["a" if ".lora_A." in name else "b"] = _digest(t if ".lora_A." in name else 2 * t)
+    assert len(state["workers"]) == 2
+    for worker in state["workers"]:
+        assert list(worker) == ["policy"]
+        assert worker["policy"] == want

@@ -1437,37 +1437,52 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
 
 
 def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
-              urls: dict[str, str]) -> dict:
-    """Adapter-only syncs of a Megatron-Bridge LoRA model into SGLang's own code (harness.sglang_real servers of
-    engine TP = the world size, colocated): refused by a server started without LoRA before anything is paused;
-    then the base weights (v1), the adapter (v2), a training step (every B doubled) and the adapter again (v3,
-    replacing v2). Rank 0 returns the refusal and the versions."""
+              urls: dict[str, str], engine: str = "sglang") -> dict:
+    """Adapter-only syncs of a Megatron-Bridge LoRA model into an engine's own code (harness.sglang_real /
+    harness.vllm_real --serve-lora servers of engine TP = the world size, colocated senders): refused by a server
+    without LoRA before anything is paused; then (SGLang) the base weights (v1); the adapter; a training step
+    (every B doubled) and the adapter again, replacing the first. Rank 0 returns the refusal, the versions and (vLLM)
+    the adapter directories: loaded from, kept after the second sync, left after close()."""
     from harness.bridge_lora import apply_lora
 
     from mcore2hf.errors import UnsupportedEngine
-    from mcore2hf.senders import SGLangColocatedSender, sync
+    from mcore2hf.senders import SGLangColocatedSender, VLLMColocatedSender, sync
 
     cfg, chunks = build(ckpt, layout, mtp=False)
     apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA)
     load_hf_weights(chunks, ckpt, strict=False)
     load_hf_weights(chunks, adapter_dir, ckpt, lora=True)
     first, tp, out = dist.get_rank() == 0, dist.get_world_size(), {}
+
+    def sender(url):
+        if engine == "sglang":
+            return SGLangColocatedSender(url if first else None, tp, timeout=60, lora_name="policy")
+        return VLLMColocatedSender(url if first else None, tp, timeout=60, lora_name="policy")
+
     adapter = HFExporter(chunks, cfg, lora="adapter")
-    refused = SGLangColocatedSender(urls["nolora"] if first else None, tp, timeout=60, lora_name="policy")
+    refused = sender(urls["nolora"])
     try:
         sync(adapter, refused, progress=False)
     except UnsupportedEngine as e:
         out["refused"], out["refused_version"] = str(e), refused.version
     else:
         raise AssertionError("an adapter-only sync into an engine without LoRA was not refused")
-    sender = SGLangColocatedSender(urls["lora"] if first else None, tp, timeout=60, lora_name="policy")
-    sync(HFExporter(chunks, cfg, lora="base"), sender, progress=False)  # the first sync: the base weights
-    out["adapter_bytes"] = sync(adapter, sender, progress=False).bytes
+    s = sender(urls["lora"])
+    if engine == "sglang":
+        sync(HFExporter(chunks, cfg, lora="base"), s, progress=False)  # the first sync: the base weights
+    out["adapter_bytes"] = sync(adapter, s, progress=False).bytes
+    out["paths"] = [s.adapter_path] if engine == "vllm" else []
     with torch.no_grad():  # a training step
         for c in chunks:
             for n, p in c.named_parameters():
                 if n.endswith("adapter.linear_out.weight"):
                     p.mul_(2)
-    sync(adapter, sender, progress=False)
-    out["version"] = sender.version
+    sync(adapter, s, progress=False)
+    out["version"] = s.version
+    if engine == "vllm":
+        out["paths"].append(s.adapter_path)
+        root = os.path.dirname(s.adapter_path)
+        out["kept"] = sorted(os.listdir(root)) if first else None
+        s.close()
+        out["closed"] = os.path.exists(root)
     return out if first else {}
