@@ -312,19 +312,27 @@ def test_peft_target_modules():
     assert wrapped == some["target_modules"]
 
 
+def _digest(t: torch.Tensor) -> list:
+    import hashlib
+
+    t = t.contiguous()
+    return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
+
+
 def _sglang_expected(src: dict[str, torch.Tensor], cfg, tp: int, rank: int, b_scale: float) -> dict[str, list]:
     """What SGLang's LoRA buffers of engine TP rank `rank` must hold, from the PEFT source alone (independent of
     mcore2hf and of SGLang): q/k/v (gate/up) stacked, A whole, B sliced to the rank's heads (columns);
-    row-parallel o_proj / down_proj: A sliced on its input, B whole."""
-    import hashlib
-
-    def digest(t):
-        t = t.contiguous()
-        return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
-
+    row-parallel o_proj / down_proj: A sliced on its input, B whole; MoE experts (FusedMoE at moe-TP = TP) the
+    same per expert, keyed by expert id."""
     hd = cfg.head_dim
-    qs, ks, inter = cfg.num_attention_heads * hd // tp, cfg.num_key_value_heads * hd // tp, cfg.intermediate_size // tp
+    qs, ks = cfg.num_attention_heads * hd // tp, cfg.num_key_value_heads * hd // tp
+    moe = cfg.model_type == "qwen3_moe"
+    inter = (cfg.moe_intermediate_size if moe else cfg.intermediate_size) // tp
     out = {}
+
+    def part(t, size):
+        return t[rank * size:(rank + 1) * size]
+
     for i in range(cfg.num_hidden_layers):
         def a(m, i=i):
             return src[f"base_model.model.model.layers.{i}.{m}.lora_A.weight"]
@@ -332,23 +340,26 @@ def _sglang_expected(src: dict[str, torch.Tensor], cfg, tp: int, rank: int, b_sc
         def b(m, i=i):
             return src[f"base_model.model.model.layers.{i}.{m}.lora_B.weight"] * b_scale
 
-        def part(t, size):
-            return t[rank * size:(rank + 1) * size]
-
         q, k, v = (f"self_attn.{x}_proj" for x in "qkv")
-        out[f"{i}.qkv_proj.lora_A"] = digest(torch.cat([a(q), a(k), a(v)]))
-        out[f"{i}.qkv_proj.lora_B"] = digest(torch.cat([part(b(q), qs), part(b(k), ks), part(b(v), ks)]))
-        out[f"{i}.o_proj.lora_A"] = digest(part(a("self_attn.o_proj").T, qs).T)
-        out[f"{i}.o_proj.lora_B"] = digest(b("self_attn.o_proj"))
-        out[f"{i}.gate_up_proj.lora_A"] = digest(torch.cat([a("mlp.gate_proj"), a("mlp.up_proj")]))
-        out[f"{i}.gate_up_proj.lora_B"] = digest(torch.cat([part(b("mlp.gate_proj"), inter),
-                                                            part(b("mlp.up_proj"), inter)]))
-        out[f"{i}.down_proj.lora_A"] = digest(part(a("mlp.down_proj").T, inter).T)
-        out[f"{i}.down_proj.lora_B"] = digest(b("mlp.down_proj"))
+        out[f"{i}.qkv_proj.lora_A"] = _digest(torch.cat([a(q), a(k), a(v)]))
+        out[f"{i}.qkv_proj.lora_B"] = _digest(torch.cat([part(b(q), qs), part(b(k), ks), part(b(v), ks)]))
+        out[f"{i}.o_proj.lora_A"] = _digest(part(a("self_attn.o_proj").T, qs).T)
+        out[f"{i}.o_proj.lora_B"] = _digest(b("self_attn.o_proj"))
+        for e, key in ([(f"mlp.experts.{e}.", f".{e}") for e in range(cfg.num_experts)] if moe else [("mlp.", "")]):
+            out[f"{i}.gate_up_proj{key}.lora_A"] = _digest(torch.cat([a(e + "gate_proj"), a(e + "up_proj")]))
+            out[f"{i}.gate_up_proj{key}.lora_B"] = _digest(torch.cat([part(b(e + "gate_proj"), inter),
+                                                                      part(b(e + "up_proj"), inter)]))
+            out[f"{i}.down_proj{key}.lora_A"] = _digest(part(a(e + "down_proj").T, inter).T)
+            out[f"{i}.down_proj{key}.lora_B"] = _digest(b(e + "down_proj"))
     return out
 
 
-def test_lora_sync_into_sglang(ckpts, adapters):
+#: architectures of the engine adapter-sync tests: dense, and MoE with adapters on every expert
+SYNC_ARCHS = ("qwen3", "qwen3_moe")
+
+
+@pytest.mark.parametrize("model_type", SYNC_ARCHS)
+def test_lora_sync_into_sglang(ckpts, adapters, model_type):
     """Adapter-only sync (sync() of HFExporter(lora="adapter") with SGLangColocatedSender(lora_name=...)) of a
     Bridge LoRA qwen3 at TP2 into SGLang 0.5.23's own adapter-loading code at engine TP 2 (harness.sglang_real:
     the release's LoadLoRAAdapterFromTensorsReqInput, tokenizer-side checks and merge, own-rank deserialization
@@ -361,14 +372,16 @@ def test_lora_sync_into_sglang(ckpts, adapters):
 
     from test_sglang_contract import SESSION_RELEASE, RealServer
 
-    ckpt = ckpts["qwen3"]
+    if model_type not in ckpts:
+        pytest.skip(f"MCORE2HF_ARCHS leaves out {model_type}")
+    ckpt = ckpts[model_type]
     servers = {"lora": RealServer(SESSION_RELEASE, tp=2, wait=False, extra=("--hf-config", ckpt, "--enable-lora")),
                "nolora": RealServer(SESSION_RELEASE, tp=2, wait=False)}
     try:
         for s in servers.values():
             s.wait()
-        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters["qwen3"], bridge_root(), LORA_TARGETS,
-                        {n: s.url for n, s in servers.items()}, timeout=600)[0]
+        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters[model_type], bridge_root(),
+                        LORA_TARGETS, {n: s.url for n, s in servers.items()}, timeout=600)[0]
         states = {n: json.load(urllib.request.urlopen(s.url + "/mcore2hf_state")) for n, s in servers.items()}
     finally:
         for s in servers.values():
@@ -382,7 +395,7 @@ def test_lora_sync_into_sglang(ckpts, adapters):
     assert calls == [pause, "/begin_weight_update", "/flush_cache", "/end_weight_update", cont,
                      pause, "/load_lora_adapter_from_tensors", cont,
                      pause, "/unload_lora_adapter", "/load_lora_adapter_from_tensors", cont], calls
-    src = load_file(os.path.join(adapters["qwen3"], "adapter_model.safetensors"))
+    src = load_file(os.path.join(adapters[model_type], "adapter_model.safetensors"))
     assert res["adapter_bytes"] == sum(t.numel() * t.element_size() for t in src.values())
     cfg = AutoConfig.from_pretrained(ckpt)
     for rank, state in enumerate(states["lora"]["ranks"]):
@@ -393,14 +406,8 @@ def test_lora_sync_into_sglang(ckpts, adapters):
         assert not bad, f"engine TP rank {rank}: {bad[:5]}"
 
 
-def _digest(t: torch.Tensor) -> list:
-    import hashlib
-
-    t = t.contiguous()
-    return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
-
-
-def test_lora_sync_into_vllm(ckpts, adapters):
+@pytest.mark.parametrize("model_type", SYNC_ARCHS)
+def test_lora_sync_into_vllm(ckpts, adapters, model_type):
     """Adapter-only sync of a Bridge LoRA qwen3 at TP2 (VLLMColocatedSender(lora_name=...)) into vLLM 0.33.0's own
     /v1/load_lora_adapter path at engine TP 2 (harness.vllm_real --serve-lora: the release's LoRA api_router and
     OpenAIServingModels, the LoRARequest through the engine core's msgpack conversion, each worker's
@@ -420,15 +427,17 @@ def test_lora_sync_into_vllm(ckpts, adapters):
     wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), os.path.join(repo, "tests"), repo]),
                VLLM_LOGGING_LEVEL="WARNING")
-    ckpt = ckpts["qwen3"]
+    if model_type not in ckpts:
+        pytest.skip(f"MCORE2HF_ARCHS leaves out {model_type}")
+    ckpt = ckpts[model_type]
     proc = subprocess.Popen([sys.executable, "-m", "harness.vllm_real", "--serve-lora", ckpt, "2"], env=env,
                             cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("PORTS"), line
         lora, nolora = (f"http://127.0.0.1:{p}" for p in line.split()[1:])
-        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters["qwen3"], bridge_root(), LORA_TARGETS,
-                        {"lora": lora, "nolora": nolora}, "vllm", timeout=600)[0]
+        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters[model_type], bridge_root(),
+                        LORA_TARGETS, {"lora": lora, "nolora": nolora}, "vllm", timeout=600)[0]
         state = json.load(urllib.request.urlopen(lora + "/mcore2hf_lora"))
     finally:
         proc.kill()
@@ -439,7 +448,7 @@ def test_lora_sync_into_vllm(ckpts, adapters):
     assert res["kept"] == [os.path.basename(res["paths"][1])] and res["closed"] is False
     one = ["pause:abort", "add_lora:policy:True", "reset_prefix_cache", "resume"]
     assert state["events"] == one + one, state["events"]
-    src = load_file(os.path.join(adapters["qwen3"], "adapter_model.safetensors"))
+    src = load_file(os.path.join(adapters[model_type], "adapter_model.safetensors"))
     want = {}
     for name, t in src.items():
         module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]

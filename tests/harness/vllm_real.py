@@ -430,7 +430,7 @@ class LoRACore:
     and validate_legal against the LoRAConfig, LoRAModel.from_local_checkpoint on CPU, the MoE-format and
     classification-head checks of LoRAModelManager) for Qwen3ForCausalLM's LoRA modules
     (model_executor/models/qwen3.py:284 packed_modules_mapping; supported modules: the packed names and the
-    unpacked linears). Each worker's cache keeps the LoRAModel by adapter id; load_inplace replaces it. Stand-in:
+    unpacked linears) or Qwen3MoeForCausalLM's (its qkv_proj, o_proj and the 2-D per-expert form). Each worker's cache keeps the LoRAModel by adapter id; load_inplace replaces it. Stand-in:
     the adapter manager's model (no hf_to_vllm_mapper, no skip prefixes) and its wrapped modules (none: the MoE
     format check has no FusedMoE wrapper to check against)."""
 
@@ -446,10 +446,23 @@ class LoRACore:
         lora_model.PIN_MEMORY = False  # GPU-only: pinning host memory needs an accelerator (lora_model.py:132)
         cfg = AutoConfig.from_pretrained(hf_config)
         self.workers, self.events = [], []
-        packed = Qwen3ForCausalLM.packed_modules_mapping
+        if cfg.model_type == "qwen3_moe":
+            from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+            from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+            # the 2-D MoE LoRA form (lora/utils.py:424-430 process_packed_modules_mapping): "experts" packs every
+            # expert's gate/up/down as RoutedExperts.get_expert_mapping lists them (routed_experts.py:1107, the
+            # checkpoint names Qwen3-MoE's experts load from)
+            packed = dict(Qwen3MoeForCausalLM.packed_modules_mapping)
+            packed["experts"] = [w.rstrip(".") for _, w, _, _ in RoutedExperts.build_expert_params_mapping(
+                "gate_proj", "down_proj", "up_proj", num_experts=cfg.num_experts, routed_experts_prefix="")]
+            supported = [*packed, "o_proj"]
+        else:
+            packed = Qwen3ForCausalLM.packed_modules_mapping
+            supported = [*packed, "o_proj", "down_proj"]
         for rank in range(tp):
             adapters = types.SimpleNamespace(
-                supported_lora_modules=[*packed, "o_proj", "down_proj"], packed_modules_mapping=packed,
+                supported_lora_modules=supported, packed_modules_mapping=packed,
                 model=types.SimpleNamespace(), moe_ep_load_spec=None, modules={}, _classification_head=None,
                 _enable_mixed_moe_lora_format=False)
             for m in ("_validate_moe_lora_format", "_validate_classification_head_lora", "_get_lora_layer_weights"):
