@@ -409,13 +409,14 @@ def test_lora_sync_into_sglang(ckpts, adapters, model_type):
 @pytest.mark.parametrize("model_type", SYNC_ARCHS)
 def test_lora_sync_into_vllm(ckpts, adapters, model_type):
     """Adapter-only sync of a Bridge LoRA qwen3 at TP2 (VLLMColocatedSender(lora_name=...)) into vLLM 0.33.0's own
-    /v1/load_lora_adapter path at engine TP 2 (harness.vllm_real --serve-lora: the release's LoRA api_router and
+    /v1/load_lora_adapter path at engine TP 2 and 1 (harness.vllm_real --serve-lora: the release's LoRA api_router and
     OpenAIServingModels, the LoRARequest through the engine core's msgpack conversion, each worker's
     LRUCacheWorkerLoRAManager._load_adapter building the LoRAModel from our PEFT directory). A server without the
     LoRA routes refuses it before anything is paused; then the adapter, a training step, the adapter again in
     place (load_inplace, the same id) from a new directory, each load followed by a prefix-cache reset inside the
     pause: every worker's LoRA model holds exactly the source's A and the doubled B, scaling alpha/r; only the
-    loaded directory is kept, none after close()."""
+    loaded directory is kept, none after close(). The same adapter into an engine of TP 1 through
+    VLLMDistributedSender."""
     import json
     import subprocess
     import sys
@@ -435,10 +436,11 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
     try:
         line = proc.stdout.readline()
         assert line.startswith("PORTS"), line
-        lora, nolora = (f"http://127.0.0.1:{p}" for p in line.split()[1:])
+        lora, nolora, tp1 = (f"http://127.0.0.1:{p}" for p in line.split()[1:])
         res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters[model_type], bridge_root(),
-                        LORA_TARGETS, {"lora": lora, "nolora": nolora}, "vllm", timeout=600)[0]
+                        LORA_TARGETS, {"lora": lora, "nolora": nolora, "tp1": tp1}, "vllm", timeout=600)[0]
         state = json.load(urllib.request.urlopen(lora + "/mcore2hf_lora"))
+        state_tp1 = json.load(urllib.request.urlopen(tp1 + "/mcore2hf_lora"))
     finally:
         proc.kill()
         proc.wait(10)
@@ -454,7 +456,8 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
         module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
         want.setdefault(module, {"rank": LORA_R, "scaling": LORA_ALPHA / LORA_R})
         want[module]["a" if ".lora_A." in name else "b"] = _digest(t if ".lora_A." in name else 2 * t)
-    assert len(state["workers"]) == 2
-    for worker in state["workers"]:
+    assert len(state["workers"]) == 2 and len(state_tp1["workers"]) == 1 and res["tp1_version"] == 1
+    assert state_tp1["events"] == one
+    for worker in state["workers"] + state_tp1["workers"]:
         assert list(worker) == ["policy"]
         assert worker["policy"] == want

@@ -1441,8 +1441,9 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
     """Adapter-only syncs of a Megatron-Bridge LoRA model into an engine's own code (harness.sglang_real /
     harness.vllm_real --serve-lora servers of engine TP = the world size, colocated senders): refused by a server
     without LoRA before anything is paused; then (SGLang) the base weights (v1); the adapter; a training step
-    (every B doubled) and the adapter again, replacing the first. Rank 0 returns the refusal, the versions and (vLLM)
-    the adapter directories: loaded from, kept after the second sync, left after close()."""
+    (every B doubled) and the adapter again, replacing the first; (vLLM) the doubled adapter into an engine of TP 1
+    through the distributed sender. Rank 0 returns the refusal, the versions and (vLLM) the adapter directories:
+    loaded from, kept after the second sync, left after close()."""
     from harness.bridge_lora import apply_lora
 
     from mcore2hf.errors import UnsupportedEngine
@@ -1485,4 +1486,11 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
         out["kept"] = sorted(os.listdir(root)) if first else None
         s.close()
         out["closed"] = os.path.exists(root)
+        # an engine of TP 1 elsewhere: the distributed sender (rank 0 drives it; no weight-transfer group formed)
+        from mcore2hf.senders import VLLMDistributedSender
+
+        d = VLLMDistributedSender([urls["tp1"]] if first else None, [1], timeout=60, lora_name="policy")
+        sync(adapter, d, progress=False)
+        out["tp1_version"] = d.version
+        d.close()
     return out if first else {}

@@ -516,9 +516,10 @@ class LoRACore:
 
 
 def serve_lora(hf_config: str, tp: int) -> None:
-    """Two vLLM front ends on ports the OS picks (printed as `PORTS <with LoRA> <without>`): both with the RL routes
+    """Three vLLM front ends on ports the OS picks (printed as `PORTS <with LoRA, TP tp> <without> <with LoRA, TP 1>`),
+    each with the RL routes
     (/pause, /resume; VLLM_SERVER_DEV_MODE=1), /version and /reset_prefix_cache (dev cache router,
-    entrypoints/serve/dev/cache/api_router.py); the first also with vLLM's LoRA routes (entrypoints/serve/lora/
+    entrypoints/serve/dev/cache/api_router.py); the first and third also with vLLM's LoRA routes (entrypoints/serve/lora/
     api_router.py, attached as with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) over the release's OpenAIServingModels,
     whose add_lora reaches LoRACore. Stub: SageMaker's adapter-handler registration
     (model_hosting_container_standards, not installed) as an identity decorator. GET /mcore2hf_lora: the
@@ -539,27 +540,32 @@ def serve_lora(hf_config: str, tp: int) -> None:
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
     from vllm.entrypoints.serve.lora.api_router import attach_router
 
-    core = LoRACore(hf_config, tp)
+    cores = [LoRACore(hf_config, tp), None, LoRACore(hf_config, 1)]
 
     class Client:
         model_config = types.SimpleNamespace(max_model_len=128)
         renderer = input_processor = None
 
+        def __init__(self, core):
+            self.core = core
+
         async def add_lora(self, lora_request):
-            return await asyncio.to_thread(core.add_lora, lora_request)
+            return await asyncio.to_thread(self.core.add_lora, lora_request)
 
         async def reset_prefix_cache(self, reset_running_requests=False, reset_external=False):
-            core.events.append("reset_prefix_cache")
+            self.core.events.append("reset_prefix_cache")
             return True
 
         async def pause_generation(self, mode="abort", clear_cache=True):
-            core.events.append(f"pause:{mode}")
+            self.core.events.append(f"pause:{mode}")
 
         async def resume_generation(self):
-            core.events.append("resume")
+            self.core.events.append("resume")
 
     urls = []
-    for lora in (True, False):
+    for core in cores:
+        lora = core is not None
+        core = core or LoRACore(hf_config, 1)  # never reached: the app has no LoRA routes
         app = FastAPI()
         register_rl_api_routers(app)
         app.include_router(cache_router)
@@ -573,11 +579,15 @@ def serve_lora(hf_config: str, tp: int) -> None:
 
             return {"version": vllm.__version__}
 
-        @app.get("/mcore2hf_lora")
-        async def lora_state():
-            return {"workers": core.state(), "events": core.events}
+        def state_route(core):
+            async def lora_state():
+                return {"workers": core.state(), "events": core.events}
 
-        client = Client()
+            return lora_state
+
+        app.get("/mcore2hf_lora")(state_route(core))
+
+        client = Client(core)
         app.state.engine_client = client
         app.state.openai_serving_models = OpenAIServingModels(client, [BaseModelPath(name="base", model_path=hf_config)])
         app.state.args = types.SimpleNamespace(log_error_stack=False)
