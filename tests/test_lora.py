@@ -416,7 +416,8 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
     place (load_inplace, the same id) from a new directory, each load followed by a prefix-cache reset inside the
     pause: every worker's LoRA model holds exactly the source's A and the doubled B, scaling alpha/r; only the
     loaded directory is kept, none after close(). The same adapter into an engine of TP 1 through
-    VLLMDistributedSender."""
+    VLLMDistributedSender; into one whose load fails (--max-lora-rank below r): EngineError on every rank, the
+    version kept, the engine resumed, no directory left."""
     import json
     import subprocess
     import sys
@@ -436,11 +437,12 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
     try:
         line = proc.stdout.readline()
         assert line.startswith("PORTS"), line
-        lora, nolora, tp1 = (f"http://127.0.0.1:{p}" for p in line.split()[1:])
+        lora, nolora, tp1, small = (f"http://127.0.0.1:{p}" for p in line.split()[1:])
         res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters[model_type], bridge_root(),
-                        LORA_TARGETS, {"lora": lora, "nolora": nolora, "tp1": tp1}, "vllm", timeout=600)[0]
-        state = json.load(urllib.request.urlopen(lora + "/mcore2hf_lora"))
-        state_tp1 = json.load(urllib.request.urlopen(tp1 + "/mcore2hf_lora"))
+                        LORA_TARGETS, {"lora": lora, "nolora": nolora, "tp1": tp1, "small": small}, "vllm",
+                        timeout=600)[0]
+        state, state_tp1, state_small = (json.load(urllib.request.urlopen(u + "/mcore2hf_lora"))
+                                         for u in (lora, tp1, small))
     finally:
         proc.kill()
         proc.wait(10)
@@ -458,6 +460,10 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
         want[module]["a" if ".lora_A." in name else "b"] = _digest(t if ".lora_A." in name else 2 * t)
     assert len(state["workers"]) == 2 and len(state_tp1["workers"]) == 1 and res["tp1_version"] == 1
     assert state_tp1["events"] == one
+    print(f"failed: {res['failed']}")
+    assert "greater than max_lora_rank" in res["failed"] and res["failed_version"] == 0
+    assert state_small["events"] == ["pause:abort", "add_lora:policy:True", "resume"]
+    assert state_small["workers"] == [{}] and res["failed_left"] == []
     for worker in state["workers"] + state_tp1["workers"]:
         assert list(worker) == ["policy"]
         assert worker["policy"] == want

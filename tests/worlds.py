@@ -1446,7 +1446,7 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
     loaded from, kept after the second sync, left after close()."""
     from harness.bridge_lora import apply_lora
 
-    from mcore2hf.errors import UnsupportedEngine
+    from mcore2hf.errors import EngineError, UnsupportedEngine
     from mcore2hf.senders import SGLangColocatedSender, VLLMColocatedSender, sync
 
     cfg, chunks = build(ckpt, layout, mtp=False)
@@ -1492,5 +1492,16 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
         d = VLLMDistributedSender([urls["tp1"]] if first else None, [1], timeout=60, lora_name="policy")
         sync(adapter, d, progress=False)
         out["tp1_version"] = d.version
+        d.close()
+        # an engine whose load fails (its max LoRA rank below r): every rank raises, the version stays, the
+        # engine is resumed (an adapter sync leaves the base weights as they were), and the directory is removed
+        d = VLLMDistributedSender([urls["small"]] if first else None, [1], timeout=60, lora_name="policy")
+        try:
+            sync(adapter, d, progress=False)
+        except EngineError as e:
+            out["failed"], out["failed_version"] = str(e), d.version
+            out["failed_left"] = os.listdir(d.adapter_root) if first else None  # the failed version removed
+        else:
+            raise AssertionError("a failed adapter load did not fail the sync")
         d.close()
     return out if first else {}

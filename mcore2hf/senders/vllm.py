@@ -488,10 +488,19 @@ class _Session:
     def _resume_engine(self, engine) -> None:
         call(engine.resume)
 
+    @property
+    def adapter_root(self) -> str | None:
+        """The directory holding this sender's adapter versions (rank 0; None before the first adapter sync)."""
+        return self._adapter_root
+
     def _close_sessions(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:  # an adapter sync that failed before its directory was complete: nothing left
             quietly(writer.abort)
+        if self.adapter is not None and self._adapter_root is not None and self._pending is not None:
+            failed = self._version_dir()  # written, but the sync failed: no engine is to load from it
+            if failed != self.adapter_path:
+                shutil.rmtree(failed, ignore_errors=True)
         for e in self._open or []:
             quietly(e.finish_weight_update, weight_version=None)
         self._open = None

@@ -516,10 +516,10 @@ class LoRACore:
 
 
 def serve_lora(hf_config: str, tp: int) -> None:
-    """Three vLLM front ends on ports the OS picks (printed as `PORTS <with LoRA, TP tp> <without> <with LoRA, TP 1>`),
-    each with the RL routes
+    """Four vLLM front ends on ports the OS picks (printed as `PORTS <with LoRA, TP tp> <without> <with LoRA, TP 1>
+    <with LoRA, TP 1, max LoRA rank 1>`), each with the RL routes
     (/pause, /resume; VLLM_SERVER_DEV_MODE=1), /version and /reset_prefix_cache (dev cache router,
-    entrypoints/serve/dev/cache/api_router.py); the first and third also with vLLM's LoRA routes (entrypoints/serve/lora/
+    entrypoints/serve/dev/cache/api_router.py); all but the second also with vLLM's LoRA routes (entrypoints/serve/lora/
     api_router.py, attached as with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) over the release's OpenAIServingModels,
     whose add_lora reaches LoRACore. Stub: SageMaker's adapter-handler registration
     (model_hosting_container_standards, not installed) as an identity decorator. GET /mcore2hf_lora: the
@@ -540,7 +540,8 @@ def serve_lora(hf_config: str, tp: int) -> None:
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
     from vllm.entrypoints.serve.lora.api_router import attach_router
 
-    cores = [LoRACore(hf_config, tp), None, LoRACore(hf_config, 1)]
+    # the fourth: --max-lora-rank 1, below the tests' adapters' r (its load fails in PEFTHelper.validate_legal)
+    cores = [LoRACore(hf_config, tp), None, LoRACore(hf_config, 1), LoRACore(hf_config, 1, max_lora_rank=1)]
 
     class Client:
         model_config = types.SimpleNamespace(max_model_len=128)
