@@ -366,7 +366,9 @@ def test_lora_sync_into_sglang(ckpts, adapters, model_type):
     and flattened-bucket rebuild, LoRAManager and LoRAAdapter normalization, the LoRA layers' per-TP-rank slicing).
     A server started without LoRA refuses it before anything is paused (no engine call after the probe, version
     unchanged); then base weights (v1), adapter (v2), a training step and the adapter again (v3): each engine TP
-    rank holds exactly its slices of the new adapter, the old one unloaded first, every call inside the pause."""
+    rank holds exactly its slices of the new adapter, the old one unloaded first, every call inside the pause. A new
+    sender (a restarted trainer) replaces the adapter the engine still holds under that name (SGLang refuses the
+    load: unload, load again)."""
     import json
     import urllib.request
 
@@ -392,9 +394,11 @@ def test_lora_sync_into_sglang(ckpts, adapters, model_type):
     assert res["version"] == 3
     calls = [c for c in states["lora"]["calls"] if c not in ("/server_info", "/update_weights_from_tensor")]
     pause, cont = "/pause_generation", "/continue_generation"
+    load, unload = "/load_lora_adapter_from_tensors", "/unload_lora_adapter"
     assert calls == [pause, "/begin_weight_update", "/flush_cache", "/end_weight_update", cont,
-                     pause, "/load_lora_adapter_from_tensors", cont,
-                     pause, "/unload_lora_adapter", "/load_lora_adapter_from_tensors", cont], calls
+                     pause, load, cont, pause, unload, load, cont,
+                     pause, load, unload, load, cont], calls  # the restarted sender: refused, unloaded, loaded
+    assert res["restarted_version"] == 1
     src = load_file(os.path.join(adapters[model_type], "adapter_model.safetensors"))
     assert res["adapter_bytes"] == sum(t.numel() * t.element_size() for t in src.values())
     cfg = AutoConfig.from_pretrained(ckpt)

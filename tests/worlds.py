@@ -1480,6 +1480,10 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
                     p.mul_(2)
     sync(adapter, s, progress=False)
     out["version"] = s.version
+    if engine == "sglang":  # a restarted trainer: its sender did not load "policy", the engine still has it
+        again = sender(urls["lora"])
+        sync(adapter, again, progress=False)
+        out["restarted_version"] = again.version
     if engine == "vllm":
         out["paths"].append(s.adapter_path)
         root = os.path.dirname(s.adapter_path)
