@@ -16,6 +16,7 @@ from .engine_shards import EngineShardError
 from .errors import ConfigMismatchError, Mcore2HFError, UsageError, problem_list
 from .hf_config import HFConfigLike, config_source
 from .lora import (
+    EXPERT_FORMS,
     LORA_MODES,
     LoraInfo,
     Merger,
@@ -76,13 +77,21 @@ class HFExporter:
     """
 
     def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None,
-                 lora: str | None = None):
+                 lora: str | None = None, lora_experts: str = "per_expert"):
         """`lora`: for a model with Megatron-Bridge LoRA adapters (docs/lora.md), what is exported: "adapter" (the
         adapters alone, HF/PEFT names; `save_pretrained` writes a PEFT adapter directory), "merged" (W + alpha/r B A,
-        computed on the shards; the model is not modified) or "base" (the frozen base weights)."""
+        computed on the shards; the model is not modified) or "base" (the frozen base weights). `lora_experts`
+        (lora="adapter"): routed experts' adapters "per_expert" (`experts.E.gate_proj.lora_A`, what SGLang and vLLM's
+        2-D MoE LoRA load) or "stacked" (PEFT's 3-D form on transformers 5's fused experts, `target_parameters`;
+        vLLM 0.33 `is_3d_lora_weight`)."""
         if lora is not None and lora not in LORA_MODES:
             raise UsageError(f"lora must be one of {LORA_MODES} or None, got {lora!r}")
-        self.lora = lora
+        if lora_experts != "per_expert" and lora != "adapter":
+            raise UsageError(f"lora_experts={lora_experts!r}: expected lora='adapter' (only an adapter export has an "
+                             f"expert form), found lora={lora!r}")
+        if lora_experts not in EXPERT_FORMS:
+            raise UsageError(f"lora_experts must be one of {EXPERT_FORMS}, got {lora_experts!r}")
+        self.lora, self.lora_experts = lora, lora_experts
         self.lora_info: LoraInfo | None = None
         self._merger: Merger | None = None
         self.chunks = unwrap_model(model)
@@ -128,7 +137,8 @@ class HFExporter:
             if self.lora == "adapter":  # the adapters alone, through the table derived from the architecture's
                 only = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if is_adapter(t[0])))
                         for rec in records]
-                planner = Planner(only, self.hf_config, lora_converter(self.converter), self.dims, self.ctx.tp.size,
+                planner = Planner(only, self.hf_config, lora_converter(self.converter, self.lora_experts), self.dims,
+                                  self.ctx.tp.size,
                                   self.ctx.etp.size, verbose=self.ctx.rank == 0, structure=False)
             elif self.lora == "merged":
                 self._merger = Merger(mine, self._local, self.lora_info, self.ctx.tp, self.ctx.etp)

@@ -139,6 +139,8 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
                         i == 0)[0]
         if i == 0:
             _offline(ckpt, str(out), res, reference, cli=model_type == "qwen3")
+        if res.get("stacked"):
+            _stacked_oracle(ckpt, want, res)
         got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))  # the PEFT directory: the source
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
         merged = read_hf_checkpoint(res["merged"])
@@ -224,6 +226,41 @@ def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None
         lines = err.getvalue().strip().splitlines()
         assert code == 2 and len(lines) == 1 and "lora='adapter'" in lines[0], lines
         assert not os.path.exists(os.path.join(out, "refused"))
+
+
+def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
+    """lora_experts="stacked": PEFT's 3-D form of the expert adapters (peft 0.21.2 ParamWrapper on transformers 5's
+    fused experts). Its tensors equal the per-expert source rearranged here independently (A rows expert-major,
+    B columns rank-major / expert-minor, gate_up's B [gate; up]); peft loads the directory (target_parameters)
+    with no missing or unexpected adapter key, and its fp32 logits equal Megatron's with the adapters active."""
+    cfg = AutoConfig.from_pretrained(ckpt)
+    got = load_file(os.path.join(res["stacked"], "adapter_model.safetensors"))
+    want = {n: t for n, t in src.items() if ".experts." not in n}
+    for layer in range(cfg.num_hidden_layers):
+        pre = f"base_model.model.model.layers.{layer}.mlp.experts"
+
+        def e(i, m, f, pre=pre):
+            return src[f"{pre}.{i}.{m}.lora_{f}.weight"]
+
+        experts = range(cfg.num_experts)
+        want[f"{pre}.base_layer.lora_A.weight"] = torch.cat([e(i, "gate_proj", "A") for i in experts])
+        want[f"{pre}.base_layer.lora_B.weight"] = torch.stack(
+            [torch.cat([e(i, "gate_proj", "B"), e(i, "up_proj", "B")]) for i in experts], dim=-1).flatten(1)
+        want[f"{pre}.lora_A.weight"] = torch.cat([e(i, "down_proj", "A") for i in experts])
+        want[f"{pre}.lora_B.weight"] = torch.stack([e(i, "down_proj", "B") for i in experts], dim=-1).flatten(1)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])][:5]
+    with open(os.path.join(res["stacked"], "adapter_config.json")) as f:
+        config = json.load(f)
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
+                                           res["stacked"])
+    result = peft.set_peft_model_state_dict(model, got)
+    assert [k for k in result.missing_keys if "lora_" in k] == [] and result.unexpected_keys == []
+    with torch.no_grad():
+        diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
+    print(f"\nLoRA qwen3_moe stacked experts: |Megatron with adapters - peft (target_parameters)| logits {diff:.2e}")
+    assert diff < min(LOGIT_TOL, logit_tolerance("qwen3_moe"))
 
 
 def _peft_oracle(ckpt: str, res: dict):

@@ -1373,6 +1373,17 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
         engine = engine_matrix(merging, merged_sd, layout, cfg.model_type)
         bad = {k: v for k, v in engine.items() if "refused" not in v and (v["missing"] or v["extra"] or v["differ"])}
         agree(f"engine-sharded lora='merged': {bad}" if bad else None)
+    stacked = None
+    if save_dist and any(".experts." in n for n in adapter_ref):  # PEFT's 3-D expert form (lora_experts="stacked")
+        stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
+        stacked = stacked_ex.save_pretrained(os.path.join(out_root, "stacked"), progress=False)
+        tiny = {n: t.clone() for b in stacked_ex.buckets(bucket_bytes=1024, receivers=0) for n, t in b}
+        full = stacked_ex.state_dict()
+        agree(checked(lambda: assert_same(tiny, full, f"{layout} stacked, 1 KiB buckets")
+                      if dist.get_rank() == 0 else None))
+        # loaded back (the ops' inverses), the per-expert export is the source again
+        load_hf_weights(chunks, stacked, ckpt, lora=True)
+        assert_same(ex.state_dict(), adapter_ref, f"{layout} adapters loaded from the stacked form")
     base = HFExporter(chunks, cfg, lora="base").state_dict()
     ref = read_hf_checkpoint(ckpt)
     assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
@@ -1393,7 +1404,7 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
-    return {"logits": logits, "merged": merged, "dir": out} if dist.get_rank() == 0 else {}
+    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked} if dist.get_rank() == 0 else {}
 
 
 def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list[str]:

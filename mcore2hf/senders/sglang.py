@@ -421,6 +421,9 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
         self._probe_all()
 
     def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
+        if config is not None and config.get("target_parameters"):
+            raise UsageError("SGLang loads expert adapters one per expert (lora/mem_pool.py:1000 experts.E.*): "
+                             "expected HFExporter(..., lora_experts='per_expert'), found PEFT's stacked form")
         if config is not None and any(st.pause_mode == "retract" for st in self._engines):
             # a retracted request keeps its adapter acquired, and SGLang's unload waits for it
             # (tokenizer_control_mixin.py:646 wait_for_unload) while the engine is paused: it would never end

@@ -222,11 +222,15 @@ class VLLMHTTPEngine(HTTPClient):
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora (--max-lora-rank >= the adapter's r)")
         return None
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true} (LoadLoRAAdapterRequest, vllm
-        0.33.0 entrypoints/serve/lora/protocol.py:7-11): replaces an adapter of that name, keeping its id
-        (entrypoints/openai/models/serving.py:167-231); 200 with plain text, an error status otherwise."""
-        self._request("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": True})
+    def load_lora_adapter(self, lora_name: str, lora_path: str, is_3d: bool = False) -> None:
+        """POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true[, is_3d_lora_weight: true]}
+        (LoadLoRAAdapterRequest, vllm 0.33.0 entrypoints/serve/lora/protocol.py:7-11): replaces an adapter of that
+        name, keeping its id (entrypoints/openai/models/serving.py:167-231); 200 with plain text, an error status
+        otherwise. `is_3d`: PEFT's stacked expert form (lora_experts="stacked")."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": True}
+        if is_3d:
+            body["is_3d_lora_weight"] = True
+        self._request("/v1/load_lora_adapter", body)
 
     def reset_prefix_cache(self) -> bool:
         """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE, entrypoints/serve/dev/cache/api_router.py:20):
@@ -297,7 +301,7 @@ class VLLMLocalEngine:
             return "this vllm.LLM was built without LoRA: build it with LLM(..., enable_lora=True, max_lora_rank=r)"
         return None
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+    def load_lora_adapter(self, lora_name: str, lora_path: str, is_3d: bool = False) -> None:
         """LLMEngine.add_lora(LoRARequest(..., load_inplace=True)) (vllm 0.33.0 v1/engine/llm_engine.py:471,
         lora/request.py:24-29), the adapter's id kept across versions as the server keeps it."""
         from vllm.lora.request import LoRARequest
@@ -305,7 +309,8 @@ class VLLMLocalEngine:
         ids = self.__dict__.setdefault("_lora_ids", {})
         lora_id = ids.setdefault(lora_name, len(ids) + 1)
         if not self.llm.llm_engine.add_lora(LoRARequest(lora_name=lora_name, lora_int_id=lora_id,
-                                                        lora_path=lora_path, load_inplace=True)):
+                                                        lora_path=lora_path, load_inplace=True,
+                                                        is_3d_lora_weight=is_3d)):
             raise EngineError(f"vllm.LLM did not load the LoRA adapter {lora_name!r} from {lora_path}")
 
     def reset_prefix_cache(self) -> bool:
@@ -401,7 +406,9 @@ class _Session:
         self.cache_reset = True
         for e in self._driven():
             try:
-                call(e.load_lora_adapter, lora_name=self.lora_name, lora_path=path)
+                # PEFT's stacked expert form (adapter_config.json's target_parameters) goes as vLLM's 3-D form
+                call(e.load_lora_adapter, lora_name=self.lora_name, lora_path=path,
+                     is_3d=bool(self.adapter.get("target_parameters")))
                 reset = call(e.reset_prefix_cache)
             except EngineError as err:
                 self._fail(f"loading the LoRA adapter {self.lora_name!r} from {path}: {err}")
