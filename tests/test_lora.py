@@ -228,13 +228,10 @@ def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None
         assert not os.path.exists(os.path.join(out, "refused"))
 
 
-def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
-    """lora_experts="stacked": PEFT's 3-D form of the expert adapters (peft 0.21.2 ParamWrapper on transformers 5's
-    fused experts). Its tensors equal the per-expert source rearranged here independently (A rows expert-major,
-    B columns rank-major / expert-minor, gate_up's B [gate; up]); peft loads the directory (target_parameters)
-    with no missing or unexpected adapter key, and its fp32 logits equal Megatron's with the adapters active."""
-    cfg = AutoConfig.from_pretrained(ckpt)
-    got = load_file(os.path.join(res["stacked"], "adapter_model.safetensors"))
+def _stacked_reference(src: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """A per-expert PEFT adapter in PEFT's 3-D form, rearranged here independently of mcore2hf (peft 0.21.2
+    tuners/lora/layer.py:2534-2535): A rows expert-major [E*r, in], B columns rank-major / expert-minor [out, r*E],
+    gate_up_proj's B [gate; up]; `<experts>.base_layer` = gate_up_proj, `<experts>` = down_proj."""
     want = {n: t for n, t in src.items() if ".experts." not in n}
     for layer in range(cfg.num_hidden_layers):
         pre = f"base_model.model.model.layers.{layer}.mlp.experts"
@@ -248,6 +245,16 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
             [torch.cat([e(i, "gate_proj", "B"), e(i, "up_proj", "B")]) for i in experts], dim=-1).flatten(1)
         want[f"{pre}.lora_A.weight"] = torch.cat([e(i, "down_proj", "A") for i in experts])
         want[f"{pre}.lora_B.weight"] = torch.stack([e(i, "down_proj", "B") for i in experts], dim=-1).flatten(1)
+    return want
+
+
+def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
+    """lora_experts="stacked": PEFT's 3-D form of the expert adapters (peft 0.21.2 ParamWrapper on transformers 5's
+    fused experts). Its tensors equal the per-expert source rearranged here independently (A rows expert-major,
+    B columns rank-major / expert-minor, gate_up's B [gate; up]); peft loads the directory (target_parameters)
+    with no missing or unexpected adapter key, and its fp32 logits equal Megatron's with the adapters active."""
+    got = load_file(os.path.join(res["stacked"], "adapter_model.safetensors"))
+    want = _stacked_reference(src, AutoConfig.from_pretrained(ckpt))
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])][:5]
     with open(os.path.join(res["stacked"], "adapter_config.json")) as f:
@@ -436,6 +443,8 @@ def test_lora_sync_into_sglang(ckpts, adapters, model_type):
                      pause, load, cont, pause, unload, load, cont,
                      pause, load, unload, load, cont], calls  # the restarted sender: refused, unloaded, loaded
     assert res["restarted_version"] == 1
+    if model_type == "qwen3_moe":
+        assert "lora_experts='per_expert'" in res["stacked_refused"]
     src = load_file(os.path.join(adapters[model_type], "adapter_model.safetensors"))
     assert res["adapter_bytes"] == sum(t.numel() * t.element_size() for t in src.values())
     cfg = AutoConfig.from_pretrained(ckpt)
@@ -492,7 +501,9 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
     assert res["version"] == 2 and res["paths"][0] != res["paths"][1]
     assert res["kept"] == [os.path.basename(res["paths"][1])] and res["closed"] is False
     one = ["pause:abort", "add_lora:policy:True", "reset_prefix_cache", "resume"]
-    assert state["events"] == one + one, state["events"]
+    moe = model_type == "qwen3_moe"
+    three_d = ["pause:abort", "add_lora:policy3d:True:3d", "reset_prefix_cache", "resume"] if moe else []
+    assert state["events"] == one + one + three_d, state["events"]
     src = load_file(os.path.join(adapters[model_type], "adapter_model.safetensors"))
     want = {}
     for name, t in src.items():
@@ -506,5 +517,15 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
     assert state_small["events"] == ["pause:abort", "add_lora:policy:True", "resume"]
     assert state_small["workers"] == [{}] and res["failed_left"] == []
     for worker in state["workers"] + state_tp1["workers"]:
-        assert list(worker) == ["policy"]
+        assert list(worker) == (["policy", "policy3d"] if moe and worker in state["workers"] else ["policy"])
         assert worker["policy"] == want
+    if moe:  # the 3-D form: vLLM's LoRA model of each worker holds PEFT's stacked factors (B doubled)
+        doubled = {n: 2 * t if ".lora_B." in n else t for n, t in src.items()}
+        stacked = _stacked_reference(doubled, AutoConfig.from_pretrained(ckpt))
+        want3 = {}
+        for name, t in stacked.items():
+            module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+            want3.setdefault(module, {"rank": LORA_R, "scaling": LORA_ALPHA / LORA_R})[
+                "a" if ".lora_A." in name else "b"] = _digest(t)
+        for worker in state["workers"]:
+            assert worker["policy3d"] == want3

@@ -1457,7 +1457,7 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
     loaded from, kept after the second sync, left after close()."""
     from harness.bridge_lora import apply_lora
 
-    from mcore2hf.errors import EngineError, UnsupportedEngine
+    from mcore2hf.errors import EngineError, UnsupportedEngine, UsageError
     from mcore2hf.senders import SGLangColocatedSender, VLLMColocatedSender, sync
 
     cfg, chunks = build(ckpt, layout, mtp=False)
@@ -1491,10 +1491,20 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
                     p.mul_(2)
     sync(adapter, s, progress=False)
     out["version"] = s.version
+    moe = any(".experts." in n for n in adapter.state_dict())
     if engine == "sglang":  # a restarted trainer: its sender did not load "policy", the engine still has it
         again = sender(urls["lora"])
         sync(adapter, again, progress=False)
         out["restarted_version"] = again.version
+        if moe:  # PEFT's stacked expert form: SGLang loads experts one by one
+            try:
+                sync(HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked"), again, progress=False)
+            except UsageError as e:
+                out["stacked_refused"] = str(e)
+    elif moe:  # vLLM: PEFT's stacked expert form as its 3-D form (is_3d_lora_weight)
+        s3 = VLLMColocatedSender(urls["lora"] if first else None, tp, timeout=60, lora_name="policy3d")
+        sync(HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked"), s3, progress=False)
+        s3.close()
     if engine == "vllm":
         out["paths"].append(s.adapter_path)
         root = os.path.dirname(s.adapter_path)

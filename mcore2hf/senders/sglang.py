@@ -413,7 +413,7 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
         if isinstance(engine, str):
             engine = SGLangHTTPEngine(engine, timeout=timeout, api_key=api_key)
         super().__init__(engine, engine_tp_size, timeout, engine_sharding, engine_ep_size, engine_placement)
-        self.http, self.flush, self.lora_name = http, flush_cache, lora_name
+        self.http, self.flush, self.lora_name, self.pause_mode = http, flush_cache, lora_name, pause_mode
         self._engines = [_EngineState(self.engine, engine_tp_size, pause_mode, flush_cache)] if self.is_first else []
 
     def begin(self, version: int) -> None:
@@ -424,7 +424,7 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
         if config is not None and config.get("target_parameters"):
             raise UsageError("SGLang loads expert adapters one per expert (lora/mem_pool.py:1000 experts.E.*): "
                              "expected HFExporter(..., lora_experts='per_expert'), found PEFT's stacked form")
-        if config is not None and any(st.pause_mode == "retract" for st in self._engines):
+        if config is not None and self.pause_mode == "retract":  # every rank refuses (the same argument)
             # a retracted request keeps its adapter acquired, and SGLang's unload waits for it
             # (tokenizer_control_mixin.py:646 wait_for_unload) while the engine is paused: it would never end
             raise UsageError("an adapter-only sync into SGLang replaces the adapter while the engine is paused: "

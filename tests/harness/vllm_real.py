@@ -475,7 +475,8 @@ class LoRACore:
             self.workers.append(w)
 
     def add_lora(self, lora_request) -> bool:
-        self.events.append(f"add_lora:{lora_request.lora_name}:{lora_request.load_inplace}")
+        self.events.append(f"add_lora:{lora_request.lora_name}:{lora_request.load_inplace}"
+                           + (":3d" if lora_request.is_3d_lora_weight else ""))
         # the engine core's utility call: msgpack, then EngineCoreProc._convert_msgspec_args (v1/engine/core.py:1854)
         # back to the method's argument type
         from vllm.v1.engine.core import EngineCoreProc
