@@ -452,6 +452,11 @@ def test_lora_sync_into_sglang(ckpts, adapters, model_type, release):
         res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters[model_type], bridge_root(),
                         LORA_TARGETS, {n: s.url for n, s in servers.items()}, timeout=600)[0]
         states = {n: json.load(urllib.request.urlopen(s.url + "/mcore2hf_state")) for n, s in servers.items()}
+    except BaseException:
+        for n, s in servers.items():  # what the release's code said
+            s.log.seek(0)
+            print(f"--- {n} server log:\n{s.log.read()[-4000:]}")
+        raise
     finally:
         for s in servers.values():
             s.stop()

@@ -618,13 +618,16 @@ class _LoRASide:
         def make(cls, **base):
             obj = cls.__new__(cls)
             torch.nn.Module.__init__(obj)
-            obj.__dict__["base_layer"] = _t.SimpleNamespace(tp_group=group, **base)
+            # tp_group: 0.5.23 (get_group_rank_size); tp_rank / tp_size: 0.5.20 reads them from the base layer
+            obj.__dict__["base_layer"] = _t.SimpleNamespace(tp_group=group, tp_rank=r, tp_size=tp, **base)
             return obj
 
         qkv = make(layers.QKVParallelLinearWithLoRA, q_proj_shard_size=cfg.num_attention_heads * hd // tp,
                    kv_proj_shard_size=max(1, cfg.num_key_value_heads // tp) * hd, num_kv_head_replicas=kv_replicas,
                    kv_tp_group=kv_group, total_num_heads=cfg.num_attention_heads, head_size=hd,
-                   total_num_kv_heads=cfg.num_key_value_heads)
+                   total_num_kv_heads=cfg.num_key_value_heads,
+                   # QKVParallelLinear's output_sizes: [q, k, v] of every rank (kv heads replicated below TP)
+                   output_sizes=[cfg.num_attention_heads * hd] + [max(1, cfg.num_key_value_heads // tp) * hd * tp] * 2)
         inter = cfg.intermediate_size
         gate_up = make(layers.MergedColumnParallelLinearWithLoRA, output_sizes=[inter, inter],
                        output_partition_sizes=[inter // tp, inter // tp])
