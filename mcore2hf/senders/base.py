@@ -83,6 +83,7 @@ class SenderBase:
         self._quarantine: list = []
         self._status_group = dist.new_group(backend="gloo", timeout=self._control_timeout)
         self._paused: list = []  # engines this rank paused and has not resumed yet
+        self.adapter, self._adapter_entries, self._kept = None, None, []
 
     def begin(self, version: int) -> None:
         self._pending, self._error = version, None
@@ -92,7 +93,7 @@ class SenderBase:
     # engine loads an adapter whole, in one call (docs/lora.md "Adapter sync into engines")
     lora_name: str | None = None  # the engine's name of the adapter (the `model` / `lora_path` requests use)
     adapter: dict | None = None  # this sync's adapter_config.json when it syncs the LoRA adapter alone, else None
-    _kept: list = []
+    _kept: list  # this sync's buckets, kept until the adapter is loaded (set by set_adapter)
 
     def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
         """This sync's kind (called by sync() before begin): the adapter's adapter_config.json and its tensors'
