@@ -360,6 +360,12 @@ def test_peft_target_modules():
                                       [(0, "o_proj"), (0, "q_proj"), (1, "o_proj"), (1, "q_proj"), (2, "o_proj"),
                                        (3, "o_proj")]]
     assert some["lora_alpha"] == 12.5
+    # PEFT's stacked expert form: target_parameters, gate_up_proj first (PEFT's inner wrapper, experts.base_layer)
+    stacked = peft_config(LoraInfo(8, 16.0, ()), names(range(4), ["q_proj"]) + [
+        f"base_model.model.model.layers.{i}.mlp.experts{s}.lora_{f}.weight" for i in range(4)
+        for s in (".base_layer", "") for f in "AB"], 4, None)
+    assert stacked["target_modules"] == ["q_proj"]
+    assert stacked["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     # peft itself wraps exactly those modules of the transformers model
     from mcore2hf.runtime.tiny import tiny_config
 
