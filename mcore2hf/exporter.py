@@ -17,6 +17,7 @@ from .engine_shards import EngineRank, EngineShardError
 from .errors import ConfigMismatchError, Mcore2HFError, UsageError, problem_list
 from .hf_config import HFConfigLike, config_source
 from .lora import (
+    EXPERT_FORMS,
     LORA_MODES,
     LoraInfo,
     Merger,
@@ -84,10 +85,14 @@ class HFExporter:
     """
 
     def __init__(self, model, hf_config: HFConfigLike, *, converter: Converter | None = None,
-                 lora: str | None = None, base: str | os.PathLike | None = None, base_sync: str = "first"):
+                 lora: str | None = None, lora_experts: str = "per_expert", base: str | os.PathLike | None = None,
+                 base_sync: str = "first"):
         """`lora`: for a model with Megatron-Bridge LoRA adapters (docs/lora.md), what is exported: "adapter" (the
         adapters alone, HF/PEFT names; `save_pretrained` writes a PEFT adapter directory), "merged" (W + alpha/r B A,
-        computed on the shards; the model is not modified) or "base" (the frozen base weights).
+        computed on the shards; the model is not modified) or "base" (the frozen base weights). `lora_experts`
+        (lora="adapter"): routed experts' adapters "per_expert" (`experts.E.gate_proj.lora_A`, what SGLang and vLLM's
+        2-D MoE LoRA load) or "stacked" (PEFT's 3-D form on transformers 5's fused experts, `target_parameters`;
+        vLLM 0.33 `is_3d_lora_weight`).
 
         `base` (an HF directory, e.g. the published checkpoint): the tensors the converter declares not held by the
         Megatron model that it does not produce (a frozen vision tower the trainer does not hold, docs/vlm.md
@@ -98,12 +103,17 @@ class HFExporter:
         `save_pretrained` completes its directory from it unless given another `base`."""
         if lora is not None and lora not in LORA_MODES:
             raise UsageError(f"lora must be one of {LORA_MODES} or None, got {lora!r}")
+        if lora_experts != "per_expert" and lora != "adapter":
+            raise UsageError(f"lora_experts={lora_experts!r}: expected lora='adapter' (only an adapter export has an "
+                             f"expert form), found lora={lora!r}")
+        if lora_experts not in EXPERT_FORMS:
+            raise UsageError(f"lora_experts must be one of {EXPERT_FORMS}, got {lora_experts!r}")
         if base_sync not in BASE_SYNC:
             raise UsageError(f"base_sync must be one of {BASE_SYNC}, got {base_sync!r}")
         self.base, self.base_sync = (None if base is None else os.fspath(base)), base_sync
         self._base_delivered = False
         self._base_groups: dict[tuple, list] = {}
-        self.lora = lora
+        self.lora, self.lora_experts = lora, lora_experts
         self.lora_info: LoraInfo | None = None
         self._merger: Merger | None = None
         self.chunks = unwrap_model(model)
@@ -149,7 +159,8 @@ class HFExporter:
             if self.lora == "adapter":  # the adapters alone, through the table derived from the architecture's
                 only = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if is_adapter(t[0])))
                         for rec in records]
-                planner = Planner(only, self.hf_config, lora_converter(self.converter), self.dims, self.ctx.tp.size,
+                planner = Planner(only, self.hf_config, lora_converter(self.converter, self.lora_experts), self.dims,
+                                  self.ctx.tp.size,
                                   self.ctx.etp.size, verbose=self.ctx.rank == 0, structure=False)
             elif self.lora == "merged":
                 self._merger = Merger(mine, self._local, self.lora_info, self.ctx.tp, self.ctx.etp)
@@ -330,6 +341,17 @@ class HFExporter:
         return {name: t.clone() for name, t in self.named_tensors(receivers=receivers, name_filter=name_filter,
                                                                   quantize=quantize)}
 
+    def adapter_config(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
+                       base: str | os.PathLike | None = None) -> dict:
+        """lora="adapter": the PEFT adapter_config.json of this export as a dict (r, lora_alpha, target_modules,
+        `base_model_name_or_path`: `base` or else the HF config's directory); collective on first use (the plan).
+        What save_pretrained writes, and what the engine senders hand SGLang (`config_dict`)."""
+        if self.lora != "adapter":
+            raise UsageError(f"adapter_config: expected an HFExporter(lora='adapter'), found lora={self.lora!r}")
+        names = [e.name for e in self.plan(bucket_bytes, name_filter).hf_entries()]  # sets lora_info
+        return peft_config(self.lora_info, names, self.dims.num_layers,
+                           os.fspath(base) if base is not None else self.config_source.directory)
+
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer_rank: int = 0,
                         overwrite: bool = False, extra_files: Sequence[str] | None = None,
@@ -355,9 +377,7 @@ class HFExporter:
         if self.lora == "adapter":
             if quantize is not None:
                 raise UsageError("a LoRA adapter export is not quantized: drop quantize")
-            names = [e.name for e in self.plan(bucket_bytes, name_filter).hf_entries()]  # sets lora_info
-            adapter_config = peft_config(self.lora_info, names, self.dims.num_layers,
-                                         os.fspath(base) if base is not None else self.config_source.directory)
+            adapter_config = self.adapter_config(bucket_bytes, name_filter, base)
         plan = self.plan(bucket_bytes, name_filter, scheme)
         quantization = None
         if scheme is not None:

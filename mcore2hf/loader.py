@@ -22,7 +22,7 @@ from .exporter import check_model_config, model_dims
 from .hf_config import HFConfigLike, load_hf_config
 from .hf_dir import open_tensors
 from .layouts import shape_of
-from .lora import is_adapter, lora_converter
+from .lora import expert_form, is_adapter, lora_converter
 from .mapping import Converter
 from .naming import local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
@@ -61,13 +61,13 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
 
     converter = converter or get_converter(cfg.model_type)
     spec = import_module(converter.spec)
-    if lora:
-        converter = lora_converter(converter)
+    reader = open_tensors(source)
+    if lora:  # per-expert or PEFT's stacked 3-D expert factors, as the source holds them
+        converter = lora_converter(converter, expert_form(reader.names()))
     ctx = ParallelContext.from_megatron()
     dims = model_dims(spec, cfg, model_config(chunks))
     hf_mtp = spec.dims(cfg).num_mtp_layers
     check_model_config(model_config(chunks), spec, cfg)
-    reader = open_tensors(source)
     local = [t for t in local_tensors(chunks, ctx) if is_adapter(t.name) == lora]
     if lora and not _exchange([t.name for t in local], [], [], set())[0]:
         raise Mcore2HFError("lora=True, but the model holds no LoRA adapter (Megatron-Bridge's "

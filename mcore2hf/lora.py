@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigMismatchError, UsageError
-from .layouts import QKV, Column, GatedColumn, LatentDown, Row
+from .layouts import QKV, Column, Fused, GatedColumn, LatentDown, Row
 from .mapping import Converter, ModelDims, Rule
 from .naming import LocalTensor
 
@@ -92,15 +92,48 @@ def peft_name(hf_weight: str, factor: str) -> str:
     return f"{PEFT_PREFIX}{hf_weight.removesuffix('.weight')}.lora_{factor}.weight"
 
 
-def lora_rules(rules: list[Rule]) -> list[Rule]:
+#: the expert adapters' forms: one adapter per expert (`experts.E.gate_proj.lora_A`: what SGLang and vLLM's 2-D MoE
+#: LoRA take) or PEFT's stacked 3-D form on transformers 5's fused expert parameters (`target_parameters`)
+EXPERT_FORMS = ("per_expert", "stacked")
+#: transformers 5's fused expert parameters in PEFT's wrapping order (target_parameters): the first wrapped is the
+#: inner `experts.base_layer` (gate_up_proj), the second `experts` (down_proj), as vllm 0.33.0
+#: lora/model_manager.py:962 reads them (modeling_qwen3_moe.py:219-220 Qwen3MoeExperts)
+STACKED_PARAMS = ("gate_up_proj", "down_proj")
+_EXPERT = ".experts.{E}."
+
+
+def _stacked_rules(rule: Rule, family: str, module: str) -> list[Rule]:
+    """PEFT's 3-D form of a routed expert linear's adapter (`LoraConfig(target_parameters=[...gate_up_proj,
+    ...down_proj])` on transformers 5's fused experts; vLLM 0.33 `is_3d_lora_weight`): per layer
+    `<experts>.base_layer.lora_{A,B}` (gate_up_proj: A [E*r, hidden], B [2*inter, r*E], gate and up sharing
+    Megatron's one A) and `<experts>.lora_{A,B}` (down_proj). A of expert e at rows e*r (`StackedRows`), B's
+    columns interleaved (`StackedCols`); fc1's B is [gate; up] fused (`Fused(GatedColumn)`)."""
+    hf_module = rule.hf[0].split(_EXPERT)[0] + ".experts"
+    inner = ".base_layer" if family == "column" else ""
+
+    def fused(dims, base=rule):  # fc1's B: the base op's outputs (gate, up) as one [gate; up]
+        return Fused(base.build_op(dims))
+
+    b_op = fused if family == "column" else Column
+    return [Rule(module + A_SUFFIX, f"{PEFT_PREFIX}{hf_module}{inner}.lora_A.weight",
+                 Column if family == "column" else Row, stack="E", stack_layout="rows"),
+            Rule(module + B_SUFFIX, f"{PEFT_PREFIX}{hf_module}{inner}.lora_B.weight", b_op, stack="E",
+                 stack_layout="cols")]
+
+
+def lora_rules(rules: list[Rule], experts: str = "per_expert") -> list[Rule]:
     """The adapter rules of a base table: for every weight rule of a column- or row-parallel linear, one rule for
-    A and one for B (see the module docstring)."""
+    A and one for B (see the module docstring); routed experts per expert or, `experts="stacked"`, in PEFT's 3-D
+    form (`_stacked_rules`)."""
     out = []
     for rule in rules:
         family = _family(rule.op)
         if family is None or not rule.megatron.endswith(".weight") or rule.stack:
             continue
         module = rule.megatron.removesuffix(".weight")
+        if experts == "stacked" and _EXPERT in rule.megatron and all(_EXPERT in h for h in rule.hf):
+            out += _stacked_rules(rule, family, module)
+            continue
         a = [peft_name(h, "A") for h in rule.hf]
         b = [peft_name(h, "B") for h in rule.hf]
         out.append(Rule(module + A_SUFFIX, a[0], Column if family == "column" else Row, copies=a[1:]))
@@ -113,17 +146,25 @@ def lora_rules(rules: list[Rule]) -> list[Rule]:
     return out
 
 
-_CONVERTERS: dict[int, Converter] = {}
+_CONVERTERS: dict[tuple[int, str], Converter] = {}
 
 
-def lora_converter(converter: Converter) -> Converter:
-    """The derived adapter table of an architecture (cached)."""
-    derived = _CONVERTERS.get(id(converter))
+def lora_converter(converter: Converter, experts: str = "per_expert") -> Converter:
+    """The derived adapter table of an architecture (cached), expert adapters in the form `experts` names."""
+    if experts not in EXPERT_FORMS:
+        raise UsageError(f"lora_experts must be one of {EXPERT_FORMS}, got {experts!r}")
+    derived = _CONVERTERS.get((id(converter), experts))
     if derived is None:
-        derived = _CONVERTERS[id(converter)] = Converter(
-            model_type=converter.model_type, rules=lora_rules(converter.rules), spec=converter.spec,
+        derived = _CONVERTERS[(id(converter), experts)] = Converter(
+            model_type=converter.model_type, rules=lora_rules(converter.rules, experts), spec=converter.spec,
             aliases=converter.aliases)
     return derived
+
+
+def expert_form(names) -> str:
+    """The expert form of adapter tensors given by HF/PEFT name ("stacked" if any is PEFT's 3-D form)."""
+    return "stacked" if any(".experts.base_layer.lora_" in n or ".experts.lora_" in n for n in names) else \
+        "per_expert"
 
 
 @dataclass(frozen=True)
@@ -237,6 +278,10 @@ def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model
     (a name matches itself or any module ending in '.' + it): the leaf names when every layer has them, else the
     full module names, so PEFT adds no adapter the export does not hold."""
     modules = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in hf_names})
+    # PEFT's 3-D expert form: `<experts>.base_layer` / `<experts>` wrap the fused parameters (target_parameters)
+    params = sorted({(m.removesuffix(".base_layer") + "." + STACKED_PARAMS[0 if m.endswith(".base_layer") else 1])
+                     for m in modules if m.endswith((".experts.base_layer", ".experts"))})
+    modules = [m for m in modules if not m.endswith((".experts.base_layer", ".experts"))]
     leaves: dict[str, set[str]] = {}
     for m in modules:
         parts = m.split(".")
@@ -246,8 +291,15 @@ def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model
     targets = sorted({k.rsplit(".", 1)[-1] for k in leaves}) if full else modules
     if full and len(targets) != len(leaves):  # the same leaf at two places with different coverage: be exact
         targets = modules
+    extra = {}
+    if params:  # PEFT wraps them in this order (gate_up_proj first: the inner base_layer)
+        layers = {p.split(".")[2] for p in params if p.startswith("model.layers.")}
+        short = {".".join(p.split(".")[3:]) for p in params}
+        whole = len(layers) == num_layers and all(sum(p.endswith("." + s) for p in params) == num_layers for s in short)
+        chosen = short if whole else set(params)
+        extra["target_parameters"] = sorted(chosen, key=lambda p: (STACKED_PARAMS.index(p.rsplit(".", 1)[1]), p))
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, **extra,
         # an integral alpha as an int: peft's LoraConfig and vLLM 0.33's PEFTHelper (lora/peft_helper.py:29) type it int
         "r": info.r, "lora_alpha": int(info.alpha) if float(info.alpha).is_integer() else info.alpha,
         "target_modules": targets, "lora_dropout": 0.0, "bias": "none",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import regex
 
 from .errors import UnknownParametersError
-from .layouts import LayoutOp, Replicated, Stacked
+from .layouts import LayoutOp, Replicated, Stacked, StackedCols, StackedRows
 from .quantize import FP8Policy
 
 _PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")
@@ -99,6 +99,9 @@ class Rule:
     #: a placeholder ("E") the HF names do not have: every Megatron tensor it numbers is one item of HF tensors
     #: stacked along a new dim 0 (gpt-oss's experts.gate_up_proj [E, ...]); the op becomes `Stacked`
     stack: str | None = None
+    #: how the stacked items lie in each output: "items" (a new dim 0, `Stacked`), "rows" (along dim 0 of a 2-D
+    #: output, `StackedRows`) or "cols" (interleaved by column, `StackedCols`): PEFT's 3-D expert LoRA factors
+    stack_layout: str = "items"
 
     def __post_init__(self):
         self.hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
@@ -203,6 +206,7 @@ def _op_cache(rule: Rule, dims: ModelDims, index: int | None = None) -> LayoutOp
     if op is None:
         op = rule.build_op(dims)
         if index is not None:
-            op = Stacked(op, index, _STACK_COUNTS[rule.stack](dims))
+            cls = {"items": Stacked, "rows": StackedRows, "cols": StackedCols}[rule.stack_layout]
+            op = cls(op, index, _STACK_COUNTS[rule.stack](dims))
         _OPS[key] = op
     return op

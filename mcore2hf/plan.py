@@ -103,7 +103,8 @@ class Source:
     def hf_nbytes(self) -> int:
         """Bytes of its HF outputs; for a stacked piece, of its items (its share of the shared outputs)."""
         total = 0
-        shapes = [s[1:] for s in self.hf_shapes] if isinstance(self.resolved.op, Stacked) else self.out_shapes()
+        op = self.resolved.op
+        shapes = op.item_shapes(self.full_shape) if isinstance(op, Stacked) else self.out_shapes()
         for shape in shapes:
             n = self.dtype.itemsize
             for s in shape:

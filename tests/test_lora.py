@@ -19,7 +19,7 @@ import torch
 from harness.bridge_lora import bridge_root
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
-from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals
+from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
 
 from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import read_hf_checkpoint
@@ -139,6 +139,8 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
                         i == 0)[0]
         if i == 0:
             _offline(ckpt, str(out), res, reference, cli=model_type == "qwen3")
+        if res.get("stacked"):
+            _stacked_oracle(ckpt, want, res)
         got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))  # the PEFT directory: the source
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
         merged = read_hf_checkpoint(res["merged"])
@@ -226,6 +228,61 @@ def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None
         assert not os.path.exists(os.path.join(out, "refused"))
 
 
+def _stacked_reference(src: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """A per-expert PEFT adapter in PEFT's 3-D form, rearranged here independently of mcore2hf (peft 0.21.2
+    tuners/lora/layer.py:2534-2535): A rows expert-major [E*r, in], B columns rank-major / expert-minor [out, r*E],
+    gate_up_proj's B [gate; up]; `<experts>.base_layer` = gate_up_proj, `<experts>` = down_proj."""
+    want = {n: t for n, t in src.items() if ".mlp.experts." not in n}
+    for layer in range(cfg.num_hidden_layers):
+        pre = f"base_model.model.model.layers.{layer}.mlp.experts"
+        if f"{pre}.0.down_proj.lora_A.weight" not in src:  # a dense layer (deepseek_v3's first_k_dense_replace)
+            continue
+
+        def e(i, m, f, pre=pre):
+            return src[f"{pre}.{i}.{m}.lora_{f}.weight"]
+
+        experts = range(getattr(cfg, "num_experts", None) or cfg.n_routed_experts)
+        want[f"{pre}.base_layer.lora_A.weight"] = torch.cat([e(i, "gate_proj", "A") for i in experts])
+        want[f"{pre}.base_layer.lora_B.weight"] = torch.stack(
+            [torch.cat([e(i, "gate_proj", "B"), e(i, "up_proj", "B")]) for i in experts], dim=-1).flatten(1)
+        want[f"{pre}.lora_A.weight"] = torch.cat([e(i, "down_proj", "A") for i in experts])
+        want[f"{pre}.lora_B.weight"] = torch.stack([e(i, "down_proj", "B") for i in experts], dim=-1).flatten(1)
+    return want
+
+
+def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
+    """lora_experts="stacked": PEFT's 3-D form of the expert adapters (peft 0.21.2 ParamWrapper on transformers 5's
+    fused experts). Its tensors equal the per-expert source rearranged here independently (A rows expert-major,
+    B columns rank-major / expert-minor, gate_up's B [gate; up]); peft loads the directory (target_parameters)
+    with no missing or unexpected adapter key, and its fp32 logits equal Megatron's with the adapters active."""
+    got = load_file(os.path.join(res["stacked"], "adapter_model.safetensors"))
+    cfg = AutoConfig.from_pretrained(ckpt)
+    want = _stacked_reference(src, cfg)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])][:5]
+    with open(os.path.join(res["stacked"], "adapter_config.json")) as f:
+        config = json.load(f)
+    params = config["target_parameters"]  # gate_up_proj first (PEFT's inner wrapper), per layer where not in all
+    assert [p.rsplit(".", 1)[1] for p in params] == sorted(
+        [p.rsplit(".", 1)[1] for p in params], key=["gate_up_proj", "down_proj"].index), params
+    if cfg.model_type != "qwen3_moe":
+        # peft 0.21.2 cannot load it: its transformers-v4 compatibility (utils/transformers_weight_conversion.py
+        # _convert_peft_config_moe, _MOE_TARGET_MODULE_MAPPING "qwen2_moe") turns every gate_proj / up_proj of
+        # target_modules (here deepseek_v3's dense layer and shared experts) into the fused experts' gate_up_proj
+        # at twice the rank; measured: lora_A [2*E*r, hidden] expected. Only the bytes (above) are checked here
+        return
+    assert params == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], params
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
+                                           res["stacked"])
+    result = peft.set_peft_model_state_dict(model, got)
+    assert [k for k in result.missing_keys if "lora_" in k] == [] and result.unexpected_keys == []
+    with torch.no_grad():
+        diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
+    print(f"\nLoRA {cfg.model_type} stacked experts: |Megatron with adapters - peft (target_parameters)| logits "
+          f"{diff:.2e}")
+    assert diff < min(LOGIT_TOL, logit_tolerance(cfg.model_type))
+
+
 def _peft_oracle(ckpt: str, res: dict):
     """The PEFT directory written at this layout has the config peft needs, and peft loads it with no missing or
     unexpected adapter key. Returns the PeftModel."""
@@ -303,6 +360,12 @@ def test_peft_target_modules():
                                       [(0, "o_proj"), (0, "q_proj"), (1, "o_proj"), (1, "q_proj"), (2, "o_proj"),
                                        (3, "o_proj")]]
     assert some["lora_alpha"] == 12.5
+    # PEFT's stacked expert form: target_parameters, gate_up_proj first (PEFT's inner wrapper, experts.base_layer)
+    stacked = peft_config(LoraInfo(8, 16.0, ()), names(range(4), ["q_proj"]) + [
+        f"base_model.model.model.layers.{i}.mlp.experts{s}.lora_{f}.weight" for i in range(4)
+        for s in (".base_layer", "") for f in "AB"], 4, None)
+    assert stacked["target_modules"] == ["q_proj"]
+    assert stacked["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     # peft itself wraps exactly those modules of the transformers model
     from mcore2hf.runtime.tiny import tiny_config
 
@@ -310,3 +373,196 @@ def test_peft_target_modules():
     pm = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=12.5, target_modules=some["target_modules"]))
     wrapped = sorted(n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A"))
     assert wrapped == some["target_modules"]
+
+
+def _digest(t: torch.Tensor) -> list:
+    import hashlib
+
+    t = t.contiguous()
+    return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
+
+
+def _sglang_expected(src: dict[str, torch.Tensor], cfg, tp: int, rank: int, b_scale: float) -> dict[str, list]:
+    """What SGLang's LoRA buffers of engine TP rank `rank` must hold, from the PEFT source alone (independent of
+    mcore2hf and of SGLang): q/k/v (gate/up) stacked, A whole, B sliced to the rank's heads (columns);
+    row-parallel o_proj / down_proj: A sliced on its input, B whole; MoE experts (FusedMoE at moe-TP = TP) the
+    same per expert, keyed by expert id."""
+    hd = cfg.head_dim
+    qs, ks = cfg.num_attention_heads * hd // tp, cfg.num_key_value_heads * hd // tp
+    moe = cfg.model_type == "qwen3_moe"
+    inter = (cfg.moe_intermediate_size if moe else cfg.intermediate_size) // tp
+    out = {}
+
+    def part(t, size):
+        return t[rank * size:(rank + 1) * size]
+
+    for i in range(cfg.num_hidden_layers):
+        def a(m, i=i):
+            return src[f"base_model.model.model.layers.{i}.{m}.lora_A.weight"]
+
+        def b(m, i=i):
+            return src[f"base_model.model.model.layers.{i}.{m}.lora_B.weight"] * b_scale
+
+        q, k, v = (f"self_attn.{x}_proj" for x in "qkv")
+        out[f"{i}.qkv_proj.lora_A"] = _digest(torch.cat([a(q), a(k), a(v)]))
+        out[f"{i}.qkv_proj.lora_B"] = _digest(torch.cat([part(b(q), qs), part(b(k), ks), part(b(v), ks)]))
+        out[f"{i}.o_proj.lora_A"] = _digest(part(a("self_attn.o_proj").T, qs).T)
+        out[f"{i}.o_proj.lora_B"] = _digest(b("self_attn.o_proj"))
+        for e, key in ([(f"mlp.experts.{e}.", f".{e}") for e in range(cfg.num_experts)] if moe else [("mlp.", "")]):
+            out[f"{i}.gate_up_proj{key}.lora_A"] = _digest(torch.cat([a(e + "gate_proj"), a(e + "up_proj")]))
+            out[f"{i}.gate_up_proj{key}.lora_B"] = _digest(torch.cat([part(b(e + "gate_proj"), inter),
+                                                                      part(b(e + "up_proj"), inter)]))
+            out[f"{i}.down_proj{key}.lora_A"] = _digest(part(a(e + "down_proj").T, inter).T)
+            out[f"{i}.down_proj{key}.lora_B"] = _digest(b(e + "down_proj"))
+    return out
+
+
+#: architectures of the engine adapter-sync tests: dense, and MoE with adapters on every expert
+SYNC_ARCHS = ("qwen3", "qwen3_moe")
+
+
+def _sglang_lora_releases() -> list[str]:
+    """0.5.23 in CI; releases with the route (>= 0.5.20) of MCORE2HF_SGLANG_EXTRA by hand (test_sglang_contract)."""
+    from test_sglang_contract import EXTRA_RELEASES, SESSION_RELEASE
+
+    from mcore2hf.senders.sglang import RELEASES, parse_version
+
+    return [SESSION_RELEASE, *(r for r in EXTRA_RELEASES if parse_version(r) >= RELEASES["lora_tensors"])]
+
+
+@pytest.mark.parametrize("release", _sglang_lora_releases())
+@pytest.mark.parametrize("model_type", SYNC_ARCHS)
+def test_lora_sync_into_sglang(ckpts, adapters, model_type, release):
+    """Adapter-only sync (sync() of HFExporter(lora="adapter") with SGLangColocatedSender(lora_name=...)) of a
+    Bridge LoRA qwen3 at TP2 into SGLang 0.5.23's own adapter-loading code at engine TP 2 (harness.sglang_real:
+    the release's LoadLoRAAdapterFromTensorsReqInput, tokenizer-side checks and merge, own-rank deserialization
+    and flattened-bucket rebuild, LoRAManager and LoRAAdapter normalization, the LoRA layers' per-TP-rank slicing).
+    A server started without LoRA refuses it before anything is paused (no engine call after the probe, version
+    unchanged); then base weights (v1), adapter (v2), a training step and the adapter again (v3): each engine TP
+    rank holds exactly its slices of the new adapter, the old one unloaded first, every call inside the pause. A new
+    sender (a restarted trainer) replaces the adapter the engine still holds under that name (SGLang refuses the
+    load: unload, load again)."""
+    import json
+    import urllib.request
+
+    from test_sglang_contract import RealServer
+
+    if model_type not in ckpts:
+        pytest.skip(f"MCORE2HF_ARCHS leaves out {model_type}")
+    ckpt = ckpts[model_type]
+    servers = {"lora": RealServer(release, tp=2, wait=False, extra=("--hf-config", ckpt, "--enable-lora")),
+               "nolora": RealServer(release, tp=2, wait=False)}
+    try:
+        for s in servers.values():
+            s.wait()
+        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters[model_type], bridge_root(),
+                        LORA_TARGETS, {n: s.url for n, s in servers.items()}, timeout=600)[0]
+        states = {n: json.load(urllib.request.urlopen(s.url + "/mcore2hf_state")) for n, s in servers.items()}
+    except BaseException:
+        for n, s in servers.items():  # what the release's code said
+            s.log.seek(0)
+            print(f"--- {n} server log:\n{s.log.read()[-4000:]}")
+        raise
+    finally:
+        for s in servers.values():
+            s.stop()
+    print(f"\nrefused: {res['refused']}")
+    assert "started without LoRA" in res["refused"] and "--enable-lora" in res["refused"]
+    assert res["refused_version"] == 0 and states["nolora"]["calls"] == ["/server_info"]
+    assert res["version"] == 3
+    calls = [c for c in states["lora"]["calls"] if c not in ("/server_info", "/update_weights_from_tensor")]
+    pause, cont = "/pause_generation", "/continue_generation"
+    load, unload = "/load_lora_adapter_from_tensors", "/unload_lora_adapter"
+    from mcore2hf.senders.sglang import RELEASES, parse_version
+
+    session = ["/begin_weight_update"] if parse_version(release) >= RELEASES["sessions"] else []
+    assert calls == [pause, *session, "/flush_cache", *(["/end_weight_update"] if session else []), cont,
+                     pause, load, cont, pause, unload, load, cont,
+                     pause, load, unload, load, cont], calls  # the restarted sender: refused, unloaded, loaded
+    assert res["restarted_version"] == 1
+    if model_type == "qwen3_moe":
+        assert "lora_experts='per_expert'" in res["stacked_refused"]
+    src = load_file(os.path.join(adapters[model_type], "adapter_model.safetensors"))
+    assert res["adapter_bytes"] == sum(t.numel() * t.element_size() for t in src.values())
+    cfg = AutoConfig.from_pretrained(ckpt)
+    for rank, state in enumerate(states["lora"]["ranks"]):
+        assert list(state["loras"]) == ["policy"]
+        got, want = state["loras"]["policy"], _sglang_expected(src, cfg, 2, rank, 2.0)
+        assert sorted(got) == sorted(want)
+        bad = [k for k in want if got[k] != want[k]]
+        assert not bad, f"engine TP rank {rank}: {bad[:5]}"
+
+
+@pytest.mark.parametrize("model_type", SYNC_ARCHS)
+def test_lora_sync_into_vllm(ckpts, adapters, model_type):
+    """Adapter-only sync of a Bridge LoRA qwen3 at TP2 (VLLMColocatedSender(lora_name=...)) into vLLM 0.33.0's own
+    /v1/load_lora_adapter path at engine TP 2 and 1 (harness.vllm_real --serve-lora: the release's LoRA api_router and
+    OpenAIServingModels, the LoRARequest through the engine core's msgpack conversion, each worker's
+    LRUCacheWorkerLoRAManager._load_adapter building the LoRAModel from our PEFT directory). A server without the
+    LoRA routes refuses it before anything is paused; then the adapter, a training step, the adapter again in
+    place (load_inplace, the same id) from a new directory, each load followed by a prefix-cache reset inside the
+    pause: every worker's LoRA model holds exactly the source's A and the doubled B, scaling alpha/r; only the
+    loaded directory is kept, none after close(). The same adapter into an engine of TP 1 through
+    VLLMDistributedSender; into one whose load fails (--max-lora-rank below r): EngineError on every rank, the
+    version kept, the engine resumed, no directory left."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from harness.wheels import unpacked_wheel
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), os.path.join(repo, "tests"), repo]),
+               VLLM_LOGGING_LEVEL="WARNING")
+    if model_type not in ckpts:
+        pytest.skip(f"MCORE2HF_ARCHS leaves out {model_type}")
+    ckpt = ckpts[model_type]
+    proc = subprocess.Popen([sys.executable, "-m", "harness.vllm_real", "--serve-lora", ckpt, "2"], env=env,
+                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORTS"), line
+        lora, nolora, tp1, small = (f"http://127.0.0.1:{p}" for p in line.split()[1:])
+        res = run_world(lora_sync, Layout(tp=2), ckpt, Layout(tp=2), adapters[model_type], bridge_root(),
+                        LORA_TARGETS, {"lora": lora, "nolora": nolora, "tp1": tp1, "small": small}, "vllm",
+                        timeout=600)[0]
+        state, state_tp1, state_small = (json.load(urllib.request.urlopen(u + "/mcore2hf_lora"))
+                                         for u in (lora, tp1, small))
+    finally:
+        proc.kill()
+        proc.wait(10)
+    print(f"\nrefused: {res['refused']}")
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in res["refused"] and res["refused_version"] == 0
+    assert res["version"] == 2 and res["paths"][0] != res["paths"][1]
+    assert res["kept"] == [os.path.basename(res["paths"][1])] and res["closed"] is False
+    one = ["pause:abort", "add_lora:policy:True", "reset_prefix_cache", "resume"]
+    moe = model_type == "qwen3_moe"
+    three_d = ["pause:abort", "add_lora:policy3d:True:3d", "reset_prefix_cache", "resume"] if moe else []
+    assert state["events"] == one + one + three_d, state["events"]
+    src = load_file(os.path.join(adapters[model_type], "adapter_model.safetensors"))
+    want = {}
+    for name, t in src.items():
+        module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        want.setdefault(module, {"rank": LORA_R, "scaling": LORA_ALPHA / LORA_R})
+        want[module]["a" if ".lora_A." in name else "b"] = _digest(t if ".lora_A." in name else 2 * t)
+    assert len(state["workers"]) == 2 and len(state_tp1["workers"]) == 1 and res["tp1_version"] == 1
+    assert state_tp1["events"] == one
+    print(f"failed: {res['failed']}")
+    assert "greater than max_lora_rank" in res["failed"] and res["failed_version"] == 0
+    assert state_small["events"] == ["pause:abort", "add_lora:policy:True", "resume"]
+    assert state_small["workers"] == [{}] and res["failed_left"] == []
+    for worker in state["workers"] + state_tp1["workers"]:
+        assert list(worker) == (["policy", "policy3d"] if moe and worker in state["workers"] else ["policy"])
+        assert worker["policy"] == want
+    if moe:  # the 3-D form: vLLM's LoRA model of each worker holds PEFT's stacked factors (B doubled)
+        doubled = {n: 2 * t if ".lora_B." in n else t for n, t in src.items()}
+        stacked = _stacked_reference(doubled, AutoConfig.from_pretrained(ckpt))
+        want3 = {}
+        for name, t in stacked.items():
+            module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+            want3.setdefault(module, {"rank": LORA_R, "scaling": LORA_ALPHA / LORA_R})[
+                "a" if ".lora_A." in name else "b"] = _digest(t)
+        for worker in state["workers"]:
+            assert worker["policy3d"] == want3

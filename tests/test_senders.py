@@ -135,3 +135,21 @@ def test_verify_refused_on_sglang_releases_without_the_checksum_checker():
     assert sender._checker_refusal() is None
     state.facts, sender.verify = ServerFacts("0.5.10", 1, 1), None
     assert sender._checker_refusal() is None
+
+
+def test_adapter_sync_refused_by_sglang_release_and_flags():
+    """An adapter-only sync needs /load_lora_adapter_from_tensors (sglang >= 0.5.20: read in the 0.5.20 and 0.5.23
+    wheels; 0.5.4.post3 has none) and LoRA on (/server_info's resolved enable_lora, or lora_paths when it is
+    unset: 0.5.23 server_args.py:287); unknown when the server does not report it."""
+    import types
+
+    from mcore2hf.senders.sglang import SGLangColocatedSender, check_server
+
+    def refusal(**info):
+        st = types.SimpleNamespace(facts=check_server(info, "http://x"))
+        return SGLangColocatedSender._adapter_refusal(None, st)
+
+    assert "needs sglang >= 0.5.20" in refusal(version="0.5.10", enable_lora=True)
+    assert "started without LoRA" in refusal(version="0.5.23", enable_lora=False)
+    assert refusal(version="0.5.23", enable_lora=None, lora_paths=["a=/x"]) is None
+    assert refusal(version="0.5.20", enable_lora=True) is None and refusal(version="0.5.23") is None

@@ -36,8 +36,9 @@ def site(version: str) -> str:
 class RealServer(sglang_real.RealServer):
     """harness.sglang_real.RealServer of a pinned release (its wheel fetched and cached)."""
 
-    def __init__(self, version: str, tp: int = 1, api_key: str | None = None, port: int = 0, wait: bool = True):
-        super().__init__(site(version), version, tp, api_key, port, wait)
+    def __init__(self, version: str, tp: int = 1, api_key: str | None = None, port: int = 0, wait: bool = True,
+                 extra: tuple[str, ...] = ()):
+        super().__init__(site(version), version, tp, api_key, port, wait, extra=extra)
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:

@@ -137,3 +137,38 @@ def test_stacked_rejects_an_item_outside_the_stack():
 def test_gated_interleaved_rejects_odd_rows():
     with pytest.raises(ShapeMismatchError, match="even"):
         GatedInterleaved().hf_shapes((15, 6))
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_peft_stacked_lora_factors_E3_r2(etp):
+    """PEFT's 3-D expert LoRA factors (peft 0.21.2 tuners/lora/layer.py:2534-2535): A rows expert-major
+    (`StackedRows`), B columns rank-major / expert-minor (`StackedCols`), fc1's B [gate; up] as one (`Fused`),
+    against a reference written with PEFT's own reshapes, from expert-TP shards; and each inverse."""
+    from mcore2hf.layouts import Column, Fused, GatedColumn, Row, StackedCols, StackedRows
+
+    E, r, hidden, inter = 3, 2, 4, 6
+    n = inter // etp
+    gates, ups, a_fc1 = [rand(inter, r) for _ in range(E)], [rand(inter, r) for _ in range(E)], [rand(r, hidden) for _ in range(E)]
+    down_a, down_b = [rand(r, inter) for _ in range(E)], [rand(hidden, r) for _ in range(E)]
+    cases = [  # (op of item e, Megatron shards of item e, item full shape, PEFT's stacked tensor)
+        (lambda e: StackedCols(Fused(GatedColumn()), e, E),
+         lambda e: [torch.cat([gates[e][i * n:(i + 1) * n], ups[e][i * n:(i + 1) * n]]) for i in range(etp)],
+         (2 * inter, r), torch.stack([torch.cat([gates[e], ups[e]]) for e in range(E)], dim=-1).flatten(1)),
+        (lambda e: StackedRows(Column(), e, E), lambda e: [a_fc1[e]], (r, hidden), torch.cat(a_fc1)),
+        (lambda e: StackedRows(Row(), e, E), lambda e: [down_a[e][:, i * n:(i + 1) * n] for i in range(etp)],
+         (r, inter), torch.cat(down_a)),
+        (lambda e: StackedCols(Column(), e, E), lambda e: [down_b[e]], (hidden, r),
+         torch.stack(down_b, dim=-1).flatten(1)),
+    ]
+    for op, shards, full, want in cases:
+        # PEFT's reading of them: A (experts, rank, in) = reshape; B (experts, out, rank) = reshape + permute
+        assert op(0).hf_shapes(full) == [tuple(want.shape)] and op(0).full_shape([tuple(want.shape)]) == full
+        out = torch.full(want.shape, float("nan"))
+        for e in range(E):
+            op(e).to_hf(shards(e), [out])
+        assert torch.equal(out, want)
+        for e in range(E):
+            for i, shard in enumerate(shards(e)):
+                assert torch.equal(op(e).shard_from_hf([out], i, len(shards(e)), full), shard)
+    b = torch.stack([torch.cat([gates[e], ups[e]]) for e in range(E)], dim=-1).flatten(1)
+    assert torch.equal(b.reshape(2 * inter, -1, E).permute(2, 0, 1)[1], torch.cat([gates[1], ups[1]]))

@@ -1437,6 +1437,17 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
         engine = engine_matrix(merging, merged_sd, layout, cfg.model_type)
         bad = {k: v for k, v in engine.items() if "refused" not in v and (v["missing"] or v["extra"] or v["differ"])}
         agree(f"engine-sharded lora='merged': {bad}" if bad else None)
+    stacked = None
+    if save_dist and any(".experts." in n for n in adapter_ref):  # PEFT's 3-D expert form (lora_experts="stacked")
+        stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
+        stacked = stacked_ex.save_pretrained(os.path.join(out_root, "stacked"), progress=False)
+        tiny = {n: t.clone() for b in stacked_ex.buckets(bucket_bytes=1024, receivers=0) for n, t in b}
+        full = stacked_ex.state_dict()
+        agree(checked(lambda: assert_same(tiny, full, f"{layout} stacked, 1 KiB buckets")
+                      if dist.get_rank() == 0 else None))
+        # loaded back (the ops' inverses), the per-expert export is the source again
+        load_hf_weights(chunks, stacked, ckpt, lora=True)
+        assert_same(ex.state_dict(), adapter_ref, f"{layout} adapters loaded from the stacked form")
     base = HFExporter(chunks, cfg, lora="base").state_dict()
     ref = read_hf_checkpoint(ckpt)
     assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
@@ -1457,7 +1468,7 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
-    return {"logits": logits, "merged": merged, "dir": out} if dist.get_rank() == 0 else {}
+    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked} if dist.get_rank() == 0 else {}
 
 
 def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list[str]:
@@ -1766,3 +1777,88 @@ def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dis
     if layout == dist_layout:
         out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out
+
+
+def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
+              urls: dict[str, str], engine: str = "sglang") -> dict:
+    """Adapter-only syncs of a Megatron-Bridge LoRA model into an engine's own code (harness.sglang_real /
+    harness.vllm_real --serve-lora servers of engine TP = the world size, colocated senders): refused by a server
+    without LoRA before anything is paused; then (SGLang) the base weights (v1); the adapter; a training step
+    (every B doubled) and the adapter again, replacing the first; (vLLM) the doubled adapter into an engine of TP 1
+    through the distributed sender. Rank 0 returns the refusal, the versions and (vLLM) the adapter directories:
+    loaded from, kept after the second sync, left after close()."""
+    from harness.bridge_lora import apply_lora
+
+    from mcore2hf.errors import EngineError, UnsupportedEngine, UsageError
+    from mcore2hf.senders import SGLangColocatedSender, VLLMColocatedSender, sync
+
+    cfg, chunks = build(ckpt, layout, mtp=False)
+    apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA)
+    load_hf_weights(chunks, ckpt, strict=False)
+    load_hf_weights(chunks, adapter_dir, ckpt, lora=True)
+    first, tp, out = dist.get_rank() == 0, dist.get_world_size(), {}
+
+    def sender(url):
+        if engine == "sglang":
+            return SGLangColocatedSender(url if first else None, tp, timeout=60, lora_name="policy")
+        return VLLMColocatedSender(url if first else None, tp, timeout=60, lora_name="policy")
+
+    adapter = HFExporter(chunks, cfg, lora="adapter")
+    refused = sender(urls["nolora"])
+    try:
+        sync(adapter, refused, progress=False)
+    except UnsupportedEngine as e:
+        out["refused"], out["refused_version"] = str(e), refused.version
+    else:
+        raise AssertionError("an adapter-only sync into an engine without LoRA was not refused")
+    s = sender(urls["lora"])
+    if engine == "sglang":
+        sync(HFExporter(chunks, cfg, lora="base"), s, progress=False)  # the first sync: the base weights
+    out["adapter_bytes"] = sync(adapter, s, progress=False).bytes
+    out["paths"] = [s.adapter_path] if engine == "vllm" else []
+    with torch.no_grad():  # a training step
+        for c in chunks:
+            for n, p in c.named_parameters():
+                if n.endswith("adapter.linear_out.weight"):
+                    p.mul_(2)
+    sync(adapter, s, progress=False)
+    out["version"] = s.version
+    moe = any(".experts." in n for n in adapter.state_dict())
+    if engine == "sglang":  # a restarted trainer: its sender did not load "policy", the engine still has it
+        again = sender(urls["lora"])
+        sync(adapter, again, progress=False)
+        out["restarted_version"] = again.version
+        if moe:  # PEFT's stacked expert form: SGLang loads experts one by one
+            try:
+                sync(HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked"), again, progress=False)
+            except UsageError as e:
+                out["stacked_refused"] = str(e)
+    elif moe:  # vLLM: PEFT's stacked expert form as its 3-D form (is_3d_lora_weight)
+        s3 = VLLMColocatedSender(urls["lora"] if first else None, tp, timeout=60, lora_name="policy3d")
+        sync(HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked"), s3, progress=False)
+        s3.close()
+    if engine == "vllm":
+        out["paths"].append(s.adapter_path)
+        root = os.path.dirname(s.adapter_path)
+        out["kept"] = sorted(os.listdir(root)) if first else None
+        s.close()
+        out["closed"] = os.path.exists(root)
+        # an engine of TP 1 elsewhere: the distributed sender (rank 0 drives it; no weight-transfer group formed)
+        from mcore2hf.senders import VLLMDistributedSender
+
+        d = VLLMDistributedSender([urls["tp1"]] if first else None, [1], timeout=60, lora_name="policy")
+        sync(adapter, d, progress=False)
+        out["tp1_version"] = d.version
+        d.close()
+        # an engine whose load fails (its max LoRA rank below r): every rank raises, the version stays, the
+        # engine is resumed (an adapter sync leaves the base weights as they were), and the directory is removed
+        d = VLLMDistributedSender([urls["small"]] if first else None, [1], timeout=60, lora_name="policy")
+        try:
+            sync(adapter, d, progress=False)
+        except EngineError as e:
+            out["failed"], out["failed_version"] = str(e), d.version
+            out["failed_left"] = os.listdir(d.adapter_root) if first else None  # the failed version removed
+        else:
+            raise AssertionError("a failed adapter load did not fail the sync")
+        d.close()
+    return out if first else {}

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..buckets import Bucket
 from ..collective import agree
 from ..engine_shards import EngineRank, colocated_ranks
-from ..errors import EngineError, UsageError
+from ..errors import EngineError, UnsupportedEngine, UsageError
 from . import checker
 from .process_group import destroy_group, host_store, join_weight_update_group, start_broadcast
 
@@ -83,9 +83,49 @@ class SenderBase:
         self._quarantine: list = []
         self._status_group = dist.new_group(backend="gloo", timeout=self._control_timeout)
         self._paused: list = []  # engines this rank paused and has not resumed yet
+        self.adapter, self._adapter_entries, self._kept = None, None, []
 
     def begin(self, version: int) -> None:
         self._pending, self._error = version, None
+
+    # ---- adapter sync (sync() of an HFExporter(lora="adapter")): the protocol gives `_adapter_refusal` and the
+    # adapter's load at the end of the sync (`_finish_sessions`); the buckets are kept until then, because an
+    # engine loads an adapter whole, in one call (docs/lora.md "Adapter sync into engines")
+    lora_name: str | None = None  # the engine's name of the adapter (the `model` / `lora_path` requests use)
+    adapter: dict | None = None  # this sync's adapter_config.json when it syncs the LoRA adapter alone, else None
+    _kept: list  # this sync's buckets, kept until the adapter is loaded (set by set_adapter)
+
+    def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
+        """This sync's kind (called by sync() before begin): the adapter's adapter_config.json and its tensors'
+        plan entries for an adapter-only sync, None for a weight sync."""
+        if config is not None and not self.lora_name:
+            raise UsageError(f"an adapter-only sync (HFExporter(lora='adapter')) into {type(self).__name__}: "
+                             "expected the sender built with lora_name='<the adapter's name on the engine>'")
+        self.adapter, self._adapter_entries, self._kept = config, entries, []
+
+    def _adapter_refusal(self, engine) -> str | None:
+        """Why this engine cannot load an adapter from us (release, flags), or None; may raise EngineError."""
+        return f"{type(self).__name__} cannot sync a LoRA adapter"
+
+    def check_adapter(self) -> None:
+        """Collective, after begin and before anything is paused: every rank raises UnsupportedEngine (the same
+        message) if an engine cannot take this adapter-only sync."""
+        error = None
+        for engine in self._driven() if self._error is None else []:
+            try:
+                error = self._adapter_refusal(engine)
+            except EngineError as e:
+                error = str(e)
+            if error:
+                error = f"{self._where(engine)}: {error}"
+                break
+        agree(error, UnsupportedEngine, "adapter-only sync refused: ", self._status_group)
+
+    def _keep(self, bucket: Bucket) -> None:
+        """Adapter sync: the bucket is kept (its bytes unchanged) until the adapter is loaded at finish."""
+        self._note_sent(bucket)
+        if bucket.flat is not None:
+            self._kept.append(bucket)
 
     # ---- verified sync (sync(verify=...)): the protocol gives the engine's checker calls
     def set_verify(self, mode: str | None) -> None:
@@ -220,7 +260,9 @@ class SenderBase:
 
     def _after_failure(self) -> None:
         self._close_sessions()
-        if self._resume_on_failure:
+        self._kept = []
+        # an adapter-only sync leaves the base weights as they were: its engines generate again
+        if self._resume_on_failure or self.adapter is not None:
             paused, self._paused = self._paused, []
             for engine in paused:
                 quietly(self._resume_engine, engine=engine)
@@ -281,30 +323,39 @@ class ColocatedSender(SenderBase):
         raise NotImplementedError
 
     def send(self, bucket: Bucket) -> None:
+        if self.adapter is not None:
+            return self._keep(bucket)
         self._note_sent(bucket)
+        if not self._group_call(lambda: self._payload(bucket), self._update, f"bucket {bucket.index}"):
+            # an engine that timed out may still read this memory through its IPC mapping: keep it until a
+            # later update succeeds, so the allocator cannot hand it to the next bucket meanwhile
+            self._quarantine.append(bucket.flat)
+
+    def _group_call(self, payload_fn, call_fn, what: str) -> bool:
+        """Every rank of the engine group serializes its payload (`payload_fn()`, for its engine TP rank), the
+        first rank gathers them and calls `call_fn(payloads)` (raises EngineError); every rank learns the outcome
+        (its tensors stay alive until then). False, with the failure recorded, when anything failed."""
         try:
-            payload = self._payload(bucket)
+            payload = payload_fn()
         except Exception as e:  # noqa: BLE001
             payload = None
-            self._fail(f"serializing bucket {bucket.index}: {e}")
+            self._fail(f"serializing {what}: {e}")
         gathered = [None] * self.tp if self.is_first else None
         dist.gather_object(payload, gathered, dst=self.first, group=self.group)
         status = None
         if self.is_first and self._error is None:
             if any(p is None for p in gathered):
-                status = f"bucket {bucket.index}: a rank of the engine group could not serialize its bucket"
+                status = f"{what}: a rank of the engine group could not serialize its part"
             else:
                 try:
-                    self._update(gathered)
+                    call_fn(gathered)
                 except EngineError as e:
-                    status = f"bucket {bucket.index}: {e}"
+                    status = f"{what}: {e}"
         box = [status]
-        dist.broadcast_object_list(box, src=self.first, group=self.group)  # buckets stay alive until here
+        dist.broadcast_object_list(box, src=self.first, group=self.group)
         if box[0]:
             self._fail(box[0])
-            # an engine that timed out may still read this memory through its IPC mapping: keep it until a
-            # later update succeeds, so the allocator cannot hand it to the next bucket meanwhile
-            self._quarantine.append(bucket.flat)
+        return not box[0]
 
 
 
@@ -430,6 +481,8 @@ class BroadcastSender(SenderBase):
 
     def begin(self, version: int) -> None:
         super().begin(version)
+        if self.adapter is not None:  # an adapter-only sync goes by the engine's own adapter route, not the group
+            return
         try:
             self.connect()
         except EngineError as e:
@@ -439,6 +492,8 @@ class BroadcastSender(SenderBase):
         """Engine calls due before the first bucket (e.g. opening an update session); raises EngineError."""
 
     def send(self, bucket: Bucket) -> None:
+        if self.adapter is not None:
+            return self._keep(bucket)
         if not self.is_source or self._error is not None:
             return
         self._note_sent(bucket)

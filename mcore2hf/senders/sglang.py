@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..buckets import Bucket
 from ..collective import agree
-from ..errors import EngineError, HTTPStatusError, UnsupportedEngine
+from ..errors import EngineError, HTTPStatusError, UnsupportedEngine, UsageError
 from .base import (
     BroadcastSender,
     ColocatedSender,
@@ -64,6 +64,12 @@ RELEASES = {
     # reset_tensors / compare only, 0.5.15 has checksum (read in those wheels); 0.5.20 and 0.5.23 run in the
     # contract tests (utils/weight_checker.py, managers/tokenizer_control_mixin.py check_weights).
     "checker": (0, 5, 20),
+    # adapter-only sync: POST /load_lora_adapter_from_tensors (LoadLoRAAdapterFromTensorsReqInput: lora_name,
+    # config_dict, serialized_named_tensors one per engine TP rank, load_format "flattened_bucket" or None, lora_id,
+    # pinned, expected_checksums) and /unload_lora_adapter: read in 0.5.20 (http_server.py:1575,
+    # io_struct.py:2301, tp_worker.py:249) and 0.5.23 (http_server.py:1663, io_struct.py:2548, tp_worker.py:217),
+    # the same request; 0.5.4.post3 has /load_lora_adapter (from a path) only; 0.5.6-0.5.19 not checked
+    "lora_tensors": (0, 5, 20),
 }
 
 # How each route answers success (sglang 0.5.6-0.5.23 entrypoints/http_server.py): "success" = JSON
@@ -77,6 +83,9 @@ REPLIES = {
     "/update_weights_from_tensor": "success", "/update_weights_from_distributed": "success",
     "/init_weights_update_group": "success", "/destroy_weights_update_group": "success",
     "/weights_checker": "success",  # HTTP 400 {"success": false, "message"} when the checker raised
+    # LoRAUpdateOutput {"success", "error_message", "loaded_adapters"}, HTTP 400 when success is false
+    # (0.5.23 http_server.py:1663-1683)
+    "/load_lora_adapter_from_tensors": "success", "/unload_lora_adapter": "success",
 }
 
 PAUSE_MODES = ("abort", "retract")
@@ -96,6 +105,11 @@ class ServerFacts:
     version: str
     tp_size: int | None
     dp_size: int | None
+    lora: bool | None = None  # LoRA serving on (--enable-lora, or adapters given at start); None: not reported
+
+    @property
+    def lora_tensors(self) -> bool:
+        return self.release >= RELEASES["lora_tensors"]
 
     @property
     def release(self) -> tuple[int, int, int]:
@@ -110,7 +124,12 @@ def check_server(info: dict, where: str, tp_size: int | None = None) -> ServerFa
     """ServerFacts from a server-info reply; UnsupportedEngine naming the version when we cannot serve it."""
     if not isinstance(info, dict) or "version" not in info:
         raise UnsupportedEngine(f"{where}: server info has no 'version' (found keys {sorted(info)[:10]})")
-    facts = ServerFacts(str(info["version"]), info.get("tp_size"), info.get("dp_size"))
+    # /server_info carries the resolved server arguments (0.5.23 utils/common.py:3584 build_server_info;
+    # server_args.py:287: LoRA is on with enable_lora, or with lora_paths when enable_lora is unset)
+    lora = None
+    if "enable_lora" in info:
+        lora = bool(info["enable_lora"]) or (info["enable_lora"] is None and bool(info.get("lora_paths")))
+    facts = ServerFacts(str(info["version"]), info.get("tp_size"), info.get("dp_size"), lora)
     need = ".".join(map(str, RELEASES["min"]))
     if facts.release < RELEASES["min"]:
         raise UnsupportedEngine(f"{where}: sglang {facts.version} is not supported: mcore2hf needs sglang >= {need} "
@@ -182,6 +201,14 @@ class SGLangHTTPEngine(HTTPClient):
     def flush_cache(self) -> str:
         return self._request("/flush_cache")
 
+    def load_lora_adapter_from_tensors(self, **kwargs) -> dict:
+        """POST /load_lora_adapter_from_tensors (LoadLoRAAdapterFromTensorsReqInput, 0.5.23 io_struct.py:2548)."""
+        return self._request("/load_lora_adapter_from_tensors", kwargs)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """POST /unload_lora_adapter (UnloadLoRAAdapterReqInput: lora_name)."""
+        return self._request("/unload_lora_adapter", {"lora_name": lora_name})
+
     def weights_checker(self, **kwargs) -> dict:
         """POST /weights_checker (CheckWeightsReqInput: action "snapshot" / "reset_tensors" / "compare" /
         "checksum"; 0.5.23 also allow_quant_error, skip_tensor_list, selector) -> {"success", "message", and for
@@ -198,6 +225,7 @@ class _EngineState:
         self.facts: ServerFacts | None = None
         self.session = False
         self.cache_flushed = True
+        self.adapter_loaded = False  # we loaded an adapter of the sender's lora_name (unloaded before a new one)
 
     @property
     def where(self) -> str:
@@ -264,6 +292,35 @@ class _SGLangMixin:
     def _driven(self) -> list:
         return self._engines
 
+    def _adapter_refusal(self, st: _EngineState) -> str | None:
+        need = ".".join(map(str, RELEASES["lora_tensors"]))
+        if not st.facts.lora_tensors:
+            return (f"sglang {st.facts.version} cannot load an adapter from tensors: it needs sglang >= {need} "
+                    "(/load_lora_adapter_from_tensors; 0.5.4.post3 loads adapters only from a path)")
+        if st.facts.lora is False:
+            return (f"sglang {st.facts.version} was started without LoRA: start it with --enable-lora (and "
+                    "--max-lora-rank / --lora-target-modules covering the adapter)")
+        return None
+
+    def _load_adapter(self, st: _EngineState, payloads: list, load_format: str | None) -> None:
+        """Replace the adapter `lora_name` on one engine (paused: requests wait in the tokenizer manager before
+        they resolve an adapter name, tokenizer_manager.py:938-942, so none meets it missing): unload the one we
+        loaded, then load this one. SGLang refuses to load a name it already has (lora_manager.py:351
+        validate_new_adapter), so one left by an earlier run is unloaded and the load retried."""
+        kwargs = dict(lora_name=self.lora_name, config_dict=self.adapter, serialized_named_tensors=payloads,
+                      load_format=load_format)
+        if st.adapter_loaded:
+            call(st.engine.unload_lora_adapter, lora_name=self.lora_name)
+            st.adapter_loaded = False
+        try:
+            call(st.engine.load_lora_adapter_from_tensors, **kwargs)
+        except EngineError as e:
+            if "already loaded" not in str(e):
+                raise
+            call(st.engine.unload_lora_adapter, lora_name=self.lora_name)
+            call(st.engine.load_lora_adapter_from_tensors, **kwargs)
+        st.adapter_loaded = True
+
     def _checker_refusal(self) -> str | None:
         """Why this sync's `verify` cannot run on these engines (their release), or None."""
         need = ".".join(map(str, RELEASES["checker"]))
@@ -314,6 +371,8 @@ class _SGLangMixin:
         return all(st.cache_flushed for st in self._engines)
 
     def _finish_sessions(self) -> None:
+        if self.adapter is not None:
+            return self._finish_adapter()
         if self._error is None:
             for st in self._engines:
                 try:
@@ -348,17 +407,48 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
 
     def __init__(self, engine, engine_tp_size: int, *, timeout: float = 300.0, http: bool = True,
                  flush_cache: bool = True, pause_mode: str = "abort", api_key: str | None = None,
-                 engine_sharding: bool = False, engine_ep_size: int = 1, engine_placement: dict | None = None):
+                 engine_sharding: bool = False, engine_ep_size: int = 1, engine_placement: dict | None = None,
+                 lora_name: str | None = None):
         check_pause_mode(pause_mode, PAUSE_MODES)
         if isinstance(engine, str):
             engine = SGLangHTTPEngine(engine, timeout=timeout, api_key=api_key)
         super().__init__(engine, engine_tp_size, timeout, engine_sharding, engine_ep_size, engine_placement)
-        self.http, self.flush = http, flush_cache
+        self.http, self.flush, self.lora_name, self.pause_mode = http, flush_cache, lora_name, pause_mode
         self._engines = [_EngineState(self.engine, engine_tp_size, pause_mode, flush_cache)] if self.is_first else []
 
     def begin(self, version: int) -> None:
         super().begin(version)
         self._probe_all()
+
+    def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
+        if config is not None and config.get("target_parameters"):
+            raise UsageError("SGLang loads expert adapters one per expert (lora/mem_pool.py:1000 experts.E.*): "
+                             "expected HFExporter(..., lora_experts='per_expert'), found PEFT's stacked form")
+        if config is not None and self.pause_mode == "retract":  # every rank refuses (the same argument)
+            # a retracted request keeps its adapter acquired, and SGLang's unload waits for it
+            # (tokenizer_control_mixin.py:646 wait_for_unload) while the engine is paused: it would never end
+            raise UsageError("an adapter-only sync into SGLang replaces the adapter while the engine is paused: "
+                             "expected pause_mode='abort' (retracted requests hold the old adapter)")
+        super().set_adapter(config, entries)
+
+    def _finish_adapter(self) -> None:
+        """Every rank of the engine group serializes the whole adapter (its own copy, on its GPU) for its engine TP
+        rank, as a weight bucket goes; the first rank loads it: one flattened bucket, or the named tensors of
+        several (load_format None: tp_worker.py:226 takes the dict as is)."""
+        kept, self._kept = self._kept, []
+        if len(kept) == 1:
+            load_format = "flattened_bucket"
+
+            def payload():
+                return serialize(flattened_payload(kept[0]), output_str=self.http)
+        else:
+            load_format = None
+
+            def payload():
+                return serialize({n: t for b in kept for n, t in b}, output_str=self.http)
+        # every rank of the group takes part; the first calls the engine only if nothing failed on it
+        self._group_call(payload, lambda p: self._load_adapter(self._engines[0], p, load_format),
+                         f"LoRA adapter {self.lora_name!r}")
 
     def _payload(self, bucket: Bucket):
         return serialize(flattened_payload(bucket), output_str=self.http)
@@ -400,6 +490,13 @@ class SGLangDistributedSender(_SGLangMixin, BroadcastSender):
             self.connect()
         except EngineError as e:
             self._fail(str(e))
+
+    def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
+        if config is not None:
+            raise UsageError("an adapter-only sync into SGLang goes through /load_lora_adapter_from_tensors, whose "
+                             "tensors are shared in memory with the engine's ranks: expected SGLangColocatedSender "
+                             "(the distributed sender broadcasts weights only)")
+        super().set_adapter(config, entries)
 
     def _init_calls(self, offsets: list[int]) -> list[tuple]:
         self._group_on_engines = self.group_name

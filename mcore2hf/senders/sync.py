@@ -64,15 +64,35 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     report and fails the sync unless every replica holds the same weights; "proof" (when the engines hold the
     weights the trainer holds, e.g. the first sync after they loaded its checkpoint) also takes a baseline,
     overwrites every engine parameter and, after the sync, fails it unless every parameter came back to the same
-    bytes, naming each engine parameter that did not and the HF tensors sent for it."""
+    bytes, naming each engine parameter that did not and the HF tensors sent for it.
+
+    Adapter-only sync (docs/lora.md "Adapter sync into engines"): an `HFExporter(model, cfg, lora="adapter")` into
+    an engine sender built with `lora_name=...` exports the LoRA adapter alone and has each engine load it under
+    that name at the end (SGLang >= 0.5.20 `/load_lora_adapter_from_tensors`, vLLM `/v1/load_lora_adapter` with
+    `load_inplace`), with the same version and failure rules; an engine that cannot load adapters is refused
+    (UnsupportedEngine on every rank) before anything is paused. The first sync may be the base weights (any other
+    exporter), later ones the adapter: the choice is which exporter is passed."""
     mode = check_mode(verify)
     if mode is not None and not hasattr(sender, "set_verify"):
         raise UsageError(f"verify={mode!r}: expected an SGLang or vLLM engine sender (the engines' weight checkers), "
                          f"found {type(sender).__name__}")
     if mode == "proof" and not pause:
         raise UsageError("verify='proof' overwrites the engines' weights before the sync: expected pause=True")
+    # an adapter-only sync: HFExporter(lora="adapter") into an engine sender built with lora_name (the engine loads
+    # the adapter whole at the end, its base weights untouched); any other exporter syncs weights
+    adapter = getattr(exporter, "lora", None) == "adapter"
+    if adapter and not hasattr(sender, "set_adapter"):
+        raise UsageError(f"an adapter-only sync (HFExporter(lora='adapter')): expected an SGLang or vLLM engine "
+                         f"sender built with lora_name=..., found {type(sender).__name__} (save_pretrained writes "
+                         "a PEFT directory)")
+    if adapter and mode is not None:
+        raise UsageError(f"verify={mode!r} checks the engines' base weights: expected verify=None with an adapter-only "
+                         "sync")
     if hasattr(sender, "set_verify"):
         sender.set_verify(mode)
+    if hasattr(sender, "set_adapter"):  # collective (the adapter's plan) on every rank, before any engine call
+        sender.set_adapter(exporter.adapter_config(bucket_bytes, name_filter) if adapter else None,
+                           list(exporter.plan(bucket_bytes, name_filter).hf_entries()) if adapter else None)
     version = getattr(sender, "version", 0) + 1
     ranks = sender.engine_ranks() if getattr(sender, "engine_sharding", False) else None
     engine_exec = None
@@ -94,6 +114,8 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     if hasattr(sender, "begin"):
         sender.begin(version)  # engine senders check the engines here, before anything is paused or sent
     try:
+        if adapter:
+            sender.check_adapter()  # collective: an engine that cannot load adapters refused before any pause
         if pause and hasattr(sender, "pause"):
             sender.pause()
         if mode == "proof":

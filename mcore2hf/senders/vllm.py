@@ -42,8 +42,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import pickle
+import shutil
+import tempfile
 import threading
+import warnings
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -52,6 +56,7 @@ from ..buckets import Bucket
 from ..errors import EngineError
 from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, quietly, refuse_broadcast_sharding
 from .http import HTTPClient
+from .safetensors import SafetensorsWriter, TensorInfo
 
 VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
 # verify (sync(verify=...)): /weight_checker (action checksum / reset / compare with a baseline,
@@ -207,6 +212,32 @@ class VLLMHTTPEngine(HTTPClient):
     def resume(self) -> None:
         self._request("/resume")
 
+    def lora_refusal(self) -> str | None:
+        """Why this server cannot load adapters at runtime, or None (sends no adapter): the routes exist only with
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING (vllm 0.33.0 entrypoints/serve/lora/api_router.py:30); an empty body
+        fails validation (400/422) where the route exists."""
+        code, _ = self._request("/v1/load_lora_adapter", {}, ok_codes=(400, 404, 405, 422))
+        if code in (404, 405):
+            return (f"vLLM {self.server_version()} has no /v1/load_lora_adapter (answered {code}): start it with "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora (--max-lora-rank >= the adapter's r)")
+        return None
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, is_3d: bool = False) -> None:
+        """POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true[, is_3d_lora_weight: true]}
+        (LoadLoRAAdapterRequest, vllm 0.33.0 entrypoints/serve/lora/protocol.py:7-11): replaces an adapter of that
+        name, keeping its id (entrypoints/openai/models/serving.py:167-231); 200 with plain text, an error status
+        otherwise. `is_3d`: PEFT's stacked expert form (lora_experts="stacked")."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": True}
+        if is_3d:
+            body["is_3d_lora_weight"] = True
+        self._request("/v1/load_lora_adapter", body)
+
+    def reset_prefix_cache(self) -> bool:
+        """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE, entrypoints/serve/dev/cache/api_router.py:20):
+        {"success": false} while blocks are still held by running requests."""
+        _, out = self._request("/reset_prefix_cache")
+        return bool(out.get("success")) if isinstance(out, dict) else False
+
 
 class VLLMLocalEngine:
     """An in-process `vllm.LLM` (its RL methods, vllm/entrypoints/rl/offline.py). Calls reach the workers through
@@ -265,6 +296,26 @@ class VLLMLocalEngine:
     def resume(self) -> None:
         pass
 
+    def lora_refusal(self) -> str | None:
+        if getattr(self.llm.llm_engine.vllm_config, "lora_config", None) is None:
+            return "this vllm.LLM was built without LoRA: build it with LLM(..., enable_lora=True, max_lora_rank=r)"
+        return None
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, is_3d: bool = False) -> None:
+        """LLMEngine.add_lora(LoRARequest(..., load_inplace=True)) (vllm 0.33.0 v1/engine/llm_engine.py:471,
+        lora/request.py:24-29), the adapter's id kept across versions as the server keeps it."""
+        from vllm.lora.request import LoRARequest
+
+        ids = self.__dict__.setdefault("_lora_ids", {})
+        lora_id = ids.setdefault(lora_name, len(ids) + 1)
+        if not self.llm.llm_engine.add_lora(LoRARequest(lora_name=lora_name, lora_int_id=lora_id,
+                                                        lora_path=lora_path, load_inplace=True,
+                                                        is_3d_lora_weight=is_3d)):
+            raise EngineError(f"vllm.LLM did not load the LoRA adapter {lora_name!r} from {lora_path}")
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
 
 def as_engine(engine, timeout: float = 300.0, api_key: str | None = None):
     """A URL becomes a VLLMHTTPEngine, a vllm.LLM a VLLMLocalEngine; clients pass through."""
@@ -298,6 +349,90 @@ class _Session:
             raise EngineError("; ".join(errors))
 
     _open: list | None = None  # engines with an open session this sync (None: not started yet)
+    # adapter-only sync: rank 0 writes the PEFT directory <adapter_dir>/mcore2hf-lora-*/<lora_name>-v<version>
+    # (the same SafetensorsWriter as save_pretrained), every engine loads it from there
+    adapter_dir: str | None = None
+    _adapter_root: str | None = None
+    _writer = None
+    adapter_path: str | None = None  # the directory the engines loaded the adapter from (kept until the next)
+    cache_reset = True  # False when an engine kept its prefix cache after the last adapter load
+
+    def _adapter_refusal(self, engine) -> str | None:
+        return call(engine.lora_refusal)
+
+    def _version_dir(self) -> str:
+        return os.path.join(self._adapter_root, f"{self.lora_name}-v{self._pending}")
+
+    def _write(self, bucket: Bucket) -> None:
+        """Adapter sync, rank 0 (the only receiver): the bucket into the PEFT directory being written."""
+        self._note_sent(bucket)
+        if bucket.flat is None or self._error is not None:
+            return
+        try:
+            if self._writer is None:
+                if self._adapter_root is None:
+                    base = self.adapter_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+                    self._adapter_root = tempfile.mkdtemp(prefix="mcore2hf-lora-", dir=base)
+                shutil.rmtree(self._version_dir(), ignore_errors=True)  # ours, from an attempt that failed later
+                infos = [TensorInfo(e.name, e.shape, e.dtype) for e in self._adapter_entries]
+                self._writer = SafetensorsWriter(self._version_dir(), infos, None, adapter_config=self.adapter)
+            self._writer.send(bucket)
+        except Exception as e:  # noqa: BLE001
+            self._fail(f"writing the adapter directory: {type(e).__name__}: {e}")
+
+    def _finish_adapter(self) -> None:
+        """Collective: rank 0 completes the directory, every rank learns its path, then each engine this rank
+        drives loads it in place and resets its prefix cache (KV computed with the previous adapter would be
+        reused otherwise: vllm#42125)."""
+        import torch.distributed as dist
+
+        box: list = [None]
+        if dist.get_rank() == 0:
+            writer, self._writer = self._writer, None
+            if writer is not None and self._error is None:
+                try:
+                    writer.finish()
+                    box = [self._version_dir()]
+                except Exception as e:  # noqa: BLE001
+                    self._fail(f"writing the adapter directory: {type(e).__name__}: {e}")
+            elif writer is not None:
+                quietly(writer.abort)
+            elif self._error is None:
+                self._fail("no adapter tensor reached rank 0")
+        dist.broadcast_object_list(box, src=0, group=self._status_group)
+        path = box[0]
+        if path is None or self._error is not None:
+            return
+        self.cache_reset = True
+        for e in self._driven():
+            try:
+                # PEFT's stacked expert form (adapter_config.json's target_parameters) goes as vLLM's 3-D form
+                call(e.load_lora_adapter, lora_name=self.lora_name, lora_path=path,
+                     is_3d=bool(self.adapter.get("target_parameters")))
+                reset = call(e.reset_prefix_cache)
+            except EngineError as err:
+                self._fail(f"loading the LoRA adapter {self.lora_name!r} from {path}: {err}")
+                return
+            if not reset:
+                self.cache_reset = False
+                warnings.warn(f"{getattr(e, 'url', type(e).__name__)}: vLLM refused /reset_prefix_cache after "
+                              f"loading the adapter {self.lora_name!r} (blocks still held, pause_mode="
+                              f"{self.pause_mode!r}): its prefix cache may hold KV of the previous adapter",
+                              stacklevel=2)
+        self.adapter_path = path
+
+    def commit(self) -> None:
+        super().commit()
+        if self.adapter is not None and self._adapter_root is not None:  # rank 0: earlier versions' directories
+            for name in os.listdir(self._adapter_root):
+                if os.path.join(self._adapter_root, name) != self.adapter_path:
+                    shutil.rmtree(os.path.join(self._adapter_root, name), ignore_errors=True)
+
+    def remove_adapters(self) -> None:
+        """Remove the adapter directories this sender wrote (rank 0; the engines must not reload from them)."""
+        root, self._adapter_root = self._adapter_root, None
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
 
     def begin(self, version: int) -> None:
         super().begin(version)
@@ -360,7 +495,19 @@ class _Session:
     def _resume_engine(self, engine) -> None:
         call(engine.resume)
 
+    @property
+    def adapter_root(self) -> str | None:
+        """The directory holding this sender's adapter versions (rank 0; None before the first adapter sync)."""
+        return self._adapter_root
+
     def _close_sessions(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:  # an adapter sync that failed before its directory was complete: nothing left
+            quietly(writer.abort)
+        if self.adapter is not None and self._adapter_root is not None and self._pending is not None:
+            failed = self._version_dir()  # written, but the sync failed: no engine is to load from it
+            if failed != self.adapter_path:
+                shutil.rmtree(failed, ignore_errors=True)
         for e in self._open or []:
             quietly(e.finish_weight_update, weight_version=None)
         self._open = None
@@ -397,20 +544,30 @@ class VLLMColocatedSender(_Session, ColocatedSender):
 
     def __init__(self, engine, engine_tp_size: int, *, packed: bool = True, timeout: float = 300.0,
                  pause_mode: str = "abort", api_key: str | None = None, engine_sharding: bool = False,
-                 engine_ep_size: int = 1, engine_placement: dict | None = None):
+                 engine_ep_size: int = 1, engine_placement: dict | None = None, lora_name: str | None = None,
+                 adapter_dir: str | None = None):
         check_pause_mode(pause_mode, PAUSE_MODES)
         super().__init__(as_engine(engine, timeout, api_key), engine_tp_size, timeout, engine_sharding, engine_ep_size,
                          engine_placement)
         self.packed, self.pause_mode = packed, pause_mode
+        self.lora_name, self.adapter_dir = lora_name, adapter_dir
         self._initialized = False
         self._keep: list = []  # unpacked: the worker holds views of our buckets until finish
 
     def _driven(self) -> list:
         return [self.engine] if self.is_first else []
 
+    @property
+    def receivers(self):
+        return (0,) if self.adapter is not None else "all"  # adapter sync: rank 0 writes the PEFT directory
+
+    def close(self) -> None:
+        """Remove the adapter directories written by adapter syncs (call when done syncing)."""
+        self.remove_adapters()
+
     def begin(self, version: int) -> None:
         super().begin(version)
-        if self.is_first and not self._initialized and self._error is None:
+        if self.is_first and not self._initialized and self._error is None and self.adapter is None:
             try:
                 self._check_engines()
                 info = _validated("vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferInitInfo",
@@ -439,6 +596,8 @@ class VLLMColocatedSender(_Session, ColocatedSender):
         self._send_update(handles)
 
     def send(self, bucket: Bucket) -> None:
+        if self.adapter is not None:
+            return self._write(bucket)
         if self.is_first:
             self._start()
         self._bucket = bucket
@@ -457,6 +616,8 @@ class VLLMColocatedSender(_Session, ColocatedSender):
         call(self.engine.update_weights, update_info=fields)
 
     def _finish_sessions(self) -> None:
+        if self.adapter is not None:
+            return self._finish_adapter()
         if self.is_first:
             self._start()  # a sync without buckets still opens and closes a session
             self._finish()
@@ -479,7 +640,8 @@ class VLLMDistributedSender(_Session, BroadcastSender):
     def __init__(self, engines, engine_world_sizes: list[int] | None = None, master_address: str = "127.0.0.1",
                  master_port: int = 0, *, packed: bool = True, packed_buffer_size_bytes: int = 1 << 30,
                  packed_num_buffers: int = 2, timeout: float = 300.0, pause_mode: str = "abort",
-                 api_key: str | None = None, engine_sharding: bool = False):
+                 api_key: str | None = None, engine_sharding: bool = False, lora_name: str | None = None,
+                 adapter_dir: str | None = None):
         refuse_broadcast_sharding(engine_sharding)
         check_pause_mode(pause_mode, PAUSE_MODES)
         import torch.distributed as dist
@@ -498,6 +660,7 @@ class VLLMDistributedSender(_Session, BroadcastSender):
         self.packed, self.pause_mode = packed, pause_mode
         self.buffer_size, self.num_buffers = packed_buffer_size_bytes, packed_num_buffers
         self._listen = None
+        self.lora_name, self.adapter_dir = lora_name, adapter_dir  # adapter_dir: readable by every engine
 
     def _driven(self) -> list:
         return self.engines
@@ -592,6 +755,8 @@ class VLLMDistributedSender(_Session, BroadcastSender):
             stream.synchronize()
 
     def send(self, bucket: Bucket) -> None:
+        if self.adapter is not None:
+            return self._write(bucket)
         if not self.is_source:
             return
         self._note_sent(bucket)
@@ -621,13 +786,16 @@ class VLLMDistributedSender(_Session, BroadcastSender):
                     call(e.shutdown_weight_transfer_engine)
 
     def _finish_sessions(self) -> None:
+        if self.adapter is not None:
+            return self._finish_adapter()
         if self.is_source:
             self._start()  # a sync without buckets still opens and closes a session
             self._finish()
             self._release_engines()
 
     def close(self) -> None:
-        """Tear the NCCL group down on both sides (between syncs)."""
+        """Tear the NCCL group down on both sides (between syncs); remove the adapter directories written."""
         if self.is_source:
             self._teardown()
             self._release_engines()
+        self.remove_adapters()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -533,6 +534,7 @@ class _Rank:
         self.manager = cls(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
                            flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle,
                            scheduler=scheduler, **extra)
+        self.lora = _LoRASide(rank, tp_size, worker, ps) if os.environ.get(_HF_CONFIG) else None
 
     @staticmethod
     def _before_0_5_20(rank: int, group, model, scheduler):
@@ -553,11 +555,13 @@ class _Rank:
 
     def state(self, how: str | None = None) -> dict:
         """What the release's objects hold: update session (>= 0.5.21), weight-update groups, the scheduler's
-        paused flag, queued requests, flushes; and what the model was given (digests: `Recorder.digests`)."""
+        paused flag, queued requests, flushes; and what the model was given (digests: `Recorder.digests`); the LoRA
+        adapters loaded (each per-TP-rank LoRA weight the release builds: digest, shape)."""
         s = self.scheduler
+        lora = getattr(self, "lora", None)
         return {"weights": self.model.digests(how or "sha256"), "session": getattr(self.manager, "_session", None) is not None,
                 "groups": sorted(self.groups), "engine_paused": s._engine_paused, "queued": len(s.waiting_queue),
-                "flushes": s.tree_cache.resets}
+                "flushes": s.tree_cache.resets, "loras": lora.state() if lora else {}}
 
     def handle(self, method: str, req) -> tuple[bool, object]:
         """Run one request; an exception escapes (the scheduler process then fails as SGLang's does)."""
@@ -582,6 +586,9 @@ class _Rank:
                 self.scheduler._add_request_to_queue(Req(rid, "x", [1, 2, 3], SamplingParams()))
             return True, ""
         s = self.scheduler
+        if method in ("load_lora_adapter_from_tensors", "unload_lora_adapter"):
+            out = getattr(self.lora, method)(req)
+            return bool(out.success), out
         target = {"pause_generation": s.pause_generation, "continue_generation": s.continue_generation,
                   "abort_request": s.abort_request, "flush_cache": self.flush}.get(method)
         out = (target or getattr(self.manager, method))(req)
@@ -590,6 +597,123 @@ class _Rank:
         if method == "check_weights":  # the tokenizer side reads the whole reply (its per-rank payload)
             return bool(out.success), out
         return bool(out.success), out.message
+
+
+_HF_CONFIG = "MCORE2HF_SGLANG_HF_CONFIG"  # the served model's HF config directory (serve --hf-config)
+
+
+class _LoRASide:
+    """A rank's LoRA adapter loading, the release's own code (0.5.20 / 0.5.23): TpModelWorker's
+    load_lora_adapter_from_tensors / unload_lora_adapter (managers/tp_worker.py: own-rank deserialization,
+    FlattenedTensorBucket rebuild, expected_checksums) over ModelRunner's methods over the release's LoRAManager
+    (lora/lora_manager.py: LoRAConfig.from_dict, validate_new_adapter, LoRAAdapter.initialize_weights_from_tensors
+    with its q/k/v and gate/up normalization, unload). The manager is made without its GPU __init__ (no memory
+    pool, backend or wrapped base model: a pool that supports every adapter). Then what the memory pool does when
+    it loads the adapter for a batch (lora/mem_pool.py:891 load_lora_weight_to_buffer: target module per weight,
+    experts grouped by id, the layer's slice methods) runs with the release's LoRA layer classes
+    (QKVParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA,
+    FusedMoEWithLoRA; lora/layers.py) over stand-in base layers that carry the sizes SGLang's linears have at this
+    TP rank (q/kv shard sizes, output partition sizes, input size per partition, MoE intermediate per partition)."""
+
+    def __init__(self, rank: int, tp_size: int, worker, ps):
+        import types as _t
+
+        from sglang.srt.lora.lora_manager import LoRAManager
+        from sglang.srt.managers import tp_worker
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        from transformers import AutoConfig
+
+        self.rank, self.tp = rank, tp_size
+        self.hf = AutoConfig.from_pretrained(os.environ[_HF_CONFIG])
+        if hasattr(tp_worker, "get_parallel"):  # 0.5.23: the checksum branch's rank
+            tp_worker.get_parallel = lambda: ps
+        worker.ps = ps  # 0.5.20
+        mgr = LoRAManager.__new__(LoRAManager)
+        mgr.__dict__.update(
+            configs={}, loras={}, lora_refs={}, num_pinned_loras=0, base_hf_config=self.hf, load_config=None,
+            lora_backend=None, base_model=torch.nn.Module(), attn_dp_enabled=False, max_loras_per_batch=8,
+            speculative_algorithm=None, pending_lora_load_events={}, device=torch.device("cpu"),
+            memory_pool=_t.SimpleNamespace(can_support=lambda config: True, remove_lora=lambda uid: None))
+        mgr._notify_lora_slots_updated = lambda slots: None
+        self.manager = mgr
+        runner = worker.model_runner
+        runner.lora_manager = mgr
+        for m in ("load_lora_adapter_from_tensors", "unload_lora_adapter"):
+            setattr(runner, m, _t.MethodType(getattr(ModelRunner, m), runner))
+            setattr(self, m, _t.MethodType(getattr(tp_worker.TpModelWorker, m), worker))
+
+    def _layers(self):
+        """The release's LoRA layer objects over stand-in base layers with this rank's sizes (what
+        get_lora_layer wraps in SGLang's Qwen3 / Qwen3-MoE: QKVParallelLinear, RowParallelLinear,
+        MergedColumnParallelLinear, FusedMoE)."""
+        import types as _t
+
+        from sglang.srt.lora import layers
+
+        cfg, tp, r = self.hf, self.tp, self.rank
+        group = _t.SimpleNamespace(rank_in_group=r, world_size=tp)
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_replicas = max(1, tp // cfg.num_key_value_heads)
+        kv_group = _t.SimpleNamespace(rank_in_group=r, world_size=tp)
+
+        def make(cls, **base):
+            obj = cls.__new__(cls)
+            torch.nn.Module.__init__(obj)
+            # tp_group: 0.5.23 (get_group_rank_size); tp_rank / tp_size: 0.5.20 reads them from the base layer
+            obj.__dict__["base_layer"] = _t.SimpleNamespace(tp_group=group, tp_rank=r, tp_size=tp, **base)
+            return obj
+
+        qkv = make(layers.QKVParallelLinearWithLoRA, q_proj_shard_size=cfg.num_attention_heads * hd // tp,
+                   kv_proj_shard_size=max(1, cfg.num_key_value_heads // tp) * hd, num_kv_head_replicas=kv_replicas,
+                   kv_tp_group=kv_group, total_num_heads=cfg.num_attention_heads, head_size=hd,
+                   total_num_kv_heads=cfg.num_key_value_heads,
+                   # QKVParallelLinear's output_sizes: [q, k, v] of every rank (kv heads replicated below TP)
+                   output_sizes=[cfg.num_attention_heads * hd] + [max(1, cfg.num_key_value_heads // tp) * hd * tp] * 2)
+        inter = cfg.intermediate_size
+        gate_up = make(layers.MergedColumnParallelLinearWithLoRA, output_sizes=[inter, inter],
+                       output_partition_sizes=[inter // tp, inter // tp])
+        o = make(layers.RowParallelLinearWithLoRA, input_size_per_partition=cfg.num_attention_heads * hd // tp)
+        down = make(layers.RowParallelLinearWithLoRA, input_size_per_partition=inter // tp)
+        out = {"qkv_proj": qkv, "o_proj": o, "gate_up_proj": gate_up, "down_proj": down}
+        moe_inter = getattr(cfg, "moe_intermediate_size", None)
+        if moe_inter:  # FusedMoE at moe-TP = TP (no --ep-size)
+            moe = make(layers.FusedMoEWithLoRA, moe_runner_config=_t.SimpleNamespace(is_gated=True))
+            moe.__dict__.update(tp_size=tp, intermediate_size_per_partition=moe_inter // tp,
+                                _uses_interleaved_gate_up=False)
+            out["moe"] = moe
+        return out
+
+    def state(self) -> dict:
+        """Per adapter (by name): each LoRA weight this rank's buffers take, as the memory pool slices it
+        (mem_pool.py:1000-1145): "<layer>.<target module>[.<expert>].lora_{A,B}" -> [digest, shape]."""
+        import re
+
+        from sglang.srt.lora.utils import get_normalized_target_modules, get_target_module_name
+
+        mods = self._layers()
+        out = {}
+        for uid, adapter in self.manager.loras.items():
+            name = self.manager.lora_refs[uid].lora_name
+            targets = get_normalized_target_modules(adapter.config.target_modules)
+            got = {}
+            for layer_id, layer in enumerate(adapter.layers):
+                for wname, w in layer.weights.items():
+                    target = get_target_module_name(wname, targets)
+                    factor = "lora_A" if "lora_A" in wname else "lora_B"
+                    expert = re.search(r"experts\.(\d+)\.", wname)
+                    if expert:  # per-expert weights go to the FusedMoE buffers (<target>_moe)
+                        canonical = target + "_moe"
+                        slicer = mods["moe"].slice_moe_lora_a_weights if factor == "lora_A" else \
+                            mods["moe"].slice_moe_lora_b_weights
+                        w = slicer({int(expert[1]): w}, self.rank, canonical)[int(expert[1])]
+                        key = f"{layer_id}.{target}.{expert[1]}.{factor}"
+                    else:
+                        m = mods[target]
+                        w = m.slice_lora_a_weights(w) if factor == "lora_A" else m.slice_lora_b_weights(w)
+                        key = f"{layer_id}.{target}.{factor}"
+                    got[key] = [sha256_digest(w.contiguous()), list(w.shape)]
+            out[name] = got
+        return out
 
 
 def _model_runner(updater, model, ps):
@@ -681,6 +805,8 @@ class _Worker:
         self.patch()
         return self.common.MultiprocessingSerializer.deserialize(serialized_named_tensors[self.rank])
 
+    _deserialize_own_rank = deserialize_own_rank  # 0.5.20's name
+
     def init_weights_update_group(self, r):
         return self.model_runner.weight_updater.init_weights_update_group(
             r.master_address, r.master_port, r.rank_offset, r.world_size, r.group_name, r.backend)
@@ -706,7 +832,8 @@ def _release_has(route: str) -> bool:
     return f'"{route}"' in src.read_text()
 
 
-def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int = 0, device: str = "cpu") -> None:
+def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int = 0, device: str = "cpu",
+          hf_config: str | None = None, enable_lora: bool = False) -> None:
     import ctypes
     import json
     import os
@@ -725,7 +852,10 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     # tokenizer_manager.py running_phase_sigquit_handler: kill_process_tree(os.getpid()); 0.5.20 / 0.5.23)
     signal.signal(signal.SIGQUIT, lambda signum, frame: kill_process_tree(os.getpid()))
     supported = tuple(int(x) for x in __version__.split(".")[:3] if x.isdigit()) >= (0, 5, 6)
+    if hf_config:  # the ranks (forked below) build the release's LoRA manager for this model
+        os.environ[_HF_CONFIG] = hf_config
     engine = Engine(tp_size, api_key) if supported else None
+    lora_routes = {r for r in ("/load_lora_adapter_from_tensors", "/unload_lora_adapter") if _release_has(r)}
     routes = {r for r in ("/server_info", "/get_server_info", "/begin_weight_update", "/end_weight_update")
               if _release_has(r)}
     checker_route = {"/weights_checker"} if _release_has("/weights_checker") else set()
@@ -742,12 +872,19 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     harness = {"/mcore2hf_state", "/mcore2hf_reset", "/mcore2hf_fault", "/mcore2hf_requests"}
     # the tokenizer manager's side: is_pause (set by pause, cleared by continue), the calls and the versions of the
     # updates that succeeded
-    front = types.SimpleNamespace(paused=False, calls=[], versions=[])
+    front = types.SimpleNamespace(paused=False, calls=[], versions=[], loras={})
     lock = threading.Lock()  # the scheduler runs one request at a time
 
     def run(method: str, req) -> tuple[bool, object]:
         with lock:
             return engine.call(method, req)
+
+    def run_each(method: str, req) -> tuple[bool, list]:
+        """Every rank's reply (the LoRA routes merge them as the release's tokenizer does)."""
+        with lock:
+            engine.conns[0].send([(method, req)])
+            outs = [engine._answer(r, c) for r, c in enumerate(engine.conns)]
+        return all(o[0] for o in outs), [o[1] for o in outs]
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -779,8 +916,9 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
                     "paused": front.paused, "version": __version__})
             if self.path in routes and self.path.endswith("server_info"):
                 front.calls.append(self.path)
+                # build_server_info: the resolved server arguments (0.5.23 utils/common.py:3584), enable_lora among them
                 return self._send(200, {"version": __version__, "tp_size": tp_size, "dp_size": 1,
-                                        "internal_states": []})
+                                        "enable_lora": enable_lora, "lora_paths": None, "internal_states": []})
             self._send(404, {"detail": "Not Found"})
 
         def _control(self, path: str, body: dict):
@@ -835,6 +973,45 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
                 reply["per_engine_checksum"] = per_engine
             return self._send(200 if success else 400, reply)
 
+        def _lora(self, path: str, body: dict):
+            """The tokenizer side of the LoRA routes (0.5.23 tokenizer_control_mixin.py:745-870, 0.5.20 the same
+            checks): LoRA must be on; a load gets a new LoRARef id (its payloads normalized as for weights), an
+            unload the registered id of its name (unknown: the registry's ValueError); every rank runs the
+            release's worker method, the replies merged by the release's _merge_lora_update_results; HTTP 400
+            when it failed (http_server.py:1663-1683)."""
+            from sglang.srt.lora.lora_registry import LoRARef
+            from sglang.srt.managers import tokenizer_control_mixin as tcm
+            from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
+
+            load = path == "/load_lora_adapter_from_tensors"
+            cls_name = "LoadLoRAAdapterFromTensorsReqInput" if load else "UnloadLoRAAdapterReqInput"
+            try:
+                req = engine.request(cls_name, body)
+            except Exception as e:  # noqa: BLE001 - FastAPI answers a validation error
+                return self._send(422, {"detail": f"{type(e).__name__}: {e}"})
+            out = engine.io.LoRAUpdateOutput
+            if not enable_lora:
+                result = out(success=False, error_message="LoRA is not enabled. Please set `--enable-lora` to "
+                                                          "enable LoRA.")
+            elif load:
+                if hasattr(engine.common, "normalize_serialized_named_tensor_payloads"):
+                    req.serialized_named_tensors = engine.common.normalize_serialized_named_tensor_payloads(
+                        req.serialized_named_tensors)
+                ref = LoRARef(lora_name=req.lora_name, lora_path="__tensor__", pinned=req.pinned)
+                req.lora_id = ref.lora_id
+                _, results = run_each("load_lora_adapter_from_tensors", req)
+                result = tcm._merge_lora_update_results(results)
+                if result.success:
+                    front.loras[req.lora_name] = ref.lora_id
+            elif req.lora_name not in front.loras:  # lora_registry.py:119
+                result = out(success=False, error_message=f"LoRA with name {req.lora_name} does not exist. "
+                                                          f"Loaded LoRAs: {front.loras.keys()}")
+            else:
+                req.lora_id = front.loras.pop(req.lora_name)
+                _, results = run_each("unload_lora_adapter", req)
+                result = tcm._merge_lora_update_results(results)
+            return self._send(200 if result.success else 400, msgspec_to_builtins(result))
+
         def do_POST(self):
             if not self._auth():
                 return
@@ -855,6 +1032,8 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
                 return self._control(path, body)
             if path == "/weights_checker" and path in checker_route:
                 return self._check_weights(body)
+            if path in lora_routes:
+                return self._lora(path, body)
             if path not in posts:
                 return self._send(404, {"detail": "Not Found"})
             cls_name, method = posts[path]
@@ -883,12 +1062,12 @@ class RealServer:
     several, then waits for each (`wait()`)."""
 
     def __init__(self, site_dir: str, wanted: str, tp: int = 1, api_key: str | None = None, port: int = 0,
-                 wait: bool = True, device: str = "cpu", env: dict | None = None):
+                 wait: bool = True, device: str = "cpu", env: dict | None = None, extra: tuple[str, ...] = ()):
         import os
         import subprocess
         import tempfile
 
-        cmd = [sys.executable, __file__, site_dir, "--tp", str(tp), "--port", str(port), "--device", device]
+        cmd = [sys.executable, __file__, site_dir, "--tp", str(tp), "--port", str(port), "--device", device, *extra]
         if api_key:
             cmd += ["--api-key", api_key]
         # stderr to a file, not a pipe nobody reads: a server never blocks on it
@@ -925,5 +1104,7 @@ if __name__ == "__main__":
     ap.add_argument("--api-key")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--device", default="cpu", help='"cpu", "cuda" or "cuda:N"')
+    ap.add_argument("--hf-config")  # the model's HF config directory: the LoRA routes need it
+    ap.add_argument("--enable-lora", action="store_true")
     a = ap.parse_args()
-    serve(a.site_dir, a.tp, a.api_key, a.port, a.device)
+    serve(a.site_dir, a.tp, a.api_key, a.port, a.device, a.hf_config, a.enable_lora)

@@ -433,6 +433,187 @@ class Server:
         self.thread.join(10)
 
 
+# ---------------------------------------------------------------- LoRA adapters (POST /v1/load_lora_adapter)
+
+class LoRACore:
+    """The engine side of add_lora, vLLM 0.33.0's own code per worker of an engine of TP `tp`: the LoRARequest
+    after the msgpack round trip collective_rpc gives it, then the release's LRUCacheWorkerLoRAManager._load_adapter
+    (lora/worker_manager.py:106: expected modules from the model's packed_modules_mapping, PEFTHelper.from_local_dir
+    and validate_legal against the LoRAConfig, LoRAModel.from_local_checkpoint on CPU, the MoE-format and
+    classification-head checks of LoRAModelManager) for Qwen3ForCausalLM's LoRA modules
+    (model_executor/models/qwen3.py:284 packed_modules_mapping; supported modules: the packed names and the
+    unpacked linears) or Qwen3MoeForCausalLM's (its qkv_proj, o_proj and the 2-D per-expert form). Each worker's cache keeps the LoRAModel by adapter id; load_inplace replaces it. Stand-in:
+    the adapter manager's model (no hf_to_vllm_mapper, no skip prefixes) and its wrapped modules (none: the MoE
+    format check has no FusedMoE wrapper to check against)."""
+
+    def __init__(self, hf_config: str, tp: int, max_lora_rank: int = 8):
+        from transformers import AutoConfig
+        from vllm.config.lora import LoRAConfig
+        from vllm.lora import lora_model
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.model_manager import LoRAModelManager
+        from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+        lora_model.PIN_MEMORY = False  # GPU-only: pinning host memory needs an accelerator (lora_model.py:132)
+        cfg = AutoConfig.from_pretrained(hf_config)
+        self.workers, self.events = [], []
+        if cfg.model_type == "qwen3_moe":
+            from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+            from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+            # the 2-D MoE LoRA form (lora/utils.py:424-430 process_packed_modules_mapping): "experts" packs every
+            # expert's gate/up/down as RoutedExperts.get_expert_mapping lists them (routed_experts.py:1107, the
+            # checkpoint names Qwen3-MoE's experts load from)
+            packed = dict(Qwen3MoeForCausalLM.packed_modules_mapping)
+            packed["experts"] = [w.rstrip(".") for _, w, _, _ in RoutedExperts.build_expert_params_mapping(
+                "gate_proj", "down_proj", "up_proj", num_experts=cfg.num_experts, routed_experts_prefix="")]
+            supported = [*packed, "o_proj"]
+        else:
+            packed = Qwen3ForCausalLM.packed_modules_mapping
+            supported = [*packed, "o_proj", "down_proj"]
+        for rank in range(tp):
+            adapters = types.SimpleNamespace(
+                supported_lora_modules=supported, packed_modules_mapping=packed,
+                model=types.SimpleNamespace(), moe_ep_load_spec=None, modules={}, _classification_head=None,
+                _enable_mixed_moe_lora_format=False)
+            for m in ("_validate_moe_lora_format", "_validate_classification_head_lora", "_get_lora_layer_weights"):
+                setattr(adapters, m, types.MethodType(getattr(LoRAModelManager, m), adapters))
+            w = LRUCacheWorkerLoRAManager.__new__(LRUCacheWorkerLoRAManager)
+            w.__dict__.update(_adapter_manager=adapters, max_position_embeddings=cfg.max_position_embeddings,
+                              lora_config=LoRAConfig(max_lora_rank=max_lora_rank, lora_dtype=torch.float32),
+                              vocab_size=cfg.vocab_size, _lora_model_cls=LoRAModel)
+            w.rank, w.loaded = rank, {}
+            self.workers.append(w)
+
+    def add_lora(self, lora_request) -> bool:
+        self.events.append(f"add_lora:{lora_request.lora_name}:{lora_request.load_inplace}"
+                           + (":3d" if lora_request.is_3d_lora_weight else ""))
+        # the engine core's utility call: msgpack, then EngineCoreProc._convert_msgspec_args (v1/engine/core.py:1854)
+        # back to the method's argument type
+        from vllm.v1.engine.core import EngineCoreProc
+
+        bound = EngineCoreProc.__new__(EngineCoreProc).add_lora  # the method as the core looks it up (bound)
+        (req,) = EngineCoreProc._convert_msgspec_args(bound, (msgpack_round_trip([lora_request])[0],))
+        errors = []
+
+        def run(w):
+            try:
+                if req.lora_int_id in w.loaded and not req.load_inplace:
+                    return  # already loaded (worker_manager.add_adapter keeps the cached one)
+                w.loaded[req.lora_int_id] = (req.lora_name, w._load_adapter(req))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in self.workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return True
+
+    def state(self) -> list[dict]:
+        """Per worker, per adapter name: each module's LoRALayerWeights (digest and shape of lora_a, lora_b;
+        rank, scaling)."""
+        import hashlib
+
+        def digest(t):
+            t = t.detach().contiguous()
+            return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
+
+        return [{name: {m: {"a": digest(lw.lora_a), "b": digest(lw.lora_b), "rank": lw.rank,
+                            "scaling": lw.scaling} for m, lw in model.loras.items()}
+                 for name, model in w.loaded.values()} for w in self.workers]
+
+
+def serve_lora(hf_config: str, tp: int) -> None:
+    """Four vLLM front ends on ports the OS picks (printed as `PORTS <with LoRA, TP tp> <without> <with LoRA, TP 1>
+    <with LoRA, TP 1, max LoRA rank 1>`), each with the RL routes
+    (/pause, /resume; VLLM_SERVER_DEV_MODE=1), /version and /reset_prefix_cache (dev cache router,
+    entrypoints/serve/dev/cache/api_router.py); all but the second also with vLLM's LoRA routes (entrypoints/serve/lora/
+    api_router.py, attached as with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) over the release's OpenAIServingModels,
+    whose add_lora reaches LoRACore. Stub: SageMaker's adapter-handler registration
+    (model_hosting_container_standards, not installed) as an identity decorator. GET /mcore2hf_lora: the
+    workers' LoRA models and the engine events."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    install_gpu_stubs()
+    sm = types.ModuleType("model_hosting_container_standards.sagemaker")
+    sm.register_load_adapter_handler = sm.register_unload_adapter_handler = lambda **kw: (lambda f: f)
+    sys.modules["model_hosting_container_standards"] = types.ModuleType("model_hosting_container_standards")
+    sys.modules["model_hosting_container_standards.sagemaker"] = sm
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.rl.factories import register_rl_api_routers
+    from vllm.entrypoints.serve.dev.cache.api_router import router as cache_router
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+    from vllm.entrypoints.serve.lora.api_router import attach_router
+
+    # the fourth: --max-lora-rank 1, below the tests' adapters' r (its load fails in PEFTHelper.validate_legal)
+    cores = [LoRACore(hf_config, tp), None, LoRACore(hf_config, 1), LoRACore(hf_config, 1, max_lora_rank=1)]
+
+    class Client:
+        model_config = types.SimpleNamespace(max_model_len=128)
+        renderer = input_processor = None
+
+        def __init__(self, core):
+            self.core = core
+
+        async def add_lora(self, lora_request):
+            return await asyncio.to_thread(self.core.add_lora, lora_request)
+
+        async def reset_prefix_cache(self, reset_running_requests=False, reset_external=False):
+            self.core.events.append("reset_prefix_cache")
+            return True
+
+        async def pause_generation(self, mode="abort", clear_cache=True):
+            self.core.events.append(f"pause:{mode}")
+
+        async def resume_generation(self):
+            self.core.events.append("resume")
+
+    urls = []
+    for core in cores:
+        lora = core is not None
+        core = core or LoRACore(hf_config, 1)  # never reached: the app has no LoRA routes
+        app = FastAPI()
+        register_rl_api_routers(app)
+        app.include_router(cache_router)
+        if lora:
+            attach_router(app)
+        init_exception_handler(app)
+
+        @app.get("/version")
+        async def show_version():
+            import vllm
+
+            return {"version": vllm.__version__}
+
+        def state_route(core):
+            async def lora_state():
+                return {"workers": core.state(), "events": core.events}
+
+            return lora_state
+
+        app.get("/mcore2hf_lora")(state_route(core))
+
+        client = Client(core)
+        app.state.engine_client = client
+        app.state.openai_serving_models = OpenAIServingModels(client, [BaseModelPath(name="base", model_path=hf_config)])
+        app.state.args = types.SimpleNamespace(log_error_stack=False)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            threading.Event().wait(0.05)
+        urls.append(str(server.servers[0].sockets[0].getsockname()[1]))
+    print("PORTS " + " ".join(urls), flush=True)
+    threading.Event().wait()
+
+
 # ---------------------------------------------------------------- trainer side
 
 class ListExporter:
@@ -1047,5 +1228,7 @@ def main(out: str, names: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":  # --serve SPEC.json DEVICE
         serve(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--serve-lora":  # --serve-lora HF_CONFIG_DIR TP
+        serve_lora(sys.argv[2], int(sys.argv[3]))
     else:
         main(sys.argv[1], sys.argv[2:])
