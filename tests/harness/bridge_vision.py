@@ -25,7 +25,8 @@ export it, and compare its parameters with mcore2hf's tower (model_specs/qwen3_v
 from __future__ import annotations
 
 import sys
-import types
+
+from harness.wheels import bare_package
 
 #: the Bridge release whose native tower the tests build (needs megatron-core >= 0.19 and Python 3.12 as a whole)
 BRIDGE_VISION_VERSION = "0.6.2"
@@ -39,15 +40,6 @@ def bridge_vision_root() -> str:
     from harness.wheels import unpacked_wheel
 
     return str(unpacked_wheel("megatron-bridge", BRIDGE_VISION_VERSION, BRIDGE_VISION_FILES))
-
-
-def _bare_package(name: str, path: str) -> None:
-    if name not in sys.modules:
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [path]
-        sys.modules[name] = pkg
-        parent, _, child = name.rpartition(".")
-        setattr(sys.modules[parent], child, pkg)
 
 
 def build_bridge_tower(root: str, hf_config, lm_config):
@@ -87,7 +79,7 @@ def _build(root: str, hf_config, lm_config):
                        ("megatron.bridge.models.qwen_vl.modelling_qwen3_vl", f"{bridge}/models/qwen_vl/modelling_qwen3_vl"),
                        ("megatron.bridge.utils", f"{bridge}/utils"), ("megatron.bridge.training", f"{bridge}/training"),
                        ("megatron.bridge.training.utils", f"{bridge}/training/utils")):
-        _bare_package(name, path)
+        bare_package(name, path)
     _stub_transformer_engine()
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_config import get_vision_model_config

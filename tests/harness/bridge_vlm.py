@@ -15,10 +15,9 @@ Qwen3-VL classes, which 5.24 has. The language model is built with mcore2hf's lo
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 
 from harness.bridge_lora import BRIDGE_VERSION
+from harness.wheels import bare_package
 
 #: what is unpacked from the wheel for the vision-language model (besides bridge_lora's)
 BRIDGE_VLM_FILES = ("megatron/bridge/models/qwen_vl/modelling_qwen3_vl/*", "megatron/bridge/models/transformer_config.py",
@@ -30,15 +29,6 @@ def bridge_vlm_root() -> str:
     from harness.wheels import unpacked_wheel
 
     return str(unpacked_wheel("megatron-bridge", BRIDGE_VERSION, BRIDGE_VLM_FILES))
-
-
-def _bare_package(name: str, path: str) -> None:
-    if name not in sys.modules:
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [path]
-        sys.modules[name] = pkg
-        parent, _, child = name.rpartition(".")
-        setattr(sys.modules[parent], child, pkg)
 
 
 def import_qwen3_vl_model(root: str):
@@ -53,10 +43,10 @@ def import_qwen3_vl_model(root: str):
 
     from harness.bridge_lora import _stub_transformer_engine
 
-    _bare_package("megatron.bridge", f"{root}/megatron/bridge")
-    _bare_package("megatron.bridge.models", f"{root}/megatron/bridge/models")
-    _bare_package("megatron.bridge.models.qwen_vl", f"{root}/megatron/bridge/models/qwen_vl")
-    _bare_package("megatron.bridge.models.qwen_vl.modelling_qwen3_vl",  # its __init__ imports the bridges too
+    bare_package("megatron.bridge", f"{root}/megatron/bridge")
+    bare_package("megatron.bridge.models", f"{root}/megatron/bridge/models")
+    bare_package("megatron.bridge.models.qwen_vl", f"{root}/megatron/bridge/models/qwen_vl")
+    bare_package("megatron.bridge.models.qwen_vl.modelling_qwen3_vl",  # its __init__ imports the bridges too
                   f"{root}/megatron/bridge/models/qwen_vl/modelling_qwen3_vl")
     _stub_transformer_engine()
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel

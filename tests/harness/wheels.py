@@ -45,3 +45,16 @@ def unpacked_wheel(package: str, version: str, include: tuple[str, ...] = ("*",)
         partial.rename(dest)
         (dest / ".complete").write_text(wheels[0].name + "\n")
     return dest
+
+
+def bare_package(name: str, path: str) -> None:
+    """Register package `name` at `path` without running its `__init__` (which imports all of a wheel we need a
+    part of); its parent must be in sys.modules already."""
+    import types
+
+    if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [path]
+        sys.modules[name] = pkg
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, pkg)
