@@ -470,6 +470,10 @@ def test_lora_sync_into_sglang(ckpts, adapters, model_type, release):
     assert "started without LoRA" in res["refused"] and "--enable-lora" in res["refused"]
     assert res["refused_version"] == 0 and states["nolora"]["calls"] == ["/server_info"]
     assert res["version"] == 3
+    # the third sync (verify="checksum"): each engine TP rank checked our sha256 of every adapter tensor (SGLang's
+    # own check, tp_worker.py; a difference raises there); "proof" is refused for an adapter
+    assert [st["lora_checked"] for st in states["lora"]["ranks"]] == [1, 1]
+    assert len(res["verify_refused"]) == 1 and "verify='checksum'" in res["verify_refused"][0]
     calls = [c for c in states["lora"]["calls"] if c not in ("/server_info", "/update_weights_from_tensor")]
     pause, cont = "/pause_generation", "/continue_generation"
     load, unload = "/load_lora_adapter_from_tensors", "/unload_lora_adapter"
@@ -535,6 +539,7 @@ def test_lora_sync_into_vllm(ckpts, adapters, model_type):
         proc.wait(10)
     print(f"\nrefused: {res['refused']}")
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in res["refused"] and res["refused_version"] == 0
+    assert [m.split(": expected ")[1][:13] for m in res["verify_refused"]] == ["verify=None ("] * 2  # no adapter check
     assert res["version"] == 2 and res["paths"][0] != res["paths"][1]
     assert res["kept"] == [os.path.basename(res["paths"][1])] and res["closed"] is False
     one = ["pause:abort", "add_lora:policy:True", "reset_prefix_cache", "resume"]

@@ -1821,7 +1821,13 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
             for n, p in c.named_parameters():
                 if n.endswith("adapter.linear_out.weight"):
                     p.mul_(2)
-    sync(adapter, s, progress=False)
+    # SGLang checks each adapter tensor's sha256 as it loads it (expected_checksums); the rest refuse verify
+    for mode in ("proof", "checksum") if engine != "sglang" else ("proof",):
+        try:
+            sync(adapter, s, progress=False, verify=mode)
+        except UsageError as e:
+            out.setdefault("verify_refused", []).append(str(e))
+    sync(adapter, s, progress=False, verify="checksum" if engine == "sglang" else None)
     out["version"] = s.version
     moe = any(".experts." in n for n in adapter.state_dict())
     if engine == "sglang":  # a restarted trainer: its sender did not load "policy", the engine still has it

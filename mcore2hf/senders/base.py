@@ -95,13 +95,24 @@ class SenderBase:
     adapter: dict | None = None  # this sync's adapter_config.json when it syncs the LoRA adapter alone, else None
     _kept: list  # this sync's buckets, kept until the adapter is loaded (set by set_adapter)
 
-    def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
+    #: whether the engine can check an adapter's bytes as it loads them (verify="checksum" of an adapter-only sync)
+    adapter_checksums: bool = False
+    _adapter_verify = False  # this adapter-only sync's verify="checksum" (set_adapter)
+
+    def set_adapter(self, config: dict | None, entries: list | None = None, verify: str | None = None) -> None:
         """This sync's kind (called by sync() before begin): the adapter's adapter_config.json and its tensors'
-        plan entries for an adapter-only sync, None for a weight sync."""
+        plan entries for an adapter-only sync, None for a weight sync; `verify` ("checksum") has the engine check
+        every adapter tensor's sha256 as it loads it, where the protocol can."""
         if config is not None and not self.lora_name:
             raise UsageError(f"an adapter-only sync (HFExporter(lora='adapter')) into {type(self).__name__}: "
                              "expected the sender built with lora_name='<the adapter's name on the engine>'")
+        if config is not None and verify is not None and (verify != "checksum" or not self.adapter_checksums):
+            raise UsageError(f"verify={verify!r} with an adapter-only sync into {type(self).__name__}: expected "
+                             + ("verify='checksum' (the engine checks each adapter tensor's sha256 as it loads it; "
+                                "'proof' is for the base weights)" if self.adapter_checksums else
+                                "verify=None (this engine takes no checksums with an adapter; SGLang's senders do)"))
         self.adapter, self._adapter_entries, self._kept = config, entries, []
+        self._adapter_verify = config is not None and verify == "checksum"
 
     def _adapter_refusal(self, engine) -> str | None:
         """Why this engine cannot load an adapter from us (release, flags), or None; may raise EngineError."""

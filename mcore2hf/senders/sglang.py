@@ -30,10 +30,13 @@ HTTP client are shared with vLLM's senders (base.py, http.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import warnings
 from dataclasses import dataclass
+
+import torch
 
 from ..buckets import Bucket
 from ..collective import agree
@@ -272,6 +275,7 @@ class _SGLangMixin:
 
     _engines: list
     _pause_route = "pause_generation"
+    adapter_checksums = True  # LoadLoRAAdapterFromTensorsReqInput.expected_checksums (0.5.20 and 0.5.23)
 
     def _probe_all(self) -> None:
         """Every rank raises UnsupportedEngine (the same message) if any engine cannot be served (or, for a verified
@@ -302,13 +306,16 @@ class _SGLangMixin:
                     "--max-lora-rank / --lora-target-modules covering the adapter)")
         return None
 
-    def _load_adapter(self, st: _EngineState, payloads: list, load_format: str | None) -> None:
+    def _load_adapter(self, st: _EngineState, payloads: list, load_format: str | None,
+                      expected: dict[str, str] | None = None) -> None:
         """Replace the adapter `lora_name` on one engine (paused: requests wait in the tokenizer manager before
         they resolve an adapter name, tokenizer_manager.py:938-942, so none meets it missing): unload the one we
         loaded, then load this one. SGLang refuses to load a name it already has (lora_manager.py:351
         validate_new_adapter), so one left by an earlier run is unloaded and the load retried."""
         kwargs = dict(lora_name=self.lora_name, config_dict=self.adapter, serialized_named_tensors=payloads,
                       load_format=load_format)
+        if expected is not None:  # each engine TP rank checks what it received (tp_worker.py:231-257, 0.5.20 :263)
+            kwargs["expected_checksums"] = expected
         if st.adapter_loaded:
             call(st.engine.unload_lora_adapter, lora_name=self.lora_name)
             st.adapter_loaded = False
@@ -420,7 +427,7 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
         super().begin(version)
         self._probe_all()
 
-    def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
+    def set_adapter(self, config: dict | None, entries: list | None = None, verify: str | None = None) -> None:
         if config is not None and config.get("target_parameters"):
             raise UsageError("SGLang loads expert adapters one per expert (lora/mem_pool.py:1000 experts.E.*): "
                              "expected HFExporter(..., lora_experts='per_expert'), found PEFT's stacked form")
@@ -429,7 +436,7 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
             # (tokenizer_control_mixin.py:646 wait_for_unload) while the engine is paused: it would never end
             raise UsageError("an adapter-only sync into SGLang replaces the adapter while the engine is paused: "
                              "expected pause_mode='abort' (retracted requests hold the old adapter)")
-        super().set_adapter(config, entries)
+        super().set_adapter(config, entries, verify)
 
     def _finish_adapter(self) -> None:
         """Every rank of the engine group serializes the whole adapter (its own copy, on its GPU) for its engine TP
@@ -446,8 +453,12 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
 
             def payload():
                 return serialize({n: t for b in kept for n, t in b}, output_str=self.http)
+        def expected() -> dict[str, str] | None:  # SGLang's own digest: sha256 of the tensor's bytes (tp_worker.py:240)
+            return {n: hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+                    .hexdigest() for b in kept for n, t in b} if self._adapter_verify else None
+
         # every rank of the group takes part; the first calls the engine only if nothing failed on it
-        self._group_call(payload, lambda p: self._load_adapter(self._engines[0], p, load_format),
+        self._group_call(payload, lambda p: self._load_adapter(self._engines[0], p, load_format, expected()),
                          f"LoRA adapter {self.lora_name!r}")
 
     def _payload(self, bucket: Bucket):
@@ -491,12 +502,12 @@ class SGLangDistributedSender(_SGLangMixin, BroadcastSender):
         except EngineError as e:
             self._fail(str(e))
 
-    def set_adapter(self, config: dict | None, entries: list | None = None) -> None:
+    def set_adapter(self, config: dict | None, entries: list | None = None, verify: str | None = None) -> None:
         if config is not None:
             raise UsageError("an adapter-only sync into SGLang goes through /load_lora_adapter_from_tensors, whose "
                              "tensors are shared in memory with the engine's ranks: expected SGLangColocatedSender "
                              "(the distributed sender broadcasts weights only)")
-        super().set_adapter(config, entries)
+        super().set_adapter(config, entries, verify)
 
     def _init_calls(self, offsets: list[int]) -> list[tuple]:
         self._group_on_engines = self.group_name

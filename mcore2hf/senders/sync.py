@@ -71,7 +71,10 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
     that name at the end (SGLang >= 0.5.20 `/load_lora_adapter_from_tensors`, vLLM `/v1/load_lora_adapter` with
     `load_inplace`), with the same version and failure rules; an engine that cannot load adapters is refused
     (UnsupportedEngine on every rank) before anything is paused. The first sync may be the base weights (any other
-    exporter), later ones the adapter: the choice is which exporter is passed."""
+    exporter), later ones the adapter: the choice is which exporter is passed.
+    `verify="checksum"` with an adapter-only sync into SGLang sends every adapter tensor's sha256
+    (`expected_checksums`): each engine TP rank checks what it received before it loads it (a difference raises in
+    its scheduler, which stops that SGLang server: the sync fails); other engines refuse `verify` for adapters."""
     mode = check_mode(verify)
     if mode is not None and not hasattr(sender, "set_verify"):
         raise UsageError(f"verify={mode!r}: expected an SGLang or vLLM engine sender (the engines' weight checkers), "
@@ -85,14 +88,12 @@ def sync(exporter, sender, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pause: b
         raise UsageError(f"an adapter-only sync (HFExporter(lora='adapter')): expected an SGLang or vLLM engine "
                          f"sender built with lora_name=..., found {type(sender).__name__} (save_pretrained writes "
                          "a PEFT directory)")
-    if adapter and mode is not None:
-        raise UsageError(f"verify={mode!r} checks the engines' base weights: expected verify=None with an adapter-only "
-                         "sync")
-    if hasattr(sender, "set_verify"):
-        sender.set_verify(mode)
+    if hasattr(sender, "set_verify"):  # an adapter-only sync checks the adapter (set_adapter), not the base weights
+        sender.set_verify(None if adapter else mode)
     if hasattr(sender, "set_adapter"):  # collective (the adapter's plan) on every rank, before any engine call
         sender.set_adapter(exporter.adapter_config(bucket_bytes, name_filter) if adapter else None,
-                           list(exporter.plan(bucket_bytes, name_filter).hf_entries()) if adapter else None)
+                           list(exporter.plan(bucket_bytes, name_filter).hf_entries()) if adapter else None,
+                           verify=mode if adapter else None)
     version = getattr(sender, "version", 0) + 1
     ranks = sender.engine_ranks() if getattr(sender, "engine_sharding", False) else None
     engine_exec = None

@@ -535,6 +535,7 @@ class _Rank:
                            flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle,
                            scheduler=scheduler, **extra)
         self.lora = _LoRASide(rank, tp_size, worker, ps) if os.environ.get(_HF_CONFIG) else None
+        self.lora_checked = 0  # adapter loads that carried expected_checksums and passed the release's check
 
     @staticmethod
     def _before_0_5_20(rank: int, group, model, scheduler):
@@ -561,7 +562,8 @@ class _Rank:
         lora = getattr(self, "lora", None)
         return {"weights": self.model.digests(how or "sha256"), "session": getattr(self.manager, "_session", None) is not None,
                 "groups": sorted(self.groups), "engine_paused": s._engine_paused, "queued": len(s.waiting_queue),
-                "flushes": s.tree_cache.resets, "loras": lora.state() if lora else {}}
+                "flushes": s.tree_cache.resets, "loras": lora.state() if lora else {},
+                "lora_checked": self.lora_checked}
 
     def handle(self, method: str, req) -> tuple[bool, object]:
         """Run one request; an exception escapes (the scheduler process then fails as SGLang's does)."""
@@ -587,7 +589,9 @@ class _Rank:
             return True, ""
         s = self.scheduler
         if method in ("load_lora_adapter_from_tensors", "unload_lora_adapter"):
-            out = getattr(self.lora, method)(req)
+            out = getattr(self.lora, method)(req)  # the release checks expected_checksums first (raises if any differ)
+            if getattr(req, "expected_checksums", None) is not None and out.success:
+                self.lora_checked += 1
             return bool(out.success), out
         target = {"pause_generation": s.pause_generation, "continue_generation": s.continue_generation,
                   "abort_request": s.abort_request, "flush_cache": self.flush}.get(method)
