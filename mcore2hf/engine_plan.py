@@ -2,7 +2,7 @@
 the regions it loads, built from the Megatron shards where they are held. Routes are computed once from the
 `ExportPlan` (same buckets, same order), with no communication, identically on every rank: each layout op's
 pieces (`layouts.pieces`) clipped to every engine rank's regions (`engine_shards`), each routed by the one
-least-loaded-holder rule (`transfer.routes`), with a build-time check that every slice is tiled exactly once.
+least-loaded-holder rule (`routes`), with a build-time check that every slice is tiled exactly once.
 The per-rank programs (`transfer.builders.engine_program`) and their executor (`transfer.engine`) run it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .errors import problem_list
 from .layouts import Piece, pieces
 from .mapping import ModelDims
 from .plan import ExportPlan
-from .transfer.routes import LeastLoaded
+from .routes import LeastLoaded
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def plan_engine_shards(export: ExportPlan, ranks: list[EngineRank], dims: ModelD
                                f"(mcore2hf.engine_shards.KINDS; a vision tower's are not covered: export it with "
                                f"buckets() or exclude it with a name filter): " + problem_list(unknown, groups=8))
     piece_cache: dict = {}
-    loads = LeastLoaded()  # the one route rule (transfer/routes.py), shared with the receivers export
+    loads = LeastLoaded()  # the one route rule (routes.py), shared with the receivers export
     all_routes, all_outputs = [], []
     for b in export.buckets:
         routes: list[Route] = []

@@ -1,7 +1,7 @@
 """Program builders: the plan's buckets as per-rank programs (`program`), built once, identically reasoned on
 every rank (no communication): the all-ranks export (collectives), the chosen-receivers export (one point-to-point
 round) and the engine-shard export (one point-to-point round of pieces clipped to engine regions). The two
-point-to-point builders route with the one rule of `routes`."""
+point-to-point builders take their routes from the planner (`mcore2hf.routes`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import replace
 from ..engine_plan import EngineShardPlan
 from ..parallel import Axis, ParallelContext
 from ..plan import BucketPlan, ExportPlan, Source, align
+from ..routes import receiver_routes
 from .program import LOCAL, OUT, EngineProgram, Item, Loc, P2PRound, Program, Stage
-from .routes import LeastLoaded
 
 
 def _my_sources(b: BucketPlan, ctx: ParallelContext) -> list[Source]:
@@ -106,23 +106,10 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext, shared: dict | None =
 def receivers_program(b: BucketPlan, ctx: ParallelContext, receivers: tuple[int, ...]) -> Program:
     me = ctx.rank
     prog = Program(b, receive=me in receivers)
-    loads = LeastLoaded()
-    # (sender, receiver) -> [(source, shard)]; the sender of each shard balances the bytes sent per rank
-    routes: dict[tuple[int, int], list[tuple[Source, int]]] = {}
-    offsets: dict[str, list] = {}
-    for s in b.sources:
-        offs: list = [None] * s.count
-        for i in range(s.count):
-            holders = s.holders[i]
-            need = [r for r in receivers if r not in holders]
-            if me in receivers and me in holders:
-                offs[i] = LOCAL
-            if not need:
-                continue
-            sender = loads.sender(holders, s.shard_nbytes * len(need))  # one sender for every receiver in need
-            for r in need:
-                routes.setdefault((sender, r), []).append((s, i))
-        offsets[s.name] = offs
+    routes = receiver_routes(b.sources, receivers)  # the planner's decision; this builds this rank's round
+    offsets: dict[str, list] = {
+        s.name: [LOCAL if me in receivers and me in s.holders[i] else None for i in range(s.count)]
+        for s in b.sources}
     sends: dict[int, list] = {}
     send_bytes: dict[int, int] = {}
     for (p, r), items in routes.items():
