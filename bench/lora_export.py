@@ -1,0 +1,95 @@
+"""LoRA exports against the plain export, in one run (issue 25's bench): a Qwen3-30B-A3B-shaped model with
+Megatron-Bridge LoRA (rank 32) on every attention linear and every expert linear, its adapters random.
+
+    python bench/lora_export.py --layers 12                       # on a lent GPU (one rank, NCCL)
+    python bench/lora_export.py --cpu --layers 2 --experts 4 --hidden 256 --heads 4 --moe-ffn 64 --vocab 1024
+
+Rows: the plain export of the base weights (`lora="base"`: what a full sync sends), the adapter-only export
+(`lora="adapter"`: what an adapter sync sends), the merged export (`lora="merged"`: W + alpha/r B A on the
+shards), and a device copy of the base export's bytes (the floor). Bytes and best-of-`--repeat` seconds, ratios
+against the plain export. Bridge's LoRA needs megatron-core < 0.17 (Megatron-Bridge 0.3.1, the release the tests
+pin: tests/harness/bridge_lora.py): on the GPU machine carry megatron-core 0.16.1's cp312 wheel and the unpacked
+Bridge files (MCORE2HF_WHEEL_CACHE)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from export_speed import consume, copy_floor, hf_config, random_model, sync, timed  # noqa: E402
+
+#: what the issue asks: every attention linear and every expert linear (Bridge's target names)
+TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+def job(a) -> dict:
+    import torch
+    from harness.bridge_lora import apply_lora
+
+    from mcore2hf import HFExporter
+
+    device = torch.device("cpu") if a.cpu else torch.device("cuda", torch.cuda.current_device())
+    cfg, chunks = random_model("qwen3_moe", hf_config(a), 1, device)
+    apply_lora(a.bridge, chunks, TARGETS, a.rank, 2 * a.rank)
+    g = torch.Generator(device=device).manual_seed(7)
+    with torch.no_grad():  # Bridge initializes B to zero: random factors, so the merge does real work
+        for c in chunks:
+            for n, p in c.named_parameters():
+                if ".adapter." in n:
+                    p.normal_(0, 0.02, generator=g)
+    sync(device)
+    bb = int(a.bucket_mb * 2**20)
+    rows = {}
+    for mode in ("base", "adapter", "merged"):
+        ex = HFExporter(chunks, cfg, lora=mode)
+        consume(ex.buckets(bb))  # plan + compile
+        best = min(timed(lambda ex=ex: consume(ex.buckets(bb)), device)[0] for _ in range(a.repeat))
+        rows[mode] = (ex.plan(bb).total_bytes, best, len(ex.plan(bb).hf_entries()))
+        if mode == "base":
+            rows["floor"] = (rows["base"][0], copy_floor(ex, device)[0], 0)
+        ex.release()
+        del ex
+    return {"rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--moe-ffn", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--bucket-mb", type=float, default=512)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--cpu", action="store_true")
+    a = ap.parse_args()
+    a.arch = "qwen3_moe"
+    from harness.bridge_lora import bridge_root
+
+    from mcore2hf.runtime.world import Layout, run_world
+
+    a.bridge = bridge_root()
+    r = run_world(job, Layout(), a, backend="gloo" if a.cpu else "nccl", timeout=3000)[0]["rows"]
+    c = hf_config(a)
+    print(f"\nqwen3_moe (Qwen3-30B-A3B shapes) {c['num_hidden_layers']} layers x {c['num_experts']} experts, "
+          f"hidden {c['hidden_size']}; Bridge LoRA r={a.rank} on {', '.join(TARGETS)} (attention and every expert); "
+          f"TP 1, {'CPU/gloo' if a.cpu else 'GPU'}")
+    base = r["base"][1]
+    print(f"{'export':34s} {'HF tensors':>10s} {'GB':>9s} {'seconds':>9s} {'vs base':>8s}")
+    names = {"base": 'plain (lora="base")', "adapter": 'adapter only (lora="adapter")',
+             "merged": 'merged (lora="merged")', "floor": "device copy of the base bytes"}
+    for k in ("base", "adapter", "merged", "floor"):
+        nbytes, s, n = r[k]
+        print(f"{names[k]:34s} {n or '':>10} {nbytes / 1e9:9.3f} {s:9.4f} {s / base:7.2f}x")
+    print(f"adapter bytes / base bytes: {r['adapter'][0] / r['base'][0]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
