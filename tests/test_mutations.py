@@ -44,8 +44,8 @@ MUTATIONS = [
          "parts = [q.reshape(gl, hpg * d, *rest), v.reshape(gl, d, *rest), k.reshape(gl, d, *rest)]")),
         ("test_layouts.py", WORLD_TP1), "qwen3"),
     Mutation("expert-rank-order", "mcore2hf/naming.py", (  # EP ranks' experts numbered in reverse
-        ("canon = canonical_name(name, chunk, ctx.ep.rank, num_local,",
-         "canon = canonical_name(name, chunk, ctx.ep.size - 1 - ctx.ep.rank, num_local,"),),
+        ("canon = canonical_name(name[len(inner):], lm, ctx.ep.rank, num_local,",
+         "canon = canonical_name(name[len(inner):], lm, ctx.ep.size - 1 - ctx.ep.rank, num_local,"),),
         (WORLD_EP2,), "qwen3_moe"),
     Mutation("vocab-padding-rows", "mcore2hf/layouts.py", (  # padding rows put first, and read as vocabulary
         ("return torch.cat([real, pad], dim=0)", "return torch.cat([pad, real], dim=0)"),
