@@ -3,7 +3,7 @@ converters/qwen3_5.py) with Qwen3-Next's MoE in every layer (router `mlp.gate`, 
 checkpoint format, `mlp.shared_expert` and its sigmoid `mlp.shared_expert_gate`), read in transformers 5.23.0
 models/qwen3_5_moe/modeling_qwen3_5_moe.py."""
 
-from mcore2hf.layouts import GatedQKV
+from mcore2hf.layouts_gdn import GatedQKV
 from mcore2hf.mapping import Converter
 from mcore2hf.registry import register
 

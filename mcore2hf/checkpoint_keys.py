@@ -42,7 +42,7 @@ import regex
 import torch
 
 from .errors import ConfigMismatchError, UsageError
-from .layouts import GDN_PARTS
+from .layouts_gdn import GDN_PARTS
 from .mapping import ModelDims
 from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout, canonical_layer_name, mtp_inner
 from .plan import natural_key

@@ -1,7 +1,7 @@
 """The engine-shard planner (issue 15, design: docs/engine_shard_planner.md): each engine rank receives exactly
 the regions it loads, built from the Megatron shards where they are held. Routes are computed once from the
 `ExportPlan` (same buckets, same order), with no communication, identically on every rank: each layout op's
-pieces (`layouts.pieces`) clipped to every engine rank's regions (`engine_shards`), each routed by the one
+pieces (`layout_pieces.pieces`) clipped to every engine rank's regions (`engine_shards`), each routed by the one
 least-loaded-holder rule (`routes`), with a build-time check that every slice is tiled exactly once.
 The per-rank programs (`transfer.builders.engine_program`) and their executor (`transfer.engine`) run it."""
 
@@ -15,7 +15,7 @@ import torch
 
 from .engine_shards import EngineRank, EngineShardError, clip, engine_regions, has_sharding_kind
 from .errors import problem_list
-from .layouts import Piece, pieces
+from .layout_pieces import Piece, pieces
 from .mapping import ModelDims
 from .plan import ExportPlan
 from .routes import LeastLoaded

@@ -64,7 +64,7 @@ import regex
 import torch
 
 from .errors import EngineShardError
-from .layouts import Piece
+from .layout_pieces import Piece
 from .mapping import ModelDims
 
 ENGINES = ("sglang", "vllm")

@@ -19,7 +19,6 @@ the round trip is a permutation, tested bit for bit for every shard count.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -35,7 +34,7 @@ def shape_of(x) -> Shape:
     return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x.get_shape())
 
 
-def _take(x, dim: int, start: int, stop: int) -> torch.Tensor:
+def take_range(x, dim: int, start: int, stop: int) -> torch.Tensor:
     """x[start:stop] along `dim` (0 or 1), for tensors and lazily read ones alike."""
     if dim == 0:
         return x[start:stop]
@@ -44,7 +43,7 @@ def _take(x, dim: int, start: int, stop: int) -> torch.Tensor:
     raise ValueError(f"slicing along dim {dim} is not supported")
 
 
-def _full(x) -> torch.Tensor:
+def materialized(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else x[:]
 
 
@@ -71,21 +70,16 @@ class StridedCopy:
         return tuple(step if st == S else st for st in self.src_strides), self.src_offset + self.src_shards * step
 
 
-def _numel(shape) -> int:
+def numel_of(shape) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
 
 
-def _check(cond: bool, what: str, expected, actual) -> None:
+def check_dim(cond: bool, what: str, expected, actual) -> None:
     if not cond:
         raise ShapeMismatchError(f"{what}: expected {expected}, got {actual}")
-
-
-#: megatron-core 0.16.1 gated_delta_net.py sharded_state_dict: in_proj saved as these parts (conv1d: the first
-#: three), each a whole component, in Megatron's TP-1 order
-GDN_PARTS = ("query", "key", "value", "z", "beta", "alpha")
 
 
 class LayoutOp:
@@ -173,10 +167,10 @@ class Replicated(LayoutOp):
         return [tuple(full_shape)]
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
-        return [StridedCopy(0, (_numel(shard_shape),), (1,), (1,))]
+        return [StridedCopy(0, (numel_of(shard_shape),), (1,), (1,))]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
-        return _full(hf[0])
+        return materialized(hf[0])
 
 
 class Concat(LayoutOp):
@@ -190,7 +184,7 @@ class Concat(LayoutOp):
         return [tuple(full_shape)]
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
-        n = _numel(shard_shape)
+        n = numel_of(shard_shape)
         if count == 1:
             return [StridedCopy(0, (n,), (1,), (1,))]
         if self.tp_dim == 0:  # shard i is rows [i*r, (i+1)*r)
@@ -200,7 +194,7 @@ class Concat(LayoutOp):
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         n = full_shape[self.tp_dim] // count
-        return _take(hf[0], self.tp_dim, index * n, (index + 1) * n)
+        return take_range(hf[0], self.tp_dim, index * n, (index + 1) * n)
 
 
 class Column(Concat):
@@ -230,12 +224,12 @@ class VocabRows(LayoutOp):
         return cls(dims.vocab_size)
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[0] >= self.vocab_size, "padded vocab rows >= HF vocab_size",
+        check_dim(full_shape[0] >= self.vocab_size, "padded vocab rows >= HF vocab_size",
                f">= {self.vocab_size}", full_shape[0])
         return [(self.vocab_size, *full_shape[1:])]
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
-        rows, rest = shard_shape[0], _numel(shard_shape[1:])
+        rows, rest = shard_shape[0], numel_of(shard_shape[1:])
         out = []
         for i in range(count):  # each shard's rows that are real vocabulary
             keep = min(rows, self.vocab_size - i * rows)
@@ -247,7 +241,7 @@ class VocabRows(LayoutOp):
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         rows = full_shape[0] // count
         start, stop = index * rows, (index + 1) * rows
-        real = _take(hf[0], 0, min(start, self.vocab_size), min(stop, self.vocab_size))
+        real = take_range(hf[0], 0, min(start, self.vocab_size), min(stop, self.vocab_size))
         if real.shape[0] == rows:
             return real
         pad = torch.zeros((rows - real.shape[0], *real.shape[1:]), dtype=real.dtype, device=real.device)
@@ -265,17 +259,17 @@ class GatedColumn(LayoutOp):
     n_out = 2
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[0] % 2 == 0, "GLU linear_fc1 rows (gate + up) even", "an even count", full_shape[0])
+        check_dim(full_shape[0] % 2 == 0, "GLU linear_fc1 rows (gate + up) even", "an even count", full_shape[0])
         half = (full_shape[0] // 2, *full_shape[1:])
         return [half, half]
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
-        block = shard_shape[0] // 2 * _numel(shard_shape[1:])  # gate_i, then up_i, in each shard
+        block = shard_shape[0] // 2 * numel_of(shard_shape[1:])  # gate_i, then up_i, in each shard
         return [StridedCopy(j, (count, block), (block, 1), (S, 1), src_offset=j * block) for j in (0, 1)]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         n = full_shape[0] // 2 // count
-        return torch.cat([_take(h, 0, index * n, (index + 1) * n) for h in hf], dim=0)
+        return torch.cat([take_range(h, 0, index * n, (index + 1) * n) for h in hf], dim=0)
 
 
 class QKV(LayoutOp):
@@ -310,7 +304,7 @@ class QKV(LayoutOp):
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         g, d, hpg = self.num_groups, self.head_dim, self._hpg
-        _check(full_shape[0] == g * (hpg + 2) * d,
+        check_dim(full_shape[0] == g * (hpg + 2) * d,
                f"linear_qkv rows = groups*(heads_per_group+2)*head_dim ({g}*({hpg}+2)*{d})",
                g * (hpg + 2) * d, full_shape[0])
         rest = tuple(full_shape[1:])
@@ -320,7 +314,7 @@ class QKV(LayoutOp):
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
         hpg = self._hpg
-        d = self.head_dim * _numel(shard_shape[1:])  # one head's elements
+        d = self.head_dim * numel_of(shard_shape[1:])  # one head's elements
         gl = shard_shape[0] // ((hpg + 2) * self.head_dim)  # query groups per shard
         block = (hpg + 2) * d  # one group: [q heads; k; v]
         spans = [(0, hpg * d), (hpg * d, d), ((hpg + 1) * d, d)]
@@ -338,9 +332,9 @@ class QKV(LayoutOp):
         (qh, q0), (kh, k0), (vh, v0) = ([(hf[0], 0), (hf[0], self.num_heads * d),
                                          (hf[0], (self.num_heads + self.num_groups) * d)] if self.fused
                                         else [(h, 0) for h in hf])
-        q = _take(qh, 0, q0 + g0 * hpg * d, q0 + g1 * hpg * d)
-        k = _take(kh, 0, k0 + g0 * d, k0 + g1 * d)
-        v = _take(vh, 0, v0 + g0 * d, v0 + g1 * d)
+        q = take_range(qh, 0, q0 + g0 * hpg * d, q0 + g1 * hpg * d)
+        k = take_range(kh, 0, k0 + g0 * d, k0 + g1 * d)
+        v = take_range(vh, 0, v0 + g0 * d, v0 + g1 * d)
         rest = tuple(q.shape[1:])
         parts = [q.reshape(gl, hpg * d, *rest), k.reshape(gl, d, *rest), v.reshape(gl, d, *rest)]
         return torch.cat(parts, dim=1).reshape(gl * (hpg + 2) * d, *rest)
@@ -364,12 +358,12 @@ class WholeOrSplit(Concat):
     def split(self, shard_shape: Shape, group: int) -> tuple[int, int | None]:
         if group == 1 or shard_shape[self.tp_dim] == self.size:
             return 1, None
-        _check(shard_shape[self.tp_dim] * group == self.size, f"dim {self.tp_dim} of {self.size} split over "
+        check_dim(shard_shape[self.tp_dim] * group == self.size, f"dim {self.tp_dim} of {self.size} split over "
                f"{group} TP ranks", self.size // group, shard_shape[self.tp_dim])
         return group, self.tp_dim
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[self.tp_dim] == self.size, f"dim {self.tp_dim} size", self.size, full_shape[self.tp_dim])
+        check_dim(full_shape[self.tp_dim] == self.size, f"dim {self.tp_dim} size", self.size, full_shape[self.tp_dim])
         return [tuple(full_shape)]
 
 
@@ -417,13 +411,13 @@ class IndexerRope(LayoutOp):
         self.head_dim, self.rope_dim, self.interleave = head_dim, rope_dim, interleave
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[0] % self.head_dim == 0, "indexer rows: whole heads of index_head_dim", self.head_dim,
+        check_dim(full_shape[0] % self.head_dim == 0, "indexer rows: whole heads of index_head_dim", self.head_dim,
                full_shape[0])
         return [tuple(full_shape)]
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
         d, r = self.head_dim, self.rope_dim
-        c = _numel(shard_shape[1:])  # elements per row
+        c = numel_of(shard_shape[1:])  # elements per row
         nb = shard_shape[0] // d
         out = [StridedCopy(0, (nb, (d - r) * c), (d * c, 1), (d * c, 1), dst_offset=r * c)]  # pass rows
         if not self.interleave:
@@ -434,7 +428,7 @@ class IndexerRope(LayoutOp):
         return out
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
-        x = _full(hf[0])
+        x = materialized(hf[0])
         d, r, rest = self.head_dim, self.rope_dim, tuple(x.shape[1:])
         x = x.reshape(-1, d, *rest)
         rope, rest_rows = x[:, :r], x[:, r:]
@@ -455,7 +449,7 @@ class GatedInterleaved(LayoutOp):
     strides = (1, 2)
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[0] % 2 == 0, "GLU linear_fc1 rows (gate + up) even", "an even count", full_shape[0])
+        check_dim(full_shape[0] % 2 == 0, "GLU linear_fc1 rows (gate + up) even", "an even count", full_shape[0])
         return [tuple(reversed(full_shape))]
 
     def full_shape(self, hf_shapes: list[Shape]) -> Shape:
@@ -473,7 +467,7 @@ class GatedInterleaved(LayoutOp):
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         f = full_shape[0] // 2 // count
         dim = len(full_shape) - 1  # the interleaved dim of the HF tensor
-        part = _take(hf[0], dim, 2 * index * f, 2 * (index + 1) * f)  # [.., 2f]: gate_i / up_i interleaved
+        part = take_range(hf[0], dim, 2 * index * f, 2 * (index + 1) * f)  # [.., 2f]: gate_i / up_i interleaved
         gate, up = (part[..., j::2] for j in (0, 1))
         return torch.cat([gate.t(), up.t()] if dim else [gate, up], dim=0).contiguous()
 
@@ -491,7 +485,7 @@ class GatedTransposed(LayoutOp):
     strides = (1, 2)
 
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(len(full_shape) == 2 and full_shape[0] % 2 == 0, "GLU linear_fc1 weight [gate + up, hidden]",
+        check_dim(len(full_shape) == 2 and full_shape[0] % 2 == 0, "GLU linear_fc1 weight [gate + up, hidden]",
                "2-D with even rows", list(full_shape))
         return [tuple(reversed(full_shape))]
 
@@ -507,8 +501,8 @@ class GatedTransposed(LayoutOp):
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         big = full_shape[0] // 2  # gate (and up) columns of the HF tensor
         f = big // count
-        gate = _take(hf[0], 1, index * f, (index + 1) * f)
-        up = _take(hf[0], 1, big + index * f, big + (index + 1) * f)
+        gate = take_range(hf[0], 1, index * f, (index + 1) * f)
+        up = take_range(hf[0], 1, big + index * f, big + (index + 1) * f)
         return torch.cat([gate.t(), up.t()], dim=0).contiguous()
 
 
@@ -530,7 +524,7 @@ class RowTransposed(LayoutOp):
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         c = full_shape[1] // count
-        return _take(hf[0], 0, index * c, (index + 1) * c).t().contiguous()
+        return take_range(hf[0], 0, index * c, (index + 1) * c).t().contiguous()
 
 
 class _Part:
@@ -576,7 +570,7 @@ class Stacked(LayoutOp):
 
     def copies(self, shard_shape, count) -> list[StridedCopy]:
         full = full_shape_of_shard(shard_shape, self.tp_dim, count)
-        items = [_numel(s) for s in self.inner.hf_shapes(full)]
+        items = [numel_of(s) for s in self.inner.hf_shapes(full)]
         return [replace(c, dst_offset=c.dst_offset + self.index * items[c.out])
                 for c in self.inner.copies(shard_shape, count)]
 
@@ -599,7 +593,7 @@ class _Rows:
 
     def __getitem__(self, key) -> torch.Tensor:
         n = shape_of(self.x)[0] // self.count
-        return _full(self.x)[self.index * n:(self.index + 1) * n][key]
+        return materialized(self.x)[self.index * n:(self.index + 1) * n][key]
 
 
 class _Cols:
@@ -613,7 +607,7 @@ class _Cols:
         return [rows, cols // self.count]
 
     def __getitem__(self, key) -> torch.Tensor:
-        return _full(self.x)[:, self.index::self.count][key]
+        return materialized(self.x)[:, self.index::self.count][key]
 
 
 class StackedRows(Stacked):
@@ -641,7 +635,7 @@ class StackedCols(Stacked):
     def hf_shapes(self, full_shape: Shape) -> list[Shape]:
         out = []
         for s in self.inner.hf_shapes(full_shape):
-            _check(len(s) == 2, "a column-stacked item", "2-D", s)
+            check_dim(len(s) == 2, "a column-stacked item", "2-D", s)
             out.append((s[0], s[1] * self.count))
         return out
 
@@ -683,13 +677,13 @@ class Fused(LayoutOp):
         starts, n = [], 0
         for s in self.inner.hf_shapes(full):
             starts.append(n)
-            n += _numel(s)
+            n += numel_of(s)
         return [replace(c, out=0, dst_offset=c.dst_offset + starts[c.out]) for c in self.inner.copies(shard_shape, count)]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
         parts, start = [], 0
         for s in self.inner.hf_shapes(full_shape):
-            parts.append(_take(hf[0], 0, start, start + s[0]))
+            parts.append(take_range(hf[0], 0, start, start + s[0]))
             start += s[0]
         return self.inner.shard_from_hf(parts, index, count, full_shape)
 
@@ -713,295 +707,4 @@ class ZeroCentered(Replicated):
         return [replace(c, add=1.0) for c in super().copies(shard_shape, count)]
 
     def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
-        return _full(hf[0]) - 1
-
-
-class GatedQKV(QKV):
-    """`linear_qkv` of gated attention (`attention_output_gate`) -> q_proj (query and gate), k_proj, v_proj.
-
-    Megatron packs each query group as [q (hpg heads); gate (hpg heads); k; v] (megatron-core 0.16.1
-    transformer/attention.py get_query_key_value_tensors, output_gate); HF's q_proj holds [q_h; gate_h] per head
-    (transformers 5.23 modeling_qwen3_next.py Qwen3NextAttention: view(..., heads, 2 * head_dim).chunk(2)).
-    TP splits whole groups."""
-
-    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        g, d, hpg = self.num_groups, self.head_dim, self._hpg
-        _check(full_shape[0] == g * (2 * hpg + 2) * d,
-               f"gated linear_qkv rows = groups*(2*heads_per_group+2)*head_dim ({g}*(2*{hpg}+2)*{d})",
-               g * (2 * hpg + 2) * d, full_shape[0])
-        rest = tuple(full_shape[1:])
-        return [(2 * self.num_heads * d, *rest), (g * d, *rest), (g * d, *rest)]
-
-    def copies(self, shard_shape, count) -> list[StridedCopy]:
-        hpg = self._hpg
-        d = self.head_dim * _numel(shard_shape[1:])  # one head's elements
-        gl = shard_shape[0] // ((2 * hpg + 2) * self.head_dim)  # query groups per shard
-        block = (2 * hpg + 2) * d
-        q = [StridedCopy(0, (count, gl, hpg, d), (gl * hpg * 2 * d, hpg * 2 * d, 2 * d, 1), (S, block, d, 1),
-                         dst_offset=j * d, src_offset=j * hpg * d) for j in (0, 1)]  # query, then gate
-        return q + [StridedCopy(j, (count, gl, d), (gl * d, d, 1), (S, block, 1), src_offset=(2 * hpg + j - 1) * d)
-                    for j in (1, 2)]
-
-    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
-        d, hpg = self.head_dim, self._hpg
-        gl = self.num_groups // count
-        g0, g1 = index * gl, (index + 1) * gl
-        qg = _take(hf[0], 0, g0 * hpg * 2 * d, g1 * hpg * 2 * d)
-        rest = tuple(qg.shape[1:])
-        qg = qg.reshape(gl, hpg, 2, d, *rest)
-        parts = [qg[:, :, 0].reshape(gl, hpg * d, *rest), qg[:, :, 1].reshape(gl, hpg * d, *rest),
-                 _take(hf[1], 0, g0 * d, g1 * d).reshape(gl, d, *rest),
-                 _take(hf[2], 0, g0 * d, g1 * d).reshape(gl, d, *rest)]
-        return torch.cat(parts, dim=1).reshape(gl * (2 * hpg + 2) * d, *rest)
-
-
-class GDNInProj(LayoutOp):
-    """Gated DeltaNet `in_proj` -> HF `in_proj_qkvz` and `in_proj_ba`.
-
-    Megatron (megatron-core 0.16.1 ssm/gated_delta_net.py): TP shard i is [q_i; k_i; v_i; z_i; b_i; a_i], each
-    component's rows of the shard's key heads (q, k: nk/tp heads of dk) and value heads (v, z: nv/tp heads of dv;
-    b, a: one row per value head). HF (transformers 5.23 modeling_qwen3_next.py fix_query_key_value_ordering)
-    groups by key head: in_proj_qkvz is [q_h (dk); k_h (dk); v_h (r*dv); z_h (r*dv)] per key head h, in_proj_ba
-    [b_h (r); a_h (r)], r = nv / nk value heads per key head (Megatron's repeat_interleave pairs the same)."""
-
-    tp_dim = 0
-    n_out = 2
-
-    def __init__(self, num_key_heads: int, num_value_heads: int, key_head_dim: int, value_head_dim: int):
-        if num_value_heads % num_key_heads:
-            raise ShapeMismatchError(f"linear_num_value_heads {num_value_heads} is not a multiple of "
-                                     f"linear_num_key_heads {num_key_heads}")
-        self.nk, self.nv, self.dk, self.dv = num_key_heads, num_value_heads, key_head_dim, value_head_dim
-
-    @classmethod
-    def from_dims(cls, dims) -> GDNInProj:
-        return cls(dims.linear_num_key_heads, dims.linear_num_value_heads, dims.linear_key_head_dim,
-                   dims.linear_value_head_dim)
-
-    @property
-    def _r(self) -> int:
-        return self.nv // self.nk
-
-    def checkpoint_parts(self) -> list[tuple[str, int]]:
-        """(key suffix, rows) of the parts megatron-core saves it as (gated_delta_net.py sharded_state_dict,
-        `_split_tensor_factory`): each a whole component, rows in Megatron's TP-1 order."""
-        qk, vz = self.nk * self.dk, self.nv * self.dv
-        return list(zip(GDN_PARTS, (qk, qk, vz, vz, self.nv, self.nv)))
-
-    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        qkvz = 2 * self.nk * self.dk + 2 * self.nv * self.dv
-        _check(full_shape[0] == qkvz + 2 * self.nv,
-               f"GDN in_proj rows = 2*nk*dk + 2*nv*dv + 2*nv (2*{self.nk}*{self.dk} + 2*{self.nv}*{self.dv} + "
-               f"2*{self.nv})", qkvz + 2 * self.nv, full_shape[0])
-        rest = tuple(full_shape[1:])
-        return [(qkvz, *rest), (2 * self.nv, *rest)]
-
-    def copies(self, shard_shape, count) -> list[StridedCopy]:
-        c, r, dk, dv = _numel(shard_shape[1:]), self._r, self.dk, self.dv
-        nk, nv = self.nk // count, self.nv // count  # key / value heads per shard
-        w, wb = (2 * dk + 2 * r * dv) * c, 2 * r * c  # one key head's elements in qkvz / ba
-        qk, vz = (nk, dk * c), (nk, r * dv * c)
-        out = []
-        # (output, per-key-head size, destination offset in the head, source offset in the shard)
-        for o, (heads, n), dst, src in (
-                (0, qk, 0, 0), (0, qk, dk * c, nk * dk * c),
-                (0, vz, 2 * dk * c, 2 * nk * dk * c), (0, vz, (2 * dk + r * dv) * c, (2 * nk * dk + nv * dv) * c),
-                (1, (nk, r * c), 0, 2 * (nk * dk + nv * dv) * c), (1, (nk, r * c), r * c, (2 * nk * dk + 2 * nv * dv + nv) * c)):
-            step = w if o == 0 else wb
-            out.append(StridedCopy(o, (count, heads, n), (heads * step, step, 1), (S, n, 1), dst_offset=dst,
-                                   src_offset=src))
-        return out
-
-    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
-        r, dk, dv = self._r, self.dk, self.dv
-        nk = self.nk // count
-        hw = 2 * dk + 2 * r * dv
-        qkvz = _take(hf[0], 0, index * nk * hw, (index + 1) * nk * hw)
-        rest = tuple(qkvz.shape[1:])
-        qkvz = qkvz.reshape(nk, hw, *rest)
-        ba = _take(hf[1], 0, index * nk * 2 * r, (index + 1) * nk * 2 * r).reshape(nk, 2 * r, *rest)
-        cuts = [(qkvz, 0, dk), (qkvz, dk, 2 * dk), (qkvz, 2 * dk, 2 * dk + r * dv), (qkvz, 2 * dk + r * dv, hw),
-                (ba, 0, r), (ba, r, 2 * r)]
-        return torch.cat([t[:, a:b].reshape(-1, *rest) for t, a, b in cuts], dim=0)
-
-
-class ColumnParts(LayoutOp):
-    """A column-parallel tensor made of parts (full row counts `parts`), each split over TP on its own: shard i is
-    [part_0 rows of shard i; part_1 rows of shard i; ...]. HF output j holds the next `groups[j]` parts, whole
-    (default: one output [part_0; part_1; ...]). Gated DeltaNet (megatron-core 0.16.1 gated_delta_net.py): the
-    depthwise conv1d over [q; k; v] (its sharded_state_dict splits it the same way; HF `linear_attn.conv1d`),
-    and Qwen3.5's in_proj: the local output split as [q, k, v, z, b, a] is HF's in_proj_qkv = [q; k; v],
-    in_proj_z, in_proj_b, in_proj_a (transformers 5.23 modeling_qwen3_5.py Qwen3_5GatedDeltaNet)."""
-
-    tp_dim = 0
-
-    def __init__(self, parts: tuple[int, ...], names: tuple[str, ...] = (), groups: tuple[int, ...] | None = None):
-        self.parts, self.names = tuple(parts), tuple(names)
-        self.groups = (len(self.parts),) if groups is None else tuple(groups)
-        if sum(self.groups) != len(self.parts) or min(self.groups, default=0) < 1:
-            raise ShapeMismatchError(f"part groups {list(self.groups)}: expected positive counts summing to "
-                                     f"{len(self.parts)} (the parts {list(self.parts)})")
-        self.n_out = len(self.groups)
-        self._place = []  # per part: (output, first row in that output)
-        first = 0
-        for out, n in enumerate(self.groups):
-            row = 0
-            for rows in self.parts[first:first + n]:
-                self._place.append((out, row))
-                row += rows
-            first += n
-
-    @classmethod
-    def gdn_conv(cls, dims) -> ColumnParts:
-        qk = dims.linear_num_key_heads * dims.linear_key_head_dim
-        return cls((qk, qk, dims.linear_num_value_heads * dims.linear_value_head_dim), names=GDN_PARTS[:3])
-
-    def checkpoint_parts(self) -> list[tuple[str, int]]:
-        """(key suffix, rows) of the parts megatron-core saves (conv1d: query, key, value); none without names."""
-        return list(zip(self.names, self.parts))
-
-    @classmethod
-    def gdn_in_proj(cls, dims) -> ColumnParts:
-        """Qwen3.5's separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a."""
-        qk = dims.linear_num_key_heads * dims.linear_key_head_dim
-        v, nv = dims.linear_num_value_heads * dims.linear_value_head_dim, dims.linear_num_value_heads
-        # megatron-core saves in_proj under these part keys, as GDNInProj.checkpoint_parts
-        return cls((qk, qk, v, v, nv, nv), GDN_PARTS, groups=(3, 1, 1, 1))
-
-    def hf_shapes(self, full_shape: Shape) -> list[Shape]:
-        _check(full_shape[0] == sum(self.parts), f"rows of parts {self.parts}", sum(self.parts), full_shape[0])
-        rest, out, first = tuple(full_shape[1:]), [], 0
-        for n in self.groups:
-            out.append((sum(self.parts[first:first + n]), *rest))
-            first += n
-        return out
-
-    def copies(self, shard_shape, count) -> list[StridedCopy]:
-        c = _numel(shard_shape[1:])
-        out, src = [], 0
-        for rows, (o, row) in zip(self.parts, self._place, strict=True):
-            n = rows // count * c
-            out.append(StridedCopy(o, (count, n), (n, 1), (S, 1), dst_offset=row * c, src_offset=src))
-            src += n
-        return out
-
-    def shard_from_hf(self, hf, index, count, full_shape) -> torch.Tensor:
-        pieces = []
-        for rows, (o, row) in zip(self.parts, self._place, strict=True):
-            n = rows // count
-            pieces.append(_take(hf[o], 0, row + index * n, row + (index + 1) * n))
-        return torch.cat(pieces, dim=0)
-
-
-# ------------------------------------------------------------------------------------------------- pieces
-# What the engine-shard planner needs from an op: which elements of which HF output each shard supplies. Derived
-# from `copies()` alone, so every op (present and future) gets it for free.
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The elements one shard gives one HF output, per HF dim an arithmetic progression: HF coordinate
-    `start + i * step` for `i < count`, read from the shard (contiguous, flat) at `src_offset + sum(i_d *
-    src_strides[d])`. Every HF dim is listed (dims the piece spans whole have start 0, step 1, count = size)."""
-
-    out: int
-    shard: int
-    start: tuple[int, ...]
-    step: tuple[int, ...]
-    count: tuple[int, ...]
-    src_strides: tuple[int, ...]
-    src_offset: int
-    add: float = 0.0
-
-    @property
-    def numel(self) -> int:
-        return _numel(self.count)
-
-    def dst_view(self, shape: Shape) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        """(sizes, strides, offset) of the piece in the contiguous HF tensor of `shape`."""
-        h = row_strides(shape)
-        return (self.count, tuple(q * s for q, s in zip(self.step, h)),
-                sum(a * s for a, s in zip(self.start, h)))
-
-    def src_view(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        """(sizes, strides, offset) of the piece in its (contiguous) shard."""
-        return self.count, self.src_strides, self.src_offset
-
-
-def row_strides(shape: Shape) -> tuple[int, ...]:
-    """Element strides of a contiguous tensor of `shape`."""
-    out, s = [], 1
-    for d in reversed(shape):
-        out.append(s)
-        s *= d
-    return tuple(reversed(out))
-
-
-def _refine(size: int, dst: int, src, shape: Shape, h: tuple[int, ...]) -> list[tuple[int, int, object, int]]:
-    """One copy dim as dims (size, HF dim, src stride, dst step in that HF dim) that each stay in one HF dim:
-    ops move whole rows, so a dim running over several HF dims splits at the HF dims' sizes."""
-    d = next(i for i, s in enumerate(h) if s <= dst)
-    if dst % h[d]:
-        raise ShapeMismatchError(f"piece refinement: destination stride {dst} is not a multiple of HF stride {h[d]}")
-    q = dst // h[d]
-    if (size - 1) * q < shape[d] or size == 1:
-        return [(size, d, src, q)]
-    inner = shape[d] // q
-    if shape[d] % q or size % inner or d == 0 or src == S:
-        raise ShapeMismatchError(f"piece refinement: a copy dim of {size} x stride {dst} does not factor over the "
-                                 f"HF shape {shape}")
-    return _refine(size // inner, dst * inner, src * inner, shape, h) + [(inner, d, src, q)]
-
-
-def pieces(op: LayoutOp, shard_shape: Shape, count: int, hf_shapes: Sequence[Shape]) -> list[Piece]:
-    """The op's `copies` split per shard and per HF dim: pieces of all shards partition every HF output (and
-    executing them equals `to_hf`). Several copy dims on one HF dim (a QKV group's rows) are enumerated, all
-    but the innermost, so each piece is a product of one progression per HF dim."""
-    step = _numel(shard_shape)
-    out = []
-    for c in op.copies(tuple(shard_shape), count):
-        if 0 in c.sizes:
-            continue
-        shape = tuple(hf_shapes[c.out])
-        h = row_strides(shape)
-        dims = [r for n, dst, src in zip(c.sizes, c.dst_strides, c.src_strides) for r in _refine(n, dst, src, shape, h)]
-        base = list(divmod_coords(c.dst_offset, shape))
-        shard_dims = [i for i, r in enumerate(dims) if r[2] == S]
-        by_dim: dict[int, list[int]] = {}
-        for i, r in enumerate(dims):
-            if r[2] != S:
-                by_dim.setdefault(r[1], []).append(i)
-        # per HF dim keep the finest (last) copy dim as the progression, enumerate the others
-        finest = {d: min(ids, key=lambda i: dims[i][3]) for d, ids in by_dim.items()}
-        enum = shard_dims + [i for d, ids in by_dim.items() for i in ids if i != finest[d]]
-        keep = {i: d for d, i in finest.items()}
-        for idx in _product([dims[i][0] for i in enum]):
-            start, src_off = list(base), c.src_offset + c.src_shards * step
-            for i, j in zip(enum, idx):
-                n, d, src, q = dims[i]
-                start[d] += j * q
-                src_off += j * (step if src == S else src)
-            shard, local = divmod(src_off, step)
-            counts, steps, strides = [1] * len(shape), [1] * len(shape), [0] * len(shape)
-            for i, d in keep.items():
-                n, _, src, q = dims[i]
-                counts[d], steps[d], strides[d] = n, q, src
-            last = local + sum((n - 1) * st for n, st in zip(counts, strides))
-            if not (local >= 0 and last < step and all(a + (n - 1) * q < s for a, n, q, s
-                                                       in zip(start, counts, steps, shape))):
-                raise ShapeMismatchError(f"piece of {type(op).__name__}: leaves its shard or HF tensor {shape}")
-            out.append(Piece(c.out, shard, tuple(start), tuple(steps), tuple(counts), tuple(strides), local, c.add))
-    return out
-
-
-def divmod_coords(offset: int, shape: Shape) -> tuple[int, ...]:
-    """Row-major coordinates of the flat element `offset` of a contiguous tensor of `shape`."""
-    coords = []
-    for s in reversed(shape):
-        offset, r = divmod(offset, s)
-        coords.append(r)
-    return tuple(reversed(coords))
-
-
-def _product(sizes: list[int]):
-    return itertools.product(*(range(n) for n in sizes))
+        return materialized(hf[0]) - 1

@@ -22,7 +22,7 @@ from mcore2hf.checkpoint_keys import (
     split_part,
 )
 from mcore2hf.errors import ConfigMismatchError, UsageError
-from mcore2hf.layouts import GDN_PARTS
+from mcore2hf.layouts_gdn import GDN_PARTS
 from mcore2hf.naming import HybridLayout
 from mcore2hf.registry import get_model_spec
 from mcore2hf.runtime.tiny import tiny_config

@@ -1,4 +1,4 @@
-"""Engine-shard planning (issue 15, design NOTES-shard15b.md section 3): `layouts.pieces` (which elements of
+"""Engine-shard planning (issue 15, design NOTES-shard15b.md section 3): `layout_pieces.pieces` (which elements of
 which HF output each Megatron shard supplies, derived from every op's `copies()`) and `engine_shards.clip`
 (a piece cut to an engine rank's region). Pure tests on every registered architecture's tiny config."""
 
@@ -12,7 +12,8 @@ import torch
 from mcore2hf.engine_shards import EnginePlacement, EngineShardError, clip, engine_regions, region_slices
 from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.importer import _full_shape, megatron_names
-from mcore2hf.layouts import QKV, Column, GatedInterleaved, Piece, RowTransposed, Stacked, VocabRows, pieces
+from mcore2hf.layout_pieces import Piece, pieces
+from mcore2hf.layouts import QKV, Column, GatedInterleaved, RowTransposed, Stacked, VocabRows
 from mcore2hf.runtime.world import Layout, run_world
 
 COUNTS = (1, 2, 4)

@@ -9,12 +9,9 @@ from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.layouts import (
     QKV,
     Column,
-    ColumnParts,
     GatedColumn,
     GatedInterleaved,
-    GatedQKV,
     GatedTransposed,
-    GDNInProj,
     IndexerRope,
     Replicated,
     Row,
@@ -23,6 +20,7 @@ from mcore2hf.layouts import (
     VocabRows,
     ZeroCentered,
 )
+from mcore2hf.layouts_gdn import ColumnParts, GatedQKV, GDNInProj
 
 g = torch.Generator().manual_seed(0)
 

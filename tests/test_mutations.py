@@ -59,8 +59,8 @@ MUTATIONS = [
     Mutation("glu-half-order", "mcore2hf/layouts.py", (  # gate and up swapped in fc1, in export and load alike
         ("return [StridedCopy(j, (count, block), (block, 1), (S, 1), src_offset=j * block) for j in (0, 1)]",
          "return [StridedCopy(j, (count, block), (block, 1), (S, 1), src_offset=(1 - j) * block) for j in (0, 1)]"),
-        ("return torch.cat([_take(h, 0, index * n, (index + 1) * n) for h in hf], dim=0)",
-         "return torch.cat([_take(h, 0, index * n, (index + 1) * n) for h in hf[::-1]], dim=0)")),
+        ("return torch.cat([take_range(h, 0, index * n, (index + 1) * n) for h in hf], dim=0)",
+         "return torch.cat([take_range(h, 0, index * n, (index + 1) * n) for h in hf[::-1]], dim=0)")),
         ("test_layouts.py", WORLD_TP1), "qwen3"),
     Mutation("mla-latent-norm-eps", "model_specs/deepseek_v3.py", (
         ("MLA_LATENT_NORM_EPS = 1e-6", "MLA_LATENT_NORM_EPS = 1e-5"),),

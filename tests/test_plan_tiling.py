@@ -4,7 +4,7 @@ dim that must find an overlapping pair exactly when the pairwise scan does."""
 import random
 
 from mcore2hf.engine_plan import _first_overlap, _meet
-from mcore2hf.layouts import Piece
+from mcore2hf.layout_pieces import Piece
 
 
 def _pairwise(ps):

@@ -16,7 +16,7 @@ from test_senders import make_bucket
 import mcore2hf.senders.safetensors as st
 from mcore2hf.errors import Mcore2HFError, ShapeMismatchError
 from mcore2hf.hf_config import config_source
-from mcore2hf.layouts import ColumnParts
+from mcore2hf.layouts_gdn import ColumnParts
 from mcore2hf.offline import export_checkpoint
 from mcore2hf.registry import get_converter
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config

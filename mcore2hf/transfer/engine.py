@@ -12,7 +12,7 @@ import torch
 from ..buckets import Bucket
 from ..engine_plan import EngineShardPlan
 from ..engine_shards import EngineShardError, EngineSlice, region_slices
-from ..layouts import Piece, row_strides
+from ..layout_pieces import Piece, row_strides
 from ..naming import LocalTensor
 from ..parallel import ParallelContext
 from ..plan import align

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..layouts import row_strides
+from ..layout_pieces import row_strides
 from ..naming import LocalTensor
 from ..quantize import (
     FP8Into,

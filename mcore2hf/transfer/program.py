@@ -17,7 +17,7 @@ import torch
 
 from ..engine_plan import SliceEntry
 from ..engine_shards import EngineShardError
-from ..layouts import Piece
+from ..layout_pieces import Piece
 from ..parallel import Axis
 from ..plan import BucketPlan, HFEntry, Source
 
