@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigMismatchError, UsageError
-from .layouts import QKV, Column, Fused, GatedColumn, LatentDown, Row
+from .layouts import QKV, Column, GatedColumn, LatentDown, Row
+from .layouts_stacked import Fused
 from .mapping import Converter, ModelDims, Rule
 from .naming import LocalTensor
 

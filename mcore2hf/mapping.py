@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import regex
 
 from .errors import UnknownParametersError
-from .layouts import LayoutOp, Replicated, Stacked, StackedCols, StackedRows
+from .layouts import LayoutOp, Replicated
+from .layouts_stacked import Stacked, StackedCols, StackedRows
 from .quantize import FP8Policy
 
 _PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")

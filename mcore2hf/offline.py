@@ -41,7 +41,8 @@ from .errors import (
 )
 from .exporter import structure_problems
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .layouts import Stacked, full_shape_of_shard
+from .layouts import full_shape_of_shard
+from .layouts_stacked import Stacked
 from .lora import (
     A_SUFFIX,
     ADAPTER,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .engine_shards import EngineRank, colocated_ranks  # noqa: F401 - moved to engine_shards (one release)
 from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
-from .layouts import Stacked
+from .layouts_stacked import Stacked
 from .mapping import Converter, ModelDims, Resolved
 from .naming import LocalTensor, filter_outputs
 from .parallel import ParallelContext

@@ -13,7 +13,8 @@ from mcore2hf.engine_shards import EnginePlacement, EngineShardError, clip, engi
 from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.importer import _full_shape, megatron_names
 from mcore2hf.layout_pieces import Piece, pieces
-from mcore2hf.layouts import QKV, Column, GatedInterleaved, RowTransposed, Stacked, VocabRows
+from mcore2hf.layouts import QKV, Column, GatedInterleaved, RowTransposed, VocabRows
+from mcore2hf.layouts_stacked import Stacked
 from mcore2hf.runtime.world import Layout, run_world
 
 COUNTS = (1, 2, 4)

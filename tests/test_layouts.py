@@ -16,11 +16,11 @@ from mcore2hf.layouts import (
     Replicated,
     Row,
     RowTransposed,
-    Stacked,
     VocabRows,
     ZeroCentered,
 )
 from mcore2hf.layouts_gdn import ColumnParts, GatedQKV, GDNInProj
+from mcore2hf.layouts_stacked import Stacked
 
 g = torch.Generator().manual_seed(0)
 

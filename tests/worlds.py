@@ -11,7 +11,7 @@ from harness.te_spec import expected_te_names, megatron_fused_norm_names
 
 from mcore2hf import HFExporter, build_model, load_hf_weights
 from mcore2hf.hf_config import load_hf_config
-from mcore2hf.layouts import Stacked
+from mcore2hf.layouts_stacked import Stacked
 from mcore2hf.registry import get_model_spec
 from mcore2hf.runtime.forward import megatron_logits
 from mcore2hf.runtime.te_naming import te_names_of, to_te_names

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..buckets import Bucket
-from ..layouts import Stacked
+from ..layouts_stacked import Stacked
 from ..naming import LocalTensor
 from ..parallel import ParallelContext
 from ..plan import BucketPlan, ExportPlan, Source, align
