@@ -295,6 +295,27 @@ def _stub_worker_groups() -> None:
     gpu_worker.get_pp_group = gpu_worker.get_pcp_group = lambda: types.SimpleNamespace(rank_in_group=0)
 
 
+def on_every_worker(fn, workers: list) -> list:
+    """fn(worker) on every worker at once, one thread each (as vLLM's workers run a collective_rpc); their results
+    in worker order, or the first error raised once all have finished."""
+    results, errors = [None] * len(workers), []
+
+    def run(i, w):
+        try:
+            results[i] = fn(w)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def msgpack_round_trip(obj):
     """collective_rpc arguments as the engine core receives them (vllm v1/serial_utils.py)."""
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -314,24 +335,12 @@ class EngineCore:
     def collective_rpc(self, method: str, timeout=None, args=(), kwargs=None):
         kwargs = msgpack_round_trip(kwargs or {})
         self.events.append(method)
-        results, errors = [None] * len(self.workers), []
-
-        def run(i, w):
+        def run(w):
             _worker_gpu.uuid = getattr(w, "gpu_uuid", GPU_UUID)
             _worker_gpu.rank = w.rank
-            try:
-                results[i] = getattr(w, method)(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            return getattr(w, method)(*args, **kwargs)
 
-        threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(self.workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
+        return on_every_worker(run, self.workers)
 
 
 def async_client(core: EngineCore):
@@ -495,23 +504,12 @@ class LoRACore:
 
         bound = EngineCoreProc.__new__(EngineCoreProc).add_lora  # the method as the core looks it up (bound)
         (req,) = EngineCoreProc._convert_msgspec_args(bound, (msgpack_round_trip([lora_request])[0],))
-        errors = []
-
         def run(w):
-            try:
-                if req.lora_int_id in w.loaded and not req.load_inplace:
-                    return  # already loaded (worker_manager.add_adapter keeps the cached one)
-                w.loaded[req.lora_int_id] = (req.lora_name, w._load_adapter(req))
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            if req.lora_int_id in w.loaded and not req.load_inplace:
+                return  # already loaded (worker_manager.add_adapter keeps the cached one)
+            w.loaded[req.lora_int_id] = (req.lora_name, w._load_adapter(req))
 
-        threads = [threading.Thread(target=run, args=(w,)) for w in self.workers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        on_every_worker(run, self.workers)
         return True
 
     def state(self) -> list[dict]:
