@@ -17,15 +17,17 @@ The tiny towers: 2 heads of 20 (TP2 splits the heads; transformers' 2-D vision r
 with an even head count the width is a multiple of 8 here, unlike the other tower dimensions), ffn 30, patches of
 2 x 3 x 3 over a 5 x 5 position grid; Qwen3-VL's 3 blocks with deepstack after blocks 0 and 1, Qwen3.5's 2."""
 
+import os
 import re
 
 import pytest
 import torch
 import worlds
 from harness.bridge_vision import BRIDGE_VISION_FILES, BRIDGE_VISION_VERSION, bridge_vision_root
+from vlm_checks import check_wrapper_checkpoint
 
 from mcore2hf.runtime.forward import MARGIN, logit_tolerance
-from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
+from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -82,8 +84,17 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
     images = {"pixel_values": pixels, "image_grid_thw": GRID}
     per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.native_vl_archs, vl_ckpts, "qwen3_vl",
                          str(tmp_path), TOKENS, images, LAYOUTS[0], bridge_vision_root(), timeout=900)
-    # Megatron-Bridge 0.6.2's own tower: mcore2hf's names, shapes and TP attributes on every rank, exports the same
+    # Megatron-Bridge 0.6.2's own tower: mcore2hf's names, shapes and TP attributes on every rank, exports the same,
+    # and Megatron saves the same of both (checkpoint keys, global shapes, offsets, replicas, `_extra_state` objects)
     assert [r[str(LAYOUTS[0])]["bridge"]["compared"] for r in per_rank] == [57, 57, 0, 0], per_rank
+    assert [r[str(LAYOUTS[0])]["bridge"]["keys"] for r in per_rank] == [75, 75, 0, 0], per_rank
+    # layout 1 offline: Megatron's torch_dist checkpoint of the native-tower model, and the import loaded back
+    full = read_hf_checkpoint(vl_ckpts["qwen3_vl"])
+    for layout in (LAYOUTS[0], Layout(tp=2), Layout(pp=2)):  # TP2 x PP2, TP2, PP2 (the tower on stage 0)
+        assert [r[str(layout)]["dist"]["tensors"] for r in per_rank] == [len(full)] * 4, layout
+    base = per_rank[0][str(LAYOUTS[0])]["dist"]["base"]
+    check_wrapper_checkpoint(base, vl_ckpts["qwen3_vl"], str(tmp_path / "offline_native"),
+                             os.path.join(os.path.dirname(base), "import", "qwen3_vl"))
     patterns = bridge_tower_patterns()
     worst: dict[str, float] = {}
     for mt, ckpt in vl_ckpts.items():

@@ -14,6 +14,7 @@ import worlds
 from conftest import VLM_ARCHS
 from harness.bridge_vlm import bridge_vlm_root
 from oracle import logit_problems
+from vlm_checks import check_wrapper_checkpoint
 
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
@@ -81,6 +82,12 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
             assert any(n.startswith("vision_model.") for n in bridge["names"]), bridge["names"][:3]
             assert not any(n.startswith("vision_model.") for n in per_rank[-1][str(layout)]["bridge"]["names"])
             _loads_cleanly(bridge["dir"], vlm_ckpts["qwen3_vl"])
+            # layout 2 offline: Megatron's checkpoint of Bridge's model, and the import loaded back into it
+            assert [r[str(layout)]["bridge"]["dist"]["tensors"] for r in per_rank] == [len(
+                read_hf_checkpoint(vlm_ckpts["qwen3_vl"]))] * len(per_rank)
+            base = bridge["dist"]["base"]
+            check_wrapper_checkpoint(base, vlm_ckpts["qwen3_vl"], str(tmp_path / "offline_bridge"),
+                                     os.path.join(os.path.dirname(base), "import", "qwen3_vl"))
 
 
 def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:

@@ -483,10 +483,13 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
 
 
 def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False,
-                         model_class: str = "gpt") -> str:
+                         model_class: str = "gpt", built: tuple | None = None, **build_kw) -> str:
     """Megatron training output at `layout`: a torch_dist checkpoint with model and Adam state under
     root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live.
-    Returns {"base": root/<arch>, "logits": the Megatron forward of the saved model (the oracle; None for hybrid)}."""
+    `built`: (cfg, chunks) of a model already built and loaded (e.g. Megatron-Bridge's), saved as it is; else the
+    model is built (`build_kw`: e.g. vision_tower="native") and loaded from the HF checkpoint.
+    Returns {"base": root/<arch>, "logits": the Megatron forward of the saved model (the oracle; None for hybrid
+    and for a model passed in)}."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
@@ -500,9 +503,12 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
             self._scale = torch.tensor([1.0])
             self.is_stub_optimizer = optimizer is None
 
-    cfg, chunks = build(ckpt, layout, model_class=model_class)
-    load_hf_weights(chunks, ckpt)
-    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" else None
+    if built is None:
+        cfg, chunks = build(ckpt, layout, model_class=model_class, **build_kw)
+        load_hf_weights(chunks, ckpt)
+    else:
+        cfg, chunks = built
+    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and built is None else None
     base = os.path.join(root, cfg.model_type)
     HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
 
@@ -716,7 +722,7 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
 
 
 def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None,
-                  model_class: str = "gpt", te_names: bool = False, **config) -> int:
+                  model_class: str = "gpt", te_names: bool = False, built: tuple | None = None, **config) -> int:
     """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
     checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
     builds), then exported live: bit-identical to the HF source. With `resave`, Megatron then saves the model
@@ -731,7 +737,7 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
 
     from mcore2hf.registry import get_converter
 
-    cfg, chunks = build(ckpt, layout, model_class=model_class, **config)
+    cfg, chunks = build(ckpt, layout, model_class=model_class, **config) if built is None else built
     zero_(chunks)
     if te_names:
         import dataclasses
@@ -755,11 +761,12 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     loaded = dist_checkpointing.load(sd, os.path.join(root, cfg.model_type, f"iter_{it:07d}"))
     for i, c in enumerate(chunks):
         c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
-    conv = get_converter(cfg.model_type)  # Qwen3.5's vision tower is not imported
-    ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if not conv.not_held_by_model(n)}
+    conv = get_converter(cfg.model_type)  # Qwen3.5's vision tower is not imported (unless the model holds one)
+    towered = built is not None or "vision_tower" in config
+    ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if towered or not conv.not_held_by_model(n)}
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} imported")
     # what Megatron loaded is right: its forward is transformers' (not under TE names: that model does not run)
-    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and not te_names else None
+    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and not te_names and built is None else None
     if resave is not None:
         out = os.path.join(resave, cfg.model_type)
         if dist.get_rank() == 0:
@@ -1519,6 +1526,46 @@ def native_vl_archs(ckpts: dict[str, str], everywhere: str, out_root: str, token
     out = for_each_arch(native_vl_suite, chosen, out_root, tokens, images, layout)
     if layout == first:
         out["bridge"] = bridge_native_tower(ckpts[everywhere], bridge_root, layout)
+    if layout in (first, Layout(tp=2), Layout(pp=2)):
+        out["dist"] = native_checkpoints(ckpts[everywhere], os.path.join(out_root, "dist"), layout == first, layout)
+    return out
+
+
+def native_checkpoints(ckpt: str, root: str, first: bool, layout: Layout) -> dict:
+    """Layout 1 offline (docs/vlm.md): with `first`, Megatron saves the native-tower model (megatron-core's
+    dist_checkpointing of its sharded_state_dict, with Adam state) under root/<arch>/ckpt beside its live export
+    root/<arch>/live, and rank 0 runs `mcore2hf import --vision-tower native --transformer-impl local` of the HF
+    checkpoint into root/import/<arch>; at every layout a model built from zeros loads that import with Megatron's
+    own `dist_checkpointing.load` (strict) and exports the whole HF checkpoint bit for bit (load_imported)."""
+    from mcore2hf.importer import import_checkpoint
+
+    saved = None
+    if first:
+        saved = save_dist_checkpoint(ckpt, layout, root, vision_tower="native")["base"]
+        if dist.get_rank() == 0:
+            import_checkpoint(ckpt, os.path.join(root, "import", load_hf_config(ckpt).model_type), progress=False,
+                              vision_tower="native", transformer_impl="local")
+        dist.barrier()
+    loaded = load_imported(ckpt, layout, os.path.join(root, "import"), vision_tower="native")
+    return {"base": saved, "tensors": loaded["tensors"]}
+
+
+def sharded_layout(module, prefix: str) -> dict:
+    """What Megatron's dist_checkpointing saves of `module` on this rank: per ShardedTensor its key, global shape
+    and offset, fragmentation, replica id and dtype; per ShardedObject (`_extra_state`) its unique key."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    out = {}
+    for v in module.sharded_state_dict(prefix=prefix, metadata=md).values():
+        if isinstance(v, ShardedTensor):
+            out[(v.key, v.global_offset)] = (tuple(v.global_shape), tuple(v.axis_fragmentations), v.replica_id,
+                                             str(v.dtype), tuple(v.local_shape))
+        elif isinstance(v, ShardedObject):
+            out[(v.unique_key, ())] = ("object", v.replica_id)
+        else:
+            out[(type(v).__name__, ())] = None
     return out
 
 
@@ -1534,18 +1581,24 @@ def bridge_native_tower(ckpt: str, bridge_root: str, layout: Layout) -> dict:
         return {n: (tuple(p.shape), bool(getattr(p, "tensor_model_parallel", False)), getattr(p, "partition_dim", None))
                 for n, p in module.named_parameters()}
 
-    compared, error = 0, None
+    compared, keys, error = 0, 0, None
     for c in chunks:
         if c.vision_model is not None:
             bridge = build_bridge_tower(bridge_root, cfg, c.config)
             mine, theirs = described(c.vision_model), described(bridge)
             if mine != theirs:
                 error = f"Bridge's tower differs: {sorted(set(mine.items()) ^ set(theirs.items()))[:4]}"
-            c.vision_model, compared = bridge, compared + len(theirs)
+            compared += len(theirs)
+            # and what Megatron saves of it: the same checkpoint keys, shapes, offsets, replicas (layout 1 offline)
+            mine, theirs = sharded_layout(c.vision_model, "vision_model."), sharded_layout(bridge, "vision_model.")
+            if mine != theirs:
+                diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs[k]]
+                error = error or f"Bridge's tower saves other checkpoint keys: {diff[:4]}"
+            c.vision_model, keys = bridge, keys + len(theirs)
     agree(error)  # every rank, towers or not: the collectives stay in step
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), read_hf_checkpoint(ckpt), f"{layout} Bridge 0.6.2 tower")
-    return {"compared": compared}
+    return {"compared": compared, "keys": keys}
 
 
 def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict, layout: Layout) -> dict:
@@ -1732,7 +1785,32 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> 
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge save_pretrained"))
           if rank == 0 else None)
-    return {"names": names, "tower_sources": len(tower), "dir": out}
+    return {"names": names, "tower_sources": len(tower), "dir": out,
+            "dist": bridge_checkpoints(ckpt, layout, bridge_root, (cfg, chunks), os.path.join(out_root, "bridge_dist"))}
+
+
+def bridge_checkpoints(ckpt: str, layout: Layout, bridge_root: str, built: tuple, root: str) -> dict:
+    """Layout 2 offline (docs/vlm.md): Megatron saves Bridge 0.3.1's Qwen3VLModel `built` (dist_checkpointing of its
+    sharded_state_dict: the GPT model under `language_model.`, transformers' tower under `vision_model.`, replicated,
+    on the first stage) under root/<arch>/ckpt with its live export; rank 0 runs `mcore2hf import --vision-tower hf
+    --transformer-impl local`; a fresh Bridge model loads that with Megatron's `dist_checkpointing.load` (strict)
+    and exports the whole checkpoint bit for bit."""
+    from harness.bridge_vlm import build_qwen3_vl_model
+    from megatron.core import parallel_state as ps
+
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.model_specs.common import padded_vocab_size
+
+    cfg = built[0]
+    saved = save_dist_checkpoint(ckpt, layout, root, built=built)["base"]
+    if dist.get_rank() == 0:
+        import_checkpoint(ckpt, os.path.join(root, "import", cfg.model_type), progress=False, vision_tower="hf",
+                          transformer_impl="local")
+    dist.barrier()
+    vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
+    fresh = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
+    loaded = load_imported(ckpt, layout, os.path.join(root, "import"), built=(cfg, fresh))
+    return {"base": saved, "tensors": loaded["tensors"]}
 
 
 def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
