@@ -155,3 +155,29 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
                not (m is not None and m.startswith(MODULES))}
         assert not bad, (mt, list(bad.items())[:4])
         assert mapped["lm_head.weight"] == "language_model.lm_head.weight", mt
+
+
+def test_import_vision_tower_refusals(vlm_ckpts, tmp_path):
+    """`mcore2hf import --vision-tower`: a model whose table has no such tower under Megatron-Bridge's
+    `vision_model.` (GLM-4.5V: Bridge's GLM45VModel holds transformers' tower as `visual`, and no native one) or an
+    unknown value is refused in one line, before anything is written."""
+    import contextlib
+    import io
+
+    from mcore2hf.cli import main
+    from mcore2hf.errors import UsageError
+    from mcore2hf.importer import import_checkpoint
+
+    for mt, value, words in (("glm4v_moe", "native", "no native Megatron tower"),
+                             ("glm4v_moe", "hf", "no embedded tower under vision_model."),
+                             ("qwen3_vl", "torch", "vision_tower must be one of native, hf")):
+        out = tmp_path / f"{mt}-{value}"
+        with pytest.raises(UsageError, match=words):
+            import_checkpoint(vlm_ckpts[mt], out, vision_tower=value, progress=False)
+        assert not out.exists()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["import", vlm_ckpts["glm4v_moe"], str(tmp_path / "cli"), "--vision-tower", "native", "--quiet"])
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "no native Megatron tower" in lines[0], lines
+    assert not (tmp_path / "cli").exists()
