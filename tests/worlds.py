@@ -1519,16 +1519,39 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
 
 
 def native_vl_archs(ckpts: dict[str, str], everywhere: str, out_root: str, tokens: torch.Tensor, images: dict,
-                    first: Layout, bridge_root: str, layout: Layout) -> dict:
+                    first: Layout, bridge_root: str, bridge_vlm: str, layout: Layout) -> dict:
     """native_vl_suite at `layout` for the architecture `everywhere`, and at `first` for every architecture (and
-    there, for `everywhere`, Megatron-Bridge 0.6.2's own tower from `bridge_root` too)."""
+    there, for `everywhere`, Megatron-Bridge 0.6.2's own tower from `bridge_root` too); for `everywhere`, its
+    torch_dist checkpoints at `first`, TP2 and PP2 (native_checkpoints), and at `first` and TP1 the image forward
+    of Megatron-Bridge 0.3.1's Qwen3VLModel from `bridge_vlm` (layout 2: transformers' tower embedded)."""
     chosen = {mt: c for mt, c in ckpts.items() if mt == everywhere or layout == first}
     out = for_each_arch(native_vl_suite, chosen, out_root, tokens, images, layout)
+    if layout in (first, Layout()):
+        out["bridge_image"] = bridge_image_logits(ckpts[everywhere], bridge_vlm, tokens, images, layout)
     if layout == first:
         out["bridge"] = bridge_native_tower(ckpts[everywhere], bridge_root, layout)
     if layout in (first, Layout(tp=2), Layout(pp=2)):
         out["dist"] = native_checkpoints(ckpts[everywhere], os.path.join(out_root, "dist"), layout == first, layout)
     return out
+
+
+def bridge_image_logits(ckpt: str, bridge_root: str, tokens: torch.Tensor, images: dict, layout: Layout):
+    """Layout 2's image forward: Megatron-Bridge 0.3.1's own Qwen3VLModel (transformers' tower embedded on the first
+    stage, harness.bridge_vlm) at `layout`, loaded by mcore2hf from the HF checkpoint, on text + images (its own
+    forward: the tower, its merger and deepstack features, Bridge's Qwen3-VL rope positions and Qwen3VLGPTModel);
+    the fp32 logits, for transformers' in the test."""
+    from harness.bridge_vlm import build_qwen3_vl_model, transformers_5_forward
+    from megatron.core import parallel_state as ps
+
+    from mcore2hf.model_specs.common import padded_vocab_size
+
+    cfg = load_hf_config(ckpt)
+    vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
+    chunks = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
+    load_hf_weights(chunks, ckpt)
+    for c in chunks:
+        transformers_5_forward(c)
+    return megatron_logits(chunks, tokens, cfg.text_config.vocab_size, images=images, causal_mask=False)
 
 
 def native_checkpoints(ckpt: str, root: str, first: bool, layout: Layout) -> dict:
