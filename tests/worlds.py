@@ -1652,8 +1652,9 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
         assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} fp8")
         assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
     # engine-sharded export at this world's placements, the tower as both engines shard it (engine_shards.
-    # QWEN3_VL_TOWER), checked in the test by engine_problems
-    engine = engine_matrix(ex, full, layout, cfg.model_type)
+    # QWEN3_VL_TOWER), checked in the test by engine_problems (at a layout of the whole world: engine ranks are
+    # colocated with every trainer rank, data-parallel replicas have none)
+    engine = engine_matrix(ex, full, layout, cfg.model_type) if layout.size == dist.get_world_size() else None
     plan = ex.plan(4096)  # the live plan, for the one-process dry run (`mcore2hf plan --vision-tower native`)
     live_plan = (plan.describe(), plan.records, ex.executor(4096).memory_estimate())
     vocab = text_config(cfg).vocab_size
