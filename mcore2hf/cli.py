@@ -224,9 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="show Transformer Engine parameter names as Megatron sources (fused norms, grouped experts)")
     pl.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="plan a block-FP8 export: which weights are quantized (and where), their scale shapes")
-    pl.add_argument("--vision-tower", choices=["native"], default=None,
-                    help="a vision-language model with its vision tower built natively in Megatron (qwen3_vl, "
-                         "qwen3_vl_moe, qwen3_5, qwen3_5_moe: Megatron-Bridge 0.6.2's layout)")
+    pl.add_argument("--vision-tower", choices=["native", "hf"], default=None,
+                    help="a vision-language model with its vision tower (qwen3_vl, qwen3_vl_moe, qwen3_5, "
+                         "qwen3_5_moe): 'native' built natively in Megatron (Megatron-Bridge 0.6.2's layout), 'hf' "
+                         "transformers' tower embedded (Megatron-Bridge 0.3.1's Qwen3VLModel)")
     _filters(pl)
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)

@@ -82,6 +82,9 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
             assert any(n.startswith("vision_model.") for n in bridge["names"]), bridge["names"][:3]
             assert not any(n.startswith("vision_model.") for n in per_rank[-1][str(layout)]["bridge"]["names"])
             _loads_cleanly(bridge["dir"], vlm_ckpts["qwen3_vl"])
+            # `mcore2hf plan --vision-tower hf`: the one-process dry run is the plan Bridge's model built live
+            text, records, _ = worlds.in_fresh_process(worlds.native_dry_run, vlm_ckpts["qwen3_vl"], layout, 4096, "hf")
+            assert (text, records) == bridge["plan_4k"], "dry run != Bridge's live plan"
             # layout 2 offline: Megatron's checkpoint of Bridge's model, and the import loaded back into it
             assert [r[str(layout)]["bridge"]["dist"]["tensors"] for r in per_rank] == [len(
                 read_hf_checkpoint(vlm_ckpts["qwen3_vl"]))] * len(per_rank)

@@ -1674,11 +1674,12 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     return dict(logits, towers=held, dir=out, te_tower=tower, plan_4k=live_plan, engine=engine)
 
 
-def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int) -> tuple:
-    """The one-process dry run of the native-tower model at `layout` (run in a fresh process)."""
+def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int, vision_tower: str = "native") -> tuple:
+    """The one-process dry run of the model holding its tower (`vision_tower`: "native", or "hf" for Megatron-Bridge
+    0.3.1's Qwen3VLModel) at `layout` (run in a fresh process)."""
     from mcore2hf.planning import dry_run
 
-    plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower="native")
+    plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower=vision_tower)
     return plan.describe(), plan.records, memory
 
 
@@ -1803,7 +1804,8 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> 
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge save_pretrained"))
           if rank == 0 else None)
-    return {"names": names, "tower_sources": len(tower), "dir": out,
+    plan = ex.plan(4096)  # the live plan, for the dry run (`mcore2hf plan --vision-tower hf`) to equal
+    return {"names": names, "tower_sources": len(tower), "dir": out, "plan_4k": (plan.describe(), plan.records),
             "dist": bridge_checkpoints(ckpt, layout, bridge_root, (cfg, chunks), os.path.join(out_root, "bridge_dist"))}
 
 
