@@ -273,15 +273,28 @@ def gather_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor], con
     return LoraInfo(r, alpha, tuple(sorted(adapters))), mine
 
 
+#: the leaf names peft 0.21.2 renames in `target_modules` of an MoE model whose experts transformers 5 fuses
+#: (utils/transformers_weight_conversion.py:332-345 `_MOE_TARGET_MODULE_MAPPING`, matched at :448 as the name or
+#: a '.'-suffix, moved to `target_parameters` at :457-482, gate/up at twice r): a dense MLP's or a shared expert's
+#: gate_proj in target_modules would become the fused experts' gate_up_proj
+PEFT_V4_RENAMED = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
 def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model: str | None) -> dict:
     """adapter_config.json (peft 0.21.2 LoraConfig fields). `target_modules`: HF module names as PEFT matches them
     (a name matches itself or any module ending in '.' + it): the leaf names when every layer has them, else the
-    full module names, so PEFT adds no adapter the export does not hold."""
+    full module names, so PEFT adds no adapter the export does not hold. With PEFT's stacked expert form, the other
+    adapters whose leaf peft's v4 conversion renames (`PEFT_V4_RENAMED`: deepseek_v3's dense MLP and shared
+    experts) go to `target_parameters` by full parameter name (`model.layers.0.mlp.gate_proj.weight`): peft's
+    ParamWrapper on a 2-D weight is LoRA with lora_A [r, in], lora_B [out, r] under the same keys
+    (tuners/lora/layer.py:2399-2400), and the conversion leaves target_parameters as they are."""
     modules = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in hf_names})
     # PEFT's 3-D expert form: `<experts>.base_layer` / `<experts>` wrap the fused parameters (target_parameters)
     params = sorted({(m.removesuffix(".base_layer") + "." + STACKED_PARAMS[0 if m.endswith(".base_layer") else 1])
                      for m in modules if m.endswith((".experts.base_layer", ".experts"))})
     modules = [m for m in modules if not m.endswith((".experts.base_layer", ".experts"))]
+    renamed = [m + ".weight" for m in modules if params and m.rsplit(".", 1)[-1] in PEFT_V4_RENAMED]
+    modules = [m for m in modules if not (params and m.rsplit(".", 1)[-1] in PEFT_V4_RENAMED)]
     leaves: dict[str, set[str]] = {}
     for m in modules:
         parts = m.split(".")
@@ -297,7 +310,8 @@ def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model
         short = {".".join(p.split(".")[3:]) for p in params}
         whole = len(layers) == num_layers and all(sum(p.endswith("." + s) for p in params) == num_layers for s in short)
         chosen = short if whole else set(params)
-        extra["target_parameters"] = sorted(chosen, key=lambda p: (STACKED_PARAMS.index(p.rsplit(".", 1)[1]), p))
+        extra["target_parameters"] = sorted(chosen, key=lambda p: (STACKED_PARAMS.index(p.rsplit(".", 1)[1]), p)) + \
+            renamed
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, **extra,
         # an integral alpha as an int: peft's LoraConfig and vLLM 0.33's PEFTHelper (lora/peft_helper.py:29) type it int
