@@ -346,10 +346,8 @@ class Merge:
     terms: tuple[Term, ...]
 
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the products are accumulated into: the weight's, or fp32 where a factor's dtype differs."""
-        dt = self.base.dtype
-        same = all(t.a.dtype == dt and t.b.dtype == dt for t in self.terms)
-        return dt if same else torch.float32
+        """The dtype of the factors' stacks and of the products: fp32 (the weight's dtype only at the end)."""
+        return torch.float32
 
     def signature(self) -> tuple:
         """Merges with equal signatures run as one batched product per term."""
@@ -364,18 +362,24 @@ def term_rows(w: torch.Tensor, t: Term) -> torch.Tensor:
     return w.as_strided((n * t.groups, t.rows, cols), (t.stride * cols, cols, 1), w.storage_offset() + t.offset * cols)
 
 
+#: elements of the fp32 products one batched product writes at most (256 MiB) when the weights are bf16 / fp16
+DELTA_CHUNK = 1 << 26
+
+
 def add_delta(dst: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float) -> None:
-    """dst += scale * b @ a, batched (dst [N, rows, in], b [N, rows, r], a [N, r, in]): one baddbmm, the products
-    accumulated in fp32 (fp32 tensors, or the fp32 accumulators of a bf16 / fp16 GEMM) and rounded once into
-    dst's dtype. b and a in dst's dtype, or fp32 for a merge whose factors' dtype differs (computed in an fp32
-    copy of dst). On CPU in fp32 this is bit-identical to W + scale * (B @ A) computed per weight (measured,
-    docs/lora.md); in bf16 the one rounding differs from rounding fp32 first in 1 ulp of a few elements in 1e5."""
+    """dst += scale * b @ a, batched (dst [N, rows, in], b [N, rows, r], a [N, r, in], b and a fp32): the products
+    accumulated in fp32, added to the weight in fp32, rounded once into dst's dtype. An fp32 weight: one baddbmm
+    in place. A bf16 / fp16 weight: fp32 products (bmm, in chunks of at most DELTA_CHUNK elements), then one add
+    (computed in fp32, written in the weight's dtype). Either is bit-identical on CPU to the per-weight
+    (W.float() + scale * (B.float() @ A.float())).to(W.dtype) (measured, docs/lora.md). A bf16 baddbmm into the
+    weight itself is not used: on an H200 (cuBLAS, torch 2.11) it differed from that by 1 ulp in 16% of the
+    elements."""
     if dst.dtype == b.dtype:
         dst.baddbmm_(b, a, alpha=scale)
         return
-    tmp = dst.to(b.dtype)
-    tmp.baddbmm_(b, a, alpha=scale)
-    dst.copy_(tmp)
+    per = max(1, DELTA_CHUNK // max(1, dst.shape[1] * dst.shape[2]))
+    for i in range(0, dst.shape[0], per):
+        dst[i:i + per].add_(torch.bmm(b[i:i + per], a[i:i + per]), alpha=scale)
 
 
 def merge_weights(w: torch.Tensor, terms: list[tuple[Term, torch.Tensor, torch.Tensor]], scale: float) -> None:
@@ -398,8 +402,7 @@ def merged_tensor(m: Merge) -> torch.Tensor:
 def merged_whole(w: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
     """W + scale * B A of one whole weight (the offline export), with `add_delta`'s arithmetic."""
     out = w.clone().unsqueeze(0)
-    dt = w.dtype if a.dtype == b.dtype == w.dtype else torch.float32
-    add_delta(out, b.to(dt).unsqueeze(0), a.to(dt).unsqueeze(0), scale)
+    add_delta(out, b.float().unsqueeze(0), a.float().unsqueeze(0), scale)
     return out[0]
 
 

@@ -265,13 +265,17 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
         config = json.load(f)
     params = config["target_parameters"]  # gate_up_proj first (PEFT's inner wrapper), per layer where not in all
     fused = [p for p in params if not p.endswith(".weight")]
-    assert fused == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], params
+    assert [p.rsplit(".", 1)[1] for p in fused] == sorted(
+        [p.rsplit(".", 1)[1] for p in fused], key=["gate_up_proj", "down_proj"].index), params
+    assert {p.rsplit(".", 1)[1] for p in fused} == {"gate_up_proj", "down_proj"}, params
+    if cfg.model_type == "qwen3_moe":  # every layer MoE: the short names
+        assert fused == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], params
     # deepseek_v3's dense MLP and shared experts by full parameter name, out of target_modules: peft 0.21.2's v4
     # conversion would turn their gate_proj / up_proj into the fused experts' gate_up_proj at twice r
     # (utils/transformers_weight_conversion.py:448-482; measured before: lora_A [2*E*r, hidden] expected)
-    dense = sorted(n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for n in want
-                   if ".experts." not in n and n.rsplit(".lora_", 1)[0].rsplit(".", 1)[1] in PEFT_V4_RENAMED)
-    assert sorted(params[len(fused):]) == dense == sorted(set(dense))
+    dense = sorted({n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for n in want
+                    if ".experts." not in n and n.rsplit(".lora_", 1)[0].rsplit(".", 1)[1] in PEFT_V4_RENAMED})
+    assert sorted(params[len(fused):]) == dense
     assert not set(config["target_modules"]) & set(PEFT_V4_RENAMED), config["target_modules"]
     assert (cfg.model_type == "deepseek_v3") == bool(dense)
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
