@@ -287,6 +287,53 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
     print(f"\nLoRA {cfg.model_type} stacked experts: |Megatron with adapters - peft (target_parameters)| logits "
           f"{diff:.2e}")
     assert diff < min(LOGIT_TOL, logit_tolerance(cfg.model_type))
+    if cfg.model_type == "qwen3_moe":
+        _vllm_moe3d_slices(ckpt, src, res["stacked"], cfg)
+
+
+def _vllm_moe3d_slices(ckpt: str, src: dict[str, torch.Tensor], stacked_dir: str, cfg) -> None:
+    """vLLM 0.33.0's 3-D MoE LoRA layer on our stacked directory at engine TP 1 and 2 (harness.vllm_real
+    --moe3d-slices: the LoRAModel, _stack_moe_lora_weights, FusedMoE3DWithLoRA.create_lora_weights and set_lora
+    with its own per-TP slicing): every TP rank's four stacked buffers equal the slices of the per-expert source
+    computed here (sha256): w13 A whole, w13 B the rank's rows of gate and of up, w2 A the rank's inter columns,
+    w2 B whole."""
+    import subprocess
+    import sys
+
+    from harness.wheels import unpacked_wheel
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), os.path.join(repo, "tests"), repo]),
+               VLLM_LOGGING_LEVEL="WARNING")
+    out = subprocess.run([sys.executable, "-m", "harness.vllm_real", "--moe3d-slices", stacked_dir, ckpt, "1,2"],
+                         env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("SLICES ")), None)
+    assert line is not None, out.stderr[-2000:]
+    held = json.loads(line.removeprefix("SLICES "))
+    experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+    checked = 0
+    for tp, ranks in held.items():
+        part = inter // int(tp)
+        assert len(ranks) == int(tp)
+        for rank, layers in enumerate(ranks):
+            assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(cfg.num_hidden_layers)]
+            rows = slice(rank * part, (rank + 1) * part)
+            for name, bufs in layers.items():
+                def f(e, m, k, name=name):
+                    return src[f"base_model.model.{name}.{e}.{m}.lora_{k}.weight"]
+
+                want = {
+                    "w13_lora_a_stacked": torch.stack([f(e, "gate_proj", "A") for e in range(experts)]),
+                    "w13_lora_b_stacked": torch.stack([torch.cat([f(e, "gate_proj", "B")[rows], f(e, "up_proj", "B")[rows]])
+                                                       for e in range(experts)]),
+                    "w2_lora_a_stacked": torch.stack([f(e, "down_proj", "A")[:, rows] for e in range(experts)]),
+                    "w2_lora_b_stacked": torch.stack([f(e, "down_proj", "B") for e in range(experts)])}
+                bad = [k for k, t in want.items() if _digest(t) != bufs[k]]
+                assert not bad, f"vLLM engine TP {tp} rank {rank} {name}: {bad}"
+                checked += 1
+    print(f"\nLoRA qwen3_moe stacked into vLLM's FusedMoE3DWithLoRA: {checked} (TP rank, layer) sets of 4 buffers "
+          "equal the slices of the per-expert source")
 
 
 def _peft_oracle(ckpt: str, res: dict):
