@@ -26,9 +26,11 @@ Canonical LoRA (peft/canonical_lora.py) gives linear_qkv / linear_fc1 one adapte
 (`adapter.adapter_{q,k,v}`, `adapter.adapter_{gate,up}`), each column-parallel over the rank's own heads / ffn
 columns: `Column` for its A and its B.
 
-The merged export (`lora="merged"`) writes W + (alpha / r) B A: computed on each base shard in fp32 and cast to the
-base's dtype, with the one factor that is split along the other axis gathered over TP first (A of a
-column-parallel base, B of a row-parallel base: both split on dim 0), never modifying the model's parameters.
+The merged export (`lora="merged"`) writes W + (alpha / r) B A: computed on each base shard (products in fp32, added
+to W in fp32, rounded once to the base's dtype: `add_delta`), with the one factor that is split along the other axis
+gathered over TP first (A of a column-parallel base, B of a row-parallel base: both split on dim 0), never modifying
+the model's parameters. Each merged weight is described (`Merge`, its `Term`s) for the executor core, which merges a
+bucket's weights batched (transfer/executor.py `Core.compile_merges`).
 """
 
 from __future__ import annotations
