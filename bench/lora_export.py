@@ -7,7 +7,9 @@ Megatron-Bridge LoRA (rank 32) on every attention linear and every expert linear
 Rows: the plain export of the base weights (`lora="base"`: what a full sync sends), the adapter-only export
 (`lora="adapter"`: what an adapter sync sends), the merged export (`lora="merged"`: W + alpha/r B A on the
 shards), and a device copy of the base export's bytes (the floor). Bytes and best-of-`--repeat` seconds, ratios
-against the plain export. Bridge's LoRA needs megatron-core < 0.17 (Megatron-Bridge 0.3.1, the release the tests
+against the plain export; then the merged export's expert and o_proj tensors against the per-weight merge
+(W.float() + s B.float() @ A.float()).to(dtype) computed on the device (elements that differ). "Before" numbers:
+run this script with an older mcore2hf wheel on PYTHONPATH (it uses no API newer than the export itself). Bridge's LoRA needs megatron-core < 0.17 (Megatron-Bridge 0.3.1, the release the tests
 pin: tests/harness/bridge_lora.py): on the GPU machine carry megatron-core 0.16.1's cp312 wheel and the unpacked
 Bridge files (MCORE2HF_WHEEL_CACHE)."""
 
