@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
 
+from mcore2hf.lora import PEFT_V4_RENAMED
 from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout, run_world
@@ -263,15 +264,20 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
     with open(os.path.join(res["stacked"], "adapter_config.json")) as f:
         config = json.load(f)
     params = config["target_parameters"]  # gate_up_proj first (PEFT's inner wrapper), per layer where not in all
-    assert [p.rsplit(".", 1)[1] for p in params] == sorted(
-        [p.rsplit(".", 1)[1] for p in params], key=["gate_up_proj", "down_proj"].index), params
-    if cfg.model_type != "qwen3_moe":
-        # peft 0.21.2 cannot load it: its transformers-v4 compatibility (utils/transformers_weight_conversion.py
-        # _convert_peft_config_moe, _MOE_TARGET_MODULE_MAPPING "qwen2_moe") turns every gate_proj / up_proj of
-        # target_modules (here deepseek_v3's dense layer and shared experts) into the fused experts' gate_up_proj
-        # at twice the rank; measured: lora_A [2*E*r, hidden] expected. Only the bytes (above) are checked here
-        return
-    assert params == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], params
+    fused = [p for p in params if not p.endswith(".weight")]
+    assert [p.rsplit(".", 1)[1] for p in fused] == sorted(
+        [p.rsplit(".", 1)[1] for p in fused], key=["gate_up_proj", "down_proj"].index), params
+    assert {p.rsplit(".", 1)[1] for p in fused} == {"gate_up_proj", "down_proj"}, params
+    if cfg.model_type == "qwen3_moe":  # every layer MoE: the short names
+        assert fused == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], params
+    # deepseek_v3's dense MLP and shared experts by full parameter name, out of target_modules: peft 0.21.2's v4
+    # conversion would turn their gate_proj / up_proj into the fused experts' gate_up_proj at twice r
+    # (utils/transformers_weight_conversion.py:448-482; measured before: lora_A [2*E*r, hidden] expected)
+    dense = sorted({n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for n in want
+                    if ".experts." not in n and n.rsplit(".lora_", 1)[0].rsplit(".", 1)[1] in PEFT_V4_RENAMED})
+    assert sorted(params[len(fused):]) == dense
+    assert not set(config["target_modules"]) & set(PEFT_V4_RENAMED), config["target_modules"]
+    assert (cfg.model_type == "deepseek_v3") == bool(dense)
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
                                            res["stacked"])
     result = peft.set_peft_model_state_dict(model, got)
@@ -281,6 +287,53 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
     print(f"\nLoRA {cfg.model_type} stacked experts: |Megatron with adapters - peft (target_parameters)| logits "
           f"{diff:.2e}")
     assert diff < min(LOGIT_TOL, logit_tolerance(cfg.model_type))
+    if cfg.model_type == "qwen3_moe":
+        _vllm_moe3d_slices(ckpt, src, res["stacked"], cfg)
+
+
+def _vllm_moe3d_slices(ckpt: str, src: dict[str, torch.Tensor], stacked_dir: str, cfg) -> None:
+    """vLLM 0.33.0's 3-D MoE LoRA layer on our stacked directory at engine TP 1 and 2 (harness.vllm_real
+    --moe3d-slices: the LoRAModel, _stack_moe_lora_weights, FusedMoE3DWithLoRA.create_lora_weights and set_lora
+    with its own per-TP slicing): every TP rank's four stacked buffers equal the slices of the per-expert source
+    computed here (sha256): w13 A whole, w13 B the rank's rows of gate and of up, w2 A the rank's inter columns,
+    w2 B whole."""
+    import subprocess
+    import sys
+
+    from harness.wheels import unpacked_wheel
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), os.path.join(repo, "tests"), repo]),
+               VLLM_LOGGING_LEVEL="WARNING")
+    out = subprocess.run([sys.executable, "-m", "harness.vllm_real", "--moe3d-slices", stacked_dir, ckpt, "1,2"],
+                         env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("SLICES ")), None)
+    assert line is not None, out.stderr[-2000:]
+    held = json.loads(line.removeprefix("SLICES "))
+    experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+    checked = 0
+    for tp, ranks in held.items():
+        part = inter // int(tp)
+        assert len(ranks) == int(tp)
+        for rank, layers in enumerate(ranks):
+            assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(cfg.num_hidden_layers)]
+            rows = slice(rank * part, (rank + 1) * part)
+            for name, bufs in layers.items():
+                def f(e, m, k, name=name):
+                    return src[f"base_model.model.{name}.{e}.{m}.lora_{k}.weight"]
+
+                want = {
+                    "w13_lora_a_stacked": torch.stack([f(e, "gate_proj", "A") for e in range(experts)]),
+                    "w13_lora_b_stacked": torch.stack([torch.cat([f(e, "gate_proj", "B")[rows], f(e, "up_proj", "B")[rows]])
+                                                       for e in range(experts)]),
+                    "w2_lora_a_stacked": torch.stack([f(e, "down_proj", "A")[:, rows] for e in range(experts)]),
+                    "w2_lora_b_stacked": torch.stack([f(e, "down_proj", "B") for e in range(experts)])}
+                bad = [k for k, t in want.items() if _digest(t) != bufs[k]]
+                assert not bad, f"vLLM engine TP {tp} rank {rank} {name}: {bad}"
+                checked += 1
+    print(f"\nLoRA qwen3_moe stacked into vLLM's FusedMoE3DWithLoRA: {checked} (TP rank, layer) sets of 4 buffers "
+          "equal the slices of the per-expert source")
 
 
 def _peft_oracle(ckpt: str, res: dict):
@@ -366,6 +419,23 @@ def test_peft_target_modules():
         for s in (".base_layer", "") for f in "AB"], 4, None)
     assert stacked["target_modules"] == ["q_proj"]
     assert stacked["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    # with the stacked form, a dense MLP's gate/up/down and a shared expert's go by full parameter name (peft's v4
+    # conversion renames those leaves in target_modules); without it they stay modules
+    dense = [f"base_model.model.model.layers.0.mlp.{m}.lora_{f}.weight" for m in ("gate_proj", "down_proj") for f in "AB"]
+    shared = [f"base_model.model.model.layers.3.mlp.shared_experts.up_proj.lora_{f}.weight" for f in "AB"]
+    mixed = peft_config(LoraInfo(8, 16.0, ()), names(range(4), ["q_proj"]) + dense + shared + [
+        f"base_model.model.model.layers.{i}.mlp.experts{s}.lora_{f}.weight" for i in (1, 2, 3)
+        for s in (".base_layer", "") for f in "AB"], 4, None)
+    assert mixed["target_modules"] == ["q_proj"]
+    assert mixed["target_parameters"] == [
+        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.gate_up_proj",
+        "model.layers.3.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+        "model.layers.2.mlp.experts.down_proj", "model.layers.3.mlp.experts.down_proj",
+        "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.3.mlp.shared_experts.up_proj.weight"], mixed["target_parameters"]
+    plain = peft_config(LoraInfo(8, 16.0, ()), dense, 4, None)
+    assert plain["target_modules"] == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_proj"]
+    assert "target_parameters" not in plain
     # peft itself wraps exactly those modules of the transformers model
     from mcore2hf.runtime.tiny import tiny_config
 

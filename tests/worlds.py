@@ -1395,6 +1395,7 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
 
     from mcore2hf.errors import UsageError
     from mcore2hf.hf_config import text_config
+    from mcore2hf.lora import peft_name
 
     cfg, chunks = build(ckpt, layout, mtp=False)
     apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA, canonical=canonical)
@@ -1437,6 +1438,31 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
         engine = engine_matrix(merging, merged_sd, layout, cfg.model_type)
         bad = {k: v for k, v in engine.items() if "refused" not in v and (v["missing"] or v["extra"] or v["differ"])}
         agree(f"engine-sharded lora='merged': {bad}" if bad else None)
+    ref = read_hf_checkpoint(ckpt)
+    # a training step, then the same merged exporter: every B doubled in place (its compiled merges read the same
+    # views) and one A's storage swapped (`.data` replaced: that bucket is recompiled). Oracle: W + s (2 B) A on the
+    # HF tensors of the source (fp32; the same products summed in the same order: within 1e-6, measured 0.0)
+    with torch.no_grad():
+        factors = [(n, p) for c in chunks for n, p in c.named_parameters() if ".adapter." in n]
+        for n, p in factors:
+            if n.endswith("linear_out.weight"):
+                p.mul_(2)
+        swapped = next(p for n, p in factors if n.endswith("linear_in.weight"))
+        swapped.data = swapped.data.clone()
+    stepped = merging.state_dict()
+    with torch.no_grad():
+        for n, p in factors:
+            if n.endswith("linear_out.weight"):
+                p.div_(2)  # exact: a power of two
+    scale, worst = LORA_ALPHA / LORA_R, 0.0
+    for n in stepped:
+        a, b = peft_name(n, "A"), peft_name(n, "B")
+        if a not in adapter_ref:
+            assert torch.equal(stepped[n], merged_sd[n]), f"{layout} {n}: no adapter, changed by a training step"
+            continue
+        expected = ref[n].float() + scale * (2 * adapter_ref[b].float()) @ adapter_ref[a].float()
+        worst = max(worst, (stepped[n].float() - expected).abs().max().item())
+    assert worst <= 1e-6, f"{layout} merged export after a training step: |diff| {worst:.2e} from W + s (2 B) A"
     stacked = None
     if save_dist and any(".experts." in n for n in adapter_ref):  # PEFT's 3-D expert form (lora_experts="stacked")
         stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
@@ -1449,7 +1475,6 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
         load_hf_weights(chunks, stacked, ckpt, lora=True)
         assert_same(ex.state_dict(), adapter_ref, f"{layout} adapters loaded from the stacked form")
     base = HFExporter(chunks, cfg, lora="base").state_dict()
-    ref = read_hf_checkpoint(ckpt)
     assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
     after = {n: p for c in chunks for n, p in c.named_parameters()}
     assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"

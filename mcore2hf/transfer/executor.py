@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..layout_pieces import row_strides
+from ..lora import Merge, merge_weights
 from ..naming import LocalTensor
+from ..plan import align
 from ..quantize import (
     FP8Into,
     FP8RowSlices,
@@ -130,9 +132,14 @@ class Sources:
         self.local = local
         #: name -> a function giving the tensor to read instead, once per bucket run (FP8 blobs)
         self.hooks: dict[str, Callable[[], torch.Tensor]] = {}
+        #: a LoRA-merged weight's slot in a merge arena (`Core.compile_merges`), written when its bucket starts
+        self.merged: dict[str, torch.Tensor] = {}
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The local tensor as it is now."""
+        """The local tensor as it is now (a merged weight: its slot, merged by the running bucket)."""
+        slot = self.merged.get(name)
+        if slot is not None:
+            return slot
         lt = self.local[name]
         # buffers and computed tensors (a LoRA merge) are read through their getter each time
         return (lt.get() if lt.is_buffer or lt.param is None else lt.param).detach()
@@ -141,7 +148,12 @@ class Sources:
         """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run.
         `hooked`: of the parameter itself even where a hook gives what is read instead (FP8 quantized in place)."""
         lt = self.local[name]
-        if (name in self.hooks and not hooked) or lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
+        if name in self.hooks and not hooked:
+            return None
+        slot = self.merged.get(name)
+        if slot is not None:  # a merge arena is never reallocated: no storage to watch
+            return slot.as_strided(sizes, strides, slot.storage_offset() + offset)
+        if lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
             return None
         b = lt.param.detach()
         bases[name] = (lt.param, b.data_ptr())
@@ -276,6 +288,10 @@ class CBucket:
     rounds: list[CBucket] | None = None  # a bucket gathered in rounds: each round's collectives and copies
     #: (copy list, pooled output buffer) -> its Prepared launches (`Core.run_copies`)
     prepared: dict = field(default_factory=dict)
+    #: LoRA merges run first (`Core.compile_merges`): the weights and factors packed into the merge arena, then one
+    #: batched product per term of each group of like merges
+    merge_pack: Pack | None = None
+    merges: list[tuple] = field(default_factory=list)
 
     watched: tuple | None = None  # `bases` as Sources.watch gives it, made on the first check
 
@@ -303,10 +319,99 @@ class Core:
         self.replay = replay_default()
         self.graphs = graphs_default()
         self.pool: OutputPool | None = None  # made by the executor's compile (`make_pool`)
+        self.merge_arenas: list[Arena] = []  # LoRA-merged weights of a bucket and their stacked factors
 
     # -- compile helpers -----------------------------------------------------------------------------------------
     def make_arenas(self, sizes: list[int]) -> None:
         self.arenas = [Arena(n, self.device) for n in sizes]
+
+    # -- LoRA merges (lora="merged") ------------------------------------------------------------------------------
+    def merge_names(self, names) -> list[str]:
+        """Of the local tensors a bucket reads, the LoRA-merged weights the core merges batched (2-D, contiguous,
+        from Parameters; any other is read through its getter, merged on its own)."""
+        out = []
+        for n in dict.fromkeys(names):
+            lt = self.sources.local.get(n)
+            m = lt.merge if lt is not None else None
+            if m is not None and len(m.base.shape) == 2 and m.base.param is not None and \
+                    m.base.param.is_contiguous() and all(t.a.is_contiguous() and t.b.is_contiguous() for t in m.terms):
+                out.append(n)
+        return out
+
+    def merge_layout(self, names: list[str]) -> tuple[list[tuple], int]:
+        """A bucket's merges in its merge arena: per group of like merges (`Merge.signature`), in order of first
+        appearance, (names, byte offset of their weights back to back, per term the byte offsets of B and A
+        stacked over the group's weights); and the bytes needed."""
+        groups: dict[tuple, list[str]] = {}
+        for n in names:
+            groups.setdefault(self.sources.local[n].merge.signature(), []).append(n)
+        out, off = [], 0
+        for members in groups.values():
+            m: Merge = self.sources.local[members[0]].merge
+            k, dt = len(members), m.compute_dtype()
+            w_off = off
+            off = align(off + k * m.base.dtype.itemsize * m.base.shape[0] * m.base.shape[1])
+            terms = []
+            for t in m.terms:
+                b_off = off
+                off = align(off + k * t.b.numel() * dt.itemsize)
+                terms.append((b_off, off))
+                off = align(off + k * t.groups * t.a.numel() * dt.itemsize)
+            out.append((members, w_off, terms))
+        return out, off
+
+    def make_merge_arenas(self, buckets: list[tuple[int, list[str]]]) -> None:
+        """One merge arena per staging arena index, sized for the largest of its buckets' merges ((arena index,
+        merged names) per bucket); none without merges."""
+        sizes: dict[int, int] = {}
+        for a, names in buckets:
+            sizes[a] = max(sizes.get(a, 0), self.merge_layout(names)[1] if names else 0)
+        self.merge_arenas = [Arena(sizes.get(a, 0), self.device) if sizes.get(a) else None
+                             for a in range(max(sizes, default=-1) + 1)]
+
+    def compile_merges(self, cb: CBucket, names: list[str], a: int) -> None:
+        """The bucket's merges (`names`, from `merge_names`) into merge arena `a`: one pack of the base weights and
+        factors (views of the Parameters, watched in `cb.bases`), then per group of like merges one batched
+        product per term (`lora.merge_weights`). The merged weights are read from their slots (`Sources.merged`)."""
+        if not names:
+            return
+        arena, bases = self.merge_arenas[a], cb.bases
+        pack = cb.merge_pack = Pack()
+
+        def watched(key: str, t: torch.Tensor) -> torch.Tensor:
+            d = t.detach()
+            bases[key] = (t, d.data_ptr())
+            return d
+
+        for members, w_off, term_offs in self.merge_layout(names)[0]:
+            m0: Merge = self.sources.local[members[0]].merge
+            out, cols = m0.base.shape
+            k, dt = len(members), m0.compute_dtype()
+            w = arena.view(w_off, m0.base.dtype, (k, out, cols))
+            stacks = []
+            for j, (t0, (b_off, a_off)) in enumerate(zip(m0.terms, term_offs)):
+                b = arena.view(b_off, dt, (k * t0.groups, t0.rows, t0.b.shape[1]))
+                a_ = arena.view(a_off, dt, (k * t0.groups, *t0.a.shape))
+                stacks.append((t0, b, a_))
+                for i, n in enumerate(members):
+                    t = self.sources.local[n].merge.terms[j]
+                    pack.dsts.append(b[i * t.groups:(i + 1) * t.groups].view(t.b.shape))
+                    pack.srcs.append(watched(f"{n}#B{j}", t.b))
+                    src = watched(f"{n}#A{j}", t.a)
+                    for g in range(t.groups):  # A once per group (canonical q / k / v: the shard's query groups)
+                        pack.dsts.append(a_[i * t.groups + g])
+                        pack.srcs.append(src)
+            for i, n in enumerate(members):
+                pack.dsts.append(w[i])
+                pack.srcs.append(watched(n, self.sources.local[n].merge.base.param))
+                self.sources.merged[n] = w[i]
+            cb.merges.append((w, stacks, m0.scale))
+
+    def run_merges(self, cb: CBucket) -> None:
+        """The bucket's merged weights into their slots: the pack, then the batched products."""
+        torch._foreach_copy_(cb.merge_pack.dsts, cb.merge_pack.srcs)
+        for w, stacks, scale in cb.merges:
+            merge_weights(w, stacks, scale)
 
     def make_pool(self, nbytes: int, limit: int = 2) -> None:
         """At most `limit` output buffers of `nbytes` (the largest bucket this rank builds), reused (`OutputPool`);
@@ -579,6 +684,8 @@ class Core:
         flat = None
         if cb.receive and any(st.direct is not None for st in cb.stages):
             flat = self.output(cb.nbytes)
+        if cb.merges:  # LoRA-merged weights first: everything below reads them
+            self.run_merges(cb)
         if cb.prequant:
             self.quantize_held(cb)
         works: list = []

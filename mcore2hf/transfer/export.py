@@ -64,13 +64,41 @@ class Executor:
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def memory_estimate(self) -> dict[str, int]:
-        """This rank's extra memory for an export: the staging arena(s) and the largest output bucket it builds."""
-        return memory_estimate(self.plan, [stage_bytes(p)[1] for p in self.programs], self.ctx.rank,
-                               self.receivers, self.arenas_n)
+        """This rank's extra memory for an export: the staging arena(s) and the largest output bucket it builds
+        (lora="merged": and `merge_bytes`, the merge arena(s): a bucket's merged weights and stacked factors)."""
+        est = memory_estimate(self.plan, [stage_bytes(p)[1] for p in self.programs], self.ctx.rank,
+                              self.receivers, self.arenas_n)
+        merge = [0] * self.arenas_n
+        for k, names in self._merges():
+            merge[k % self.arenas_n] = max(merge[k % self.arenas_n], self.core.merge_layout(names)[1])
+        if sum(merge):
+            est["merge_bytes"] = sum(merge)
+            est["total_bytes"] += sum(merge)
+        return est
+
+    def _merge_names(self, prog: Program) -> list[str]:
+        """The LoRA-merged weights this rank reads in a bucket (or a round): those it sends or holds for its own
+        output (chosen receivers), else every one it holds."""
+        if prog.p2p is not None:
+            sent = [s.name for items in prog.p2p.sends.values() for s, _, _ in items]
+            kept = [n for n, loc in prog.where.items() if loc.region in (LOCAL, "mixed")]
+            return self.core.merge_names(sent + kept)
+        return self.core.merge_names(s.name for s in prog.bucket.sources)
+
+    def _merges(self) -> list[tuple[int, list[str]]]:
+        """(bucket index, merged names) per bucket and round that merges anything."""
+        out = []
+        for k, p in enumerate(self.programs):
+            for r in p.rounds or [p]:
+                names = self._merge_names(r)
+                if names:
+                    out.append((k, names))
+        return out
 
     def compile(self) -> None:
         if self._compiled is not None:
             return
+        self.core.make_merge_arenas([(k % self.arenas_n, names) for k, names in self._merges()])
         sizes = [stage_bytes(p)[1] for p in self.programs]
         self.core.make_arenas([max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                                for a in range(self.arenas_n)])
@@ -95,6 +123,7 @@ class Executor:
         cb = CBucket(k, prog.receive, a, b.nbytes, program=prog)
         cb.dtypes = tuple(sorted({e.dtype for e in b.entries} | {s.dtype for s in b.sources}, key=str))
         bases = cb.bases
+        core.compile_merges(cb, self._merge_names(prog), a)  # first: the views below read the merged slots
         inplace: set[str] = set()  # sources quantized straight into the output (no blob)
         region_base: dict = {}
         if prog.p2p is not None:
