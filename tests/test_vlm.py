@@ -148,3 +148,72 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
                not (m is not None and m.startswith(MODULES))}
         assert not bad, (mt, list(bad.items())[:4])
         assert mapped["lm_head.weight"] == "language_model.lm_head.weight", mt
+
+
+#: the SGLang release whose model classes load our exports (tests/harness/sglang_vlm_load.py)
+SGLANG = "0.5.23"
+#: the architectures of the published checkpoints (their config.json), which SGLang resolves its class by
+SGLANG_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+
+
+def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
+    """SGLang 0.5.23's own Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE classes, built on CPU from the release's
+    wheel (harness.sglang_vlm_load), load every tensor an export sends (the checkpoint's names, which exports equal
+    bit for bit: test_vlm_language_models_towers_and_layouts), each into at least one of their parameters, a
+    whole-parameter copy exactly; loading them all leaves no parameter unfilled. SGLang skips a name it has no
+    parameter for silently, so a name we got wrong would otherwise go unnoticed until a proof sync."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness.wheels import unpacked_wheel
+
+    from mcore2hf.hf_config import hf_tensor_shapes
+
+    repo = Path(__file__).resolve().parents[1]
+    cases = {}
+    for mt, arch in SGLANG_ARCHS.items():
+        cfg = tiny_config(mt)
+        ckpt = make_hf_checkpoint(cfg, tmp_path / mt)
+        assert set(read_hf_checkpoint(ckpt)) == set(hf_tensor_shapes(cfg)), mt  # the names an export sends
+        # SGLang's view of the published config.json: `architectures` (what it resolves the class by) and, for
+        # Qwen3.5, `full_attention_interval`, which the published text_config carries beside `layer_types`
+        # (SGLang's configs/qwen3_next.py layers_block_type reads it; here layer_types alternate from linear),
+        # and the vision_config's `"deepstack_visual_indexes": []` (published Qwen3.5 configs spell it out;
+        # transformers 5.24 drops it, SGLang's configs/qwen3_vl.py defaults it to [8, 16, 24])
+        view = tmp_path / f"{mt}-config"
+        view.mkdir()
+        raw = json.loads((Path(ckpt) / "config.json").read_text())
+        raw["architectures"] = [arch]
+        if mt.startswith("qwen3_5"):
+            kinds = raw["text_config"]["layer_types"]
+            raw["text_config"]["full_attention_interval"] = kinds.index("full_attention") + 1
+            raw["vision_config"]["deepstack_visual_indexes"] = []
+            assert all((k == "full_attention") == ((i + 1) % (kinds.index("full_attention") + 1) == 0)
+                       for i, k in enumerate(kinds)), kinds
+        (view / "config.json").write_text(json.dumps(raw))
+        cases[mt] = [str(view), str(ckpt)]
+    inp, out = tmp_path / "cases.json", tmp_path / "loaded.json"
+    inp.write_text(json.dumps(cases))
+    site = unpacked_wheel("sglang", SGLANG, include=("sglang/*",))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "tests"), str(repo)]), PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "harness.sglang_vlm_load", str(site), str(inp), str(out)], env=env,
+                       cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.exists(), (r.stdout[-2000:], r.stderr[-4000:])
+    res = json.loads(out.read_text())
+    assert res["sglang"] == SGLANG and res["file"].startswith(str(site)), res  # the wheel's own code
+    for mt, arch in SGLANG_ARCHS.items():
+        got = res[mt]
+        assert "error" not in got, f"{mt}:\n{got.get('error')}"
+        assert got["class"].endswith(arch) and got["visual_params"] > 0, (mt, got["class"])
+        assert got["sent"] == len(hf_tensor_shapes(tiny_config(mt))), (mt, got["sent"])
+        assert not got["dropped"], (mt, "names SGLang skipped", got["dropped"][:5])
+        assert not got["mismatch"], (mt, "loaded but not equal", got["mismatch"][:5])
+        assert not got["unfilled"], (mt, "parameters nothing we send fills", got["unfilled"][:5])
+        # the tower lands in SGLang's tower (visual.*, qkv -> qkv_proj), the language model in model.*
+        for name, where in got["landed"].items():
+            want = "visual." if name.startswith("model.visual.") else ("lm_head." if name == "lm_head.weight"
+                                                                         else "model.")
+            assert all(p.startswith(want) for p in where if not p.startswith("lm_head.")), (mt, name, where)
