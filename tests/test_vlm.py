@@ -200,6 +200,23 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
                        for i, k in enumerate(kinds)), kinds
         (view / "config.json").write_text(json.dumps(raw))
         cases[mt] = [str(view), str(ckpt)]
+    # FP8 exports keep the tower unquantized: SGLang, given an export's quantization_config, must build it so
+    from mcore2hf.quantize import SCHEMES
+    from mcore2hf.registry import get_converter
+
+    for mt, arch in (("qwen3_vl", SGLANG_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
+        cfg = tiny_config(mt)
+        view = tmp_path / f"{mt}-fp8-config"
+        view.mkdir()
+        raw = cfg.to_dict()
+        raw["architectures"] = [arch]
+        (view / "config.json").write_text(json.dumps(raw))
+        # what save_pretrained(quantize="fp8") writes (exporter.py: the policy's config over the export's names)
+        qc = get_converter(mt).fp8.config(SCHEMES["fp8"], list(hf_tensor_shapes(cfg).items()))
+        cases[f"fp8:{mt}"] = [str(view), qc]
+        if mt == "glm4v_moe":  # without the tower's prefix entry SGLang quantizes the tower's fused qkv_proj
+            per_module = [m for m in qc["modules_to_not_convert"] if m != "model.visual"]
+            cases["fp8-per-module:glm4v_moe"] = [str(view), dict(qc, modules_to_not_convert=per_module)]
     inp, out = tmp_path / "cases.json", tmp_path / "loaded.json"
     inp.write_text(json.dumps(cases))
     site = unpacked_wheel("sglang", SGLANG, include=("sglang/*",))
@@ -222,3 +239,10 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
             want = "visual." if name.startswith("model.visual.") else ("lm_head." if name == "lm_head.weight"
                                                                          else "model.")
             assert all(p.startswith(want) for p in where if not p.startswith("lm_head.")), (mt, name, where)
+    for mt in ("qwen3_vl", "glm4v_moe"):
+        got = res[f"fp8:{mt}"]
+        assert "error" not in got, f"fp8 {mt}:\n{got.get('error')}"
+        assert any(p.startswith("model.layers.") for p in got["float8"]), (mt, got["float8"][:4])  # LM quantized
+        assert not [p for p in got["float8"] if p.startswith("visual.")], (mt, got["float8"])
+    assert "visual.blocks.0.attn.qkv_proj.weight" in res["fp8-per-module:glm4v_moe"]["float8"], res[
+        "fp8-per-module:glm4v_moe"]

@@ -19,7 +19,11 @@ The check, per model (TP 1; the engines' TP slicing is tests/test_engine_shards.
 with NaN, then each sent name is loaded alone and must write into at least one parameter (SGLang's loaders skip
 names they have no parameter for silently: qwen3_vl.py:1762-1765), a whole-parameter copy must be that tensor
 exactly; then all names are loaded together, in the order sent, and no parameter may keep a NaN (nothing the
-engine needs is missing)."""
+engine needs is missing).
+
+With a quantization config instead of a checkpoint (`fp8_params`), the class is built with SGLang's Fp8Config of
+an FP8 export's `quantization_config`, and the float8 parameters it creates are reported: the tower must have none
+(our FP8 exports keep it unquantized, so the engine must expect it so)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import sys
 
 #: (module, class) SGLang resolves for each HF architecture (models/registry.py, EntryClass of each module)
 CLASSES = {"Qwen3VLForConditionalGeneration": "sglang.srt.models.qwen3_vl",
+           "Glm4vMoeForConditionalGeneration": "sglang.srt.models.glm4v_moe",
            "Qwen3VLMoeForConditionalGeneration": "sglang.srt.models.qwen3_vl_moe",
            "Qwen3_5ForConditionalGeneration": "sglang.srt.models.qwen3_5",
            "Qwen3_5MoeForConditionalGeneration": "sglang.srt.models.qwen3_5"}
@@ -118,6 +123,26 @@ def check(config_dir: str, ckpt_dir: str) -> dict:
             "visual_params": sum(p.startswith("visual.") for p in params), "landed": landed}
 
 
+def fp8_params(config_dir: str, quantization_config: dict) -> dict:
+    """The release's class for the config built with SGLang's Fp8Config of `quantization_config` (an FP8 export's
+    config.json entry; layers/quantization/fp8.py Fp8Config.from_config and get_quant_method decide per layer from
+    its modules_to_not_convert): which parameters it creates in float8 (those the engine expects quantized).
+    The tiny models' odd widths are not multiples of the 128 x 128 blocks, which the FP8 linear refuses: blocks of
+    1 x 1 here (the block size plays no part in which layers are skipped)."""
+    import importlib
+
+    import torch
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    cfg = get_config(config_dir, trust_remote_code=False)
+    arch = cfg.architectures[0]
+    cls = getattr(importlib.import_module(CLASSES[arch]), arch)
+    model = cls(cfg, quant_config=Fp8Config.from_config(dict(quantization_config, weight_block_size=[1, 1])))
+    return {"class": f"{cls.__module__}.{arch}",
+            "float8": sorted(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)}
+
+
 def main(site: str, inp: str, out: str) -> None:
     _setup(site)
     import sglang
@@ -125,9 +150,9 @@ def main(site: str, inp: str, out: str) -> None:
     with open(inp) as f:
         cases = json.load(f)
     result = {"sglang": sglang.__version__, "file": sglang.__file__}
-    for key, (config_dir, ckpt_dir) in cases.items():
+    for key, (config_dir, second) in cases.items():
         try:
-            result[key] = check(config_dir, ckpt_dir)
+            result[key] = fp8_params(config_dir, second) if isinstance(second, dict) else check(config_dir, second)
         except Exception:  # noqa: BLE001 - reported per model, the others still run
             import traceback
 
