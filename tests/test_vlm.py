@@ -48,13 +48,15 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
     the language model's tensors bit for bit, engine-sharded export at the world's placements, save_pretrained
     completed from the checkpoint equals it and loads in transformers; the frozen tower (layout 3) is delivered
     live once per sync, or only with the first, only to the receivers; Bridge 0.3.1's Qwen3VLModel and
-    GLM45VModel (layout 2) export the whole checkpoint, their tower once, from the first stage."""
+    GLM45VModel and 0.6.2's KimiK25VLModel (rebuilt) (layout 2) export the whole checkpoint, their tower once,
+    from the first stage."""
     per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.vlm_archs, dict(vlm_ckpts), str(tmp_path),
                          bridge_vlm_root(), LAYOUTS[0], timeout=600)
     for layout in LAYOUTS:
         results = dict(per_rank[0][str(layout)])
         bridge = results.pop("bridge", None)
         bridge_glm = results.pop("bridge_glm", None)
+        bridge_kimi = results.pop("bridge_kimi", None)
         saved = results.pop("dist", {})
         assert set(saved) == (set(ARCHS) if layout == LAYOUTS[0] else set()), sorted(saved)
         for mt, r in saved.items():
@@ -63,7 +65,7 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
         dry = worlds.in_fresh_process(worlds.dry_run_plans, dict(vlm_ckpts), layout, "float32", 4096)
         for mt, (text, records, _) in dry.items():
             assert (text, records) == results[mt]["plan_4k"], mt
-        assert (bridge is not None) == (bridge_glm is not None) == (layout.vpp is None)
+        assert (bridge is not None) == (bridge_glm is not None) == (bridge_kimi is not None) == (layout.vpp is None)
         # the oracle that is not mcore2hf: the Megatron forward of text tokens at this layout = transformers' class
         logits = [{mt: res[str(layout)][mt]["logits"] for mt in results} for res in per_rank]
         problems = logit_problems(logits, {mt: vlm_ckpts[mt] for mt in results}, worlds.TOKENS, str(layout))
@@ -86,6 +88,11 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
             assert any(n.startswith("visual.") for n in bridge_glm["names"]), bridge_glm["names"][:3]
             assert not any(n.startswith("visual.") for n in per_rank[-1][str(layout)]["bridge_glm"]["names"])
             _loads_cleanly(bridge_glm["dir"], vlm_ckpts["glm4v_moe"])
+            # Kimi-K2.5: Bridge 0.6.2's KimiK25VLModel, rebuilt (its tower is the checkpoint's remote code), holds
+            # `vision_tower` and `mm_projector` beside `language_model`, on stage 0 only
+            assert {n.split(".")[0] for n in bridge_kimi["names"]} == {"vision_tower", "mm_projector", "language_model"}
+            assert all(n.startswith("language_model.") for n in per_rank[-1][str(layout)]["bridge_kimi"]["names"])
+            _loads_cleanly(bridge_kimi["dir"], vlm_ckpts["kimi_k25"])
 
 
 def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:

@@ -153,3 +153,61 @@ def build_glm45v_model(root: str, cfg, **overrides):
     config.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
     pre, post = stage_ends(None)
     return [model_cls(config, pre_process=pre, post_process=post, vp_stage=None)]
+
+
+def build_kimi_k25_equivalent(cfg, **overrides):
+    """Megatron-Bridge 0.6.2's KimiK25VLModel (models/kimi_vl/modeling_kimi_k25_vl.py), rebuilt here: it cannot
+    be built on this machine nor on the GPU machines. Its tower classes are the checkpoint's remote code
+    (`get_class_from_dynamic_module("modeling_kimi_k25.MoonViT3dPretrainedModel", config.hf_model_path)`,
+    modeling_kimi_k25_vl.py:152-188: MoonViT3dPretrainedModel, PatchMergerMLP, their configs), which is on the hub
+    only, and the module imports megatron.bridge.utils.common_utils, which needs Megatron-LM's megatron.training and
+    megatron-core 0.19's _rank_utils. What it builds, line by line:
+
+    * `super().__init__(config=config)` (:139), the provider config being the language model's TransformerConfig;
+    * on the first stage only (`if pre_process:`, :148): `self.vision_tower` (:215) and `self.mm_projector` (:216),
+      the remote MoonViT3d / PatchMergerMLP modules: here modules holding exactly the parameters the published
+      checkpoint stores under `vision_tower.` / `mm_projector.` (names and shapes: hf_config.hf_tensor_shapes),
+      every parameter marked `average_gradients_across_tp_domain` as hook_hf_module_setattr_for_tp_grad_sync
+      does (:218-219; Bridge utils/common_utils.py), replicated on every TP rank;
+    * `self.language_model = self.config.provide_language_model(...)` (:220), KimiK25VLModelProvider's
+      (kimi_k25_vl_provider.py:86-88: the MLA GPTModel; here mcore2hf's DeepSeek-V3 GPTModel for `cfg`);
+    * `share_embeddings_and_output_weights` and `shared_embedding_or_output_weight` from it (:225-226)."""
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+
+    from mcore2hf.build import build_model
+    from mcore2hf.hf_config import hf_tensor_shapes
+    from mcore2hf.model_specs.common import stage_ends
+
+    (language_model,) = build_model(cfg, use_te=False, **overrides)
+    shapes = hf_tensor_shapes(cfg)
+
+    def remote_module(prefix: str) -> torch.nn.Module:
+        root = torch.nn.Module()
+        for name, shape in shapes.items():
+            if not name.startswith(prefix):
+                continue
+            *path, leaf = name[len(prefix):].split(".")
+            module = root
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            param = torch.nn.Parameter(torch.empty(tuple(shape)))
+            param.average_gradients_across_tp_domain = True  # hook_hf_module_setattr_for_tp_grad_sync
+            module.register_parameter(leaf, param)
+        return root
+
+    class KimiK25VLModel(MegatronModule):
+        def __init__(self, config, pre_process: bool, post_process: bool, vp_stage=None):
+            super().__init__(config=config)
+            self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+            if pre_process:
+                self.vision_tower = remote_module("vision_tower.")
+                self.mm_projector = remote_module("mm_projector.")
+            self.language_model = language_model
+            self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+            self.shared_embedding_or_output_weight = language_model.shared_embedding_or_output_weight
+
+    pre, post = stage_ends(None)
+    return [KimiK25VLModel(language_model.config, pre_process=pre, post_process=post)]
