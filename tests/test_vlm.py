@@ -129,7 +129,8 @@ def _tower(model_type: str, name: str) -> bool:
 def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     """vLLM 0.33.0's own WeightsMapper of Qwen3VLForConditionalGeneration / Qwen3_5ForConditionalGeneration
     (harness.vllm_vlm_names: read from the wheel, run on CPU) maps every name an export sends (language model and
-    tower, checkpoint order) into the modules the class builds; Qwen3.5's MTP names it drops."""
+    tower, checkpoint order) into the modules the class builds; Qwen3.5's MTP names it drops. vLLM's Fp8Config,
+    given an FP8 export's quantization_config, keeps the tower of Qwen3-VL, GLM-4.5V and Kimi-K2.5 unquantized."""
     import json
     import subprocess
     import sys
@@ -143,6 +144,15 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     names = {mt: sorted(hf_tensor_shapes(tiny_config(mt))) for mt in ("qwen3_vl", "qwen3_5")}
     names["qwen3_5"].append("mtp.fc.weight")  # published Qwen3.5 checkpoints carry MTP weights (declared not held)
+    from mcore2hf.quantize import SCHEMES
+    from mcore2hf.registry import get_converter
+
+    names["fp8"] = {}
+    for mt, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"), ("glm4v_moe", "Glm4vMoeForConditionalGeneration"),
+                    ("kimi_k25", "KimiK25ForConditionalGeneration")):
+        shapes = hf_tensor_shapes(tiny_config(mt))
+        qc = get_converter(mt).fp8.config(SCHEMES["fp8"], list(shapes.items()))  # what an FP8 export writes
+        names["fp8"][mt] = [cls, sorted(n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")), qc]
     inp, out = tmp_path / "names.json", tmp_path / "mapped.json"
     inp.write_text(json.dumps(names))
     wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
@@ -160,6 +170,12 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
                not (m is not None and m.startswith(MODULES))}
         assert not bad, (mt, list(bad.items())[:4])
         assert mapped["lm_head.weight"] == "language_model.lm_head.weight", mt
+    # FP8: vLLM keeps every tower / projector layer of our FP8 exports unquantized, and quantizes the language model
+    for mt in ("qwen3_vl", "glm4v_moe", "kimi_k25"):
+        skipped = res[f"fp8:{mt}"]
+        tower = {n: k for n, k in skipped.items() if _tower(mt, n)}
+        assert tower and all(tower.values()), (mt, [n for n, k in tower.items() if not k][:5])
+        assert any(not k for n, k in skipped.items() if n not in tower), (mt, "nothing quantized")
 
 
 #: the SGLang release whose model classes load our exports (tests/harness/sglang_vlm_load.py)
