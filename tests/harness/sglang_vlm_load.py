@@ -5,7 +5,7 @@ stubs for what does not import here).
 What runs is the release's: its config parser (utils/hf_transformers/config.py `get_config`, which maps
 `qwen3_5` / `qwen3_5_moe` to SGLang's own config classes), the model classes' `__init__` (Qwen3-VL
 `models/qwen3_vl.py` Qwen3VLForConditionalGeneration, Qwen3-VL-MoE `models/qwen3_vl_moe.py`, Qwen3.5 and
-Qwen3.5-MoE `models/qwen3_5.py`: the vision tower, the language model with its fused qkv / gate_up, FusedMoE and
+Qwen3.5-MoE `models/qwen3_5.py`, GLM-4.5V `models/glm4v_moe.py`: the vision tower, the language model with its fused qkv / gate_up, FusedMoE and
 gated-DeltaNet parameters) and their `load_weights` with every parameter's own weight_loader. Around them, as a
 scheduler process sets them up before building the model: a dummy ServerArgs published with the release's test
 hook (runtime_context.py `RuntimeContext.override_server_args`), a gloo world of one process
