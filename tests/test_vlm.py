@@ -188,10 +188,12 @@ SGLANG_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "
 
 def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     """SGLang 0.5.23's own Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and GLM-4.5V classes, built on CPU from the
-    release's wheel (harness.sglang_vlm_load), load every tensor an export sends (the checkpoint's names, which exports equal
-    bit for bit: test_vlm_language_models_towers_and_layouts), each into at least one of their parameters, a
-    whole-parameter copy exactly; loading them all leaves no parameter unfilled. SGLang skips a name it has no
-    parameter for silently, so a name we got wrong would otherwise go unnoticed until a proof sync."""
+    release's wheel (harness.sglang_vlm_load), load every tensor an export sends (the checkpoint's names, which
+    exports equal bit for bit: test_vlm_language_models_towers_and_layouts), each into at least one of their
+    parameters, a whole-parameter copy exactly; loading them all leaves no parameter unfilled. SGLang skips a name
+    it has no parameter for silently, so a name we got wrong would otherwise go unnoticed until a proof sync.
+    Built with an FP8 export's quantization_config, the Qwen3-VL and GLM-4.5V classes create no tower parameter in
+    float8."""
     import json
     import subprocess
     import sys

@@ -5,13 +5,14 @@ stubs for what does not import here).
 What runs is the release's: its config parser (utils/hf_transformers/config.py `get_config`, which maps
 `qwen3_5` / `qwen3_5_moe` to SGLang's own config classes), the model classes' `__init__` (Qwen3-VL
 `models/qwen3_vl.py` Qwen3VLForConditionalGeneration, Qwen3-VL-MoE `models/qwen3_vl_moe.py`, Qwen3.5 and
-Qwen3.5-MoE `models/qwen3_5.py`, GLM-4.5V `models/glm4v_moe.py`: the vision tower, the language model with its fused qkv / gate_up, FusedMoE and
-gated-DeltaNet parameters) and their `load_weights` with every parameter's own weight_loader. Around them, as a
+Qwen3.5-MoE `models/qwen3_5.py`, GLM-4.5V `models/glm4v_moe.py`: the vision tower, the language model with its
+fused qkv / gate_up, FusedMoE and gated-DeltaNet parameters) and their `load_weights` with every parameter's own
+weight_loader. Around them, as a
 scheduler process sets them up before building the model: a dummy ServerArgs published with the release's test
 hook (runtime_context.py `RuntimeContext.override_server_args`), a gloo world of one process
 (distributed/parallel_state.py `init_distributed_environment`, `initialize_model_parallel`) and the process' ranks
-(0) stated with `get_parallel().override_permanently`. Two things differ from stubbing: models/utils.py registers kernels
-of the (stubbed) sgl_kernel as torch custom ops at import, and `direct_register_custom_op` skips those stubs
+(0) stated with `get_parallel().override_permanently`. Two things differ from stubbing: models/utils.py registers
+kernels of the (stubbed) sgl_kernel as torch custom ops at import, and `direct_register_custom_op` skips those stubs
 (nothing calls them when loading); the kernel modules in REAL_KERNEL_MODULES, which define layers holding
 parameters, are the wheel's own files.
 
