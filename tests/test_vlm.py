@@ -272,3 +272,32 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         assert not [p for p in got["float8"] if p.startswith("visual.")], (mt, got["float8"])
     assert "visual.blocks.0.attn.qkv_proj.weight" in res["fp8-per-module:glm4v_moe"]["float8"], res[
         "fp8-per-module:glm4v_moe"]
+
+
+def test_kimi_k25_equivalent_follows_bridge_0_6_2():
+    """harness.bridge_vlm.build_kimi_k25_equivalent rebuilds Megatron-Bridge 0.6.2's KimiK25VLModel (which cannot
+    be built here: its tower classes are the checkpoint's remote code); the release's own source still builds
+    what it rebuilds: `vision_tower` and `mm_projector` only under `if pre_process:`, and `language_model` from
+    the provider's `provide_language_model` on every stage (models/kimi_vl/modeling_kimi_k25_vl.py __init__)."""
+    import ast
+
+    from harness.bridge_vision import BRIDGE_VISION_VERSION
+    from harness.wheels import unpacked_wheel
+
+    path = "megatron/bridge/models/kimi_vl/modeling_kimi_k25_vl.py"
+    assert BRIDGE_VISION_VERSION == "0.6.2"
+    root = unpacked_wheel("megatron-bridge", BRIDGE_VISION_VERSION, (path,))
+    tree = ast.parse((root / path).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KimiK25VLModel")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+
+    def assigned(nodes) -> dict[str, ast.expr]:
+        return {t.attr: n.value for n in nodes if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"}
+
+    guarded = next(n for n in init.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "pre_process")
+    assert {"vision_tower", "mm_projector"} <= set(assigned(ast.walk(guarded))), ast.dump(guarded)[:300]
+    top = assigned(init.body)
+    assert not {"vision_tower", "mm_projector"} & set(top)
+    call = ast.unparse(top["language_model"])
+    assert call.startswith("self.config.provide_language_model("), call
