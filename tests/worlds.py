@@ -1705,13 +1705,15 @@ def frozen_tower(chunks, cfg, ckpt: str, ref: dict, full: dict, layout: Layout) 
     return out
 
 
-def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> dict:
-    """Layout 2 (an HF tower embedded in the Megatron model): Megatron-Bridge 0.3.1's own Qwen3VLModel at
-    `layout`, its `vision_model` (transformers' Qwen3VLVisionModel, first stage, every TP rank) loaded and exported
+def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, family: str = "qwen3_vl") -> dict:
+    """Layout 2 (an HF tower embedded in the Megatron model): Megatron-Bridge 0.3.1's own wrapper at `layout`
+    (`family` "qwen3_vl": Qwen3VLModel, its `vision_model` transformers' Qwen3VLVisionModel; "glm4v_moe":
+    GLM45VModel, its `visual` transformers' Glm4vVisionModel; "kimi_k25": 0.6.2's KimiK25VLModel rebuilt, its
+    `vision_tower` and `mm_projector`; first stage, every TP rank) loaded and exported
     through the pass-through rule: the export equals the whole checkpoint bit for bit; each tower tensor is one
     source, replicated (never gathered over TP), held by the first stage's ranks only, sent exactly once to each
     receiver; engine sharding refuses naming the tower's tensors."""
-    from harness.bridge_vlm import build_qwen3_vl_model
+    from harness.bridge_vlm import build_glm45v_model, build_kimi_k25_equivalent, build_qwen3_vl_model
     from megatron.core import parallel_state as ps
 
     from mcore2hf.engine_shards import EngineShardError
@@ -1723,39 +1725,48 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> 
     cfg = load_hf_config(ckpt)
     full = read_hf_checkpoint(ckpt)
     vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
-    chunks = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
+    # the wrapper, its tower's attribute(s), the tower's HF prefix(es), a tower tensor engine sharding names
+    hf, named = ("model.visual.",), "model.visual.blocks.0.attn.qkv.weight"
+    if family == "qwen3_vl":
+        chunks, prefix = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides()), ("vision_model.",)
+    elif family == "glm4v_moe":
+        chunks, prefix = build_glm45v_model(bridge_root, cfg, **layout.config_overrides()), ("visual.",)
+    else:  # Bridge 0.6.2's KimiK25VLModel, rebuilt (harness.bridge_vlm.build_kimi_k25_equivalent says why)
+        chunks = build_kimi_k25_equivalent(cfg, **layout.config_overrides())
+        prefix = hf = ("vision_tower.", "mm_projector.")
+        named = "mm_projector.proj.0.weight"
     names = [n for c in chunks for n, _ in c.named_parameters()]
     zero_(chunks)
     report = load_hf_weights(chunks, ckpt)
     assert not report.skipped, report.skipped  # the tower is held: nothing skipped
     ex = HFExporter(chunks, cfg)
     every = [(n, t.clone()) for b in ex.buckets(bucket_bytes=4096) for n, t in b]
-    agree(_counted(every, full, f"{layout} Bridge Qwen3VLModel, all ranks, rank {rank}"))
+    agree(_counted(every, full, f"{layout} Bridge {family}, all ranks, rank {rank}"))
     sources = ex.plan(4096).sources
     first_stage = {r.rank for r in ex.planner.records if r.pp == 0}
-    tower = {s.name: s for s in sources.values() if s.name.startswith("vision_model.")}
+    tower = {s.name: s for s in sources.values() if s.name.startswith(prefix)}
     # the merger linears share their names with a native tower's TP-split ones: WholeOrSplit, whole here (count 1)
     bad = [s.name for s in tower.values() if s.count != 1 or s.stages != (0,) or type(s.resolved.op).__name__ not in
            ("Replicated", "WholeOrSplit") or set(s.holders[0]) != first_stage
-           or not s.hf_names[0].startswith("model.visual.")]
+           or not s.hf_names[0].startswith(hf)]
     assert tower and not bad, bad[:4]
     sender = RecordingSender(receivers=(0,))
     sync(ex, sender, bucket_bytes=4096, pause=False, progress=False)
-    agree(_counted(sender.syncs[0], {} if rank else full, f"{layout} Bridge sync to rank 0, rank {rank}"))
+    agree(_counted(sender.syncs[0], {} if rank else full, f"{layout} Bridge {family} sync to rank 0, rank {rank}"))
     try:
         ex.engine_plan(colocated_ranks(layout.size, "sglang", 2))
     except EngineShardError as e:
         refused = str(e)
     else:
         refused = ""
-    assert "model.visual.blocks.0.attn.qkv.weight" in refused and "no engine sharding rule" in refused, refused
+    assert named in refused and "no engine sharding rule" in refused, refused
     # block-FP8: the language model's weights quantized as the reference quantizer does, the tower kept as it is
     fp8 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, quantize="fp8") for n, t in b}
-    agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge fp8")))
-    assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
-    out = os.path.join(out_root, "bridge", str(layout))
+    agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge {family} fp8")))
+    assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith(hf)), "tower quantized"
+    out = os.path.join(out_root, "bridge", family, str(layout))
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
-    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge save_pretrained"))
+    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge {family} save_pretrained"))
           if rank == 0 else None)
     return {"names": names, "tower_sources": len(tower), "dir": out}
 
@@ -1794,11 +1805,13 @@ def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
 def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dist_layout: Layout,
               layout: Layout) -> dict:
     """vlm_suite for every architecture at `layout`; with `bridge_root` (a layout without virtual PP) also
-    Megatron-Bridge's Qwen3VLModel (`bridge_tower`); at `dist_layout` also a torch_dist checkpoint of each
+    Megatron-Bridge's Qwen3VLModel, GLM45VModel and KimiK25VLModel (`bridge_tower`); at `dist_layout` also a torch_dist checkpoint of each
     language model under out_root/dist/<arch>/ckpt (the offline export's input)."""
     out = for_each_arch(vlm_suite, ckpts, layout, out_root)
     if bridge_root is not None and not layout.vpp:
         out["bridge"] = bridge_tower(ckpts["qwen3_vl"], layout, bridge_root, out_root)
+        out["bridge_glm"] = bridge_tower(ckpts["glm4v_moe"], layout, bridge_root, out_root, "glm4v_moe")
+        out["bridge_kimi"] = bridge_tower(ckpts["kimi_k25"], layout, bridge_root, out_root, "kimi_k25")
     if layout == dist_layout:
         out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out
