@@ -1,5 +1,5 @@
 """The engine-sharded export on the one core (issue 15): each rank receives only the regions its engine rank
-loads, in one batched point-to-point round per bucket (`EngineProgram`, from `builders.engine_program` or, on a
+loads, in one point-to-point round per bucket (one message per peer) (`EngineProgram`, from `builders.engine_program` or, on a
 disaggregated engine rank, as sent by the trainers), sends packed from views of the local shards, local pieces
 copied straight from the shards."""
 
@@ -26,8 +26,9 @@ class EngineExecutor:
 
     Transport: with `group` (any torch ProcessGroup, also one outside the default world, e.g. a weight-update
     group built from a TCPStore, see senders/process_group.py) the routes' ranks are ranks in `group` and `rank`
-    is this process's: batch_isend_irecv on it where torch.distributed knows the group, else the group's own
-    send/recv (a bare backend). Otherwise the default world, with `rank` defaulting to `ctx.rank`. A process
+    is this process's: on CUDA batch_isend_irecv where torch.distributed knows the group, else (a bare backend,
+    or CPU tensors) the group's own send/recv (`Core.post`). Otherwise the default world, with `rank` defaulting
+    to `ctx.rank`. A process
     holding nothing (a disaggregated engine process) passes `ctx=None`, `local={}` and its `rank`: it runs the
     receive side only; or it runs the per-bucket programs it was sent (`from_programs`).
 

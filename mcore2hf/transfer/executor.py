@@ -12,8 +12,13 @@ bucket, so only its views are made per run), no per-tensor Python beyond that.
   item (a getter), a non-contiguous parameter and an FP8 blob (a hook) are read once per bucket run.
 * `Copy` lists, merged into batched strided copies (`merge`), and packs into the arena (`Pack`).
 * `Core`: the arena(s), compile helpers, and the run: packing, in-place all-gathers (into the arena, or into the
-  output for a direct stage), one batched point-to-point round over the default world or any process group,
-  the FP8 quantization of held shards (a hook before the collectives), the copies into the output.
+  output for a direct stage), one point-to-point round over the default world or any process group, the FP8
+  quantization of held shards (a hook before the collectives), the copies into the output.
+
+Transport: on CUDA an all-gather is NCCL's (one ring launch) and a round one batch_isend_irecv (one grouped
+launch); on CPU (gloo) both are the group's own sends and receives posted at once (`Core.post`), an all-gather
+as one round straight between the members' buffers (`cpu_p2p_default`; gloo's all-gather gathers into a
+temporary buffer and copies it out, and batch_isend_irecv doubles the wall time of a small round).
 """
 
 from __future__ import annotations
@@ -297,8 +302,8 @@ class CBucket:
 
 class Core:
     """Compiles and runs per-rank programs. Transport: the default world, or `group` (any torch ProcessGroup, also
-    one outside the default world: batch_isend_irecv where torch.distributed knows the group, else the group's
-    own send/recv, whose ranks are taken directly)."""
+    one outside the default world: on CUDA batch_isend_irecv where torch.distributed knows the group, else (a bare
+    backend, or CPU tensors) the group's own send/recv, whose ranks are taken directly: `post`)."""
 
     def __init__(self, local: dict[str, LocalTensor], device: torch.device, group=None, quantize: str | None = None):
         self.device = device

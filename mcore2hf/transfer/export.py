@@ -2,7 +2,8 @@
 (`builders`), compiled into the core's arena, copy lists and collectives, run bucket after bucket.
 
 Every tensor travels as its *stacked shards*: the TP shards one after the other in a flat byte buffer. Per
-bucket and rank there is at most one collective per group, each on one flat buffer:
+bucket and rank there is at most one collective per group, each on one flat buffer (on CPU, one point-to-point
+round straight between the members' buffers, `Core.gather`):
 
 all ranks receive (colocated RL sync, the default):
   1. TP all-gather (dense tensors) and expert-TP all-gather (experts) of the shards this rank holds;
