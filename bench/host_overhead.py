@@ -44,55 +44,58 @@ def job(cfg: dict, rounds: int, profile: bool):
 
     from mcore2hf.transfer.export import Executor
 
-    def timed(executor, replay: bool, p2p: bool, profile_it: bool = False) -> tuple:
-        """(wall, process CPU) seconds of the fastest later export, and its transport counts per export: replay on
-        (pooled outputs, precomputed views) or off (the earlier path: a new output per bucket, its views made at
-        each run); all-gathers as one point-to-point round each (`p2p`) or gloo's all-gather."""
+    def prepared(executor, replay: bool, p2p: bool):
+        """An executor after its first export: replay on (pooled outputs, precomputed views) or off (the earlier
+        path: a new output per bucket, its views made at each run); all-gathers as one point-to-point round each
+        (`p2p`) or gloo's all-gather."""
         executor.core.replay, executor.core.cpu_p2p = replay, p2p and executor.core.cpu_p2p
         for _ in executor.run():
             pass
-        counts, received = dict(executor.core.counts), executor.stats["received_bytes"]
-        best = (float("inf"), float("inf"))
-        for _ in range(rounds):
-            dist.barrier()
-            t, c = time.perf_counter(), time.process_time()
-            if profile_it:
-                prof.enable()
-            for _ in executor.run():
-                pass
-            if profile_it:
-                prof.disable()
-            best = min(best, (time.perf_counter() - t, time.process_time() - c))
-        return (*best, counts, received)
+        executor.first = (dict(executor.core.counts), executor.stats["received_bytes"])
+        return executor
 
-    def floor(executor) -> tuple[float, float]:
-        """The same all-gathers (groups, slots) as the export's, on buffers of their own with nothing packed or
-        copied: what moving the bytes costs on this transport ((wall, CPU) seconds, best of `rounds`)."""
-        executor.core.cpu_p2p = True
+    def export(executor, profile_it: bool = False) -> None:
+        if profile_it:
+            prof.enable()
+        for _ in executor.run():
+            pass
+        if profile_it:
+            prof.disable()
+
+    def gathers(executor):
+        """The export's all-gathers (groups, slots) on buffers of their own with nothing packed or copied: what
+        moving its bytes costs on this transport (the floor)."""
         stages = [(st.group, st.direct[1:] if st.direct else (st.recv.numel() // st.slot, st.me, st.slot))
                   for cb in executor._compiled for st in cb.stages]
         bufs = [torch.empty(m * slot, dtype=torch.uint8, device=ex.device) for _, (m, _, slot) in stages]
-        best = (float("inf"), float("inf"))
-        for _ in range(rounds + 1):
-            dist.barrier()
-            t, c = time.perf_counter(), time.process_time()
+
+        def run(_profile_it: bool = False) -> None:
             for k, (buf, (group, (_, me, slot))) in enumerate(zip(bufs, stages)):
                 for w in executor.core.gather(buf, me, slot, group, k):
                     w.wait()
-            best = min(best, (time.perf_counter() - t, time.process_time() - c))
-        return best
+        return run
 
     prof = cProfile.Profile() if profile and dist.get_rank() == 0 else None
-    main = Executor(plan, ex.ctx, ex._local, None, ex.device)
-    new = timed(main, True, True, prof is not None)
-    gloo = timed(Executor(plan, ex.ctx, ex._local, None, ex.device), True, False)
-    old = timed(Executor(plan, ex.ctx, ex._local, None, ex.device), False, False)
-    # the same plan with no collective landing in its output (the staged path), for comparison
-    staged = timed(Executor(replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets]), ex.ctx, ex._local,
-                            None, ex.device), True, True)
-    out = {"tensors": n, "buckets": len(plan.buckets), "plan_s": plan_s, "new": new, "gloo": gloo, "old": old,
-           "staged": staged, "floor": floor(main) if dist.get_world_size() > 1 else None,
-           "direct": sum(b.direct is not None for b in plan.buckets)}
+    main = prepared(Executor(plan, ex.ctx, ex._local, None, ex.device), True, True)
+    runs = {"new": main,
+            "gloo": prepared(Executor(plan, ex.ctx, ex._local, None, ex.device), True, False),
+            "old": prepared(Executor(plan, ex.ctx, ex._local, None, ex.device), False, False),
+            # the same plan with no collective landing in its output (the staged path), for comparison
+            "staged": prepared(Executor(replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets]),
+                                        ex.ctx, ex._local, None, ex.device), True, True)}
+    fns = {k: (lambda p=False, e=e: export(e, p)) for k, e in runs.items()}
+    if dist.get_world_size() > 1:
+        fns["floor"] = gathers(main)
+    best = {k: (float("inf"), float("inf")) for k in fns}
+    for _ in range(rounds):  # the variants alternate, so load from other jobs hits them alike
+        for k, fn in fns.items():
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            fn(k == "new" and prof is not None)
+            best[k] = min(best[k], (time.perf_counter() - t, time.process_time() - c))
+    out = {"tensors": n, "buckets": len(plan.buckets), "plan_s": plan_s, "floor": best.get("floor"),
+           "direct": sum(b.direct is not None for b in plan.buckets),
+           **{k: (*best[k], *e.first) for k, e in runs.items()}}
     if prof:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)

@@ -547,8 +547,8 @@ class Core:
         self.counts["messages"] += len(sends) + len(recvs)
         if self.cpu_p2p or not known:
             pg = dist.group.WORLD if group is None else group
-            works = [pg.send([buf], peer, tag) for peer, buf in sends]
-            return works + [pg.recv([buf], peer, tag) for peer, buf in recvs]
+            works = [pg.recv([buf], peer, tag) for peer, buf in recvs]  # receives first, as a bare backend's were
+            return works + [pg.send([buf], peer, tag) for peer, buf in sends]
         ops = [dist.P2POp(dist.isend, buf, group=group, group_peer=peer) for peer, buf in sends] + \
               [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer) for peer, buf in recvs]
         return dist.batch_isend_irecv(ops) if ops else []
