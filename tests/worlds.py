@@ -1091,7 +1091,9 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
 
 def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int) -> dict:
     """Per architecture: the all-ranks export with its last all-gather landing in the output (BucketPlan.direct)
-    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves."""
+    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves; and the
+    earlier CPU transport (gloo's all-gather, MCORE2HF_CPU_P2P=0, no pool) bit-identical too, with the transfers
+    each scheme posts."""
     from dataclasses import replace
 
     from mcore2hf.transfer.export import Executor
@@ -1106,12 +1108,15 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
         plan = ex.plan(bucket_bytes)
         staged = replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets])
         stats = {}
-        for what, p in (("direct", plan), ("staged", staged)):
+        for what, p in (("direct", plan), ("staged", staged), ("earlier", plan)):
             runner = Executor(p, ex.ctx, ex._local, None, ex.device)
+            if what == "earlier":
+                runner.core.cpu_p2p = runner.core.replay = False
             for k in range(2):  # plan once, run twice: the second run reuses the compiled copies and buffers
                 got = {n: t.clone() for b in runner.run() for n, t in b}
                 assert_same(got, ref, f"{mt} {layout} {what} export {k}")
             stats[what] = {k: v // 2 for k, v in runner.stats.items() if k.endswith("_bytes")}
+            stats[what].update({k: v // 2 for k, v in runner.core.counts.items()})
             if what == "direct":  # slots filled by one concatenation (whole-shard layout ops), not per-tensor copies
                 stats["cat_slots"] = sum(st.cat is not None for cb in runner._compiled for st in cb.stages)
         # sync() on the same exporter (its executor's byte counters must survive sync's per-sync phase times)

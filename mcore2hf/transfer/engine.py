@@ -1,7 +1,7 @@
 """The engine-sharded export on the one core (issue 15): each rank receives only the regions its engine rank
-loads, in one batched point-to-point round per bucket (`EngineProgram`, from `builders.engine_program` or, on a
-disaggregated engine rank, as sent by the trainers), sends packed from views of the local shards, local pieces
-copied straight from the shards."""
+loads, in one point-to-point round per bucket, one message per peer (`EngineProgram`, from
+`builders.engine_program` or, on a disaggregated engine rank, as sent by the trainers), sends packed from views of
+the local shards, local pieces copied straight from the shards."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ class EngineExecutor:
 
     Transport: with `group` (any torch ProcessGroup, also one outside the default world, e.g. a weight-update
     group built from a TCPStore, see senders/process_group.py) the routes' ranks are ranks in `group` and `rank`
-    is this process's: batch_isend_irecv on it where torch.distributed knows the group, else the group's own
-    send/recv (a bare backend). Otherwise the default world, with `rank` defaulting to `ctx.rank`. A process
-    holding nothing (a disaggregated engine process) passes `ctx=None`, `local={}` and its `rank`: it runs the
-    receive side only; or it runs the per-bucket programs it was sent (`from_programs`).
+    is this process's: on CUDA batch_isend_irecv where torch.distributed knows the group, else (a bare backend,
+    or CPU tensors) the group's own send/recv (`Core.post`). Otherwise the default world, with `rank` defaulting
+    to `ctx.rank`. A process holding nothing (a disaggregated engine process) passes `ctx=None`, `local={}` and its
+    `rank`: it runs the receive side only; or it runs the per-bucket programs it was sent (`from_programs`).
 
     Output: "slices" packs the raw regions tight (`EngineBucket.slices()`); "masked" lays the buffer out as the
     full-shaped HF tensors of the export plan's bucket (its layout, the same on every rank) and every piece

@@ -12,8 +12,13 @@ bucket, so only its views are made per run), no per-tensor Python beyond that.
   item (a getter), a non-contiguous parameter and an FP8 blob (a hook) are read once per bucket run.
 * `Copy` lists, merged into batched strided copies (`merge`), and packs into the arena (`Pack`).
 * `Core`: the arena(s), compile helpers, and the run: packing, in-place all-gathers (into the arena, or into the
-  output for a direct stage), one batched point-to-point round over the default world or any process group,
-  the FP8 quantization of held shards (a hook before the collectives), the copies into the output.
+  output for a direct stage), one point-to-point round over the default world or any process group, the FP8
+  quantization of held shards (a hook before the collectives), the copies into the output.
+
+Transport: on CUDA an all-gather is NCCL's (one ring launch) and a round one batch_isend_irecv (one grouped
+launch); on CPU (gloo) both are the group's own sends and receives posted at once (`Core.post`), an all-gather
+as one round straight between the members' buffers (`cpu_p2p_default`; gloo's all-gather gathers into a
+temporary buffer and copies it out, and batch_isend_irecv doubles the wall time of a small round).
 """
 
 from __future__ import annotations
@@ -42,6 +47,15 @@ from ..quantize import (
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _data_ptr = torch.Tensor.data_ptr
 _use_count = torch._C._storage_Use_Count  # references to a storage (tensors, views, storage objects)
+
+
+def cpu_p2p_default() -> bool:
+    """Whether transfers of CPU tensors (gloo) are posted as the process group's own sends and receives: an
+    all-gather as one point-to-point round straight between the members' buffers, a point-to-point round without
+    torch's batch_isend_irecv. MCORE2HF_CPU_P2P=0 selects the earlier scheme, for comparison: gloo's all-gather
+    (it gathers into a temporary buffer of its own and copies every byte out of it) and batch_isend_irecv (on
+    gloo about twice the wall time of the same messages posted directly)."""
+    return os.environ.get("MCORE2HF_CPU_P2P", "1") != "0"
 
 
 def replay_default() -> bool:
@@ -246,7 +260,8 @@ class CStage:
 
     group: object
     recv: torch.Tensor | None  # uint8 view of the arena: members * slot (None: direct, the output's first bytes)
-    mine: torch.Tensor | None  # this rank's slot (the in-place all-gather input)
+    me: int = 0  # this rank's member index: its slot, recv[me * slot:(me + 1) * slot], is the all-gather input
+    slot: int = 0
     pack: Pack = field(default_factory=Pack)
     #: a direct stage: its layout-op copies of this rank's sources into its slot of the output, and the slot
     direct: tuple[list[Copy], int, int, int] | None = None  # (copies, members, member index, slot bytes)
@@ -303,8 +318,8 @@ class CBucket:
 
 class Core:
     """Compiles and runs per-rank programs. Transport: the default world, or `group` (any torch ProcessGroup, also
-    one outside the default world: batch_isend_irecv where torch.distributed knows the group, else the group's
-    own send/recv, whose ranks are taken directly)."""
+    one outside the default world: on CUDA batch_isend_irecv where torch.distributed knows the group, else (a bare
+    backend, or CPU tensors) the group's own send/recv, whose ranks are taken directly: `post`)."""
 
     def __init__(self, local: dict[str, LocalTensor], device: torch.device, group=None, quantize: str | None = None):
         self.device = device
@@ -317,6 +332,10 @@ class Core:
         self.arenas: list[Arena] = []
         self.timing = False
         self.replay = replay_default()
+        # on CUDA, NCCL's all-gather is one ring launch and batch_isend_irecv one grouped launch: kept there
+        self.cpu_p2p = cpu_p2p_default() and device.type == "cpu"
+        #: transport operations issued, summed over runs: collectives (all-gathers) and point-to-point messages
+        self.counts = {"collectives": 0, "messages": 0}
         self.graphs = graphs_default()
         self.pool: OutputPool | None = None  # made by the executor's compile (`make_pool`)
         self.merge_arenas: list[Arena] = []  # LoRA-merged weights of a bucket and their stacked factors
@@ -625,17 +644,37 @@ class Core:
             i = j
         return rest
 
+    def post(self, group, sends: list, recvs: list, tag: int, known: bool = True) -> list:
+        """Post sends and receives [(peer, buffer)] on `group` (None: the default world; peers are its ranks) at
+        once; returns the works to wait on. The group's own send/recv on CPU (`cpu_p2p`) or on a group
+        torch.distributed does not know (`known` False: a bare backend, e.g. ProcessGroupGloo(store, rank,
+        size)); else batch_isend_irecv (NCCL launches the sends and receives as one group)."""
+        self.counts["messages"] += len(sends) + len(recvs)
+        if self.cpu_p2p or not known:
+            pg = dist.group.WORLD if group is None else group
+            works = [pg.recv([buf], peer, tag) for peer, buf in recvs]  # receives first, as a bare backend's were
+            return works + [pg.send([buf], peer, tag) for peer, buf in sends]
+        ops = [dist.P2POp(dist.isend, buf, group=group, group_peer=peer) for peer, buf in sends] + \
+              [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer) for peer, buf in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def gather(self, recv: torch.Tensor, me: int, slot: int, group, tag: int) -> list:
+        """All-gather in place on `group`: member `me`'s slot of `recv` (`slot` bytes each) to every member; returns
+        the works to wait on. On CPU (`cpu_p2p`) one point-to-point round straight between the members' buffers:
+        every byte crosses once, where gloo's all-gather also copies the whole result out of a temporary buffer
+        (half the process CPU time of a large gather over loopback TCP, bench/host_overhead.py)."""
+        if slot == 0:
+            return []
+        mine = recv[me * slot:(me + 1) * slot]
+        if not self.cpu_p2p:
+            self.counts["collectives"] += 1
+            return [_all_gather(recv, mine, group=group, async_op=True)]
+        peers = [p for p in range(recv.numel() // slot) if p != me]
+        return self.post(group, [(p, mine) for p in peers], [(p, recv[p * slot:(p + 1) * slot]) for p in peers], tag)
+
     def exchange(self, rnd: CRound, tag: int) -> list:
         """Post every send and receive of a round at once; returns the works to wait on."""
-        sends, recvs = rnd.sends, rnd.recvs
-        if self.batched:  # coalesced (NCCL launches the bucket's sends and receives as one group)
-            ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf in sends] + \
-                  [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf in recvs]
-            return dist.batch_isend_irecv(ops) if ops else []
-        # a group torch.distributed does not know (a bare backend, e.g. ProcessGroupGloo(store, rank, size)): its
-        # own send/recv, which take its ranks directly
-        works = [self.group.recv([buf], peer, tag) for peer, buf in recvs]
-        return works + [self.group.send([buf], peer, tag) for peer, buf in sends]
+        return self.post(self.group, rnd.sends, rnd.recvs, tag, self.batched)
 
     def launch(self, cb: CBucket, j: int, works: list, flat: torch.Tensor | None, cache: dict) -> None:
         """Stage j: pack and all-gather in place; a direct stage converts this rank's sources into its slot of
@@ -649,11 +688,10 @@ class Core:
                 torch.cat([p if isinstance(p, torch.Tensor) else self.sources.resolve(p, cache).reshape(-1)
                            for p in srcs], out=typed[lo:hi])
             self.run_copies(copies, flat, cb.dtypes, cache, cb.prepared, j)
-            recv = flat[:members * slot]
-            works.append(_all_gather(recv, recv[me * slot:(me + 1) * slot], group=st.group, async_op=True))
+            works.extend(self.gather(flat[:members * slot], me, slot, st.group, cb.index))
             return
         self.run_pack(st.pack, cache)
-        works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
+        works.extend(self.gather(st.recv, st.me, st.slot, st.group, cb.index))
 
     def quantize_held(self, cb: CBucket) -> None:
         """The FP8 blobs of this rank's shards in the bucket, quantized per shard shape in batched passes of

@@ -2,7 +2,8 @@
 (`builders`), compiled into the core's arena, copy lists and collectives, run bucket after bucket.
 
 Every tensor travels as its *stacked shards*: the TP shards one after the other in a flat byte buffer. Per
-bucket and rank there is at most one collective per group, each on one flat buffer:
+bucket and rank there is at most one collective per group, each on one flat buffer (on CPU, one point-to-point
+round straight between the members' buffers, `Core.gather`):
 
 all ranks receive (colocated RL sync, the default):
   1. TP all-gather (dense tensors) and expert-TP all-gather (experts) of the shards this rank holds;
@@ -148,11 +149,10 @@ class Executor:
             if st.direct:
                 cat = self._whole_slot(prog, j, bases)
                 pre = [] if cat else self._compile_copies(prog, a, region_base, bases, direct=j, inplace=inplace)
-                cb.stages.append(CStage(st.axis.group, None, None, direct=(pre, st.axis.size, st.axis.rank, st.slot),
+                cb.stages.append(CStage(st.axis.group, None, direct=(pre, st.axis.size, st.axis.rank, st.slot),
                                         cat=cat))
                 continue
             recv = arena[base:base + st.axis.size * st.slot]
-            mine = recv[st.axis.rank * st.slot:(st.axis.rank + 1) * st.slot]
             pack = Pack()
             for s, off in st.packs:
                 if st.striped:  # this rank's own TP shard
@@ -166,7 +166,7 @@ class Executor:
                         src = core.whole(s.name, s.shard_shape) if loc.region == LOCAL else \
                             self._view(a, region_base[loc.region] + loc.offsets[i], s)
                         core.pack_into(pack, dst, src, bases)
-            cb.stages.append(CStage(st.axis.group, recv, mine, pack))
+            cb.stages.append(CStage(st.axis.group, recv, st.axis.rank, st.slot, pack))
         if prog.receive:
             cb.copies = self._compile_copies(prog, a, region_base, bases, inplace=inplace)
         cb.prequant = core.prequant_groups([s for s in b.sources if s.name not in inplace], self.local)
