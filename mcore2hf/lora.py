@@ -30,7 +30,7 @@ The merged export (`lora="merged"`) writes W + (alpha / r) B A: computed on each
 to W in fp32, rounded once to the base's dtype: `add_delta`), with the one factor that is split along the other axis
 gathered over TP first (A of a column-parallel base, B of a row-parallel base: both split on dim 0), never modifying
 the model's parameters. Each merged weight is described (`Merge`, its `Term`s) for the executor core, which merges a
-bucket's weights batched (transfer/executor.py `Core.compile_merges`).
+bucket's weights batched (transfer/lora_merges.py `LoRAMerges`).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ from ..naming import LocalTensor
 from ..parallel import ParallelContext
 from ..plan import align
 from .builders import engine_program
-from .executor import CBucket, Copy, Core, CRound, Pack
+from .executor import CBucket, Copy, Core, CRound
 from .program import EngineProgram, packed_bytes, packed_offsets
+from .sources import Pack
 
 
 class EngineExecutor:
@@ -80,13 +81,13 @@ class EngineExecutor:
         if self._compiled is not None:
             return
         self.core.make_arenas([max([self._arena_bytes(p) for p in self.programs] or [0])])
-        self.core.make_merge_arenas([(0, self._merge_names(p)) for p in self.programs])
+        self.core.lora.make_arenas([(0, self._merge_names(p)) for p in self.programs])
         self._compiled = [self._compile(p) for p in self.programs]
         self.core.make_pool(max([cb.nbytes for cb in self._compiled] or [0]))
 
     def _merge_names(self, prog: EngineProgram) -> list[str]:
         """The LoRA-merged weights this rank reads in a bucket: those it sends pieces of or copies locally."""
-        return self.core.merge_names([it.source for _, items in prog.sends for it in items] +
+        return self.core.lora.names([it.source for _, items in prog.sends for it in items] +
                                      [it.source for it in prog.local])
 
     def _layout(self, prog: EngineProgram) -> tuple[list, dict]:
@@ -101,7 +102,7 @@ class EngineExecutor:
         cb = CBucket(prog.index, True, 0, max((e.start + e.nbytes for e in out), default=0),
                      tuple(sorted({e.dtype for e in out}, key=str)))
         cb.program = (prog, out)
-        core.compile_merges(cb, self._merge_names(prog), 0)  # first: the views below read the merged slots
+        cb.merge_pack, cb.merges = core.lora.compile(self._merge_names(prog), 0, cb.bases)  # first: the views below read the merged slots
         arena = core.arenas[0]
         rnd = cb.p2p = CRound(Pack(), [], [])
         sent = received = local = 0

@@ -5,12 +5,12 @@ export, copy lists of precomputed views, the collectives or the point-to-point r
 host work is launching those: one `_foreach_copy_` per pack, one per copy list (the output is a new buffer per
 bucket, so only its views are made per run), no per-tensor Python beyond that.
 
-* `Arena`: one flat byte buffer with its dtype views.
-* `Sources`: this rank's local tensors, one staleness policy for all exports: a contiguous parameter is read
-  through views precomputed at compile time, each compiled bucket recording the storages it relies on; when
-  training swapped a parameter's .data since, the bucket is recompiled before it runs. A buffer or grouped-expert
-  item (a getter), a non-contiguous parameter and an FP8 blob (a hook) are read once per bucket run.
-* `Copy` lists, merged into batched strided copies (`merge`), and packs into the arena (`Pack`).
+* `sources`: what the core reads and writes: `Sources` (this rank's local tensors, one staleness policy for all
+  exports: a contiguous parameter read through views precomputed at compile time, each compiled bucket recording
+  the storages it relies on and recompiled when training swapped a parameter's .data since; a buffer, a
+  grouped-expert item, a non-contiguous parameter and an FP8 blob read once per bucket run), `Arena`, `Pack`,
+  `OutputPool`; `lora_merges`: LoRA-merged weights computed batched when their bucket starts.
+* `Copy` lists, merged into batched strided copies (`merge`).
 * `Core`: the arena(s), compile helpers, and the run: packing, in-place all-gathers (into the arena, or into the
   output for a direct stage), one point-to-point round over the default world or any process group, the FP8
   quantization of held shards (a hook before the collectives), the copies into the output.
@@ -32,9 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout_pieces import row_strides
-from ..lora import Merge, merge_weights
 from ..naming import LocalTensor
-from ..plan import align
 from ..quantize import (
     FP8Into,
     FP8RowSlices,
@@ -43,10 +41,10 @@ from ..quantize import (
     per_block_cast_to_fp8,
     per_block_cast_to_fp8_batched,
 )
+from .lora_merges import LoRAMerges
+from .sources import Arena, OutputPool, Pack, Sources
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_data_ptr = torch.Tensor.data_ptr
-_use_count = torch._C._storage_Use_Count  # references to a storage (tensors, views, storage objects)
 
 
 def cpu_p2p_default() -> bool:
@@ -68,131 +66,6 @@ def graphs_default() -> bool:
     """Whether a copy list on a pooled CUDA buffer is captured once as a CUDA graph and replayed (MCORE2HF_GRAPHS=0:
     launched eagerly each time)."""
     return os.environ.get("MCORE2HF_GRAPHS", "1") != "0"
-
-
-class OutputPool:
-    """Output buffers reused by every bucket and export, so a bucket's copies run on views precomputed once.
-
-    Lifetime rule: a buffer is handed out again only when nothing but the pool references its memory (its
-    storage's use count): the Bucket, its `flat`, every tensor or view taken from it, dropped. A bucket you keep
-    stays valid and is never overwritten: the next bucket then takes the other buffer, or a new one that is not
-    kept (beyond `limit` buffers). A consumer that drops each bucket before asking for the next runs on one
-    buffer; a plain `for` loop (its variable holds the previous bucket while the next is built) on two. The
-    buffers are kept between exports, as the staging arena is (`HFExporter.release()` frees both). Precomputed
-    views are made on an alias of each buffer's memory (`aliases`), which holds no reference to its storage, so
-    the use count sees only what the consumer holds. Where a bucket's collective lands in its output, that output
-    is taken when the bucket starts, while the previous one is still alive: `limit` 3 keeps a `for` loop pooled."""
-
-    def __init__(self, nbytes: int, device: torch.device, limit: int = 2):
-        self.nbytes, self.device, self.limit = max(nbytes, 64), device, limit
-        self.buffers: list[torch.Tensor] = []
-        self.aliases: list[torch.Tensor] = []
-        self._free: list[int] = []  # each buffer's use count with no reference outside the pool
-        self._slot: dict[int, int] = {}  # data_ptr -> buffer index
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of `nbytes` bytes: a pooled one nobody holds, else a new one."""
-        if nbytes <= self.nbytes:
-            for i, b in enumerate(self.buffers):
-                if _use_count(b.untyped_storage()._cdata) <= self._free[i]:
-                    return b[:nbytes]
-            if len(self.buffers) < self.limit:
-                b = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-                alias = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-                    torch._C._construct_storage_from_data_pointer(b.data_ptr(), b.device, self.nbytes))
-                self._slot[b.data_ptr()] = len(self.buffers)
-                self.buffers.append(b)
-                self.aliases.append(alias)
-                self._free.append(_use_count(b.untyped_storage()._cdata))
-                return b[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def slot(self, flat: torch.Tensor) -> int | None:
-        """The pooled buffer `flat` starts, or None (a buffer of its own)."""
-        return self._slot.get(flat.data_ptr())
-
-    @staticmethod
-    def nbytes_kept(pool: OutputPool | None) -> int:
-        return 0 if pool is None else sum(b.numel() for b in pool.buffers)
-
-
-class Arena:
-    """A flat staging buffer, reused by every bucket and export, with cached dtype views."""
-
-    def __init__(self, nbytes: int, device: torch.device):
-        self.flat = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=device)
-        self.typed_views: dict[torch.dtype, torch.Tensor] = {}
-
-    def typed(self, dtype: torch.dtype) -> torch.Tensor:
-        t = self.typed_views.get(dtype)
-        if t is None:
-            n = self.flat.numel()
-            t = self.typed_views[dtype] = self.flat[:n - n % dtype.itemsize].view(dtype)
-        return t
-
-    def view(self, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A contiguous tensor of `shape` at `byte_offset` (aligned for the dtype)."""
-        n = 1
-        for d in shape:
-            n *= d
-        start = byte_offset // dtype.itemsize
-        return self.typed(dtype)[start:start + n].view(shape)
-
-
-class Sources:
-    """This rank's local tensors as programs read them (see the module docstring for the staleness policy)."""
-
-    def __init__(self, local: dict[str, LocalTensor]):
-        self.local = local
-        #: name -> a function giving the tensor to read instead, once per bucket run (FP8 blobs)
-        self.hooks: dict[str, Callable[[], torch.Tensor]] = {}
-        #: a LoRA-merged weight's slot in a merge arena (`Core.compile_merges`), written when its bucket starts
-        self.merged: dict[str, torch.Tensor] = {}
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The local tensor as it is now (a merged weight: its slot, merged by the running bucket)."""
-        slot = self.merged.get(name)
-        if slot is not None:
-            return slot
-        lt = self.local[name]
-        # buffers and computed tensors (a LoRA merge) are read through their getter each time
-        return (lt.get() if lt.is_buffer or lt.param is None else lt.param).detach()
-
-    def view(self, name: str, sizes, strides, offset: int, bases: dict, hooked: bool = False) -> torch.Tensor | None:
-        """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run.
-        `hooked`: of the parameter itself even where a hook gives what is read instead (FP8 quantized in place)."""
-        lt = self.local[name]
-        if name in self.hooks and not hooked:
-            return None
-        slot = self.merged.get(name)
-        if slot is not None:  # a merge arena is never reallocated: no storage to watch
-            return slot.as_strided(sizes, strides, slot.storage_offset() + offset)
-        if lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
-            return None
-        b = lt.param.detach()
-        bases[name] = (lt.param, b.data_ptr())
-        return b.as_strided(sizes, strides, b.storage_offset() + offset)
-
-    def resolve(self, name: str, cache: dict) -> torch.Tensor:
-        """A source read at run time: once per bucket (a non-contiguous shard is made contiguous once, not once
-        per piece)."""
-        t = cache.get(name)
-        if t is None:
-            hook = self.hooks.get(name)
-            t = hook() if hook is not None else self.tensor(name)
-            t = cache[name] = t if t.is_contiguous() else t.contiguous()
-        return t
-
-    @staticmethod
-    def watch(bases: dict) -> tuple[tuple, list[int]]:
-        """`bases` as (parameters, their data pointers then) for `unchanged`."""
-        return tuple(p for p, _ in bases.values()), [ptr for _, ptr in bases.values()]
-
-    @staticmethod
-    def unchanged(watched: tuple[tuple, list[int]]) -> bool:
-        """`not stale(bases)` in one pass in C (a later export checks every parameter of every bucket)."""
-        params, ptrs = watched
-        return list(map(_data_ptr, params)) == ptrs
 
 
 @dataclass
@@ -224,20 +97,6 @@ class Copy:
         for d in self.sizes:
             n *= d
         return n
-
-
-@dataclass
-class Pack:
-    """Copies into precomputed destinations (arena views): static sources, and sources read at each run
-    (`dynamic`: index, name, (sizes, strides, offset))."""
-
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    srcs: list = field(default_factory=list)
-    dynamic: list[tuple[int, str, tuple]] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.numel() * d.element_size() for d in self.dsts)
 
 
 @dataclass
@@ -303,7 +162,7 @@ class CBucket:
     rounds: list[CBucket] | None = None  # a bucket gathered in rounds: each round's collectives and copies
     #: (copy list, pooled output buffer) -> its Prepared launches (`Core.run_copies`)
     prepared: dict = field(default_factory=dict)
-    #: LoRA merges run first (`Core.compile_merges`): the weights and factors packed into the merge arena, then one
+    #: LoRA merges run first (`LoRAMerges.compile`): the weights and factors packed into the merge arena, then one
     #: batched product per term of each group of like merges
     merge_pack: Pack | None = None
     merges: list[tuple] = field(default_factory=list)
@@ -338,99 +197,11 @@ class Core:
         self.counts = {"collectives": 0, "messages": 0}
         self.graphs = graphs_default()
         self.pool: OutputPool | None = None  # made by the executor's compile (`make_pool`)
-        self.merge_arenas: list[Arena] = []  # LoRA-merged weights of a bucket and their stacked factors
+        self.lora = LoRAMerges(self.sources, device)  # LoRA-merged weights of a bucket and their stacked factors
 
     # -- compile helpers -----------------------------------------------------------------------------------------
     def make_arenas(self, sizes: list[int]) -> None:
         self.arenas = [Arena(n, self.device) for n in sizes]
-
-    # -- LoRA merges (lora="merged") ------------------------------------------------------------------------------
-    def merge_names(self, names) -> list[str]:
-        """Of the local tensors a bucket reads, the LoRA-merged weights the core merges batched (2-D, contiguous,
-        from Parameters; any other is read through its getter, merged on its own)."""
-        out = []
-        for n in dict.fromkeys(names):
-            lt = self.sources.local.get(n)
-            m = lt.merge if lt is not None else None
-            if m is not None and len(m.base.shape) == 2 and m.base.param is not None and \
-                    m.base.param.is_contiguous() and all(t.a.is_contiguous() and t.b.is_contiguous() for t in m.terms):
-                out.append(n)
-        return out
-
-    def merge_layout(self, names: list[str]) -> tuple[list[tuple], int]:
-        """A bucket's merges in its merge arena: per group of like merges (`Merge.signature`), in order of first
-        appearance, (names, byte offset of their weights back to back, per term the byte offsets of B and A
-        stacked over the group's weights); and the bytes needed."""
-        groups: dict[tuple, list[str]] = {}
-        for n in names:
-            groups.setdefault(self.sources.local[n].merge.signature(), []).append(n)
-        out, off = [], 0
-        for members in groups.values():
-            m: Merge = self.sources.local[members[0]].merge
-            k, dt = len(members), m.compute_dtype()
-            w_off = off
-            off = align(off + k * m.base.dtype.itemsize * m.base.shape[0] * m.base.shape[1])
-            terms = []
-            for t in m.terms:
-                b_off = off
-                off = align(off + k * t.b.numel() * dt.itemsize)
-                terms.append((b_off, off))
-                off = align(off + k * t.groups * t.a.numel() * dt.itemsize)
-            out.append((members, w_off, terms))
-        return out, off
-
-    def make_merge_arenas(self, buckets: list[tuple[int, list[str]]]) -> None:
-        """One merge arena per staging arena index, sized for the largest of its buckets' merges ((arena index,
-        merged names) per bucket); none without merges."""
-        sizes: dict[int, int] = {}
-        for a, names in buckets:
-            sizes[a] = max(sizes.get(a, 0), self.merge_layout(names)[1] if names else 0)
-        self.merge_arenas = [Arena(sizes.get(a, 0), self.device) if sizes.get(a) else None
-                             for a in range(max(sizes, default=-1) + 1)]
-
-    def compile_merges(self, cb: CBucket, names: list[str], a: int) -> None:
-        """The bucket's merges (`names`, from `merge_names`) into merge arena `a`: one pack of the base weights and
-        factors (views of the Parameters, watched in `cb.bases`), then per group of like merges one batched
-        product per term (`lora.merge_weights`). The merged weights are read from their slots (`Sources.merged`)."""
-        if not names:
-            return
-        arena, bases = self.merge_arenas[a], cb.bases
-        pack = cb.merge_pack = Pack()
-
-        def watched(key: str, t: torch.Tensor) -> torch.Tensor:
-            d = t.detach()
-            bases[key] = (t, d.data_ptr())
-            return d
-
-        for members, w_off, term_offs in self.merge_layout(names)[0]:
-            m0: Merge = self.sources.local[members[0]].merge
-            out, cols = m0.base.shape
-            k, dt = len(members), m0.compute_dtype()
-            w = arena.view(w_off, m0.base.dtype, (k, out, cols))
-            stacks = []
-            for j, (t0, (b_off, a_off)) in enumerate(zip(m0.terms, term_offs)):
-                b = arena.view(b_off, dt, (k * t0.groups, t0.rows, t0.b.shape[1]))
-                a_ = arena.view(a_off, dt, (k * t0.groups, *t0.a.shape))
-                stacks.append((t0, b, a_))
-                for i, n in enumerate(members):
-                    t = self.sources.local[n].merge.terms[j]
-                    pack.dsts.append(b[i * t.groups:(i + 1) * t.groups].view(t.b.shape))
-                    pack.srcs.append(watched(f"{n}#B{j}", t.b))
-                    src = watched(f"{n}#A{j}", t.a)
-                    for g in range(t.groups):  # A once per group (canonical q / k / v: the shard's query groups)
-                        pack.dsts.append(a_[i * t.groups + g])
-                        pack.srcs.append(src)
-            for i, n in enumerate(members):
-                pack.dsts.append(w[i])
-                pack.srcs.append(watched(n, self.sources.local[n].merge.base.param))
-                self.sources.merged[n] = w[i]
-            cb.merges.append((w, stacks, m0.scale))
-
-    def run_merges(self, cb: CBucket) -> None:
-        """The bucket's merged weights into their slots: the pack, then the batched products."""
-        torch._foreach_copy_(cb.merge_pack.dsts, cb.merge_pack.srcs)
-        for w, stacks, scale in cb.merges:
-            merge_weights(w, stacks, scale)
 
     def make_pool(self, nbytes: int, limit: int = 2) -> None:
         """At most `limit` output buffers of `nbytes` (the largest bucket this rank builds), reused (`OutputPool`);
@@ -723,7 +494,7 @@ class Core:
         if cb.receive and any(st.direct is not None for st in cb.stages):
             flat = self.output(cb.nbytes)
         if cb.merges:  # LoRA-merged weights first: everything below reads them
-            self.run_merges(cb)
+            self.lora.run(cb.merge_pack, cb.merges)
         if cb.prequant:
             self.quantize_held(cb)
         works: list = []

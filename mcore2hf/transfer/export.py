@@ -40,8 +40,9 @@ from ..parallel import ParallelContext
 from ..plan import BucketPlan, ExportPlan, Source, align
 from ..quantize import BLOCK, FP8RowSlices, quantize_flat
 from .builders import bucket_program, memory_estimate, stage_bytes
-from .executor import CBucket, Copy, Core, CRound, CStage, Pack, copy_bytes
+from .executor import CBucket, Copy, Core, CRound, CStage, copy_bytes
 from .program import LOCAL, OUT, Loc, Program
+from .sources import Pack
 
 
 class Executor:
@@ -71,7 +72,7 @@ class Executor:
                               self.receivers, self.arenas_n)
         merge = [0] * self.arenas_n
         for k, names in self._merges():
-            merge[k % self.arenas_n] = max(merge[k % self.arenas_n], self.core.merge_layout(names)[1])
+            merge[k % self.arenas_n] = max(merge[k % self.arenas_n], self.core.lora.layout(names)[1])
         if sum(merge):
             est["merge_bytes"] = sum(merge)
             est["total_bytes"] += sum(merge)
@@ -83,8 +84,8 @@ class Executor:
         if prog.p2p is not None:
             sent = [s.name for items in prog.p2p.sends.values() for s, _, _ in items]
             kept = [n for n, loc in prog.where.items() if loc.region in (LOCAL, "mixed")]
-            return self.core.merge_names(sent + kept)
-        return self.core.merge_names(s.name for s in prog.bucket.sources)
+            return self.core.lora.names(sent + kept)
+        return self.core.lora.names(s.name for s in prog.bucket.sources)
 
     def _merges(self) -> list[tuple[int, list[str]]]:
         """(bucket index, merged names) per bucket and round that merges anything."""
@@ -99,7 +100,7 @@ class Executor:
     def compile(self) -> None:
         if self._compiled is not None:
             return
-        self.core.make_merge_arenas([(k % self.arenas_n, names) for k, names in self._merges()])
+        self.core.lora.make_arenas([(k % self.arenas_n, names) for k, names in self._merges()])
         sizes = [stage_bytes(p)[1] for p in self.programs]
         self.core.make_arenas([max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                                for a in range(self.arenas_n)])
@@ -124,7 +125,7 @@ class Executor:
         cb = CBucket(k, prog.receive, a, b.nbytes, program=prog)
         cb.dtypes = tuple(sorted({e.dtype for e in b.entries} | {s.dtype for s in b.sources}, key=str))
         bases = cb.bases
-        core.compile_merges(cb, self._merge_names(prog), a)  # first: the views below read the merged slots
+        cb.merge_pack, cb.merges = core.lora.compile(self._merge_names(prog), a, cb.bases)  # first: the views below read the merged slots
         inplace: set[str] = set()  # sources quantized straight into the output (no blob)
         region_base: dict = {}
         if prog.p2p is not None:
