@@ -1454,6 +1454,8 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     after = {n: p for c in chunks for n, p in c.named_parameters()}
     assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    structure = lora_structure(chunks)
+    bridge_merge = bridge_merge_diff(chunks, cfg, merged_sd)
     if save_dist:
         from megatron.core import dist_checkpointing
         from megatron.core import parallel_state as ps
@@ -1468,7 +1470,54 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
-    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked} if dist.get_rank() == 0 else {}
+    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
+            "bridge_merge": bridge_merge} if dist.get_rank() == 0 else {}
+
+
+def lora_structure(chunks: list) -> list[dict]:
+    """Collective: every rank's Bridge LoRA wrappers as Bridge built them, to compare releases (rank order): per
+    wrapped module its base and factor parameters (name, local shape, megatron-core's `partition_dim` where
+    tensor-parallel) and its adapter's class, split flags and the classes / gather flags of linear_in and
+    linear_out (what decides how A and B are split and gathered: ParallelLinearAdapter.__init__)."""
+    mine = {}
+    for vp, chunk in enumerate(chunks):
+        for name, m in chunk.named_modules():
+            if not (hasattr(m, "to_wrap") and hasattr(m, "adapter")):
+                continue
+            ad = m.adapter
+            params = {n: [list(p.shape), getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False)
+                          else None] for n, p in m.named_parameters()}
+            mine[f"chunk{vp}.{name}"] = {
+                "wrapper": type(m).__name__, "adapter": type(ad).__name__, "params": params,
+                "flags": [bool(ad.input_is_parallel), bool(ad.is_expert), int(ad.dim), float(ad.alpha)],
+                "linears": [[type(lin).__name__, getattr(lin, "gather_output", None),
+                             getattr(lin, "input_is_parallel", None)] for lin in (ad.linear_in, ad.linear_out)]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def bridge_merge_diff(chunks: list, cfg, merged_sd: dict) -> float | None:
+    """Megatron-Bridge's own merge against the merged export: from 0.6.2, `LoRALinear.weight` is the effective
+    weight W + alpha/r B A of a rank's shard (peft/lora_layers.py:35-57 -> lora_merge.py:62-85, the factor split on
+    the other axis gathered over the adapter's TP group). Each base weight is set to it, the model exported with
+    lora="base", and the base weights restored. Returns max |that - merged export| (None: a release without it)."""
+    wrappers = [m for c in chunks for _, m in c.named_modules()
+                if hasattr(m, "to_wrap") and isinstance(getattr(type(m), "weight", None), property)]
+    if not wrappers:
+        return None
+    with torch.no_grad():
+        effective = [m.weight.detach().clone() for m in wrappers]  # collective in each adapter's TP group
+        saved = [m.to_wrap.weight.detach().clone() for m in wrappers]
+        for m, w in zip(wrappers, effective):
+            m.to_wrap.weight.copy_(w)
+        try:
+            bridge = HFExporter(chunks, cfg, lora="base").state_dict()
+        finally:
+            for m, w in zip(wrappers, saved):
+                m.to_wrap.weight.copy_(w)
+    assert sorted(bridge) == sorted(merged_sd)
+    return max((bridge[n].float() - merged_sd[n].float()).abs().max().item() for n in merged_sd)
 
 
 def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list[str]:
