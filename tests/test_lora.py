@@ -402,10 +402,17 @@ def test_lora_canonical(ckpts, tmp_path):
     assert diff < logit_tolerance("qwen3") and worst <= MERGED_TOL and worst_peft <= MERGED_TOL
 
 
-def test_lora_refusals(ckpts, tmp_path):
-    """Refused by name, before anything is written (tests/worlds.py lora_refusals)."""
-    got = run_world(lora_refusals, Layout(tp=2), ckpts["qwen3"], Layout(tp=2), bridge_root(), str(tmp_path))[0]
+@pytest.mark.parametrize("version", [BRIDGE_VERSION, pytest.param(BRIDGE_062, marks=needs_062)])
+def test_lora_refusals(ckpts, tmp_path, version):
+    """Refused by name, before anything is written (tests/worlds.py lora_refusals); with Bridge 0.6.2 also its
+    grouped-expert adapter class."""
+    got = run_world(lora_refusals, Layout(tp=2), ckpts["qwen3"], Layout(tp=2), bridge_root(version),
+                    str(tmp_path))[0]
     print("\n" + "\n".join(got))
+    if version == BRIDGE_062:
+        grouped = got.pop()
+        assert "decoder.layers.0.mlp.linear_fc1: LoRALinear with GroupedExpertLinearAdapter" in grouped
+        assert "grouped-expert adapters" in grouped and "Transformer Engine" in grouped
     dora, rank, unmapped, none = got
     assert "decoder.layers.0.self_attention.linear_proj: DoRALinear" in dora and "not DoRA" in dora
     assert "disagree on rank / alpha" in rank and "r=4 alpha=8" in rank and "r=8 alpha=16" in rank

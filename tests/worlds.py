@@ -1535,6 +1535,15 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
                 from megatron.bridge.peft.dora import DoRA
 
                 DoRA(target_modules=list(targets), dim=dim, alpha=dim)(chunks, training=False)
+            elif kind == "grouped":
+                from megatron.bridge.peft.lora_layers import LoRALinear
+                from megatron.bridge.peft.utils import GroupedExpertLinearAdapter
+
+                mlp = chunks[0].decoder.layers[0].mlp
+                fc1 = mlp.linear_fc1
+                mlp.linear_fc1 = LoRALinear(fc1, GroupedExpertLinearAdapter(
+                    fc1.input_size, fc1.output_size, dim, num_local_experts=1, activation="identity",
+                    base_linear_name="decoder.layers.0.mlp.linear_fc1", model_parallel_config=fc1.config, alpha=dim))
             else:
                 apply_lora(bridge, chunks, list(targets), dim, 2 * dim)
         return cfg, chunks
@@ -1545,6 +1554,12 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
         "unmapped": [(("linear_qkv", "output_layer"), 8, "lora")],
         "none": [],
     }
+    import_bridge_peft(bridge)
+    from megatron.bridge.peft import utils as bridge_utils
+
+    if hasattr(bridge_utils, "GroupedExpertLinearAdapter"):  # 0.6.2: its grouped-expert adapter class, built
+        # without its TE base (which this stack cannot build: mcore2hf/lora.py GROUPED_ADAPTERS), in a LoRALinear
+        cases["grouped"] = [(("linear_fc1",), 8, "grouped")]
     messages = []
     for name, wraps in cases.items():
         cfg, chunks = model(*wraps)

@@ -103,14 +103,15 @@ def import_bridge_peft(root: str) -> types.ModuleType:
     import megatron.core.extensions.transformer_engine  # noqa: F401
 
     here = f"{root}/megatron/bridge"
+    if "megatron.bridge" in sys.modules and sys.modules["megatron.bridge"].__path__ != [here]:
+        # another release imported by an earlier world of this worker process: forget it (its models are gone)
+        for name in [n for n in sys.modules if n == "megatron.bridge" or n.startswith("megatron.bridge.")]:
+            del sys.modules[name]
     if "megatron.bridge" not in sys.modules:
         bridge = types.ModuleType("megatron.bridge")
         bridge.__path__ = [here]
         sys.modules["megatron.bridge"] = bridge
         megatron.bridge = bridge
-    elif sys.modules["megatron.bridge"].__path__ != [here]:  # one Bridge per worker process
-        raise RuntimeError(f"Megatron-Bridge from {sys.modules['megatron.bridge'].__path__} already imported here, "
-                           f"not {here}")
     new = root_version(root) != BRIDGE_VERSION
     if new and "megatron.bridge.utils.common_utils" not in sys.modules:  # stub 4'
         import megatron.bridge.utils
