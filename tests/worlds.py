@@ -1484,14 +1484,15 @@ def lora_structure(chunks: list) -> list[dict]:
         for name, m in chunk.named_modules():
             if not (hasattr(m, "to_wrap") and hasattr(m, "adapter")):
                 continue
-            ad = m.adapter
             params = {n: [list(p.shape), getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False)
                           else None] for n, p in m.named_parameters()}
-            mine[f"chunk{vp}.{name}"] = {
-                "wrapper": type(m).__name__, "adapter": type(ad).__name__, "params": params,
-                "flags": [bool(ad.input_is_parallel), bool(ad.is_expert), int(ad.dim), float(ad.alpha)],
-                "linears": [[type(lin).__name__, getattr(lin, "gather_output", None),
-                             getattr(lin, "input_is_parallel", None)] for lin in (ad.linear_in, ad.linear_out)]}
+            # canonical LoRA: a ModuleDict of adapters (adapter_q, ...); plain LoRA: one
+            units = m.adapter.items() if isinstance(m.adapter, torch.nn.ModuleDict) else [("", m.adapter)]
+            mine[f"chunk{vp}.{name}"] = {"wrapper": type(m).__name__, "params": params, "adapters": {
+                part: [type(ad).__name__, bool(ad.input_is_parallel), bool(ad.is_expert), int(ad.dim), float(ad.alpha),
+                       [[type(lin).__name__, getattr(lin, "gather_output", None), getattr(lin, "input_is_parallel", None)]
+                        for lin in (ad.linear_in, ad.linear_out)]]
+                for part, ad in units if ad is not None}}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
