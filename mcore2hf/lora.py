@@ -59,7 +59,7 @@ PEFT_PREFIX = "base_model.model."
 #: the router's LoRATopKRouter, 0.6.2's grouped-expert adapters are refused by name). megatron-bridge 0.6.2's
 #: ParallelLinearAdapter (peft/utils.py:1006-1055) builds A and B as 0.3.1 does (utils.py:481-528): its wrappers'
 #: names, shapes and split flags equal 0.3.1's on every rank (tests/test_lora.py test_lora_bridge_062, run on
-#: megatron-core 0.19), and its own merge (LoRALinear.weight, lora_layers.py:35-57) equals the merged export
+#: megatron-core 0.19), and its own merge (LoRALinear.weight, lora_layers.py:35-58) equals the merged export
 WRAPPER, ADAPTER_CLASS = "LoRALinear", "ParallelLinearAdapter"
 #: megatron-bridge 0.6.2's grouped-expert adapters (3-D factors [experts, r, in] / [experts, out, r]: peft/utils.py
 #: 1767-1894, 2477-2600), chosen by lora.py:163-184 only for grouped expert linears (`mlp.experts.linear_fc1`, not

@@ -1500,7 +1500,7 @@ def lora_structure(chunks: list) -> list[dict]:
 
 def bridge_merge_diff(chunks: list, cfg, merged_sd: dict) -> float | None:
     """Megatron-Bridge's own merge against the merged export: from 0.6.2, `LoRALinear.weight` is the effective
-    weight W + alpha/r B A of a rank's shard (peft/lora_layers.py:35-57 -> lora_merge.py:62-85, the factor split on
+    weight W + alpha/r B A of a rank's shard (peft/lora_layers.py:35-58 -> lora_merge.py:65-87, the factor split on
     the other axis gathered over the adapter's TP group). Each base weight is set to it, the model exported with
     lora="base", and the base weights restored. Returns max |that - merged export| (None: a release without it)."""
     wrappers = [m for c in chunks for _, m in c.named_modules()
