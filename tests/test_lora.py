@@ -1,5 +1,6 @@
 """LoRA adapters trained with Megatron-Bridge's own PEFT (megatron-bridge 0.3.1, tests/harness/bridge_lora.py) on
-real megatron-core 0.16.1 models (docs/lora.md).
+real megatron-core 0.16.1 models (docs/lora.md); where megatron-core >= 0.19 (the GPU machines' stack), also
+Megatron-Bridge 0.6.2's (test_lora_bridge_062: its wrappers compared with 0.3.1's recorded ones, rank by rank).
 
 The adapters are loaded at every layout from one HF/PEFT-form source, so each layout's exports must be the same
 bytes: the adapter-only export equal to the source, the merged export equal across layouts. Oracles outside
