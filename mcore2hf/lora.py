@@ -57,11 +57,17 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 #: PEFT's prefix of a LoraModel's state dict (peft 0.21.2 tuners/lora/model.py: PeftModel.base_model.model)
 PEFT_PREFIX = "base_model.model."
 #: the Bridge wrapper / adapter classes exported, with SPLIT_WRAPPERS (DoRA's DoRALinear / ParallelLinearDoRAAdapter,
-#: the router's LoRATopKRouter, 0.6.2's grouped-expert adapters GroupedExpertLinearAdapter /
-#: SharedOuterGroupedExpertAdapter are refused by name). megatron-bridge
-#: 0.6.2's ParallelLinearAdapter (peft/utils.py:1006-1052, read, not run) builds A and B as 0.3.1 does
-#: (utils.py:481-528)
+#: the router's LoRATopKRouter, 0.6.2's grouped-expert adapters are refused by name). megatron-bridge 0.6.2's
+#: ParallelLinearAdapter (peft/utils.py:1006-1055) builds A and B as 0.3.1 does (utils.py:481-528): its wrappers'
+#: names, shapes and split flags equal 0.3.1's on every rank (tests/test_lora.py test_lora_bridge_062, run on
+#: megatron-core 0.19), and its own merge (LoRALinear.weight, lora_layers.py:35-58) equals the merged export
 WRAPPER, ADAPTER_CLASS = "LoRALinear", "ParallelLinearAdapter"
+#: megatron-bridge 0.6.2's grouped-expert adapters (3-D factors [experts, r, in] / [experts, out, r]: peft/utils.py
+#: 1767-1894, 2477-2600), chosen by lora.py:163-184 only for grouped expert linears (`mlp.experts.linear_fc1`, not
+#: `local_experts.N`). Their bases are Transformer Engine's TEColumnParallelGroupedLinear / TERowParallelGroupedLinear
+#: (get_adapter_attributes_from_linear, utils.py:591-643: any other base raises at :643); megatron-core 0.19.2's local spec
+#: builds SequentialMLP for every MoE (models/backends.py:133-142), so without TE they cannot be built or verified
+GROUPED_ADAPTERS = ("GroupedExpertLinearAdapter", "SharedOuterGroupedExpertAdapter")
 
 
 def is_adapter(name: str) -> bool:
@@ -214,6 +220,12 @@ def find_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor]) -> tu
             kinds = f"{wrapper} with {', '.join(sorted({type(sub).__name__ for _, sub in units})) or 'no adapter'}"
             first = f"{prefix}{name}.adapter" + (f".{units[0][0]}" if units and units[0][0] else "") + ".linear_in.weight"
             module = canonical.get(first, f"{prefix}{name}").split(ADAPTER)[0]
+            grouped = sorted({type(sub).__name__ for _, sub in units} & set(GROUPED_ADAPTERS))
+            if grouped:
+                problems.append(f"{module}: {kinds}; Megatron-Bridge's grouped-expert adapters ({', '.join(grouped)}: "
+                                "3-D factors on Transformer Engine's grouped expert linears) are not exported: only "
+                                "one adapter per expert of the local spec's SequentialMLP is (docs/lora.md)")
+                continue
             if (wrapper not in (WRAPPER, *SPLIT_WRAPPERS) or not units
                     or any(type(sub).__name__ != ADAPTER_CLASS for _, sub in units)
                     or any(f"{prefix}{name}.adapter{'.' + p if p else ''}.linear_in.weight" not in canonical

@@ -1,5 +1,6 @@
 """LoRA adapters trained with Megatron-Bridge's own PEFT (megatron-bridge 0.3.1, tests/harness/bridge_lora.py) on
-real megatron-core 0.16.1 models (docs/lora.md).
+real megatron-core 0.16.1 models (docs/lora.md); where megatron-core >= 0.19 (the GPU machines' stack), also
+Megatron-Bridge 0.6.2's (test_lora_bridge_062: its wrappers compared with 0.3.1's recorded ones, rank by rank).
 
 The adapters are loaded at every layout from one HF/PEFT-form source, so each layout's exports must be the same
 bytes: the adapter-only export equal to the source, the merged export equal across layouts. Oracles outside
@@ -16,12 +17,13 @@ import os
 import peft
 import pytest
 import torch
-from harness.bridge_lora import bridge_root
+from harness.bridge_lora import BRIDGE_062, BRIDGE_VERSION, bridge_root
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
 
 from mcore2hf.lora import PEFT_V4_RENAMED
+from mcore2hf.model_specs.deepseek_v3 import megatron_at_least
 from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout, run_world
@@ -108,7 +110,7 @@ def expert_adapter(ckpt: str, out: str, targets: tuple[str, ...], seed: int = 0)
 @pytest.fixture(scope="module")
 def adapters(ckpts, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lora")
-    out = {"qwen3": peft_adapter(ckpts["qwen3"], str(root / "qwen3"), TARGETS["qwen3"])}
+    out = {"qwen3": peft_adapter(ckpts["qwen3"], str(root / "qwen3"), TARGETS["qwen3"])} if "qwen3" in ckpts else {}
     for mt in ("qwen3_moe", "deepseek_v3"):
         if mt in ckpts:
             out[mt] = expert_adapter(ckpts[mt], str(root / mt), TARGETS[mt])
@@ -125,8 +127,64 @@ def reference_merge(ckpt: str, adapter_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+#: Megatron-Bridge 0.6.2's own LoRA (its ParallelLinearAdapter, peft/utils.py:896-1080) on megatron-core 0.19: TP 1
+#: and TP 2 for each architecture, EP 2 for the MoE; the first layout also saves the checkpoint for the offline
+#: export. Runs where megatron-core >= 0.19 (the GPU machines' stack, bench/device_tests.sh)
+MATRIX_062 = {
+    "qwen3": [Layout(tp=2), Layout()],
+    "qwen3_moe": [Layout(tp=2, etp=1), Layout(), Layout(tp=2, ep=2, etp=1), Layout(ep=2, etp=2)],
+    "deepseek_v3": [Layout(tp=2, etp=1), Layout()],
+}
+#: what Bridge 0.3.1 builds (tests/worlds.py lora_structure: every wrapper's parameters, local shapes, split axes,
+#: adapter flags, linear_in / linear_out classes and gather flags) per architecture and layout, on every rank:
+#: recorded on megatron-core 0.16.1 at the layouts of MATRIX_062 (`MCORE2HF_RECORD_BRIDGE_STRUCTURE=1 pytest
+#: tests/test_lora.py -k layout_matrix` runs 0.3.1 at those layouts and writes it), checked against 0.3.1 at the
+#: layouts MATRIX shares with it, and against 0.6.2 at all of them
+STRUCTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bridge_lora_structure.json")
+needs_062 = pytest.mark.skipif(
+    not megatron_at_least(0, 19), reason="Megatron-Bridge 0.6.2 needs megatron-core 0.19 and Python >= 3.12 (its "
+    "wheel's Requires-Python): runs on the GPU machines' stack, bench/device_tests.sh (docs/lora.md)")
+
+
+def _check_structure(model_type: str, layout: Layout, got: list[dict], version: str) -> None:
+    key = f"{model_type}/{layout}"
+    recorded = {}
+    if os.path.exists(STRUCTURE):
+        with open(STRUCTURE) as f:
+            recorded = json.load(f)
+    if os.environ.get("MCORE2HF_RECORD_BRIDGE_STRUCTURE") and version == BRIDGE_VERSION:
+        recorded[key] = got
+        with open(STRUCTURE, "w") as f:
+            json.dump(recorded, f, indent=0, sort_keys=True)
+        return
+    if key not in recorded:
+        assert version == BRIDGE_VERSION, f"no Bridge {BRIDGE_VERSION} structure recorded for {key}"
+        return
+    want = recorded[key]
+    assert len(got) == len(want)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w), f"{key} rank {rank}: wrapped modules differ: {sorted(set(g) ^ set(w))[:5]}"
+        bad = [n for n in w if g[n] != w[n]]
+        assert not bad, f"{key} rank {rank}, Bridge {version} vs {BRIDGE_VERSION}: {[(n, g[n], w[n]) for n in bad[:2]]}"
+
+
 @pytest.mark.parametrize("model_type", list(MATRIX))
 def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
+    matrix = MATRIX_062 if os.environ.get("MCORE2HF_RECORD_BRIDGE_STRUCTURE") else MATRIX
+    _layout_matrix(ckpts, adapters, model_type, tmp_path, matrix[model_type], BRIDGE_VERSION)
+
+
+@needs_062
+@pytest.mark.parametrize("model_type", list(MATRIX_062))
+def test_lora_bridge_062(ckpts, adapters, model_type, tmp_path):
+    """Megatron-Bridge 0.6.2's own LoRA: the same checks as the layout matrix (the adapter-only export the source's
+    bytes, peft loads it and its logits match Megatron's, merged within MERGED_TOL of W + s B A and of peft's
+    merge_and_unload, the offline export of its checkpoint), its wrappers' names and splits equal to 0.3.1's on
+    every rank, and the merged export equal to Bridge 0.6.2's own merge (LoRALinear.weight)."""
+    _layout_matrix(ckpts, adapters, model_type, tmp_path, MATRIX_062[model_type], BRIDGE_062)
+
+
+def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Layout], version: str) -> None:
     if model_type not in ckpts:
         pytest.skip(f"MCORE2HF_ARCHS leaves out {model_type}")
     ckpt, src = ckpts[model_type], adapters[model_type]
@@ -134,10 +192,17 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
     reference = reference_merge(ckpt, src)
     base = read_hf_checkpoint(ckpt)
     first = None
-    for i, layout in enumerate(MATRIX[model_type]):
+    for i, layout in enumerate(layouts):
         out = tmp_path / str(layout)
-        res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(), TARGETS[model_type], str(out),
+        res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(version), TARGETS[model_type], str(out),
                         i == 0)[0]
+        _check_structure(model_type, layout, res["structure"], version)
+        if res["bridge_merge"] is not None:
+            print(f"\nLoRA {model_type} {layout}: |merged export - Bridge {version}'s LoRALinear.weight| "
+                  f"{res['bridge_merge']:.2e}")
+            assert res["bridge_merge"] <= MERGED_TOL
+        else:
+            assert version == BRIDGE_VERSION  # 0.3.1's LoRALinear has no effective-weight property
         if i == 0:
             _offline(ckpt, str(out), res, reference, cli=model_type == "qwen3")
         if res.get("stacked"):
@@ -152,7 +217,7 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
         else:
             assert sorted(merged) == sorted(first)
             differ = [n for n in first if not torch.equal(merged[n], first[n])]
-            assert not differ, f"{model_type} {layout}: merged export differs from {MATRIX[model_type][0]}: {differ[:5]}"
+            assert not differ, f"{model_type} {layout}: merged export differs from {layouts[0]}: {differ[:5]}"
         worst = max((merged[n] - reference[n]).abs().max().item() for n in reference)
         assert worst <= MERGED_TOL, worst
         assert all(torch.equal(merged[n], base[n]) for n in merged if n not in reference)
@@ -161,8 +226,15 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
         # forward of expert adapters is not LoRA (megatron-core drops the expert linears' TP collectives, the
         # dispatcher sums partials, the adapters keep gathering: NVIDIA-NeMo/Megatron-Bridge issue 5634, open;
         # measured here on 0.3.1: row-parallel (fc2) expert adapters move the logits by 9.4 at EP2 x expert-TP 2,
-        # fc1 ones are exact), so only the exports above are checked at that layout
+        # fc1 ones are exact), so only the exports above are checked at that layout. That it is Bridge's forward:
+        # 0.6.2's own merge (LoRALinear.weight) equals the merged export there (above), and both releases' forward
+        # stays far from that merged model (measured 11.6 with adapters on fc1 and fc2, 0.3.1 and 0.6.2 alike)
         if model_type != "qwen3" and layout.expert_tp > 1:
+            with torch.no_grad():
+                off = (AutoModelForCausalLM.from_pretrained(res["merged"], dtype=torch.float32)(TOKENS).logits.float()
+                       - res["logits"]).abs().max().item()
+            print(f"\nLoRA {model_type} {layout}: Bridge {version}'s forward vs its merged weights {off:.2e}")
+            assert off > 100 * LOGIT_TOL, "Bridge's expert-TP > 1 forward is LoRA now: check logits, update docs/lora.md"
             continue
         if model_type == "qwen3":
             model = _peft_oracle(ckpt, res)
@@ -384,10 +456,17 @@ def test_lora_canonical(ckpts, tmp_path):
     assert diff < logit_tolerance("qwen3") and worst <= MERGED_TOL and worst_peft <= MERGED_TOL
 
 
-def test_lora_refusals(ckpts, tmp_path):
-    """Refused by name, before anything is written (tests/worlds.py lora_refusals)."""
-    got = run_world(lora_refusals, Layout(tp=2), ckpts["qwen3"], Layout(tp=2), bridge_root(), str(tmp_path))[0]
+@pytest.mark.parametrize("version", [BRIDGE_VERSION, pytest.param(BRIDGE_062, marks=needs_062)])
+def test_lora_refusals(ckpts, tmp_path, version):
+    """Refused by name, before anything is written (tests/worlds.py lora_refusals); with Bridge 0.6.2 also its
+    grouped-expert adapter class."""
+    got = run_world(lora_refusals, Layout(tp=2), ckpts["qwen3"], Layout(tp=2), bridge_root(version),
+                    str(tmp_path))[0]
     print("\n" + "\n".join(got))
+    if version == BRIDGE_062:
+        grouped = got.pop()
+        assert "decoder.layers.0.mlp.linear_fc1: LoRALinear with GroupedExpertLinearAdapter" in grouped
+        assert "grouped-expert adapters" in grouped and "Transformer Engine" in grouped
     dora, rank, unmapped, none = got
     assert "decoder.layers.0.self_attention.linear_proj: DoRALinear" in dora and "not DoRA" in dora
     assert "disagree on rank / alpha" in rank and "r=4 alpha=8" in rank and "r=8 alpha=16" in rank

@@ -1484,6 +1484,8 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     after = {n: p for c in chunks for n, p in c.named_parameters()}
     assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    structure = lora_structure(chunks)
+    bridge_merge = bridge_merge_diff(chunks, cfg, merged_sd)
     if save_dist:
         from megatron.core import dist_checkpointing
         from megatron.core import parallel_state as ps
@@ -1498,7 +1500,55 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
-    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked} if dist.get_rank() == 0 else {}
+    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
+            "bridge_merge": bridge_merge} if dist.get_rank() == 0 else {}
+
+
+def lora_structure(chunks: list) -> list[dict]:
+    """Collective: every rank's Bridge LoRA wrappers as Bridge built them, to compare releases (rank order): per
+    wrapped module its base and factor parameters (name, local shape, megatron-core's `partition_dim` where
+    tensor-parallel) and its adapter's class, split flags and the classes / gather flags of linear_in and
+    linear_out (what decides how A and B are split and gathered: ParallelLinearAdapter.__init__)."""
+    mine = {}
+    for vp, chunk in enumerate(chunks):
+        for name, m in chunk.named_modules():
+            if not (hasattr(m, "to_wrap") and hasattr(m, "adapter")):
+                continue
+            params = {n: [list(p.shape), getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False)
+                          else None] for n, p in m.named_parameters()}
+            # canonical LoRA: a ModuleDict of adapters (adapter_q, ...); plain LoRA: one
+            units = m.adapter.items() if isinstance(m.adapter, torch.nn.ModuleDict) else [("", m.adapter)]
+            mine[f"chunk{vp}.{name}"] = {"wrapper": type(m).__name__, "params": params, "adapters": {
+                part: [type(ad).__name__, bool(ad.input_is_parallel), bool(ad.is_expert), int(ad.dim), float(ad.alpha),
+                       [[type(lin).__name__, getattr(lin, "gather_output", None), getattr(lin, "input_is_parallel", None)]
+                        for lin in (ad.linear_in, ad.linear_out)]]
+                for part, ad in units if ad is not None}}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def bridge_merge_diff(chunks: list, cfg, merged_sd: dict) -> float | None:
+    """Megatron-Bridge's own merge against the merged export: from 0.6.2, `LoRALinear.weight` is the effective
+    weight W + alpha/r B A of a rank's shard (peft/lora_layers.py:35-58 -> lora_merge.py:65-87, the factor split on
+    the other axis gathered over the adapter's TP group). Each base weight is set to it, the model exported with
+    lora="base", and the base weights restored. Returns max |that - merged export| (None: a release without it)."""
+    wrappers = [m for c in chunks for _, m in c.named_modules()
+                if hasattr(m, "to_wrap") and isinstance(getattr(type(m), "weight", None), property)]
+    if not wrappers:
+        return None
+    with torch.no_grad():
+        effective = [m.weight.detach().clone() for m in wrappers]  # collective in each adapter's TP group
+        saved = [m.to_wrap.weight.detach().clone() for m in wrappers]
+        for m, w in zip(wrappers, effective):
+            m.to_wrap.weight.copy_(w)
+        try:
+            bridge = HFExporter(chunks, cfg, lora="base").state_dict()
+        finally:
+            for m, w in zip(wrappers, saved):
+                m.to_wrap.weight.copy_(w)
+    assert sorted(bridge) == sorted(merged_sd)
+    return max((bridge[n].float() - merged_sd[n].float()).abs().max().item() for n in merged_sd)
 
 
 def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list[str]:
@@ -1516,6 +1566,15 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
                 from megatron.bridge.peft.dora import DoRA
 
                 DoRA(target_modules=list(targets), dim=dim, alpha=dim)(chunks, training=False)
+            elif kind == "grouped":
+                from megatron.bridge.peft.lora_layers import LoRALinear
+                from megatron.bridge.peft.utils import GroupedExpertLinearAdapter
+
+                mlp = chunks[0].decoder.layers[0].mlp
+                fc1 = mlp.linear_fc1
+                mlp.linear_fc1 = LoRALinear(fc1, GroupedExpertLinearAdapter(
+                    fc1.input_size, fc1.output_size, dim, num_local_experts=1, activation="identity",
+                    base_linear_name="decoder.layers.0.mlp.linear_fc1", model_parallel_config=fc1.config, alpha=dim))
             else:
                 apply_lora(bridge, chunks, list(targets), dim, 2 * dim)
         return cfg, chunks
@@ -1526,6 +1585,12 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
         "unmapped": [(("linear_qkv", "output_layer"), 8, "lora")],
         "none": [],
     }
+    import_bridge_peft(bridge)
+    from megatron.bridge.peft import utils as bridge_utils
+
+    if hasattr(bridge_utils, "GroupedExpertLinearAdapter"):  # 0.6.2: its grouped-expert adapter class, built
+        # without its TE base (which this stack cannot build: mcore2hf/lora.py GROUPED_ADAPTERS), in a LoRALinear
+        cases["grouped"] = [(("linear_fc1",), 8, "grouped")]
     messages = []
     for name, wraps in cases.items():
         cfg, chunks = model(*wraps)
