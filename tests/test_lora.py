@@ -146,6 +146,17 @@ needs_062 = pytest.mark.skipif(
     "wheel's Requires-Python): runs on the GPU machines' stack, bench/device_tests.sh (docs/lora.md)")
 
 
+def _dump_structure(recorded: dict, f) -> None:
+    """The record as JSON, one line per wrapped module (a Bridge release that changes one shows as that line)."""
+    keys = sorted(recorded)
+    f.write("{\n")
+    for i, key in enumerate(keys):
+        ranks = [",\n".join(f"{json.dumps(m)}: {json.dumps(mods[m], sort_keys=True)}" for m in sorted(mods))
+                 for mods in recorded[key]]
+        f.write(f"{json.dumps(key)}: [\n{{\n" + "\n},\n{\n".join(ranks) + "\n}\n]" + (",\n" if i < len(keys) - 1 else "\n"))
+    f.write("}\n")
+
+
 def _check_structure(model_type: str, layout: Layout, got: list[dict], version: str) -> None:
     key = f"{model_type}/{layout}"
     recorded = {}
@@ -155,7 +166,7 @@ def _check_structure(model_type: str, layout: Layout, got: list[dict], version: 
     if os.environ.get("MCORE2HF_RECORD_BRIDGE_STRUCTURE") and version == BRIDGE_VERSION:
         recorded[key] = got
         with open(STRUCTURE, "w") as f:
-            json.dump(recorded, f, indent=0, sort_keys=True)
+            _dump_structure(recorded, f)
         return
     if key not in recorded:
         assert version == BRIDGE_VERSION, f"no Bridge {BRIDGE_VERSION} structure recorded for {key}"
