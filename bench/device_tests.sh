@@ -2,7 +2,9 @@
 # Run the test suite on a lent GPU machine (no registry there). The wheels it needs are carried in ignored dirs:
 #   WHEEL_DIR...  megatron-core (0.16.1 or 0.19.2, cp312), einops, the mcore2hf wheel built from this checkout
 #                 (`pip wheel --no-deps -w DIR .`), pytest/pluggy/iniconfig/psutil/accelerate/pytest-xdist/execnet,
-#                 optionally transformers and its hub when the machine's transformers is older than the tests need.
+#                 optionally transformers and its hub when the machine's transformers is older than the tests need,
+#                 peft 0.21.2 for tests/test_lora.py (MCORE2HF_WHEEL_CACHE: unpacked wheels the tests take, e.g.
+#                 megatron-bridge, when the machine has no package index).
 #   bash bench/device_tests.sh .whl16 .whl-test -- -n 4 -k "not contract"
 # The log goes to $OUT/tests.log. Tests import the installed wheel (python -P: the checkout's mcore2hf/ lacks the
 # converters/ and model_specs/ that setuptools installs under it).

@@ -7,7 +7,9 @@ Megatron-Bridge LoRA (rank 32) on every attention linear and every expert linear
 Rows: the plain export of the base weights (`lora="base"`: what a full sync sends), the adapter-only export
 (`lora="adapter"`: what an adapter sync sends), the merged export (`lora="merged"`: W + alpha/r B A on the
 shards), and a device copy of the base export's bytes (the floor). Bytes and best-of-`--repeat` seconds, ratios
-against the plain export. Bridge's LoRA needs megatron-core < 0.17 (Megatron-Bridge 0.3.1, the release the tests
+against the plain export; then the merged export's expert and o_proj tensors against the per-weight merge
+(W.float() + s B.float() @ A.float()).to(dtype) computed on the device (elements that differ). "Before" numbers:
+run this script with an older mcore2hf wheel on PYTHONPATH (it uses no API newer than the export itself). Bridge's LoRA needs megatron-core < 0.17 (Megatron-Bridge 0.3.1, the release the tests
 pin: tests/harness/bridge_lora.py): on the GPU machine carry megatron-core 0.16.1's cp312 wheel and the unpacked
 Bridge files (MCORE2HF_WHEEL_CACHE)."""
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,9 +55,46 @@ def job(a) -> dict:
         rows[mode] = (ex.plan(bb).total_bytes, best, len(ex.plan(bb).hf_entries()))
         if mode == "base":
             rows["floor"] = (rows["base"][0], copy_floor(ex, device)[0], 0)
+        if mode == "merged":
+            check = check_merged(chunks, ex, bb, 2.0)
         ex.release()
         del ex
-    return {"rows": rows}
+    return {"rows": rows, "check": check}
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_O_PROJ = re.compile(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight")
+
+
+def check_merged(chunks, ex, bb: int, scale: float) -> dict:
+    """The merged export's expert and o_proj tensors (column- and row-parallel bases: their HF tensors are row
+    ranges of the Megatron weight at TP 1) against the per-weight merge of the code before batching,
+    (W.float() + scale * (B.float() @ A.float())).to(W.dtype), computed here on the device: elements compared,
+    elements that differ, the largest difference."""
+
+    params = {n: p.detach() for n, p in chunks[0].named_parameters()}
+    seen = differ = 0
+    worst = 0.0
+    for bucket in ex.buckets(bb):
+        for name, t in bucket:
+            m, o = _EXPERT.fullmatch(name), _O_PROJ.fullmatch(name)
+            if m:
+                layer, e, part = m.groups()
+                module = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc{2 if part == 'down' else 1}"
+            elif o:
+                module, part = f"decoder.layers.{o.group(1)}.self_attention.linear_proj", "down"
+            else:
+                continue
+            w, a, b = (params[f"{module}.{k}.weight"] for k in ("to_wrap", "adapter.linear_in", "adapter.linear_out"))
+            ref = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+            if part != "down":  # fc1 [gate; up]
+                half = ref.shape[0] // 2
+                ref = ref[:half] if part == "gate" else ref[half:]
+            seen += t.numel()
+            differ += int((t != ref).sum())
+            worst = max(worst, float((t.float() - ref.float()).abs().max()))
+        del bucket
+    return {"elements": seen, "differ": differ, "max_abs": worst}
 
 
 def main() -> None:
@@ -76,7 +116,8 @@ def main() -> None:
     from mcore2hf.runtime.world import Layout, run_world
 
     a.bridge = bridge_root()
-    r = run_world(job, Layout(), a, backend="gloo" if a.cpu else "nccl", timeout=3000)[0]["rows"]
+    run = run_world(job, Layout(), a, backend="gloo" if a.cpu else "nccl", timeout=3000)[0]
+    r = run["rows"]
     c = hf_config(a)
     print(f"\nqwen3_moe (Qwen3-30B-A3B shapes) {c['num_hidden_layers']} layers x {c['num_experts']} experts, "
           f"hidden {c['hidden_size']}; Bridge LoRA r={a.rank} on {', '.join(TARGETS)} (attention and every expert); "
@@ -89,6 +130,10 @@ def main() -> None:
         nbytes, s, n = r[k]
         print(f"{names[k]:34s} {n or '':>10} {nbytes / 1e9:9.3f} {s:9.4f} {s / base:7.2f}x")
     print(f"adapter bytes / base bytes: {r['adapter'][0] / r['base'][0]:.4f}")
+    ck = run["check"]
+    print(f"merged vs the per-weight merge before batching ((W.float() + s B.float() @ A.float()).to(dtype), on this "
+          f"device; experts and o_proj): {ck['differ']} of {ck['elements']} elements differ, max |diff| "
+          f"{ck['max_abs']:.3g}")
 
 
 if __name__ == "__main__":

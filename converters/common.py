@@ -201,7 +201,7 @@ def fp8_policy(mtp: bool = False, list_not_converted: bool = True, source: str =
         keep = tuple(p.replace(r"model\.", r"(?:language_model\.)?model\.(?:language_model\.)?", 1)
                      .replace(r"lm_head\.", r"(?:language_model\.)?lm_head\.") for p in keep)
         keep += tuple(regex.escape(t) + ".*" for t in tower)
-    return FP8Policy(keep=keep, list_not_converted=list_not_converted, source=source)
+    return FP8Policy(keep=keep, list_not_converted=list_not_converted, source=source, tower=tower)
 
 
 def vision_qkv(dims) -> LayoutOp:
@@ -275,10 +275,13 @@ def native_vision_tower(deepstack: bool = True) -> list[Rule]:
     return rules
 
 
-#: VLM FP8 exports keep the vision tower (and projector) in the export dtype. The published Qwen3-VL-*-FP8 and
-#: GLM-4.5V-FP8 config.json files could not be read here (no network access to the hub): their
-#: modules_to_not_convert lists are NOT checked; the towers are kept, as the FP8 releases of Qwen3-VL / Qwen3.5
-#: found (e.g. llm-compressor recipes with ignore "re:.*visual.*", Qwen3.6-35B-A3B-FP8's description keeping vision
-#: layers bf16). docs/vlm.md says so.
-VLM_FP8_SOURCE = ("the text family's table under the language-model prefix; the tower kept whole (not checked "
-                  "against the published FP8 config.json, docs/vlm.md)")
+#: VLM FP8 exports keep the vision tower (and projector) in the export dtype, as the published FP8 releases do (read
+#: in public sources quoting them; the hub's config.json files themselves are not reachable here): Qwen's FP8
+#: releases list the tower's modules in modules_to_not_convert (Qwen3.6-35B-A3B-FP8, a qwen3_5_moe model:
+#: "model.visual.blocks.0.attn.proj", ...; a Qwen3.8-27B-FP8 write-up: "model.visual.blocks.*"); GLM-4.5V-FP8
+#: lists its tower's qkv under engine names (vllm-project/vllm#22949); Kimi-K2.5 has no FP8 release (its
+#: checkpoint is compressed-tensors INT4, routed experts only). The engines agree: SGLang 0.5.23 builds the Qwen3-VL
+#: tower with quant_config=None (models/qwen3_vl.py:1332-1340) and Kimi-K2.5's unquantized unless ModelSlim
+#: (models/kimi_k25.py:680-686). FP8Policy(tower=) lists the tower for vLLM's and SGLang's matching (its docstring).
+VLM_FP8_SOURCE = ("the text family's table under the language-model prefix; the tower and projector kept whole, "
+                  "as the published Qwen3-VL / Qwen3.5 / GLM-4.5V FP8 releases keep them (docs/vlm.md)")

@@ -26,15 +26,16 @@ Canonical LoRA (peft/canonical_lora.py) gives linear_qkv / linear_fc1 one adapte
 (`adapter.adapter_{q,k,v}`, `adapter.adapter_{gate,up}`), each column-parallel over the rank's own heads / ffn
 columns: `Column` for its A and its B.
 
-The merged export (`lora="merged"`) writes W + (alpha / r) B A: computed on each base shard in fp32 and cast to the
-base's dtype, with the one factor that is split along the other axis gathered over TP first (A of a
-column-parallel base, B of a row-parallel base: both split on dim 0), never modifying the model's parameters.
+The merged export (`lora="merged"`) writes W + (alpha / r) B A: computed on each base shard (products in fp32, added
+to W in fp32, rounded once to the base's dtype: `add_delta`), with the one factor that is split along the other axis
+gathered over TP first (A of a column-parallel base, B of a row-parallel base: both split on dim 0), never modifying
+the model's parameters. Each merged weight is described (`Merge`, its `Term`s) for the executor core, which merges a
+bucket's weights batched (transfer/lora_merges.py `LoRAMerges`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,17 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 #: PEFT's prefix of a LoraModel's state dict (peft 0.21.2 tuners/lora/model.py: PeftModel.base_model.model)
 PEFT_PREFIX = "base_model.model."
 #: the Bridge wrapper / adapter classes exported, with SPLIT_WRAPPERS (DoRA's DoRALinear / ParallelLinearDoRAAdapter,
-#: the router's LoRATopKRouter, 0.6.2's grouped-expert adapters GroupedExpertLinearAdapter /
-#: SharedOuterGroupedExpertAdapter are refused by name). megatron-bridge
-#: 0.6.2's ParallelLinearAdapter (peft/utils.py:1006-1052, read, not run) builds A and B as 0.3.1 does
-#: (utils.py:481-528)
+#: the router's LoRATopKRouter, 0.6.2's grouped-expert adapters are refused by name). megatron-bridge 0.6.2's
+#: ParallelLinearAdapter (peft/utils.py:1006-1055) builds A and B as 0.3.1 does (utils.py:481-528): its wrappers'
+#: names, shapes and split flags equal 0.3.1's on every rank (tests/test_lora.py test_lora_bridge_062, run on
+#: megatron-core 0.19), and its own merge (LoRALinear.weight, lora_layers.py:35-58) equals the merged export
 WRAPPER, ADAPTER_CLASS = "LoRALinear", "ParallelLinearAdapter"
+#: megatron-bridge 0.6.2's grouped-expert adapters (3-D factors [experts, r, in] / [experts, out, r]: peft/utils.py
+#: 1767-1894, 2477-2600), chosen by lora.py:163-184 only for grouped expert linears (`mlp.experts.linear_fc1`, not
+#: `local_experts.N`). Their bases are Transformer Engine's TEColumnParallelGroupedLinear / TERowParallelGroupedLinear
+#: (get_adapter_attributes_from_linear, utils.py:591-643: any other base raises at :643); megatron-core 0.19.2's local spec
+#: builds SequentialMLP for every MoE (models/backends.py:133-142), so without TE they cannot be built or verified
+GROUPED_ADAPTERS = ("GroupedExpertLinearAdapter", "SharedOuterGroupedExpertAdapter")
 
 
 def is_adapter(name: str) -> bool:
@@ -213,6 +220,12 @@ def find_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor]) -> tu
             kinds = f"{wrapper} with {', '.join(sorted({type(sub).__name__ for _, sub in units})) or 'no adapter'}"
             first = f"{prefix}{name}.adapter" + (f".{units[0][0]}" if units and units[0][0] else "") + ".linear_in.weight"
             module = canonical.get(first, f"{prefix}{name}").split(ADAPTER)[0]
+            grouped = sorted({type(sub).__name__ for _, sub in units} & set(GROUPED_ADAPTERS))
+            if grouped:
+                problems.append(f"{module}: {kinds}; Megatron-Bridge's grouped-expert adapters ({', '.join(grouped)}: "
+                                "3-D factors on Transformer Engine's grouped expert linears) are not exported: only "
+                                "one adapter per expert of the local spec's SequentialMLP is (docs/lora.md)")
+                continue
             if (wrapper not in (WRAPPER, *SPLIT_WRAPPERS) or not units
                     or any(type(sub).__name__ != ADAPTER_CLASS for _, sub in units)
                     or any(f"{prefix}{name}.adapter{'.' + p if p else ''}.linear_in.weight" not in canonical
@@ -274,15 +287,28 @@ def gather_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor], con
     return LoraInfo(r, alpha, tuple(sorted(adapters))), mine
 
 
+#: the leaf names peft 0.21.2 renames in `target_modules` of an MoE model whose experts transformers 5 fuses
+#: (utils/transformers_weight_conversion.py:332-345 `_MOE_TARGET_MODULE_MAPPING`, matched at :448 as the name or
+#: a '.'-suffix, moved to `target_parameters` at :457-482, gate/up at twice r): a dense MLP's or a shared expert's
+#: gate_proj in target_modules would become the fused experts' gate_up_proj
+PEFT_V4_RENAMED = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
 def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model: str | None) -> dict:
     """adapter_config.json (peft 0.21.2 LoraConfig fields). `target_modules`: HF module names as PEFT matches them
     (a name matches itself or any module ending in '.' + it): the leaf names when every layer has them, else the
-    full module names, so PEFT adds no adapter the export does not hold."""
+    full module names, so PEFT adds no adapter the export does not hold. With PEFT's stacked expert form, the other
+    adapters whose leaf peft's v4 conversion renames (`PEFT_V4_RENAMED`: deepseek_v3's dense MLP and shared
+    experts) go to `target_parameters` by full parameter name (`model.layers.0.mlp.gate_proj.weight`): peft's
+    ParamWrapper on a 2-D weight is LoRA with lora_A [r, in], lora_B [out, r] under the same keys
+    (tuners/lora/layer.py:2399-2400), and the conversion leaves target_parameters as they are."""
     modules = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in hf_names})
     # PEFT's 3-D expert form: `<experts>.base_layer` / `<experts>` wrap the fused parameters (target_parameters)
     params = sorted({(m.removesuffix(".base_layer") + "." + STACKED_PARAMS[0 if m.endswith(".base_layer") else 1])
                      for m in modules if m.endswith((".experts.base_layer", ".experts"))})
     modules = [m for m in modules if not m.endswith((".experts.base_layer", ".experts"))]
+    renamed = [m + ".weight" for m in modules if params and m.rsplit(".", 1)[-1] in PEFT_V4_RENAMED]
+    modules = [m for m in modules if not (params and m.rsplit(".", 1)[-1] in PEFT_V4_RENAMED)]
     leaves: dict[str, set[str]] = {}
     for m in modules:
         parts = m.split(".")
@@ -298,7 +324,8 @@ def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model
         short = {".".join(p.split(".")[3:]) for p in params}
         whole = len(layers) == num_layers and all(sum(p.endswith("." + s) for p in params) == num_layers for s in short)
         chosen = short if whole else set(params)
-        extra["target_parameters"] = sorted(chosen, key=lambda p: (STACKED_PARAMS.index(p.rsplit(".", 1)[1]), p))
+        extra["target_parameters"] = sorted(chosen, key=lambda p: (STACKED_PARAMS.index(p.rsplit(".", 1)[1]), p)) + \
+            renamed
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, **extra,
         # an integral alpha as an int: peft's LoraConfig and vLLM 0.33's PEFTHelper (lora/peft_helper.py:29) type it int
@@ -309,15 +336,100 @@ def peft_config(info: LoraInfo, hf_names: list[str], num_layers: int, base_model
     }
 
 
+@dataclass(frozen=True, eq=False)
+class Term:
+    """One adapter's B A added to rows of a base shard [out, in]: rows `offset + g * stride + [0, rows)` for each of
+    `groups` groups take rows `g * rows + [0, rows)` of B A. One adapter: the whole shard (1 group); canonical
+    LoRA's q / k / v: the shard's query groups (`_interleave_qkv`); its gate / up: the two halves."""
+
+    a: torch.Tensor  # [r, in]: the factor read at each export (a Parameter, or the gathered buffer `Merger.full`)
+    b: torch.Tensor  # [groups * rows, r]
+    groups: int
+    rows: int
+    stride: int  # rows from one group to the next (groups * stride == out)
+    offset: int  # the first group's first row
+
+
+@dataclass(frozen=True, eq=False)
+class Merge:
+    """How a merged base shard is computed: `base` (the frozen weight, unmerged) + `scale` * its terms. Read by the
+    executor core, which merges a bucket's weights batched into its merge arena (`transfer.executor`)."""
+
+    base: LocalTensor
+    scale: float
+    terms: tuple[Term, ...]
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the factors' stacks and of the products: fp32 (the weight's dtype only at the end)."""
+        return torch.float32
+
+    def signature(self) -> tuple:
+        """Merges with equal signatures run as one batched product per term."""
+        return (self.base.shape, self.base.dtype, self.compute_dtype(), self.scale,
+                tuple((tuple(t.a.shape), tuple(t.b.shape), t.groups, t.rows, t.stride, t.offset) for t in self.terms))
+
+
+def term_rows(w: torch.Tensor, t: Term) -> torch.Tensor:
+    """The rows of weights `w` [n, out, in] (back to back: strides [out * in, in, 1]) that term `t` adds to, as
+    [n * groups, rows, in]."""
+    n, _, cols = w.shape
+    return w.as_strided((n * t.groups, t.rows, cols), (t.stride * cols, cols, 1), w.storage_offset() + t.offset * cols)
+
+
+#: elements of the fp32 products one batched product writes at most (256 MiB) when the weights are bf16 / fp16
+DELTA_CHUNK = 1 << 26
+
+
+def add_delta(dst: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float) -> None:
+    """dst += scale * b @ a, batched (dst [N, rows, in], b [N, rows, r], a [N, r, in], b and a fp32): the products
+    accumulated in fp32, added to the weight in fp32, rounded once into dst's dtype. An fp32 weight: one baddbmm
+    in place. A bf16 / fp16 weight: fp32 products (bmm, in chunks of at most DELTA_CHUNK elements), then one add
+    (computed in fp32, written in the weight's dtype). Either is bit-identical on CPU to the per-weight
+    (W.float() + scale * (B.float() @ A.float())).to(W.dtype) (measured, docs/lora.md). A bf16 baddbmm into the
+    weight itself is not used: on an H200 (cuBLAS, torch 2.11) it differed from that by 1 ulp in 16% of the
+    elements."""
+    if dst.dtype == b.dtype:
+        dst.baddbmm_(b, a, alpha=scale)
+        return
+    per = max(1, DELTA_CHUNK // max(1, dst.shape[1] * dst.shape[2]))
+    for i in range(0, dst.shape[0], per):
+        dst[i:i + per].add_(torch.bmm(b[i:i + per], a[i:i + per]), alpha=scale)
+
+
+def merge_weights(w: torch.Tensor, terms: list[tuple[Term, torch.Tensor, torch.Tensor]], scale: float) -> None:
+    """Merge in place: weights `w` [n, out, in] (back to back) += scale * each term's B A, the terms' factors given
+    stacked over the n weights ((term, b [n * groups, rows, r], a [n * groups, r, in]))."""
+    for t, b, a in terms:
+        add_delta(term_rows(w, t), b, a, scale)
+
+
+def merged_tensor(m: Merge) -> torch.Tensor:
+    """One merged shard, computed on its own (`merge_weights` on one weight): what the core batches."""
+    w = m.base.get()
+    out = w.detach().clone().unsqueeze(0)
+    dt = m.compute_dtype()
+    merge_weights(out, [(t, t.b.detach().to(dt).reshape(t.groups, t.rows, -1),
+                         t.a.detach().to(dt).expand(t.groups, *t.a.shape)) for t in m.terms], m.scale)
+    return out[0]
+
+
+def merged_whole(w: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A of one whole weight (the offline export), with `add_delta`'s arithmetic."""
+    out = w.clone().unsqueeze(0)
+    add_delta(out, b.float().unsqueeze(0), a.float().unsqueeze(0), scale)
+    return out[0]
+
+
 class Merger:
-    """The merged base weights' getters: W + (alpha / r) B A on each shard, from factors refreshed (one all-gather
-    per TP / expert-TP group) before each export. Canonical LoRA's parts of a fused base combine as Bridge's forward
-    does (canonical_lora.py:88-128 `_interleave_qkv` per query group; :158-160 [gate; up])."""
+    """The merged base weights: W + (alpha / r) B A on each shard, described per weight (`Merge`) for the executor
+    core, which computes a bucket's merges batched; the split-on-dim-0 factors are gathered (one all-gather per
+    TP / expert-TP group) into buffers kept between exports, before each export. Canonical LoRA's parts of a fused
+    base combine as Bridge's forward does (canonical_lora.py:88-128 `_interleave_qkv` per query group; :158-160
+    [gate; up]): each part is a `Term` on its rows."""
 
     def __init__(self, adapters: list[Adapter], local: dict[str, LocalTensor], info: LoraInfo, tp, etp):
         self.adapters, self.local, self.scale = adapters, local, info.scale
         self.groups = (tp, etp)
-        self.full: dict[str, torch.Tensor] = {}  # adapter prefix -> its gathered factor (A or B)
         self.by_module: dict[str, list[Adapter]] = {}
         for a in adapters:
             self.by_module.setdefault(a.module, []).append(a)
@@ -334,52 +446,63 @@ class Merger:
             units.sort(key=lambda a: order.index(a.part))  # Bridge's ModuleDict holds up before gate
         if problems:
             raise ConfigMismatchError("cannot merge the LoRA adapters:\n  " + "\n  ".join(problems))
+        # the gathered factors: one buffer per adapter, kept (the executors' merges read fixed views of them)
+        self.full: dict[str, torch.Tensor] = {}
+        for a in adapters:
+            axis = self.groups[1 if a.is_expert else 0]
+            f = self._factor(a.b if a.row_parallel else a.a)
+            self.full[a.prefix] = f if axis.size == 1 else \
+                torch.zeros((axis.size * f.shape[0], *f.shape[1:]), dtype=f.dtype, device=f.device)
+
+    def _factor(self, name: str) -> torch.Tensor:
+        """A local factor as merges read it: the Parameter itself (its views follow in-place updates; a swapped
+        .data is seen by the core's staleness check)."""
+        lt = self.local[name]
+        return lt.param if lt.param is not None else lt.get()
 
     def refresh(self) -> None:
-        """Collective over TP and expert-TP: the split-on-dim-0 factor of every adapter, gathered."""
+        """Collective over TP and expert-TP: the split-on-dim-0 factor of every adapter, gathered into its buffer."""
         for expert, axis in ((False, self.groups[0]), (True, self.groups[1])):
             mine = [a for a in self.adapters if a.is_expert == expert]
-            factors = [self.local[a.b if a.row_parallel else a.a].get() for a in mine]
-            if axis.size == 1 or not factors:
-                self.full.update({a.prefix: f for a, f in zip(mine, factors)})
+            if axis.size == 1 or not mine:
                 continue
+            factors = [self._factor(a.b if a.row_parallel else a.a).detach() for a in mine]
             flat = torch.cat([f.reshape(-1) for f in factors])
             parts = [torch.empty_like(flat) for _ in range(axis.size)]
             dist.all_gather(parts, flat, group=axis.group)
             offset = 0
             for a, f in zip(mine, factors):
                 n = f.numel()
-                self.full[a.prefix] = torch.cat([p[offset:offset + n].view(f.shape) for p in parts])
+                torch.cat([p[offset:offset + n].view(f.shape) for p in parts], out=self.full[a.prefix])
                 offset += n
 
-    def _delta(self, a: Adapter) -> torch.Tensor:
-        """B A of one adapter on this rank's shard (fp32)."""
-        full = self.full[a.prefix]
-        a_, b_ = (self.local[a.a].get(), full) if a.row_parallel else (full, self.local[a.b].get())
-        return b_.float() @ a_.float()
-
-    def getter(self, units: list[Adapter], base: LocalTensor) -> Callable[[], torch.Tensor]:
-        def merged() -> torch.Tensor:
-            w = base.get()
-            deltas = [self._delta(a) for a in units]
-            if len(deltas) == 3:  # canonical q, k, v: this shard's query groups, [q_g; k_g; v_g] each
-                q, k, v = deltas
-                d = units[0].head_dim
-                groups = k.shape[0] // d
-                delta = torch.cat([q.reshape(groups, -1, q.shape[1]), k.reshape(groups, d, -1),
-                                   v.reshape(groups, d, -1)], dim=1).reshape(w.shape)
-            else:  # one adapter, or canonical [gate_i; up_i]
-                delta = torch.cat(deltas)
-            return (w.float() + self.scale * delta).to(w.dtype)
-
-        return merged
+    def merge(self, units: list[Adapter], base: LocalTensor) -> Merge:
+        """The merge of one base shard: a term per adapter, on its rows."""
+        terms, row = [], 0
+        for a in units:
+            full = self.full[a.prefix]
+            fa, fb = (self._factor(a.a), full) if a.row_parallel else (full, self._factor(a.b))
+            out = fb.shape[0]
+            if a.part in ("adapter_q", "adapter_k", "adapter_v"):  # this shard's query groups, [q_g; k_g; v_g] each
+                d = a.head_dim
+                q, k = (self._factor(u.b).shape[0] for u in units[:2])
+                groups = k // d
+                per = (q + 2 * k) // groups
+                first = {"adapter_q": 0, "adapter_k": q // groups, "adapter_v": q // groups + d}[a.part]
+                terms.append(Term(fa, fb, groups, out // groups, per, first))
+            else:  # one adapter (the whole shard), or canonical [gate_i; up_i]
+                terms.append(Term(fa, fb, 1, out, base.shape[0], row))
+                row += out
+        return Merge(base, self.scale, tuple(terms))
 
     def merged_local(self) -> dict[str, LocalTensor]:
-        """The local table with each adapted base weight read merged (the parameters are not touched)."""
+        """The local table with each adapted base weight read merged (`merge`: batched by the executor core; its
+        getter computes it alone). The parameters are not touched."""
         out = dict(self.local)
         for module, units in self.by_module.items():
             base = self.local[module + ".weight"]
-            out[base.name] = dataclasses.replace(base, get=self.getter(units, base), param=None)  # read by its getter
+            m = self.merge(units, base)
+            out[base.name] = dataclasses.replace(base, get=lambda m=m: merged_tensor(m), param=None, merge=m)
         return out
 
 

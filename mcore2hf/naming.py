@@ -29,6 +29,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import regex
 import torch
@@ -239,6 +240,9 @@ class LocalTensor:
     stride: int  # partition_stride attribute
     is_buffer: bool = False
     param: torch.Tensor | None = None  # the Parameter itself (stays valid when training swaps its .data)
+    #: a LoRA-merged base weight (`lora.Merge`): how it is computed, so the executor core merges a bucket's weights
+    #: batched; `get` computes it alone
+    merge: Any = None
 
 
 def unwrap_model(model) -> list[torch.nn.Module]:

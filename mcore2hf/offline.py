@@ -52,6 +52,7 @@ from .lora import (
     check_mode,
     is_adapter,
     lora_converter,
+    merged_whole,
     peft_config,
 )
 from .naming import (
@@ -647,7 +648,7 @@ def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, i
         if s.merge is not None:  # W + alpha/r B A on the whole Megatron tensor (B's rows are laid out as W's)
             a, b, scale = s.merge
             w = shards[0]
-            shards = [(w.float() + scale * (_read_whole(reader, b).float() @ _read_whole(reader, a).float())).to(w.dtype)]
+            shards = [merged_whole(w, _read_whole(reader, b), _read_whole(reader, a), scale)]
         outs = [views[name] for name, _ in s.hf]
         s.op.to_hf(shards, outs[:s.n_out])  # copy_ casts when a dtype was asked for
         for out in outs[s.n_out:]:

@@ -194,11 +194,23 @@ class FP8Policy:
     `modules_to_not_convert` (newer vLLM needs the router gates in it), so ours lists the module of every
     unquantized weight, norms included, in layer order, as Qwen3-30B-A3B-FP8's config.json does ("lm_head",
     "model.layers.0.input_layernorm", "model.layers.0.mlp.gate", "model.layers.0.post_attention_layernorm", ...;
-    quoted in vllm-project/llm-compressor#1758 and xorbitsai/inference#4032)."""
+    quoted in vllm-project/llm-compressor#1758 and xorbitsai/inference#4032).
+
+    `tower`: a vision-language model's tower / projector prefixes (e.g. "model.visual."), all kept unquantized
+    (`keep` holds them). `modules_to_not_convert` then lists each tower module (even without
+    `list_not_converted`) and the prefixes themselves: vLLM 0.33 matches the list exactly, after its model's
+    name mapper (layers/quantization/fp8.py Fp8Config, utils/quant_utils.py is_layer_skipped match_mode "exact"),
+    and would otherwise quantize the tower of a Kimi-K2.5 export (models/kimi_k25.py passes the quant config to
+    the tower and projector unless it is compressed-tensors); SGLang 0.5.23 matches on module-path boundaries
+    and splits a fused `qkv_proj` into q/k/v shard names first (layers/quantization/utils.py is_layer_skipped,
+    _FALLBACK_FUSED_SHARDS), so no per-module entry names GLM-4.5V's tower `visual.blocks.N.attn.qkv_proj`
+    (models/glm4v_moe.py passes the quant config to the tower) and only the prefix keeps it unquantized (the
+    published GLM-4.5V-FP8 lists engine module names for the tower's qkv: vllm-project/vllm#22949)."""
 
     keep: tuple[str, ...]
     list_not_converted: bool = True
     source: str = ""  # what the table follows (published checkpoints, engine loaders)
+    tower: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "_keep", [regex.compile(p) for p in self.keep])
@@ -212,10 +224,12 @@ class FP8Policy:
                      "weight_block_size": [BLOCK, BLOCK]}
         if scheme.ue8m0:
             out["scale_fmt"] = "ue8m0"
-        if self.list_not_converted:
+        if self.list_not_converted or self.tower:
             out["modules_to_not_convert"] = sorted(
                 {name.removesuffix(".weight") for name, shape in tensors
-                 if name.endswith(".weight") and not self.quantized(name, shape)}, key=_natural)
+                 if name.endswith(".weight") and not self.quantized(name, shape)
+                 and (self.list_not_converted or name.startswith(self.tower))}
+                | {t.rstrip(".") for t in self.tower}, key=_natural)
         return out
 
 

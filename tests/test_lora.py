@@ -1,5 +1,6 @@
 """LoRA adapters trained with Megatron-Bridge's own PEFT (megatron-bridge 0.3.1, tests/harness/bridge_lora.py) on
-real megatron-core 0.16.1 models (docs/lora.md).
+real megatron-core 0.16.1 models (docs/lora.md); where megatron-core >= 0.19 (the GPU machines' stack), also
+Megatron-Bridge 0.6.2's (test_lora_bridge_062: its wrappers compared with 0.3.1's recorded ones, rank by rank).
 
 The adapters are loaded at every layout from one HF/PEFT-form source, so each layout's exports must be the same
 bytes: the adapter-only export equal to the source, the merged export equal across layouts. Oracles outside
@@ -16,11 +17,13 @@ import os
 import peft
 import pytest
 import torch
-from harness.bridge_lora import bridge_root
+from harness.bridge_lora import BRIDGE_062, BRIDGE_VERSION, bridge_root
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
 
+from mcore2hf.lora import PEFT_V4_RENAMED
+from mcore2hf.model_specs.deepseek_v3 import megatron_at_least
 from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout, run_world
@@ -107,7 +110,7 @@ def expert_adapter(ckpt: str, out: str, targets: tuple[str, ...], seed: int = 0)
 @pytest.fixture(scope="module")
 def adapters(ckpts, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lora")
-    out = {"qwen3": peft_adapter(ckpts["qwen3"], str(root / "qwen3"), TARGETS["qwen3"])}
+    out = {"qwen3": peft_adapter(ckpts["qwen3"], str(root / "qwen3"), TARGETS["qwen3"])} if "qwen3" in ckpts else {}
     for mt in ("qwen3_moe", "deepseek_v3"):
         if mt in ckpts:
             out[mt] = expert_adapter(ckpts[mt], str(root / mt), TARGETS[mt])
@@ -124,8 +127,75 @@ def reference_merge(ckpt: str, adapter_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+#: Megatron-Bridge 0.6.2's own LoRA (its ParallelLinearAdapter, peft/utils.py:896-1080) on megatron-core 0.19: TP 1
+#: and TP 2 for each architecture, EP 2 for the MoE; the first layout also saves the checkpoint for the offline
+#: export. Runs where megatron-core >= 0.19 (the GPU machines' stack, bench/device_tests.sh)
+MATRIX_062 = {
+    "qwen3": [Layout(tp=2), Layout()],
+    "qwen3_moe": [Layout(tp=2, etp=1), Layout(), Layout(tp=2, ep=2, etp=1), Layout(ep=2, etp=2)],
+    "deepseek_v3": [Layout(tp=2, etp=1), Layout()],
+}
+#: what Bridge 0.3.1 builds (tests/worlds.py lora_structure: every wrapper's parameters, local shapes, split axes,
+#: adapter flags, linear_in / linear_out classes and gather flags) per architecture and layout, on every rank:
+#: recorded on megatron-core 0.16.1 at the layouts of MATRIX_062 (`MCORE2HF_RECORD_BRIDGE_STRUCTURE=1 pytest
+#: tests/test_lora.py -k layout_matrix` runs 0.3.1 at those layouts and writes it), checked against 0.3.1 at the
+#: layouts MATRIX shares with it, and against 0.6.2 at all of them
+STRUCTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "bridge_lora_structure.json")
+needs_062 = pytest.mark.skipif(
+    not megatron_at_least(0, 19), reason="Megatron-Bridge 0.6.2 needs megatron-core 0.19 and Python >= 3.12 (its "
+    "wheel's Requires-Python): runs on the GPU machines' stack, bench/device_tests.sh (docs/lora.md)")
+
+
+def _dump_structure(recorded: dict, f) -> None:
+    """The record as JSON, one line per wrapped module (a Bridge release that changes one shows as that line)."""
+    keys = sorted(recorded)
+    f.write("{\n")
+    for i, key in enumerate(keys):
+        ranks = [",\n".join(f"{json.dumps(m)}: {json.dumps(mods[m], sort_keys=True)}" for m in sorted(mods))
+                 for mods in recorded[key]]
+        f.write(f"{json.dumps(key)}: [\n{{\n" + "\n},\n{\n".join(ranks) + "\n}\n]" + (",\n" if i < len(keys) - 1 else "\n"))
+    f.write("}\n")
+
+
+def _check_structure(model_type: str, layout: Layout, got: list[dict], version: str) -> None:
+    key = f"{model_type}/{layout}"
+    recorded = {}
+    if os.path.exists(STRUCTURE):
+        with open(STRUCTURE) as f:
+            recorded = json.load(f)
+    if os.environ.get("MCORE2HF_RECORD_BRIDGE_STRUCTURE") and version == BRIDGE_VERSION:
+        recorded[key] = got
+        with open(STRUCTURE, "w") as f:
+            _dump_structure(recorded, f)
+        return
+    if key not in recorded:
+        assert version == BRIDGE_VERSION, f"no Bridge {BRIDGE_VERSION} structure recorded for {key}"
+        return
+    want = recorded[key]
+    assert len(got) == len(want)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w), f"{key} rank {rank}: wrapped modules differ: {sorted(set(g) ^ set(w))[:5]}"
+        bad = [n for n in w if g[n] != w[n]]
+        assert not bad, f"{key} rank {rank}, Bridge {version} vs {BRIDGE_VERSION}: {[(n, g[n], w[n]) for n in bad[:2]]}"
+
+
 @pytest.mark.parametrize("model_type", list(MATRIX))
 def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
+    matrix = MATRIX_062 if os.environ.get("MCORE2HF_RECORD_BRIDGE_STRUCTURE") else MATRIX
+    _layout_matrix(ckpts, adapters, model_type, tmp_path, matrix[model_type], BRIDGE_VERSION)
+
+
+@needs_062
+@pytest.mark.parametrize("model_type", list(MATRIX_062))
+def test_lora_bridge_062(ckpts, adapters, model_type, tmp_path):
+    """Megatron-Bridge 0.6.2's own LoRA: the same checks as the layout matrix (the adapter-only export the source's
+    bytes, peft loads it and its logits match Megatron's, merged within MERGED_TOL of W + s B A and of peft's
+    merge_and_unload, the offline export of its checkpoint), its wrappers' names and splits equal to 0.3.1's on
+    every rank, and the merged export equal to Bridge 0.6.2's own merge (LoRALinear.weight)."""
+    _layout_matrix(ckpts, adapters, model_type, tmp_path, MATRIX_062[model_type], BRIDGE_062)
+
+
+def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Layout], version: str) -> None:
     if model_type not in ckpts:
         pytest.skip(f"MCORE2HF_ARCHS leaves out {model_type}")
     ckpt, src = ckpts[model_type], adapters[model_type]
@@ -133,10 +203,17 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
     reference = reference_merge(ckpt, src)
     base = read_hf_checkpoint(ckpt)
     first = None
-    for i, layout in enumerate(MATRIX[model_type]):
+    for i, layout in enumerate(layouts):
         out = tmp_path / str(layout)
-        res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(), TARGETS[model_type], str(out),
+        res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(version), TARGETS[model_type], str(out),
                         i == 0)[0]
+        _check_structure(model_type, layout, res["structure"], version)
+        if res["bridge_merge"] is not None:
+            print(f"\nLoRA {model_type} {layout}: |merged export - Bridge {version}'s LoRALinear.weight| "
+                  f"{res['bridge_merge']:.2e}")
+            assert res["bridge_merge"] <= MERGED_TOL
+        else:
+            assert version == BRIDGE_VERSION  # 0.3.1's LoRALinear has no effective-weight property
         if i == 0:
             _offline(ckpt, str(out), res, reference, cli=model_type == "qwen3")
         if res.get("stacked"):
@@ -151,7 +228,7 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
         else:
             assert sorted(merged) == sorted(first)
             differ = [n for n in first if not torch.equal(merged[n], first[n])]
-            assert not differ, f"{model_type} {layout}: merged export differs from {MATRIX[model_type][0]}: {differ[:5]}"
+            assert not differ, f"{model_type} {layout}: merged export differs from {layouts[0]}: {differ[:5]}"
         worst = max((merged[n] - reference[n]).abs().max().item() for n in reference)
         assert worst <= MERGED_TOL, worst
         assert all(torch.equal(merged[n], base[n]) for n in merged if n not in reference)
@@ -160,8 +237,15 @@ def test_lora_layout_matrix(ckpts, adapters, model_type, tmp_path):
         # forward of expert adapters is not LoRA (megatron-core drops the expert linears' TP collectives, the
         # dispatcher sums partials, the adapters keep gathering: NVIDIA-NeMo/Megatron-Bridge issue 5634, open;
         # measured here on 0.3.1: row-parallel (fc2) expert adapters move the logits by 9.4 at EP2 x expert-TP 2,
-        # fc1 ones are exact), so only the exports above are checked at that layout
+        # fc1 ones are exact), so only the exports above are checked at that layout. That it is Bridge's forward:
+        # 0.6.2's own merge (LoRALinear.weight) equals the merged export there (above), and both releases' forward
+        # stays far from that merged model (measured 11.6 with adapters on fc1 and fc2, 0.3.1 and 0.6.2 alike)
         if model_type != "qwen3" and layout.expert_tp > 1:
+            with torch.no_grad():
+                off = (AutoModelForCausalLM.from_pretrained(res["merged"], dtype=torch.float32)(TOKENS).logits.float()
+                       - res["logits"]).abs().max().item()
+            print(f"\nLoRA {model_type} {layout}: Bridge {version}'s forward vs its merged weights {off:.2e}")
+            assert off > 100 * LOGIT_TOL, "Bridge's expert-TP > 1 forward is LoRA now: check logits, update docs/lora.md"
             continue
         if model_type == "qwen3":
             model = _peft_oracle(ckpt, res)
@@ -263,15 +347,20 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
     with open(os.path.join(res["stacked"], "adapter_config.json")) as f:
         config = json.load(f)
     params = config["target_parameters"]  # gate_up_proj first (PEFT's inner wrapper), per layer where not in all
-    assert [p.rsplit(".", 1)[1] for p in params] == sorted(
-        [p.rsplit(".", 1)[1] for p in params], key=["gate_up_proj", "down_proj"].index), params
-    if cfg.model_type != "qwen3_moe":
-        # peft 0.21.2 cannot load it: its transformers-v4 compatibility (utils/transformers_weight_conversion.py
-        # _convert_peft_config_moe, _MOE_TARGET_MODULE_MAPPING "qwen2_moe") turns every gate_proj / up_proj of
-        # target_modules (here deepseek_v3's dense layer and shared experts) into the fused experts' gate_up_proj
-        # at twice the rank; measured: lora_A [2*E*r, hidden] expected. Only the bytes (above) are checked here
-        return
-    assert params == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], params
+    fused = [p for p in params if not p.endswith(".weight")]
+    assert [p.rsplit(".", 1)[1] for p in fused] == sorted(
+        [p.rsplit(".", 1)[1] for p in fused], key=["gate_up_proj", "down_proj"].index), params
+    assert {p.rsplit(".", 1)[1] for p in fused} == {"gate_up_proj", "down_proj"}, params
+    if cfg.model_type == "qwen3_moe":  # every layer MoE: the short names
+        assert fused == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], params
+    # deepseek_v3's dense MLP and shared experts by full parameter name, out of target_modules: peft 0.21.2's v4
+    # conversion would turn their gate_proj / up_proj into the fused experts' gate_up_proj at twice r
+    # (utils/transformers_weight_conversion.py:448-482; measured before: lora_A [2*E*r, hidden] expected)
+    dense = sorted({n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] + ".weight" for n in want
+                    if ".experts." not in n and n.rsplit(".lora_", 1)[0].rsplit(".", 1)[1] in PEFT_V4_RENAMED})
+    assert sorted(params[len(fused):]) == dense
+    assert not set(config["target_modules"]) & set(PEFT_V4_RENAMED), config["target_modules"]
+    assert (cfg.model_type == "deepseek_v3") == bool(dense)
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
                                            res["stacked"])
     result = peft.set_peft_model_state_dict(model, got)
@@ -281,6 +370,53 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict) -> None:
     print(f"\nLoRA {cfg.model_type} stacked experts: |Megatron with adapters - peft (target_parameters)| logits "
           f"{diff:.2e}")
     assert diff < min(LOGIT_TOL, logit_tolerance(cfg.model_type))
+    if cfg.model_type == "qwen3_moe":
+        _vllm_moe3d_slices(ckpt, src, res["stacked"], cfg)
+
+
+def _vllm_moe3d_slices(ckpt: str, src: dict[str, torch.Tensor], stacked_dir: str, cfg) -> None:
+    """vLLM 0.33.0's 3-D MoE LoRA layer on our stacked directory at engine TP 1 and 2 (harness.vllm_real
+    --moe3d-slices: the LoRAModel, _stack_moe_lora_weights, FusedMoE3DWithLoRA.create_lora_weights and set_lora
+    with its own per-TP slicing): every TP rank's four stacked buffers equal the slices of the per-expert source
+    computed here (sha256): w13 A whole, w13 B the rank's rows of gate and of up, w2 A the rank's inter columns,
+    w2 B whole."""
+    import subprocess
+    import sys
+
+    from harness.wheels import unpacked_wheel
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), os.path.join(repo, "tests"), repo]),
+               VLLM_LOGGING_LEVEL="WARNING")
+    out = subprocess.run([sys.executable, "-m", "harness.vllm_real", "--moe3d-slices", stacked_dir, ckpt, "1,2"],
+                         env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("SLICES ")), None)
+    assert line is not None, out.stderr[-2000:]
+    held = json.loads(line.removeprefix("SLICES "))
+    experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+    checked = 0
+    for tp, ranks in held.items():
+        part = inter // int(tp)
+        assert len(ranks) == int(tp)
+        for rank, layers in enumerate(ranks):
+            assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(cfg.num_hidden_layers)]
+            rows = slice(rank * part, (rank + 1) * part)
+            for name, bufs in layers.items():
+                def f(e, m, k, name=name):
+                    return src[f"base_model.model.{name}.{e}.{m}.lora_{k}.weight"]
+
+                want = {
+                    "w13_lora_a_stacked": torch.stack([f(e, "gate_proj", "A") for e in range(experts)]),
+                    "w13_lora_b_stacked": torch.stack([torch.cat([f(e, "gate_proj", "B")[rows], f(e, "up_proj", "B")[rows]])
+                                                       for e in range(experts)]),
+                    "w2_lora_a_stacked": torch.stack([f(e, "down_proj", "A")[:, rows] for e in range(experts)]),
+                    "w2_lora_b_stacked": torch.stack([f(e, "down_proj", "B") for e in range(experts)])}
+                bad = [k for k, t in want.items() if _digest(t) != bufs[k]]
+                assert not bad, f"vLLM engine TP {tp} rank {rank} {name}: {bad}"
+                checked += 1
+    print(f"\nLoRA qwen3_moe stacked into vLLM's FusedMoE3DWithLoRA: {checked} (TP rank, layer) sets of 4 buffers "
+          "equal the slices of the per-expert source")
 
 
 def _peft_oracle(ckpt: str, res: dict):
@@ -331,10 +467,17 @@ def test_lora_canonical(ckpts, tmp_path):
     assert diff < logit_tolerance("qwen3") and worst <= MERGED_TOL and worst_peft <= MERGED_TOL
 
 
-def test_lora_refusals(ckpts, tmp_path):
-    """Refused by name, before anything is written (tests/worlds.py lora_refusals)."""
-    got = run_world(lora_refusals, Layout(tp=2), ckpts["qwen3"], Layout(tp=2), bridge_root(), str(tmp_path))[0]
+@pytest.mark.parametrize("version", [BRIDGE_VERSION, pytest.param(BRIDGE_062, marks=needs_062)])
+def test_lora_refusals(ckpts, tmp_path, version):
+    """Refused by name, before anything is written (tests/worlds.py lora_refusals); with Bridge 0.6.2 also its
+    grouped-expert adapter class."""
+    got = run_world(lora_refusals, Layout(tp=2), ckpts["qwen3"], Layout(tp=2), bridge_root(version),
+                    str(tmp_path))[0]
     print("\n" + "\n".join(got))
+    if version == BRIDGE_062:
+        grouped = got.pop()
+        assert "decoder.layers.0.mlp.linear_fc1: LoRALinear with GroupedExpertLinearAdapter" in grouped
+        assert "grouped-expert adapters" in grouped and "Transformer Engine" in grouped
     dora, rank, unmapped, none = got
     assert "decoder.layers.0.self_attention.linear_proj: DoRALinear" in dora and "not DoRA" in dora
     assert "disagree on rank / alpha" in rank and "r=4 alpha=8" in rank and "r=8 alpha=16" in rank
@@ -366,6 +509,23 @@ def test_peft_target_modules():
         for s in (".base_layer", "") for f in "AB"], 4, None)
     assert stacked["target_modules"] == ["q_proj"]
     assert stacked["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    # with the stacked form, a dense MLP's gate/up/down and a shared expert's go by full parameter name (peft's v4
+    # conversion renames those leaves in target_modules); without it they stay modules
+    dense = [f"base_model.model.model.layers.0.mlp.{m}.lora_{f}.weight" for m in ("gate_proj", "down_proj") for f in "AB"]
+    shared = [f"base_model.model.model.layers.3.mlp.shared_experts.up_proj.lora_{f}.weight" for f in "AB"]
+    mixed = peft_config(LoraInfo(8, 16.0, ()), names(range(4), ["q_proj"]) + dense + shared + [
+        f"base_model.model.model.layers.{i}.mlp.experts{s}.lora_{f}.weight" for i in (1, 2, 3)
+        for s in (".base_layer", "") for f in "AB"], 4, None)
+    assert mixed["target_modules"] == ["q_proj"]
+    assert mixed["target_parameters"] == [
+        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.gate_up_proj",
+        "model.layers.3.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+        "model.layers.2.mlp.experts.down_proj", "model.layers.3.mlp.experts.down_proj",
+        "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.3.mlp.shared_experts.up_proj.weight"], mixed["target_parameters"]
+    plain = peft_config(LoraInfo(8, 16.0, ()), dense, 4, None)
+    assert plain["target_modules"] == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_proj"]
+    assert "target_parameters" not in plain
     # peft itself wraps exactly those modules of the transformers model
     from mcore2hf.runtime.tiny import tiny_config
 

@@ -121,6 +121,27 @@ def test_policy_quantized_tensors_and_config():
             get_scheme(bad)
 
 
+def test_policy_with_a_tower_lists_its_modules_and_prefixes():
+    """A vision-language model's FP8 config lists the tower's modules and the tower prefixes themselves, also where
+    the family lists nothing else (Kimi-K2.5, DeepSeek-V3's table): vLLM 0.33 skips layers by exact name, SGLang
+    0.5.23 by module-path prefix after splitting fused qkv_proj (FP8Policy's docstring; the engines' own check:
+    tests/test_vlm.py test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5)."""
+    from mcore2hf.converters.common import fp8_policy
+
+    names = [("vision_tower.encoder.blocks.0.wqkv.weight", (90, 30)), ("vision_tower.encoder.blocks.0.wqkv.bias", (90,)),
+             ("mm_projector.proj.0.weight", (120, 120)), ("language_model.model.layers.0.mlp.gate.weight", (8, 30)),
+             ("language_model.model.layers.0.self_attn.o_proj.weight", (30, 30))]
+    policy = fp8_policy(list_not_converted=False, tower=("vision_tower.", "mm_projector."))
+    assert not any(policy.quantized(n, s) for n, s in names[:3]) and policy.quantized(*names[4])
+    assert policy.config(SCHEMES["fp8"], names)["modules_to_not_convert"] == [
+        "mm_projector", "mm_projector.proj.0", "vision_tower", "vision_tower.encoder.blocks.0.wqkv"]
+    listed = fp8_policy(tower=("model.visual.",)).config(SCHEMES["fp8"], [
+        ("model.visual.blocks.0.attn.qkv.weight", (9, 3)), ("model.language_model.layers.0.mlp.gate.weight", (8, 3)),
+        ("lm_head.weight", (5, 3))])["modules_to_not_convert"]
+    assert listed == ["lm_head", "model.language_model.layers.0.mlp.gate", "model.visual",
+                      "model.visual.blocks.0.attn.qkv"], listed
+
+
 def test_quantize_flat_bucket_300x200_matches_per_tensor_quantization():
     from mcore2hf.plan import pack_tight
 

@@ -48,13 +48,16 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
     class's on every rank; loading skips the tower, exports are
     the language model's tensors bit for bit, engine-sharded export at the world's placements, save_pretrained
     completed from the checkpoint equals it and loads in transformers; the frozen tower (layout 3) is delivered
-    live once per sync, or only with the first, only to the receivers; Bridge's Qwen3VLModel (layout 2) exports
-    the whole checkpoint, its tower once, from the first stage."""
+    live once per sync, or only with the first, only to the receivers; Bridge 0.3.1's Qwen3VLModel and
+    GLM45VModel and 0.6.2's KimiK25VLModel (rebuilt) (layout 2) export the whole checkpoint, their tower once,
+    from the first stage."""
     per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.vlm_archs, dict(vlm_ckpts), str(tmp_path),
                          bridge_vlm_root(), LAYOUTS[0], timeout=600)
     for layout in LAYOUTS:
         results = dict(per_rank[0][str(layout)])
         bridge = results.pop("bridge", None)
+        bridge_glm = results.pop("bridge_glm", None)
+        bridge_kimi = results.pop("bridge_kimi", None)
         saved = results.pop("dist", {})
         assert set(saved) == (set(ARCHS) if layout == LAYOUTS[0] else set()), sorted(saved)
         for mt, r in saved.items():
@@ -63,7 +66,7 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
         dry = worlds.in_fresh_process(worlds.dry_run_plans, dict(vlm_ckpts), layout, "float32", 4096)
         for mt, (text, records, _) in dry.items():
             assert (text, records) == results[mt]["plan_4k"], mt
-        assert (bridge is not None) == (layout.vpp is None)
+        assert (bridge is not None) == (bridge_glm is not None) == (bridge_kimi is not None) == (layout.vpp is None)
         # the oracle that is not mcore2hf: the Megatron forward of text tokens at this layout = transformers' class
         logits = [{mt: res[str(layout)][mt]["logits"] for mt in results} for res in per_rank]
         problems = logit_problems(logits, {mt: vlm_ckpts[mt] for mt in results}, worlds.TOKENS, str(layout))
@@ -91,6 +94,15 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
             base = bridge["dist"]["base"]
             check_wrapper_checkpoint(base, vlm_ckpts["qwen3_vl"], str(tmp_path / "offline_bridge"),
                                      os.path.join(os.path.dirname(base), "import", "qwen3_vl"))
+            # GLM-4.5V: Bridge's GLM45VModel holds transformers' tower at `visual`, on stage 0 only
+            assert any(n.startswith("visual.") for n in bridge_glm["names"]), bridge_glm["names"][:3]
+            assert not any(n.startswith("visual.") for n in per_rank[-1][str(layout)]["bridge_glm"]["names"])
+            _loads_cleanly(bridge_glm["dir"], vlm_ckpts["glm4v_moe"])
+            # Kimi-K2.5: Bridge 0.6.2's KimiK25VLModel, rebuilt (its tower is the checkpoint's remote code), holds
+            # `vision_tower` and `mm_projector` beside `language_model`, on stage 0 only
+            assert {n.split(".")[0] for n in bridge_kimi["names"]} == {"vision_tower", "mm_projector", "language_model"}
+            assert all(n.startswith("language_model.") for n in per_rank[-1][str(layout)]["bridge_kimi"]["names"])
+            _loads_cleanly(bridge_kimi["dir"], vlm_ckpts["kimi_k25"])
 
 
 def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:
@@ -127,7 +139,8 @@ def _tower(model_type: str, name: str) -> bool:
 def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     """vLLM 0.33.0's own WeightsMapper of Qwen3VLForConditionalGeneration / Qwen3_5ForConditionalGeneration
     (harness.vllm_vlm_names: read from the wheel, run on CPU) maps every name an export sends (language model and
-    tower, checkpoint order) into the modules the class builds; Qwen3.5's MTP names it drops."""
+    tower, checkpoint order) into the modules the class builds; Qwen3.5's MTP names it drops. vLLM's Fp8Config,
+    given an FP8 export's quantization_config, keeps the tower of Qwen3-VL, GLM-4.5V and Kimi-K2.5 unquantized."""
     import json
     import subprocess
     import sys
@@ -141,6 +154,15 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     names = {mt: sorted(hf_tensor_shapes(tiny_config(mt))) for mt in ("qwen3_vl", "qwen3_5")}
     names["qwen3_5"].append("mtp.fc.weight")  # published Qwen3.5 checkpoints carry MTP weights (declared not held)
+    from mcore2hf.quantize import SCHEMES
+    from mcore2hf.registry import get_converter
+
+    names["fp8"] = {}
+    for mt, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"), ("glm4v_moe", "Glm4vMoeForConditionalGeneration"),
+                    ("kimi_k25", "KimiK25ForConditionalGeneration")):
+        shapes = hf_tensor_shapes(tiny_config(mt))
+        qc = get_converter(mt).fp8.config(SCHEMES["fp8"], list(shapes.items()))  # what an FP8 export writes
+        names["fp8"][mt] = [cls, sorted(n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")), qc]
     inp, out = tmp_path / "names.json", tmp_path / "mapped.json"
     inp.write_text(json.dumps(names))
     wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
@@ -158,6 +180,137 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
                not (m is not None and m.startswith(MODULES))}
         assert not bad, (mt, list(bad.items())[:4])
         assert mapped["lm_head.weight"] == "language_model.lm_head.weight", mt
+    # FP8: vLLM keeps every tower / projector layer of our FP8 exports unquantized, and quantizes the language model
+    for mt in ("qwen3_vl", "glm4v_moe", "kimi_k25"):
+        skipped = res[f"fp8:{mt}"]
+        tower = {n: k for n, k in skipped.items() if _tower(mt, n)}
+        assert tower and all(tower.values()), (mt, [n for n, k in tower.items() if not k][:5])
+        assert any(not k for n, k in skipped.items() if n not in tower), (mt, "nothing quantized")
+
+
+#: the SGLang release whose model classes load our exports (tests/harness/sglang_vlm_load.py)
+SGLANG = "0.5.23"
+#: the architectures of the published checkpoints (their config.json), which SGLang resolves its class by
+SGLANG_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
+
+
+def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
+    """SGLang 0.5.23's own Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and GLM-4.5V classes, built on CPU from the
+    release's wheel (harness.sglang_vlm_load), load every tensor an export sends (the checkpoint's names, which
+    exports equal bit for bit: test_vlm_language_models_towers_and_layouts), each into at least one of their
+    parameters, a whole-parameter copy exactly; loading them all leaves no parameter unfilled. SGLang skips a name
+    it has no parameter for silently, so a name we got wrong would otherwise go unnoticed until a proof sync.
+    Built with an FP8 export's quantization_config, the Qwen3-VL and GLM-4.5V classes create no tower parameter in
+    float8."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness.wheels import unpacked_wheel
+
+    from mcore2hf.hf_config import hf_tensor_shapes
+
+    repo = Path(__file__).resolve().parents[1]
+    cases = {}
+    for mt, arch in SGLANG_ARCHS.items():
+        cfg = tiny_config(mt)
+        ckpt = make_hf_checkpoint(cfg, tmp_path / mt)
+        assert set(read_hf_checkpoint(ckpt)) == set(hf_tensor_shapes(cfg)), mt  # the names an export sends
+        # SGLang's view of the published config.json: `architectures` (what it resolves the class by) and, for
+        # Qwen3.5, `full_attention_interval`, which the published text_config carries beside `layer_types`
+        # (SGLang's configs/qwen3_next.py layers_block_type reads it; here layer_types alternate from linear),
+        # and the vision_config's `"deepstack_visual_indexes": []` (published Qwen3.5 configs spell it out;
+        # transformers 5.24 drops it, SGLang's configs/qwen3_vl.py defaults it to [8, 16, 24])
+        view = tmp_path / f"{mt}-config"
+        view.mkdir()
+        raw = json.loads((Path(ckpt) / "config.json").read_text())
+        raw["architectures"] = [arch]
+        if mt.startswith("qwen3_5"):
+            kinds = raw["text_config"]["layer_types"]
+            raw["text_config"]["full_attention_interval"] = kinds.index("full_attention") + 1
+            raw["vision_config"]["deepstack_visual_indexes"] = []
+            assert all((k == "full_attention") == ((i + 1) % (kinds.index("full_attention") + 1) == 0)
+                       for i, k in enumerate(kinds)), kinds
+        (view / "config.json").write_text(json.dumps(raw))
+        cases[mt] = [str(view), str(ckpt)]
+    # FP8 exports keep the tower unquantized: SGLang, given an export's quantization_config, must build it so
+    from mcore2hf.quantize import SCHEMES
+    from mcore2hf.registry import get_converter
+
+    for mt, arch in (("qwen3_vl", SGLANG_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
+        cfg = tiny_config(mt)
+        view = tmp_path / f"{mt}-fp8-config"
+        view.mkdir()
+        raw = cfg.to_dict()
+        raw["architectures"] = [arch]
+        (view / "config.json").write_text(json.dumps(raw))
+        # what save_pretrained(quantize="fp8") writes (exporter.py: the policy's config over the export's names)
+        qc = get_converter(mt).fp8.config(SCHEMES["fp8"], list(hf_tensor_shapes(cfg).items()))
+        cases[f"fp8:{mt}"] = [str(view), qc]
+        if mt == "glm4v_moe":  # without the tower's prefix entry SGLang quantizes the tower's fused qkv_proj
+            per_module = [m for m in qc["modules_to_not_convert"] if m != "model.visual"]
+            cases["fp8-per-module:glm4v_moe"] = [str(view), dict(qc, modules_to_not_convert=per_module)]
+    inp, out = tmp_path / "cases.json", tmp_path / "loaded.json"
+    inp.write_text(json.dumps(cases))
+    site = unpacked_wheel("sglang", SGLANG, include=("sglang/*",))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "tests"), str(repo)]), PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "harness.sglang_vlm_load", str(site), str(inp), str(out)], env=env,
+                       cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.exists(), (r.stdout[-2000:], r.stderr[-4000:])
+    res = json.loads(out.read_text())
+    assert res["sglang"] == SGLANG and res["file"].startswith(str(site)), res  # the wheel's own code
+    for mt, arch in SGLANG_ARCHS.items():
+        got = res[mt]
+        assert "error" not in got, f"{mt}:\n{got.get('error')}"
+        assert got["class"].endswith(arch) and got["visual_params"] > 0, (mt, got["class"])
+        assert got["sent"] == len(hf_tensor_shapes(tiny_config(mt))), (mt, got["sent"])
+        assert not got["dropped"], (mt, "names SGLang skipped", got["dropped"][:5])
+        assert not got["mismatch"], (mt, "loaded but not equal", got["mismatch"][:5])
+        assert not got["unfilled"], (mt, "parameters nothing we send fills", got["unfilled"][:5])
+        # the tower lands in SGLang's tower (visual.*, qkv -> qkv_proj), the language model in model.*
+        for name, where in got["landed"].items():
+            want = "visual." if name.startswith("model.visual.") else ("lm_head." if name == "lm_head.weight"
+                                                                         else "model.")
+            assert all(p.startswith(want) for p in where if not p.startswith("lm_head.")), (mt, name, where)
+    for mt in ("qwen3_vl", "glm4v_moe"):
+        got = res[f"fp8:{mt}"]
+        assert "error" not in got, f"fp8 {mt}:\n{got.get('error')}"
+        assert any(p.startswith("model.layers.") for p in got["float8"]), (mt, got["float8"][:4])  # LM quantized
+        assert not [p for p in got["float8"] if p.startswith("visual.")], (mt, got["float8"])
+    assert "visual.blocks.0.attn.qkv_proj.weight" in res["fp8-per-module:glm4v_moe"]["float8"], res[
+        "fp8-per-module:glm4v_moe"]
+
+
+def test_kimi_k25_equivalent_follows_bridge_0_6_2():
+    """harness.bridge_vlm.build_kimi_k25_equivalent rebuilds Megatron-Bridge 0.6.2's KimiK25VLModel (which cannot
+    be built here: its tower classes are the checkpoint's remote code); the release's own source still builds
+    what it rebuilds: `vision_tower` and `mm_projector` only under `if pre_process:`, and `language_model` from
+    the provider's `provide_language_model` on every stage (models/kimi_vl/modeling_kimi_k25_vl.py __init__)."""
+    import ast
+
+    from harness.bridge_vision import BRIDGE_VISION_VERSION
+    from harness.wheels import unpacked_wheel
+
+    path = "megatron/bridge/models/kimi_vl/modeling_kimi_k25_vl.py"
+    assert BRIDGE_VISION_VERSION == "0.6.2"
+    root = unpacked_wheel("megatron-bridge", BRIDGE_VISION_VERSION, (path,))
+    tree = ast.parse((root / path).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KimiK25VLModel")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+
+    def assigned(nodes) -> dict[str, ast.expr]:
+        return {t.attr: n.value for n in nodes if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"}
+
+    guarded = next(n for n in init.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "pre_process")
+    assert {"vision_tower", "mm_projector"} <= set(assigned(ast.walk(guarded))), ast.dump(guarded)[:300]
+    top = assigned(init.body)
+    assert not {"vision_tower", "mm_projector"} & set(top)
+    call = ast.unparse(top["language_model"])
+    assert call.startswith("self.config.provide_language_model("), call
 
 
 def test_import_vision_tower_refusals(vlm_ckpts, tmp_path):

@@ -1098,7 +1098,9 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
 
 def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int) -> dict:
     """Per architecture: the all-ranks export with its last all-gather landing in the output (BucketPlan.direct)
-    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves."""
+    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves; and the
+    earlier CPU transport (gloo's all-gather, MCORE2HF_CPU_P2P=0, no pool) bit-identical too, with the transfers
+    each scheme posts."""
     from dataclasses import replace
 
     from mcore2hf.transfer.export import Executor
@@ -1113,12 +1115,15 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
         plan = ex.plan(bucket_bytes)
         staged = replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets])
         stats = {}
-        for what, p in (("direct", plan), ("staged", staged)):
+        for what, p in (("direct", plan), ("staged", staged), ("earlier", plan)):
             runner = Executor(p, ex.ctx, ex._local, None, ex.device)
+            if what == "earlier":
+                runner.core.cpu_p2p = runner.core.replay = False
             for k in range(2):  # plan once, run twice: the second run reuses the compiled copies and buffers
                 got = {n: t.clone() for b in runner.run() for n, t in b}
                 assert_same(got, ref, f"{mt} {layout} {what} export {k}")
             stats[what] = {k: v // 2 for k, v in runner.stats.items() if k.endswith("_bytes")}
+            stats[what].update({k: v // 2 for k, v in runner.core.counts.items()})
             if what == "direct":  # slots filled by one concatenation (whole-shard layout ops), not per-tensor copies
                 stats["cat_slots"] = sum(st.cat is not None for cb in runner._compiled for st in cb.stages)
         # sync() on the same exporter (its executor's byte counters must survive sync's per-sync phase times)
@@ -1403,6 +1408,7 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
 
     from mcore2hf.errors import UsageError
     from mcore2hf.hf_config import text_config
+    from mcore2hf.lora import peft_name
 
     cfg, chunks = build(ckpt, layout, mtp=False)
     apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA, canonical=canonical)
@@ -1445,6 +1451,31 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
         engine = engine_matrix(merging, merged_sd, layout, cfg.model_type)
         bad = {k: v for k, v in engine.items() if "refused" not in v and (v["missing"] or v["extra"] or v["differ"])}
         agree(f"engine-sharded lora='merged': {bad}" if bad else None)
+    ref = read_hf_checkpoint(ckpt)
+    # a training step, then the same merged exporter: every B doubled in place (its compiled merges read the same
+    # views) and one A's storage swapped (`.data` replaced: that bucket is recompiled). Oracle: W + s (2 B) A on the
+    # HF tensors of the source (fp32; the same products summed in the same order: within 1e-6, measured 0.0)
+    with torch.no_grad():
+        factors = [(n, p) for c in chunks for n, p in c.named_parameters() if ".adapter." in n]
+        for n, p in factors:
+            if n.endswith("linear_out.weight"):
+                p.mul_(2)
+        swapped = next(p for n, p in factors if n.endswith("linear_in.weight"))
+        swapped.data = swapped.data.clone()
+    stepped = merging.state_dict()
+    with torch.no_grad():
+        for n, p in factors:
+            if n.endswith("linear_out.weight"):
+                p.div_(2)  # exact: a power of two
+    scale, worst = LORA_ALPHA / LORA_R, 0.0
+    for n in stepped:
+        a, b = peft_name(n, "A"), peft_name(n, "B")
+        if a not in adapter_ref:
+            assert torch.equal(stepped[n], merged_sd[n]), f"{layout} {n}: no adapter, changed by a training step"
+            continue
+        expected = ref[n].float() + scale * (2 * adapter_ref[b].float()) @ adapter_ref[a].float()
+        worst = max(worst, (stepped[n].float() - expected).abs().max().item())
+    assert worst <= 1e-6, f"{layout} merged export after a training step: |diff| {worst:.2e} from W + s (2 B) A"
     stacked = None
     if save_dist and any(".experts." in n for n in adapter_ref):  # PEFT's 3-D expert form (lora_experts="stacked")
         stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
@@ -1457,11 +1488,12 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
         load_hf_weights(chunks, stacked, ckpt, lora=True)
         assert_same(ex.state_dict(), adapter_ref, f"{layout} adapters loaded from the stacked form")
     base = HFExporter(chunks, cfg, lora="base").state_dict()
-    ref = read_hf_checkpoint(ckpt)
     assert_same(base, {n: ref[n] for n in base}, f"{layout} lora='base'")
     after = {n: p for c in chunks for n, p in c.named_parameters()}
     assert all(torch.equal(after[n], params[n]) for n in params), "an export modified the model's parameters"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    structure = lora_structure(chunks)
+    bridge_merge = bridge_merge_diff(chunks, cfg, merged_sd)
     if save_dist:
         from megatron.core import dist_checkpointing
         from megatron.core import parallel_state as ps
@@ -1476,7 +1508,55 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
-    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked} if dist.get_rank() == 0 else {}
+    return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
+            "bridge_merge": bridge_merge} if dist.get_rank() == 0 else {}
+
+
+def lora_structure(chunks: list) -> list[dict]:
+    """Collective: every rank's Bridge LoRA wrappers as Bridge built them, to compare releases (rank order): per
+    wrapped module its base and factor parameters (name, local shape, megatron-core's `partition_dim` where
+    tensor-parallel) and its adapter's class, split flags and the classes / gather flags of linear_in and
+    linear_out (what decides how A and B are split and gathered: ParallelLinearAdapter.__init__)."""
+    mine = {}
+    for vp, chunk in enumerate(chunks):
+        for name, m in chunk.named_modules():
+            if not (hasattr(m, "to_wrap") and hasattr(m, "adapter")):
+                continue
+            params = {n: [list(p.shape), getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False)
+                          else None] for n, p in m.named_parameters()}
+            # canonical LoRA: a ModuleDict of adapters (adapter_q, ...); plain LoRA: one
+            units = m.adapter.items() if isinstance(m.adapter, torch.nn.ModuleDict) else [("", m.adapter)]
+            mine[f"chunk{vp}.{name}"] = {"wrapper": type(m).__name__, "params": params, "adapters": {
+                part: [type(ad).__name__, bool(ad.input_is_parallel), bool(ad.is_expert), int(ad.dim), float(ad.alpha),
+                       [[type(lin).__name__, getattr(lin, "gather_output", None), getattr(lin, "input_is_parallel", None)]
+                        for lin in (ad.linear_in, ad.linear_out)]]
+                for part, ad in units if ad is not None}}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def bridge_merge_diff(chunks: list, cfg, merged_sd: dict) -> float | None:
+    """Megatron-Bridge's own merge against the merged export: from 0.6.2, `LoRALinear.weight` is the effective
+    weight W + alpha/r B A of a rank's shard (peft/lora_layers.py:35-58 -> lora_merge.py:65-87, the factor split on
+    the other axis gathered over the adapter's TP group). Each base weight is set to it, the model exported with
+    lora="base", and the base weights restored. Returns max |that - merged export| (None: a release without it)."""
+    wrappers = [m for c in chunks for _, m in c.named_modules()
+                if hasattr(m, "to_wrap") and isinstance(getattr(type(m), "weight", None), property)]
+    if not wrappers:
+        return None
+    with torch.no_grad():
+        effective = [m.weight.detach().clone() for m in wrappers]  # collective in each adapter's TP group
+        saved = [m.to_wrap.weight.detach().clone() for m in wrappers]
+        for m, w in zip(wrappers, effective):
+            m.to_wrap.weight.copy_(w)
+        try:
+            bridge = HFExporter(chunks, cfg, lora="base").state_dict()
+        finally:
+            for m, w in zip(wrappers, saved):
+                m.to_wrap.weight.copy_(w)
+    assert sorted(bridge) == sorted(merged_sd)
+    return max((bridge[n].float() - merged_sd[n].float()).abs().max().item() for n in merged_sd)
 
 
 def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list[str]:
@@ -1494,6 +1574,15 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
                 from megatron.bridge.peft.dora import DoRA
 
                 DoRA(target_modules=list(targets), dim=dim, alpha=dim)(chunks, training=False)
+            elif kind == "grouped":
+                from megatron.bridge.peft.lora_layers import LoRALinear
+                from megatron.bridge.peft.utils import GroupedExpertLinearAdapter
+
+                mlp = chunks[0].decoder.layers[0].mlp
+                fc1 = mlp.linear_fc1
+                mlp.linear_fc1 = LoRALinear(fc1, GroupedExpertLinearAdapter(
+                    fc1.input_size, fc1.output_size, dim, num_local_experts=1, activation="identity",
+                    base_linear_name="decoder.layers.0.mlp.linear_fc1", model_parallel_config=fc1.config, alpha=dim))
             else:
                 apply_lora(bridge, chunks, list(targets), dim, 2 * dim)
         return cfg, chunks
@@ -1504,6 +1593,12 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
         "unmapped": [(("linear_qkv", "output_layer"), 8, "lora")],
         "none": [],
     }
+    import_bridge_peft(bridge)
+    from megatron.bridge.peft import utils as bridge_utils
+
+    if hasattr(bridge_utils, "GroupedExpertLinearAdapter"):  # 0.6.2: its grouped-expert adapter class, built
+        # without its TE base (which this stack cannot build: mcore2hf/lora.py GROUPED_ADAPTERS), in a LoRALinear
+        cases["grouped"] = [(("linear_fc1",), 8, "grouped")]
     messages = []
     for name, wraps in cases.items():
         cfg, chunks = model(*wraps)
@@ -1749,15 +1844,17 @@ def frozen_tower(chunks, cfg, ckpt: str, ref: dict, full: dict, layout: Layout) 
     return out
 
 
-def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> dict:
-    """Layout 2 (an HF tower embedded in the Megatron model): Megatron-Bridge 0.3.1's own Qwen3VLModel at
-    `layout`, its `vision_model` (transformers' Qwen3VLVisionModel, first stage, every TP rank) loaded and exported
+def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, family: str = "qwen3_vl") -> dict:
+    """Layout 2 (an HF tower embedded in the Megatron model): Megatron-Bridge 0.3.1's own wrapper at `layout`
+    (`family` "qwen3_vl": Qwen3VLModel, its `vision_model` transformers' Qwen3VLVisionModel; "glm4v_moe":
+    GLM45VModel, its `visual` transformers' Glm4vVisionModel; "kimi_k25": 0.6.2's KimiK25VLModel rebuilt, its
+    `vision_tower` and `mm_projector`; first stage, every TP rank) loaded and exported
     through the pass-through rule: the export equals the whole checkpoint bit for bit; each tower tensor is one
     source, replicated (never gathered over TP), held by the first stage's ranks only, sent exactly once to each
     receiver; engine sharding refuses naming the tower's tensors."""
     import re
 
-    from harness.bridge_vlm import build_qwen3_vl_model
+    from harness.bridge_vlm import build_glm45v_model, build_kimi_k25_equivalent, build_qwen3_vl_model
     from megatron.core import parallel_state as ps
 
     from mcore2hf.engine_shards import EngineShardError
@@ -1769,41 +1866,55 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str) -> 
     cfg = load_hf_config(ckpt)
     full = read_hf_checkpoint(ckpt)
     vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
-    chunks = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
+    # the wrapper, its tower's attribute(s), the tower's HF prefix(es), a tower tensor engine sharding names
+    hf, named = ("model.visual.",), "model.visual.blocks.0.attn.qkv.weight"
+    if family == "qwen3_vl":
+        chunks, prefix = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides()), ("vision_model.",)
+    elif family == "glm4v_moe":
+        chunks, prefix = build_glm45v_model(bridge_root, cfg, **layout.config_overrides()), ("visual.",)
+    else:  # Bridge 0.6.2's KimiK25VLModel, rebuilt (harness.bridge_vlm.build_kimi_k25_equivalent says why)
+        chunks = build_kimi_k25_equivalent(cfg, **layout.config_overrides())
+        prefix = hf = ("vision_tower.", "mm_projector.")
+        named = "mm_projector.proj.0.weight"
     names = [n for c in chunks for n, _ in c.named_parameters()]
     zero_(chunks)
     report = load_hf_weights(chunks, ckpt)
     assert not report.skipped, report.skipped  # the tower is held: nothing skipped
     ex = HFExporter(chunks, cfg)
     every = [(n, t.clone()) for b in ex.buckets(bucket_bytes=4096) for n, t in b]
-    agree(_counted(every, full, f"{layout} Bridge Qwen3VLModel, all ranks, rank {rank}"))
+    agree(_counted(every, full, f"{layout} Bridge {family}, all ranks, rank {rank}"))
     sources = ex.plan(4096).sources
     first_stage = {r.rank for r in ex.planner.records if r.pp == 0}
-    tower = {s.name: s for s in sources.values() if s.name.startswith("vision_model.")}
+    tower = {s.name: s for s in sources.values() if s.name.startswith(prefix)}
     # the merger linears share their names with a native tower's TP-split ones: WholeOrSplit, whole here (count 1)
     bad = [s.name for s in tower.values() if s.count != 1 or s.stages != (0,) or type(s.resolved.op).__name__ not in
            ("Replicated", "WholeOrSplit") or set(s.holders[0]) != first_stage
-           or not s.hf_names[0].startswith("model.visual.")]
+           or not s.hf_names[0].startswith(hf)]
     assert tower and not bad, bad[:4]
     sender = RecordingSender(receivers=(0,))
     sync(ex, sender, bucket_bytes=4096, pause=False, progress=False)
-    agree(_counted(sender.syncs[0], {} if rank else full, f"{layout} Bridge sync to rank 0, rank {rank}"))
-    try:  # the engines split the tower's attention by heads: 3 do not divide over engine TP 2
+    agree(_counted(sender.syncs[0], {} if rank else full, f"{layout} Bridge {family} sync to rank 0, rank {rank}"))
+    try:  # Qwen3-VL's tower: the engines split its attention by heads, 3 do not divide over engine TP 2
         ex.engine_plan(colocated_ranks(layout.size, "sglang", 2))
     except EngineShardError as e:
         refused = str(e)
     else:
         refused = ""
-    assert re.search(r"model\.visual\.blocks\.\d+\.attn\.qkv\.(weight|bias): expected tp_size 2 dividing the 3 "
-                     r"vision heads", refused), refused
+    if family == "qwen3_vl":
+        assert re.search(r"model\.visual\.blocks\.\d+\.attn\.qkv\.(weight|bias): expected tp_size 2 dividing the 3 "
+                         r"vision heads", refused), refused
+    else:  # GLM-4.5V's and Kimi-K2.5's towers: not in the engine sharding table
+        assert named in refused and "no engine sharding rule" in refused, refused
     # block-FP8: the language model's weights quantized as the reference quantizer does, the tower kept as it is
     fp8 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, quantize="fp8") for n, t in b}
-    agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge fp8")))
-    assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
-    out = os.path.join(out_root, "bridge", str(layout))
+    agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge {family} fp8")))
+    assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith(hf)), "tower quantized"
+    out = os.path.join(out_root, "bridge", family, str(layout))
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
-    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge save_pretrained"))
+    agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge {family} save_pretrained"))
           if rank == 0 else None)
+    if family != "qwen3_vl":
+        return {"names": names, "tower_sources": len(tower), "dir": out}
     plan = ex.plan(4096)  # the live plan, for the dry run (`mcore2hf plan --vision-tower hf`) to equal
     return {"names": names, "tower_sources": len(tower), "dir": out, "plan_4k": (plan.describe(), plan.records),
             "dist": bridge_checkpoints(ckpt, layout, bridge_root, (cfg, chunks), os.path.join(out_root, "bridge_dist"))}
@@ -1867,11 +1978,13 @@ def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
 def vlm_archs(ckpts: dict[str, str], out_root: str, bridge_root: str | None, dist_layout: Layout,
               layout: Layout) -> dict:
     """vlm_suite for every architecture at `layout`; with `bridge_root` (a layout without virtual PP) also
-    Megatron-Bridge's Qwen3VLModel (`bridge_tower`); at `dist_layout` also a torch_dist checkpoint of each
+    Megatron-Bridge's Qwen3VLModel, GLM45VModel and KimiK25VLModel (`bridge_tower`); at `dist_layout` also a torch_dist checkpoint of each
     language model under out_root/dist/<arch>/ckpt (the offline export's input)."""
     out = for_each_arch(vlm_suite, ckpts, layout, out_root)
     if bridge_root is not None and not layout.vpp:
         out["bridge"] = bridge_tower(ckpts["qwen3_vl"], layout, bridge_root, out_root)
+        out["bridge_glm"] = bridge_tower(ckpts["glm4v_moe"], layout, bridge_root, out_root, "glm4v_moe")
+        out["bridge_kimi"] = bridge_tower(ckpts["kimi_k25"], layout, bridge_root, out_root, "kimi_k25")
     if layout == dist_layout:
         out["dist"] = for_each_arch(save_dist_checkpoint, ckpts, layout, os.path.join(out_root, "dist"))
     return out

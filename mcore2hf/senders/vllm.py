@@ -34,14 +34,14 @@ vLLM's trainer-side engines (TrainerWeightTransferEngine.send_weights) run a who
 per call; sync() streams buckets, so these senders open one session per sync and use vLLM's own pieces where
 vllm is importable: its NCCL endpoint and rendezvous, and its update-info dataclasses to validate every payload
 before it is sent. The engine groups, the weight-update group's forming and teardown (vLLM's rendezvous plugged
-in), the framing of a sync and the HTTP client are shared with SGLang's senders (base.py, http.py).
+in), the framing of a sync and the HTTP client are shared with SGLang's senders (base.py, http.py). The engine clients
+(HTTP server, in-process LLM) are in vllm_clients.py.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import pickle
 import shutil
@@ -55,26 +55,18 @@ from torch.multiprocessing.reductions import reduce_tensor
 from ..buckets import Bucket
 from ..errors import EngineError
 from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, quietly, refuse_broadcast_sharding
-from .http import HTTPClient
 from .safetensors import SafetensorsWriter, TensorInfo
+from .vllm_clients import VERIFIED_VLLM, VLLMHTTPEngine, VLLMLocalEngine, as_engine, vllm_module
 
-VERIFIED_VLLM = "0.33.0"  # the release whose code the contract tests run
+__all__ = ["VERIFIED_VLLM", "VLLMColocatedSender", "VLLMDistributedSender", "VLLMHTTPEngine", "VLLMLocalEngine",
+           "as_engine", "bucket_fields", "device_uuid", "ipc_args", "packed_chunk_ends"]
+
 # verify (sync(verify=...)): /weight_checker (action checksum / reset / compare with a baseline,
 # entrypoints/rl/online/api_router.py:232) over the workers' compute_weight_checksums / reset_weights
 # (v1/worker/gpu_worker.py:388, model_loader/weight_checksum.py: sha256 of each parameter's bytes, zeroing);
 # read in 0.33.0, the release the contract tests run
 CHECKER_VLLM = (0, 33, 0)
 PAUSE_MODES = ("abort", "wait", "keep")  # /pause?mode=, vllm/entrypoints/rl/online/api_router.py
-
-
-def _vllm_module(name: str):
-    """A vllm module when vllm is importable here, else None."""
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except Exception:  # noqa: BLE001 - vllm absent (or unusable) on the trainer
-        return None
 
 
 def device_uuid(device: torch.device) -> str:
@@ -132,200 +124,15 @@ def packed_chunk_ends(tensor_sizes: list[int], buffer_size_bytes: int) -> list[i
 def _validated(module: str, cls: str, fields: dict) -> dict:
     """The payload, after vLLM's own dataclass accepted it when vllm is importable here: refused as the worker
     would refuse it (unknown keys, mismatched lengths), before it is sent."""
-    mod = _vllm_module(module)
+    mod = vllm_module(module)
     if mod is not None:
         try:
             getattr(mod, cls)(**fields)
         except Exception as e:  # noqa: BLE001
-            version = getattr(_vllm_module("vllm"), "__version__", "unknown")
+            version = getattr(vllm_module("vllm"), "__version__", "unknown")
             raise EngineError(f"vLLM {version} on the trainer refuses {cls}{sorted(fields)}: {e} (these senders "
                               f"follow vLLM {VERIFIED_VLLM})") from e
     return fields
-
-
-class VLLMHTTPEngine(HTTPClient):
-    """HTTP client of one vLLM server started with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config."""
-
-    def __init__(self, url: str, timeout: float = 300.0, api_key: str | None = None):
-        super().__init__(url, timeout, api_key)
-        self.pickle_handles = True  # JSON carries IPC handles as `ipc_handles_pickled` (vllm clients.py)
-
-    def _request(self, path: str, payload: dict | None = None, method: str = "POST",
-                 ok_codes: tuple = ()) -> tuple[int, dict | str]:
-        code, text = self.request(path, payload, method, ok_codes=ok_codes)  # no payload: no body
-        try:
-            return code, json.loads(text) if text.strip() else {}
-        except ValueError:
-            return code, text
-
-    def check(self) -> None:
-        """Raise EngineError unless the server has the native weight-transfer routes (sends no weights)."""
-        _, ver = self._request("/version", method="GET", ok_codes=(404,))
-        version = ver.get("version", "unknown") if isinstance(ver, dict) else "unknown"
-        # an empty body fails validation (400/422) on a server that has the route, 404 where it has none
-        code, _ = self._request("/init_weight_transfer_engine", {}, ok_codes=(400, 404, 405, 422))
-        if code in (404, 405):
-            raise EngineError(
-                f"{self.url}: vLLM {version} has no native weight-transfer API (POST /init_weight_transfer_engine "
-                f"answered {code}); it needs vLLM >= {VERIFIED_VLLM} (verified) started with VLLM_SERVER_DEV_MODE=1 "
-                "and --weight-transfer-config '{\"backend\": \"ipc\" or \"nccl\"}'")
-
-    def world_size(self) -> int:
-        _, out = self._request("/get_world_size", method="GET")
-        return int(out["world_size"])
-
-    def server_version(self) -> str:
-        _, ver = self._request("/version", method="GET", ok_codes=(404,))
-        return str(ver.get("version", "unknown")) if isinstance(ver, dict) else "unknown"
-
-    def weight_checksums(self) -> dict[str, str]:
-        """{"dp{d}:pp{p}:pcp{c}:tp{t}:<parameter>": sha256} over every worker (POST /weight_checker checksum)."""
-        _, out = self._request("/weight_checker", {"action": "checksum"})
-        return dict(out["checksums"])
-
-    def reset_weights(self) -> None:
-        self._request("/weight_checker", {"action": "reset"})  # every worker zeroes its parameters
-
-    def compare_weights(self, baseline: dict[str, str]) -> list[str]:
-        """vLLM's comparison of its checksums now against `baseline`: the keys that differ."""
-        _, out = self._request("/weight_checker", {"action": "compare", "baseline": baseline})
-        return list(out["mismatches"])
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._request("/init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._request("/start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self._request("/update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._request("/finish_weight_update", {"weight_version": weight_version} if weight_version else None)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._request("/shutdown_weight_transfer_engine")
-
-    def pause(self, mode: str = "abort") -> None:
-        self._request(f"/pause?mode={mode}")
-
-    def resume(self) -> None:
-        self._request("/resume")
-
-    def lora_refusal(self) -> str | None:
-        """Why this server cannot load adapters at runtime, or None (sends no adapter): the routes exist only with
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING (vllm 0.33.0 entrypoints/serve/lora/api_router.py:30); an empty body
-        fails validation (400/422) where the route exists."""
-        code, _ = self._request("/v1/load_lora_adapter", {}, ok_codes=(400, 404, 405, 422))
-        if code in (404, 405):
-            return (f"vLLM {self.server_version()} has no /v1/load_lora_adapter (answered {code}): start it with "
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora (--max-lora-rank >= the adapter's r)")
-        return None
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str, is_3d: bool = False) -> None:
-        """POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace: true[, is_3d_lora_weight: true]}
-        (LoadLoRAAdapterRequest, vllm 0.33.0 entrypoints/serve/lora/protocol.py:7-11): replaces an adapter of that
-        name, keeping its id (entrypoints/openai/models/serving.py:167-231); 200 with plain text, an error status
-        otherwise. `is_3d`: PEFT's stacked expert form (lora_experts="stacked")."""
-        body = {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": True}
-        if is_3d:
-            body["is_3d_lora_weight"] = True
-        self._request("/v1/load_lora_adapter", body)
-
-    def reset_prefix_cache(self) -> bool:
-        """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE, entrypoints/serve/dev/cache/api_router.py:20):
-        {"success": false} while blocks are still held by running requests."""
-        _, out = self._request("/reset_prefix_cache")
-        return bool(out.get("success")) if isinstance(out, dict) else False
-
-
-class VLLMLocalEngine:
-    """An in-process `vllm.LLM` (its RL methods, vllm/entrypoints/rl/offline.py). Calls reach the workers through
-    collective_rpc (msgpack): IPC handles go pickled as for HTTP, which the worker opens only with
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1. An LLM generates only when called, so pause/resume do nothing."""
-
-    def __init__(self, llm):
-        self.llm = llm
-        self.pickle_handles = True
-
-    def check(self) -> None:
-        missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                               "finish_weight_update") if not callable(getattr(self.llm, m, None))]
-        if missing:
-            version = getattr(_vllm_module("vllm"), "__version__", "unknown")
-            raise EngineError(f"this vLLM ({version}) LLM has no native weight-transfer API (missing {missing}); "
-                              f"it needs vLLM >= {VERIFIED_VLLM} (verified) and LLM(..., weight_transfer_config=...)")
-
-    def world_size(self) -> int:
-        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp)
-
-    def server_version(self) -> str:
-        return str(getattr(_vllm_module("vllm"), "__version__", "unknown"))
-
-    def weight_checksums(self) -> dict[str, str]:
-        """The workers' own checksums (LLM has no checker method: collective_rpc to gpu_worker.py:388), merged
-        as api_router.py:249 merges them."""
-        out: dict[str, str] = {}
-        for worker in self.llm.collective_rpc("compute_weight_checksums"):
-            if out.keys() & worker.keys():
-                raise EngineError(f"duplicate weight checksum keys {sorted(out.keys() & worker.keys())[:5]}")
-            out.update(worker)
-        return out
-
-    def reset_weights(self) -> None:
-        self.llm.collective_rpc("reset_weights")
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
-
-    def pause(self, mode: str = "abort") -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def lora_refusal(self) -> str | None:
-        if getattr(self.llm.llm_engine.vllm_config, "lora_config", None) is None:
-            return "this vllm.LLM was built without LoRA: build it with LLM(..., enable_lora=True, max_lora_rank=r)"
-        return None
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str, is_3d: bool = False) -> None:
-        """LLMEngine.add_lora(LoRARequest(..., load_inplace=True)) (vllm 0.33.0 v1/engine/llm_engine.py:471,
-        lora/request.py:24-29), the adapter's id kept across versions as the server keeps it."""
-        from vllm.lora.request import LoRARequest
-
-        ids = self.__dict__.setdefault("_lora_ids", {})
-        lora_id = ids.setdefault(lora_name, len(ids) + 1)
-        if not self.llm.llm_engine.add_lora(LoRARequest(lora_name=lora_name, lora_int_id=lora_id,
-                                                        lora_path=lora_path, load_inplace=True,
-                                                        is_3d_lora_weight=is_3d)):
-            raise EngineError(f"vllm.LLM did not load the LoRA adapter {lora_name!r} from {lora_path}")
-
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.llm.reset_prefix_cache())
-
-
-def as_engine(engine, timeout: float = 300.0, api_key: str | None = None):
-    """A URL becomes a VLLMHTTPEngine, a vllm.LLM a VLLMLocalEngine; clients pass through."""
-    if engine is None or isinstance(engine, VLLMHTTPEngine | VLLMLocalEngine):
-        return engine
-    if isinstance(engine, str):
-        return VLLMHTTPEngine(engine, timeout, api_key)
-    if hasattr(engine, "llm_engine"):
-        return VLLMLocalEngine(engine)
-    return engine  # anything with the client methods above
 
 
 class _Session:
@@ -669,7 +476,7 @@ class VLLMDistributedSender(_Session, BroadcastSender):
         if not self.is_source or self.pg is not None:
             return
         self._check_engines()
-        if _vllm_module("vllm.distributed.utils") is None:
+        if vllm_module("vllm.distributed.utils") is None:
             raise EngineError("vLLM's NCCL weight transfer needs vllm importable on trainer rank 0 (its "
                               "StatelessProcessGroup + PyNcclCommunicator form the group); use the IPC backend "
                               "(VLLMColocatedSender) otherwise")
@@ -716,7 +523,7 @@ class VLLMDistributedSender(_Session, BroadcastSender):
     def _unsendable(self, bucket: Bucket) -> str | None:
         """Unpacked, each tensor goes in its own dtype, and PyNccl takes only NCCL's (vllm 0.33.0
         pynccl_wrapper.ncclDataTypeEnum); packed chunks are uint8."""
-        wrapper = _vllm_module("vllm.distributed.device_communicators.pynccl_wrapper")
+        wrapper = vllm_module("vllm.distributed.device_communicators.pynccl_wrapper")
         if self.packed or wrapper is None:
             return None
         bad = sorted({str(e.dtype) for e in bucket.entries if wrapper.ncclDataTypeEnum.try_from_torch(e.dtype) is None})

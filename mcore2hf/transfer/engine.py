@@ -1,7 +1,7 @@
 """The engine-sharded export on the one core (issue 15): each rank receives only the regions its engine rank
-loads, in one batched point-to-point round per bucket (`EngineProgram`, from `builders.engine_program` or, on a
-disaggregated engine rank, as sent by the trainers), sends packed from views of the local shards, local pieces
-copied straight from the shards."""
+loads, in one point-to-point round per bucket, one message per peer (`EngineProgram`, from
+`builders.engine_program` or, on a disaggregated engine rank, as sent by the trainers), sends packed from views of
+the local shards, local pieces copied straight from the shards."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from ..naming import LocalTensor
 from ..parallel import ParallelContext
 from ..plan import align
 from .builders import engine_program
-from .executor import CBucket, Copy, Core, CRound, Pack
+from .executor import CBucket, Copy, Core, CRound
 from .program import EngineProgram, packed_bytes, packed_offsets
+from .sources import Pack
 
 
 class EngineExecutor:
@@ -26,10 +27,10 @@ class EngineExecutor:
 
     Transport: with `group` (any torch ProcessGroup, also one outside the default world, e.g. a weight-update
     group built from a TCPStore, see senders/process_group.py) the routes' ranks are ranks in `group` and `rank`
-    is this process's: batch_isend_irecv on it where torch.distributed knows the group, else the group's own
-    send/recv (a bare backend). Otherwise the default world, with `rank` defaulting to `ctx.rank`. A process
-    holding nothing (a disaggregated engine process) passes `ctx=None`, `local={}` and its `rank`: it runs the
-    receive side only; or it runs the per-bucket programs it was sent (`from_programs`).
+    is this process's: on CUDA batch_isend_irecv where torch.distributed knows the group, else (a bare backend,
+    or CPU tensors) the group's own send/recv (`Core.post`). Otherwise the default world, with `rank` defaulting
+    to `ctx.rank`. A process holding nothing (a disaggregated engine process) passes `ctx=None`, `local={}` and its
+    `rank`: it runs the receive side only; or it runs the per-bucket programs it was sent (`from_programs`).
 
     Output: "slices" packs the raw regions tight (`EngineBucket.slices()`); "masked" lays the buffer out as the
     full-shaped HF tensors of the export plan's bucket (its layout, the same on every rank) and every piece
@@ -80,8 +81,14 @@ class EngineExecutor:
         if self._compiled is not None:
             return
         self.core.make_arenas([max([self._arena_bytes(p) for p in self.programs] or [0])])
+        self.core.lora.make_arenas([(0, self._merge_names(p)) for p in self.programs])
         self._compiled = [self._compile(p) for p in self.programs]
         self.core.make_pool(max([cb.nbytes for cb in self._compiled] or [0]))
+
+    def _merge_names(self, prog: EngineProgram) -> list[str]:
+        """The LoRA-merged weights this rank reads in a bucket: those it sends pieces of or copies locally."""
+        return self.core.lora.names([it.source for _, items in prog.sends for it in items] +
+                                     [it.source for it in prog.local])
 
     def _layout(self, prog: EngineProgram) -> tuple[list, dict]:
         """The output's entries and where each SliceEntry's pieces land in it (`slices_where` / `masked_where`)."""
@@ -95,6 +102,7 @@ class EngineExecutor:
         cb = CBucket(prog.index, True, 0, max((e.start + e.nbytes for e in out), default=0),
                      tuple(sorted({e.dtype for e in out}, key=str)))
         cb.program = (prog, out)
+        cb.merge_pack, cb.merges = core.lora.compile(self._merge_names(prog), 0, cb.bases)  # first: the views below read the merged slots
         arena = core.arenas[0]
         rnd = cb.p2p = CRound(Pack(), [], [])
         sent = received = local = 0

@@ -5,15 +5,20 @@ export, copy lists of precomputed views, the collectives or the point-to-point r
 host work is launching those: one `_foreach_copy_` per pack, one per copy list (the output is a new buffer per
 bucket, so only its views are made per run), no per-tensor Python beyond that.
 
-* `Arena`: one flat byte buffer with its dtype views.
-* `Sources`: this rank's local tensors, one staleness policy for all exports: a contiguous parameter is read
-  through views precomputed at compile time, each compiled bucket recording the storages it relies on; when
-  training swapped a parameter's .data since, the bucket is recompiled before it runs. A buffer or grouped-expert
-  item (a getter), a non-contiguous parameter and an FP8 blob (a hook) are read once per bucket run.
-* `Copy` lists, merged into batched strided copies (`merge`), and packs into the arena (`Pack`).
+* `sources`: what the core reads and writes: `Sources` (this rank's local tensors, one staleness policy for all
+  exports: a contiguous parameter read through views precomputed at compile time, each compiled bucket recording
+  the storages it relies on and recompiled when training swapped a parameter's .data since; a buffer, a
+  grouped-expert item, a non-contiguous parameter and an FP8 blob read once per bucket run), `Arena`, `Pack`,
+  `OutputPool`; `lora_merges`: LoRA-merged weights computed batched when their bucket starts.
+* `Copy` lists, merged into batched strided copies (`merge`).
 * `Core`: the arena(s), compile helpers, and the run: packing, in-place all-gathers (into the arena, or into the
-  output for a direct stage), one batched point-to-point round over the default world or any process group,
-  the FP8 quantization of held shards (a hook before the collectives), the copies into the output.
+  output for a direct stage), one point-to-point round over the default world or any process group, the FP8
+  quantization of held shards (a hook before the collectives), the copies into the output.
+
+Transport: on CUDA an all-gather is NCCL's (one ring launch) and a round one batch_isend_irecv (one grouped
+launch); on CPU (gloo) both are the group's own sends and receives posted at once (`Core.post`), an all-gather
+as one round straight between the members' buffers (`cpu_p2p_default`; gloo's all-gather gathers into a
+temporary buffer and copies it out, and batch_isend_irecv doubles the wall time of a small round).
 """
 
 from __future__ import annotations
@@ -36,10 +41,19 @@ from ..quantize import (
     per_block_cast_to_fp8,
     per_block_cast_to_fp8_batched,
 )
+from .lora_merges import LoRAMerges
+from .sources import Arena, OutputPool, Pack, Sources
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_data_ptr = torch.Tensor.data_ptr
-_use_count = torch._C._storage_Use_Count  # references to a storage (tensors, views, storage objects)
+
+
+def cpu_p2p_default() -> bool:
+    """Whether transfers of CPU tensors (gloo) are posted as the process group's own sends and receives: an
+    all-gather as one point-to-point round straight between the members' buffers, a point-to-point round without
+    torch's batch_isend_irecv. MCORE2HF_CPU_P2P=0 selects the earlier scheme, for comparison: gloo's all-gather
+    (it gathers into a temporary buffer of its own and copies every byte out of it) and batch_isend_irecv (on
+    gloo about twice the wall time of the same messages posted directly)."""
+    return os.environ.get("MCORE2HF_CPU_P2P", "1") != "0"
 
 
 def replay_default() -> bool:
@@ -52,121 +66,6 @@ def graphs_default() -> bool:
     """Whether a copy list on a pooled CUDA buffer is captured once as a CUDA graph and replayed (MCORE2HF_GRAPHS=0:
     launched eagerly each time)."""
     return os.environ.get("MCORE2HF_GRAPHS", "1") != "0"
-
-
-class OutputPool:
-    """Output buffers reused by every bucket and export, so a bucket's copies run on views precomputed once.
-
-    Lifetime rule: a buffer is handed out again only when nothing but the pool references its memory (its
-    storage's use count): the Bucket, its `flat`, every tensor or view taken from it, dropped. A bucket you keep
-    stays valid and is never overwritten: the next bucket then takes the other buffer, or a new one that is not
-    kept (beyond `limit` buffers). A consumer that drops each bucket before asking for the next runs on one
-    buffer; a plain `for` loop (its variable holds the previous bucket while the next is built) on two. The
-    buffers are kept between exports, as the staging arena is (`HFExporter.release()` frees both). Precomputed
-    views are made on an alias of each buffer's memory (`aliases`), which holds no reference to its storage, so
-    the use count sees only what the consumer holds. Where a bucket's collective lands in its output, that output
-    is taken when the bucket starts, while the previous one is still alive: `limit` 3 keeps a `for` loop pooled."""
-
-    def __init__(self, nbytes: int, device: torch.device, limit: int = 2):
-        self.nbytes, self.device, self.limit = max(nbytes, 64), device, limit
-        self.buffers: list[torch.Tensor] = []
-        self.aliases: list[torch.Tensor] = []
-        self._free: list[int] = []  # each buffer's use count with no reference outside the pool
-        self._slot: dict[int, int] = {}  # data_ptr -> buffer index
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of `nbytes` bytes: a pooled one nobody holds, else a new one."""
-        if nbytes <= self.nbytes:
-            for i, b in enumerate(self.buffers):
-                if _use_count(b.untyped_storage()._cdata) <= self._free[i]:
-                    return b[:nbytes]
-            if len(self.buffers) < self.limit:
-                b = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-                alias = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-                    torch._C._construct_storage_from_data_pointer(b.data_ptr(), b.device, self.nbytes))
-                self._slot[b.data_ptr()] = len(self.buffers)
-                self.buffers.append(b)
-                self.aliases.append(alias)
-                self._free.append(_use_count(b.untyped_storage()._cdata))
-                return b[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def slot(self, flat: torch.Tensor) -> int | None:
-        """The pooled buffer `flat` starts, or None (a buffer of its own)."""
-        return self._slot.get(flat.data_ptr())
-
-    @staticmethod
-    def nbytes_kept(pool: OutputPool | None) -> int:
-        return 0 if pool is None else sum(b.numel() for b in pool.buffers)
-
-
-class Arena:
-    """A flat staging buffer, reused by every bucket and export, with cached dtype views."""
-
-    def __init__(self, nbytes: int, device: torch.device):
-        self.flat = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=device)
-        self.typed_views: dict[torch.dtype, torch.Tensor] = {}
-
-    def typed(self, dtype: torch.dtype) -> torch.Tensor:
-        t = self.typed_views.get(dtype)
-        if t is None:
-            n = self.flat.numel()
-            t = self.typed_views[dtype] = self.flat[:n - n % dtype.itemsize].view(dtype)
-        return t
-
-    def view(self, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A contiguous tensor of `shape` at `byte_offset` (aligned for the dtype)."""
-        n = 1
-        for d in shape:
-            n *= d
-        start = byte_offset // dtype.itemsize
-        return self.typed(dtype)[start:start + n].view(shape)
-
-
-class Sources:
-    """This rank's local tensors as programs read them (see the module docstring for the staleness policy)."""
-
-    def __init__(self, local: dict[str, LocalTensor]):
-        self.local = local
-        #: name -> a function giving the tensor to read instead, once per bucket run (FP8 blobs)
-        self.hooks: dict[str, Callable[[], torch.Tensor]] = {}
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The local tensor as it is now."""
-        lt = self.local[name]
-        # buffers and computed tensors (a LoRA merge) are read through their getter each time
-        return (lt.get() if lt.is_buffer or lt.param is None else lt.param).detach()
-
-    def view(self, name: str, sizes, strides, offset: int, bases: dict, hooked: bool = False) -> torch.Tensor | None:
-        """A view precomputed now (its storage recorded in `bases`), or None when it must be read at each run.
-        `hooked`: of the parameter itself even where a hook gives what is read instead (FP8 quantized in place)."""
-        lt = self.local[name]
-        if (name in self.hooks and not hooked) or lt.is_buffer or lt.param is None or not lt.param.is_contiguous():
-            return None
-        b = lt.param.detach()
-        bases[name] = (lt.param, b.data_ptr())
-        return b.as_strided(sizes, strides, b.storage_offset() + offset)
-
-    def resolve(self, name: str, cache: dict) -> torch.Tensor:
-        """A source read at run time: once per bucket (a non-contiguous shard is made contiguous once, not once
-        per piece)."""
-        t = cache.get(name)
-        if t is None:
-            hook = self.hooks.get(name)
-            t = hook() if hook is not None else self.tensor(name)
-            t = cache[name] = t if t.is_contiguous() else t.contiguous()
-        return t
-
-    @staticmethod
-    def watch(bases: dict) -> tuple[tuple, list[int]]:
-        """`bases` as (parameters, their data pointers then) for `unchanged`."""
-        return tuple(p for p, _ in bases.values()), [ptr for _, ptr in bases.values()]
-
-    @staticmethod
-    def unchanged(watched: tuple[tuple, list[int]]) -> bool:
-        """`not stale(bases)` in one pass in C (a later export checks every parameter of every bucket)."""
-        params, ptrs = watched
-        return list(map(_data_ptr, params)) == ptrs
 
 
 @dataclass
@@ -201,20 +100,6 @@ class Copy:
 
 
 @dataclass
-class Pack:
-    """Copies into precomputed destinations (arena views): static sources, and sources read at each run
-    (`dynamic`: index, name, (sizes, strides, offset))."""
-
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    srcs: list = field(default_factory=list)
-    dynamic: list[tuple[int, str, tuple]] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.numel() * d.element_size() for d in self.dsts)
-
-
-@dataclass
 class Prepared:
     """A copy list's launches on one output buffer: (destinations, sources) per `_foreach_copy_`, the copies
     whose source is read at each run, constants to add, duplicates of outputs."""
@@ -234,7 +119,8 @@ class CStage:
 
     group: object
     recv: torch.Tensor | None  # uint8 view of the arena: members * slot (None: direct, the output's first bytes)
-    mine: torch.Tensor | None  # this rank's slot (the in-place all-gather input)
+    me: int = 0  # this rank's member index: its slot, recv[me * slot:(me + 1) * slot], is the all-gather input
+    slot: int = 0
     pack: Pack = field(default_factory=Pack)
     #: a direct stage: its layout-op copies of this rank's sources into its slot of the output, and the slot
     direct: tuple[list[Copy], int, int, int] | None = None  # (copies, members, member index, slot bytes)
@@ -276,6 +162,10 @@ class CBucket:
     rounds: list[CBucket] | None = None  # a bucket gathered in rounds: each round's collectives and copies
     #: (copy list, pooled output buffer) -> its Prepared launches (`Core.run_copies`)
     prepared: dict = field(default_factory=dict)
+    #: LoRA merges run first (`LoRAMerges.compile`): the weights and factors packed into the merge arena, then one
+    #: batched product per term of each group of like merges
+    merge_pack: Pack | None = None
+    merges: list[tuple] = field(default_factory=list)
 
     watched: tuple | None = None  # `bases` as Sources.watch gives it, made on the first check
 
@@ -287,8 +177,8 @@ class CBucket:
 
 class Core:
     """Compiles and runs per-rank programs. Transport: the default world, or `group` (any torch ProcessGroup, also
-    one outside the default world: batch_isend_irecv where torch.distributed knows the group, else the group's
-    own send/recv, whose ranks are taken directly)."""
+    one outside the default world: on CUDA batch_isend_irecv where torch.distributed knows the group, else (a bare
+    backend, or CPU tensors) the group's own send/recv, whose ranks are taken directly: `post`)."""
 
     def __init__(self, local: dict[str, LocalTensor], device: torch.device, group=None, quantize: str | None = None):
         self.device = device
@@ -301,8 +191,13 @@ class Core:
         self.arenas: list[Arena] = []
         self.timing = False
         self.replay = replay_default()
+        # on CUDA, NCCL's all-gather is one ring launch and batch_isend_irecv one grouped launch: kept there
+        self.cpu_p2p = cpu_p2p_default() and device.type == "cpu"
+        #: transport operations issued, summed over runs: collectives (all-gathers) and point-to-point messages
+        self.counts = {"collectives": 0, "messages": 0}
         self.graphs = graphs_default()
         self.pool: OutputPool | None = None  # made by the executor's compile (`make_pool`)
+        self.lora = LoRAMerges(self.sources, device)  # LoRA-merged weights of a bucket and their stacked factors
 
     # -- compile helpers -----------------------------------------------------------------------------------------
     def make_arenas(self, sizes: list[int]) -> None:
@@ -520,17 +415,37 @@ class Core:
             i = j
         return rest
 
+    def post(self, group, sends: list, recvs: list, tag: int, known: bool = True) -> list:
+        """Post sends and receives [(peer, buffer)] on `group` (None: the default world; peers are its ranks) at
+        once; returns the works to wait on. The group's own send/recv on CPU (`cpu_p2p`) or on a group
+        torch.distributed does not know (`known` False: a bare backend, e.g. ProcessGroupGloo(store, rank,
+        size)); else batch_isend_irecv (NCCL launches the sends and receives as one group)."""
+        self.counts["messages"] += len(sends) + len(recvs)
+        if self.cpu_p2p or not known:
+            pg = dist.group.WORLD if group is None else group
+            works = [pg.recv([buf], peer, tag) for peer, buf in recvs]  # receives first, as a bare backend's were
+            return works + [pg.send([buf], peer, tag) for peer, buf in sends]
+        ops = [dist.P2POp(dist.isend, buf, group=group, group_peer=peer) for peer, buf in sends] + \
+              [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer) for peer, buf in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def gather(self, recv: torch.Tensor, me: int, slot: int, group, tag: int) -> list:
+        """All-gather in place on `group`: member `me`'s slot of `recv` (`slot` bytes each) to every member; returns
+        the works to wait on. On CPU (`cpu_p2p`) one point-to-point round straight between the members' buffers:
+        every byte crosses once, where gloo's all-gather also copies the whole result out of a temporary buffer
+        (half the process CPU time of a large gather over loopback TCP, bench/host_overhead.py)."""
+        if slot == 0:
+            return []
+        mine = recv[me * slot:(me + 1) * slot]
+        if not self.cpu_p2p:
+            self.counts["collectives"] += 1
+            return [_all_gather(recv, mine, group=group, async_op=True)]
+        peers = [p for p in range(recv.numel() // slot) if p != me]
+        return self.post(group, [(p, mine) for p in peers], [(p, recv[p * slot:(p + 1) * slot]) for p in peers], tag)
+
     def exchange(self, rnd: CRound, tag: int) -> list:
         """Post every send and receive of a round at once; returns the works to wait on."""
-        sends, recvs = rnd.sends, rnd.recvs
-        if self.batched:  # coalesced (NCCL launches the bucket's sends and receives as one group)
-            ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf in sends] + \
-                  [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf in recvs]
-            return dist.batch_isend_irecv(ops) if ops else []
-        # a group torch.distributed does not know (a bare backend, e.g. ProcessGroupGloo(store, rank, size)): its
-        # own send/recv, which take its ranks directly
-        works = [self.group.recv([buf], peer, tag) for peer, buf in recvs]
-        return works + [self.group.send([buf], peer, tag) for peer, buf in sends]
+        return self.post(self.group, rnd.sends, rnd.recvs, tag, self.batched)
 
     def launch(self, cb: CBucket, j: int, works: list, flat: torch.Tensor | None, cache: dict) -> None:
         """Stage j: pack and all-gather in place; a direct stage converts this rank's sources into its slot of
@@ -544,11 +459,10 @@ class Core:
                 torch.cat([p if isinstance(p, torch.Tensor) else self.sources.resolve(p, cache).reshape(-1)
                            for p in srcs], out=typed[lo:hi])
             self.run_copies(copies, flat, cb.dtypes, cache, cb.prepared, j)
-            recv = flat[:members * slot]
-            works.append(_all_gather(recv, recv[me * slot:(me + 1) * slot], group=st.group, async_op=True))
+            works.extend(self.gather(flat[:members * slot], me, slot, st.group, cb.index))
             return
         self.run_pack(st.pack, cache)
-        works.append(_all_gather(st.recv, st.mine, group=st.group, async_op=True))
+        works.extend(self.gather(st.recv, st.me, st.slot, st.group, cb.index))
 
     def quantize_held(self, cb: CBucket) -> None:
         """The FP8 blobs of this rank's shards in the bucket, quantized per shard shape in batched passes of
@@ -579,6 +493,8 @@ class Core:
         flat = None
         if cb.receive and any(st.direct is not None for st in cb.stages):
             flat = self.output(cb.nbytes)
+        if cb.merges:  # LoRA-merged weights first: everything below reads them
+            self.lora.run(cb.merge_pack, cb.merges)
         if cb.prequant:
             self.quantize_held(cb)
         works: list = []

@@ -2,7 +2,8 @@
 (`builders`), compiled into the core's arena, copy lists and collectives, run bucket after bucket.
 
 Every tensor travels as its *stacked shards*: the TP shards one after the other in a flat byte buffer. Per
-bucket and rank there is at most one collective per group, each on one flat buffer:
+bucket and rank there is at most one collective per group, each on one flat buffer (on CPU, one point-to-point
+round straight between the members' buffers, `Core.gather`):
 
 all ranks receive (colocated RL sync, the default):
   1. TP all-gather (dense tensors) and expert-TP all-gather (experts) of the shards this rank holds;
@@ -39,8 +40,9 @@ from ..parallel import ParallelContext
 from ..plan import BucketPlan, ExportPlan, Source, align
 from ..quantize import BLOCK, FP8RowSlices, quantize_flat
 from .builders import bucket_program, memory_estimate, stage_bytes
-from .executor import CBucket, Copy, Core, CRound, CStage, Pack, copy_bytes
+from .executor import CBucket, Copy, Core, CRound, CStage, copy_bytes
 from .program import LOCAL, OUT, Loc, Program
+from .sources import Pack
 
 
 class Executor:
@@ -64,13 +66,41 @@ class Executor:
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def memory_estimate(self) -> dict[str, int]:
-        """This rank's extra memory for an export: the staging arena(s) and the largest output bucket it builds."""
-        return memory_estimate(self.plan, [stage_bytes(p)[1] for p in self.programs], self.ctx.rank,
-                               self.receivers, self.arenas_n)
+        """This rank's extra memory for an export: the staging arena(s) and the largest output bucket it builds
+        (lora="merged": and `merge_bytes`, the merge arena(s): a bucket's merged weights and stacked factors)."""
+        est = memory_estimate(self.plan, [stage_bytes(p)[1] for p in self.programs], self.ctx.rank,
+                              self.receivers, self.arenas_n)
+        merge = [0] * self.arenas_n
+        for k, names in self._merges():
+            merge[k % self.arenas_n] = max(merge[k % self.arenas_n], self.core.lora.layout(names)[1])
+        if sum(merge):
+            est["merge_bytes"] = sum(merge)
+            est["total_bytes"] += sum(merge)
+        return est
+
+    def _merge_names(self, prog: Program) -> list[str]:
+        """The LoRA-merged weights this rank reads in a bucket (or a round): those it sends or holds for its own
+        output (chosen receivers), else every one it holds."""
+        if prog.p2p is not None:
+            sent = [s.name for items in prog.p2p.sends.values() for s, _, _ in items]
+            kept = [n for n, loc in prog.where.items() if loc.region in (LOCAL, "mixed")]
+            return self.core.lora.names(sent + kept)
+        return self.core.lora.names(s.name for s in prog.bucket.sources)
+
+    def _merges(self) -> list[tuple[int, list[str]]]:
+        """(bucket index, merged names) per bucket and round that merges anything."""
+        out = []
+        for k, p in enumerate(self.programs):
+            for r in p.rounds or [p]:
+                names = self._merge_names(r)
+                if names:
+                    out.append((k, names))
+        return out
 
     def compile(self) -> None:
         if self._compiled is not None:
             return
+        self.core.lora.make_arenas([(k % self.arenas_n, names) for k, names in self._merges()])
         sizes = [stage_bytes(p)[1] for p in self.programs]
         self.core.make_arenas([max([sz for i, sz in enumerate(sizes) if i % self.arenas_n == a] or [0])
                                for a in range(self.arenas_n)])
@@ -95,6 +125,7 @@ class Executor:
         cb = CBucket(k, prog.receive, a, b.nbytes, program=prog)
         cb.dtypes = tuple(sorted({e.dtype for e in b.entries} | {s.dtype for s in b.sources}, key=str))
         bases = cb.bases
+        cb.merge_pack, cb.merges = core.lora.compile(self._merge_names(prog), a, cb.bases)  # first: the views below read the merged slots
         inplace: set[str] = set()  # sources quantized straight into the output (no blob)
         region_base: dict = {}
         if prog.p2p is not None:
@@ -119,11 +150,10 @@ class Executor:
             if st.direct:
                 cat = self._whole_slot(prog, j, bases)
                 pre = [] if cat else self._compile_copies(prog, a, region_base, bases, direct=j, inplace=inplace)
-                cb.stages.append(CStage(st.axis.group, None, None, direct=(pre, st.axis.size, st.axis.rank, st.slot),
+                cb.stages.append(CStage(st.axis.group, None, direct=(pre, st.axis.size, st.axis.rank, st.slot),
                                         cat=cat))
                 continue
             recv = arena[base:base + st.axis.size * st.slot]
-            mine = recv[st.axis.rank * st.slot:(st.axis.rank + 1) * st.slot]
             pack = Pack()
             for s, off in st.packs:
                 if st.striped:  # this rank's own TP shard
@@ -137,7 +167,7 @@ class Executor:
                         src = core.whole(s.name, s.shard_shape) if loc.region == LOCAL else \
                             self._view(a, region_base[loc.region] + loc.offsets[i], s)
                         core.pack_into(pack, dst, src, bases)
-            cb.stages.append(CStage(st.axis.group, recv, mine, pack))
+            cb.stages.append(CStage(st.axis.group, recv, st.axis.rank, st.slot, pack))
         if prog.receive:
             cb.copies = self._compile_copies(prog, a, region_base, bases, inplace=inplace)
         cb.prequant = core.prequant_groups([s for s in b.sources if s.name not in inplace], self.local)

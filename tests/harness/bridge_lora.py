@@ -23,6 +23,25 @@ pytest process). What that takes, each item with why:
    True and `isinstance(m, TECL)` (utils.py:129) would test against mocks; with False, local-spec linears take the
    ColumnParallelLinear / RowParallelLinear branches (utils.py:166-173). module_matcher.py:26-36 does the same for
    its untargeted mode: its HAVE_TE_* flags are set False too.
+
+Megatron-Bridge 0.6.2 (`BRIDGE_062`: Python >= 3.12 and megatron-core 0.19, so it runs only on the GPU machines'
+stack, bench/device_tests.sh; its tests skip elsewhere) takes the same three, read in its wheel, plus two:
+
+1'. `megatron.bridge` bare, as above (0.6.2 `__init__.py` imports AutoBridge: transformers <= 5.12.1).
+2'. TE stubbed after megatron-core as above: 0.6.2 peft/lora_layers.py:20 `import transformer_engine.pytorch as te`;
+   lora_layers.py:111/186/253 annotate with `te.ops.Sequential` (evaluated when the class is defined); `te.Linear` /
+   `te.LayerNormLinear` are used only inside TEFusedLoRALinear (lora.py:170-176: the TE op fuser, TP 1 with
+   `use_transformer_engine_op_fuser`, never taken here). Here the stubs are removed from sys.modules again once
+   Bridge's modules are imported (they keep their own `te`), so megatron-core's later `import transformer_engine`
+   fails as without them.
+3'. `megatron.bridge.peft.utils.HAVE_TE = False` as above (0.6.2 utils.py:57-94 `safe_import_from`s the TE wrappers:
+   MagicMocks without TE; get_adapter_attributes_from_linear's TE branches utils.py:591-632 would test
+   `isinstance(m, <mock>)`); the local linears take utils.py:633-640. Likewise utils.py's
+   HAVE_TE_PYTORCH_GROUPED_LINEAR (it would find stub 2's placeholder) and module_matcher.py:30-40's flags.
+4'. `megatron.bridge.utils.common_utils` replaced by a module holding only `print_rank_0` (0.6.2
+   utils/common_utils.py:97-105, copied): peft/recompute.py:24 imports that one function, while the module itself
+   imports Megatron-LM's `megatron.training` (common_utils.py:29: its package `__init__` pulls global_vars,
+   tokenizers and `typing.override`) and `megatron.bridge.training` (common_utils.py:31), none of which LoRA uses.
 """
 
 from __future__ import annotations
@@ -30,17 +49,29 @@ from __future__ import annotations
 import sys
 import types
 
+import torch
+
 #: the Bridge release whose PEFT the tests run (requires megatron-core < 0.17, Python >= 3.10)
 BRIDGE_VERSION = "0.3.1"
+#: the current release (requires megatron-core 0.19 and Python >= 3.12: the GPU machines' stack)
+BRIDGE_062 = "0.6.2"
 #: what is unpacked from its wheel
 BRIDGE_FILES = ("megatron/bridge/peft/*", "megatron/bridge/utils/*")
 
 
-def bridge_root() -> str:
+def bridge_root(version: str = BRIDGE_VERSION) -> str:
     """The unpacked wheel's root (download once, cached); call in the test process, pass to the workers."""
     from harness.wheels import unpacked_wheel
 
-    return str(unpacked_wheel("megatron-bridge", BRIDGE_VERSION, BRIDGE_FILES))
+    return str(unpacked_wheel("megatron-bridge", version, BRIDGE_FILES))
+
+
+def root_version(root: str) -> str:
+    """The Bridge release unpacked at `root` (harness.wheels writes the wheel's name to `.complete`)."""
+    import os
+
+    with open(os.path.join(root, ".complete")) as f:
+        return f.read().split("-")[1]
 
 
 class _Placeholder:
@@ -71,15 +102,40 @@ def import_bridge_peft(root: str) -> types.ModuleType:
     apply_cpu_shims()  # imports megatron.core.extensions.transformer_engine (MagicMock TE classes), also first
     import megatron.core.extensions.transformer_engine  # noqa: F401
 
+    here = f"{root}/megatron/bridge"
+    if "megatron.bridge" in sys.modules and sys.modules["megatron.bridge"].__path__ != [here]:
+        # another release imported by an earlier world of this worker process: forget it (its models are gone)
+        for name in [n for n in sys.modules if n == "megatron.bridge" or n.startswith("megatron.bridge.")]:
+            del sys.modules[name]
     if "megatron.bridge" not in sys.modules:
         bridge = types.ModuleType("megatron.bridge")
-        bridge.__path__ = [f"{root}/megatron/bridge"]
+        bridge.__path__ = [here]
         sys.modules["megatron.bridge"] = bridge
         megatron.bridge = bridge
-    _stub_transformer_engine()
-    from megatron.bridge.peft import lora, module_matcher, utils
+    new = root_version(root) != BRIDGE_VERSION
+    if new and "megatron.bridge.utils.common_utils" not in sys.modules:  # stub 4'
+        import megatron.bridge.utils
 
+        common = types.ModuleType("megatron.bridge.utils.common_utils")
+
+        def print_rank_0(message: str) -> None:  # 0.6.2 utils/common_utils.py:97-105
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                print(message, flush=True)
+
+        common.print_rank_0 = print_rank_0
+        sys.modules[common.__name__] = megatron.bridge.utils.common_utils = common
+    stubbed = "transformer_engine" not in sys.modules
+    _stub_transformer_engine()
+    from megatron.bridge.peft import canonical_lora, dora, lora, module_matcher, utils  # noqa: F401 - all with TE stubbed
+
+    if new and stubbed:  # stub 2': megatron-core must not find the placeholder TE later
+        for name in ("transformer_engine.pytorch", "transformer_engine"):
+            sys.modules.pop(name, None)
     utils.HAVE_TE = False
+    for flag in ("HAVE_TE_PYTORCH_GROUPED_LINEAR", "HAVE_TE_PYTORCH_GROUPED_LINEAR_AUTOGRAD",
+                 "HAVE_TE_PYTORCH_CPU_OFFLOAD_STATUS"):
+        if hasattr(utils, flag):
+            setattr(utils, flag, False)
     for flag in ("HAVE_TE", "HAVE_TE_COL_LINEAR", "HAVE_TE_LN_COL_LINEAR", "HAVE_TE_ROW_LINEAR"):
         setattr(module_matcher, flag, False)
     return lora

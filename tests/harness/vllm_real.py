@@ -526,6 +526,75 @@ class LoRACore:
                  for name, model in w.loaded.values()} for w in self.workers]
 
 
+def moe3d_slices(adapter_dir: str, hf_config: str, tps: list[int]) -> dict:
+    """What each engine TP rank's 3-D MoE LoRA layer holds after loading PEFT's stacked expert form from
+    `adapter_dir`, at each engine TP of `tps`: per TP, per rank, per layer, sha256 and shape of the slot's four
+    stacked buffers (w13_lora_a [E, r, hidden], w13_lora_b [E, 2 inter/TP, r], w2_lora_a [E, r, inter/TP],
+    w2_lora_b [E, hidden, r]).
+
+    vLLM 0.33.0's own code from the LoRAModel on: `LoRACore`'s worker builds the LoRAModel with
+    is_3d_lora_weight=True (worker_manager.py:106 _load_adapter), then LoRAModelManager._stack_moe_lora_weights
+    (model_manager.py:954-1010: PEFT's [E*r, in] / [out, r*E] to [E, r, in] / [E, out, r]),
+    FusedMoE3DWithLoRA.create_lora_weights, and its set_lora (lora/layers/fused_moe.py:586-622) with its
+    _slice_w13_a / _slice_w13_b (:541-575: gate and up halves each cut to the rank's rows) / _slice_w2_a (cut to
+    the rank's inter columns) / _slice_w2_b. Stand-in: FusedMoEWithLoRA.__init__ (fused_moe.py:31-88 needs a
+    MoERunner with a Triton MoE kernel, GPU-only) is replaced by the attributes it sets from the runner's
+    moe_config: tp_size / tp_rank of the MoE parallel config, no EP, intermediate_size_per_partition =
+    moe_intermediate_size / TP (FusedMoE's own divide), hidden_dim, num_experts, device CPU, one slot; the
+    manager by the attributes _stack_moe_lora_weights reads (a 3-D MoE model, not pooling)."""
+    import hashlib
+
+    from transformers import AutoConfig
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.layers.fused_moe import FusedMoE3DWithLoRA
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.request import LoRARequest
+
+    cfg = AutoConfig.from_pretrained(hf_config)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        r = json.load(f)["r"]
+    experts = cfg.num_experts
+    layers = [i for i in range(cfg.num_hidden_layers)]
+
+    def digest(t):
+        t = t.detach().contiguous()
+        return [hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest(), list(t.shape)]
+
+    out = {}
+    for tp in tps:
+        core = LoRACore(hf_config, tp, max_lora_rank=r)
+        ranks = []
+        for w in core.workers:
+            model = w._load_adapter(LoRARequest("moe3d", 1, adapter_dir, is_3d_lora_weight=True))
+            manager = types.SimpleNamespace(_is_3d_moe_model=True, is_pooling_model=False)
+            manager._get_lora_layer_weights = types.MethodType(LoRAModelManager._get_lora_layer_weights, manager)
+            held = {}
+            for i in layers:
+                name = f"model.layers.{i}.mlp.experts"
+                if model.get_lora(name) is None:
+                    continue
+                layer = FusedMoE3DWithLoRA.__new__(FusedMoE3DWithLoRA)
+                torch.nn.Module.__init__(layer)
+                layer.moe_config = types.SimpleNamespace(
+                    hidden_dim=cfg.hidden_size, num_local_experts=experts, num_experts=experts,
+                    intermediate_size_per_partition=cfg.moe_intermediate_size // tp,
+                    intermediate_size_per_partition_unpadded=None,
+                    moe_parallel_config=types.SimpleNamespace(tp_size=tp, tp_rank=w.rank, use_ep=False, ep_rank=0))
+                layer.tp_size, layer.tp_rank, layer.device = tp, w.rank, torch.device("cpu")
+                layer._w13_slices, layer.enable_moe_shared_loras = 1, False
+                model_config = types.SimpleNamespace(architectures=list(cfg.architectures))
+                layer.create_lora_weights(1, LoRAConfig(max_lora_rank=r, max_loras=1, lora_dtype=torch.float32),
+                                          model_config)
+                LoRAModelManager._stack_moe_lora_weights(manager, model, layer, name)
+                lw = model.get_lora(name)
+                layer.set_lora(0, lw.lora_a, lw.lora_b)
+                held[name] = {k: digest(getattr(layer, k)[0][0]) for k in
+                              ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")}
+            ranks.append(held)
+        out[str(tp)] = ranks
+    return out
+
+
 def serve_lora(hf_config: str, tp: int) -> None:
     """Four vLLM front ends on ports the OS picks (printed as `PORTS <with LoRA, TP tp> <without> <with LoRA, TP 1>
     <with LoRA, TP 1, max LoRA rank 1>`), each with the RL routes
@@ -1228,5 +1297,9 @@ if __name__ == "__main__":
         serve(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--serve-lora":  # --serve-lora HF_CONFIG_DIR TP
         serve_lora(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "--moe3d-slices":  # --moe3d-slices ADAPTER_DIR HF_CONFIG_DIR TP,TP,...
+        install_gpu_stubs()
+        print("SLICES " + json.dumps(moe3d_slices(sys.argv[2], sys.argv[3], [int(t) for t in sys.argv[4].split(",")])),
+              flush=True)
     else:
         main(sys.argv[1], sys.argv[2:])

@@ -9,7 +9,10 @@ followed) and built with the wheel's own `WeightsMapper` (model_executor/models/
 what `AutoWeightsLoader.load_weights(weights, mapper=...)` applies to every checkpoint name. The mapped names must
 land in the modules the class builds: `visual.` (Qwen3_VisionTransformer), `language_model.model.` and
 `language_model.lm_head.` (Qwen3LLMForCausalLM's model and lm_head, qwen3_vl.py:1910-1915, 2011, 2043), or be
-dropped (None: Qwen3.5's `mtp.`)."""
+dropped (None: Qwen3.5's `mtp.`).
+
+`fp8_skipped`: which layers vLLM keeps unquantized under an FP8 export's quantization_config (Qwen3-VL, GLM-4.5V,
+Kimi-K2.5: the classes pass the FP8 config to their towers, kimi_k25.py:350-367, glm4_1v.py:1791-1795)."""
 
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ def _class_mapper(files: dict[str, str], cls: str):
                     if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == "hf_to_vllm_mapper"
                                                             for t in stmt.targets):
                         return _evaluate(stmt.value, files, WeightsMapper)
+                for base in node.bases:  # inherited (glm4_1v.py Glm4vMoeForConditionalGeneration)
+                    if isinstance(base, ast.Name):
+                        try:
+                            return _class_mapper(files, base.id)
+                        except LookupError:
+                            continue
     raise LookupError(f"{cls}.hf_to_vllm_mapper not found in {list(files)}")
 
 
@@ -47,19 +56,60 @@ def _evaluate(expr, files, weights_mapper):
     raise ValueError(f"unexpected mapper expression: {ast.dump(expr)[:200]}")
 
 
+def _class_literal(files: dict[str, str], cls: str, attr: str):
+    """A literal class attribute (e.g. `packed_modules_mapping`) of `cls` in the wheel's source; None if absent."""
+    for path in files.values():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                for stmt in node.body:
+                    if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == attr for t in stmt.targets):
+                        return ast.literal_eval(stmt.value)
+    return None
+
+
+def fp8_skipped(files: dict[str, str], cls: str, names: list[str], quantization_config: dict) -> dict[str, bool]:
+    """Whether vLLM skips (keeps unquantized) the layer of each exported 2-D weight name under an FP8 export's
+    `quantization_config`: the wheel's Fp8Config.from_config, its apply_vllm_mapper with the class's
+    hf_to_vllm_mapper (as the model loader applies it), and its is_layer_skipped with the config's match mode and
+    the class's packed_modules_mapping (layers/quantization/fp8.py get_quant_method). The layer's module path is
+    the mapped checkpoint name, a packed shard's (gate_proj, ...) under its fused module's name: what the classes
+    build (their load_weights maps names that way)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    mapper = _class_mapper(files, cls)
+    packed = _class_literal(files, cls, "packed_modules_mapping") or {}
+    shard_of = {shard: fused for fused, shards in packed.items() for shard in shards}
+    config = Fp8Config.from_config(quantization_config)
+    config.apply_vllm_mapper(mapper)
+    out = {}
+    for name in names:
+        mapped = mapper._map_name(name)
+        if mapped is None:
+            continue
+        *path, leaf = mapped.removesuffix(".weight").split(".")
+        prefix = ".".join([*path, shard_of.get(leaf, leaf)])
+        out[name] = is_layer_skipped(prefix, config.ignored_layers, packed, match_mode=config.ignored_layers_match_mode)
+    return out
+
+
 def main(inp: str, out: str) -> None:
     import os
 
     import vllm
 
     root = os.path.join(os.path.dirname(vllm.__file__), "model_executor", "models")
-    files = {m: os.path.join(root, f"{m}.py") for m in ("qwen3_vl", "qwen3_5", "qwen3_next")}
+    files = {m: os.path.join(root, f"{m}.py") for m in ("qwen3_vl", "qwen3_5", "qwen3_next", "glm4_1v", "kimi_k25")}
     with open(inp) as f:
         names = json.load(f)
     result = {"vllm": vllm.__version__, "file": files["qwen3_vl"]}
     for cls, key in (("Qwen3VLForConditionalGeneration", "qwen3_vl"), ("Qwen3_5ForConditionalGeneration", "qwen3_5")):
         mapper = _class_mapper(files, cls)
         result[key] = {n: mapper._map_name(n) for n in names[key]}
+    for key, (cls, tensor_names, quantization_config) in names.get("fp8", {}).items():
+        result[f"fp8:{key}"] = fp8_skipped(files, cls, tensor_names, quantization_config)
     with open(out, "w") as f:
         json.dump(result, f)
 
