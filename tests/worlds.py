@@ -1500,8 +1500,41 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
+    grouped = None
+    if cfg.model_type == "qwen3_moe":  # (one MoE architecture, for CI time)
+        grouped = grouped_lora(chunks, cfg, layout, adapter_ref, merged_sd, full if stacked else None, out_root)
     return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
-            "bridge_merge": bridge_merge} if dist.get_rank() == 0 else {}
+            "bridge_merge": bridge_merge, "grouped": grouped} if dist.get_rank() == 0 else {}
+
+
+def grouped_lora(chunks, cfg, layout: Layout, adapter_ref: dict, merged_sd: dict, stacked_sd: dict | None,
+                 out_root: str) -> dict:
+    """The same adapters as Bridge 0.6.2's GroupedExpertLinearAdapter holds them on TEGroupedMLP (an equivalent built
+    from megatron-core layers: tests/harness/bridge_grouped.py): Megatron's forward with its math, then, under TE's
+    grouped names, the per-expert adapter export bit-identical to the SequentialMLP adapters' (the source), the
+    merged export bit-identical to theirs, and (`stacked_sd`) PEFT's stacked form too. Rank 0 returns the logits,
+    the PEFT directory and the stacked directory."""
+    from harness.bridge_grouped import to_grouped_lora, to_grouped_names
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    from mcore2hf.hf_config import text_config
+
+    layers = to_grouped_lora(chunks)
+    logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    to_grouped_names(layers, LoRALinear)
+    names = [n for c in chunks for n, _ in c.named_parameters() if ".experts." in n and ".adapter." in n]
+    assert names and all(".mlp.experts.linear_fc" in n and n.endswith(("adapter.linear_in.weight",
+                                                                       "adapter.linear_out.weight")) for n in names)
+    ex = HFExporter(chunks, cfg, lora="adapter")
+    assert_same(ex.state_dict(), adapter_ref, f"{layout} grouped adapters, per expert")
+    out = ex.save_pretrained(os.path.join(out_root, "grouped-adapter"), progress=False)
+    assert_same(HFExporter(chunks, cfg, lora="merged").state_dict(), merged_sd, f"{layout} grouped adapters, merged")
+    stacked = None
+    if stacked_sd is not None:
+        stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
+        assert_same(stacked_ex.state_dict(), stacked_sd, f"{layout} grouped adapters, stacked")
+        stacked = stacked_ex.save_pretrained(os.path.join(out_root, "grouped-stacked"), progress=False)
+    return {"logits": logits, "dir": out, "stacked": stacked}
 
 
 def lora_structure(chunks: list) -> list[dict]:
