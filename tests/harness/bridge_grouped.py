@@ -136,9 +136,19 @@ def to_grouped_lora(chunks: list) -> list[tuple]:
                                                    bool(first.input_is_parallel))
                 for i, w in enumerate(wrapped):
                     w.adapter = _ExpertOfGroup(group, i)
-                groups[fc] = group
+                groups[fc] = (group, first)
             layers.append((layer, groups))
     return layers
+
+
+def share_first_expert(layers: list[tuple]) -> None:
+    """Bridge 0.6.2's default for grouped experts (`share_expert_adapters=True`, lora.py:114, :163-184): one
+    ParallelLinearAdapter (utils.py:896-1080, the class 0.3.1 builds per expert with the same shapes and splits)
+    applied to every local expert's tokens. Here: local expert 0's adapter, as Bridge 0.3.1 built and the test loaded
+    it, becomes each grouped linear's adapter (after `to_grouped_names`)."""
+    for layer, groups in layers:
+        for fc, (_, first) in groups.items():
+            getattr(layer.mlp.experts, fc).adapter = first
 
 
 def to_grouped_names(layers: list[tuple], wrapper_class: type) -> None:
@@ -150,7 +160,7 @@ def to_grouped_names(layers: list[tuple], wrapper_class: type) -> None:
     for layer, groups in layers:
         local = list(layer.mlp.experts.local_experts)
         grouped = _GroupedExperts()
-        for fc, adapter in groups.items():
+        for fc, (adapter, _) in groups.items():
             base = _GroupedLinear()
             for i, e in enumerate(local):
                 p = getattr(e, fc).to_wrap._parameters.pop("weight")
