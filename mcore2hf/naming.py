@@ -69,9 +69,9 @@ _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
 _SINGLE_GROUPED = regex.compile(r"(.+\.mlp\.experts\.linear_fc[12])\.(weight|bias)")
 # Megatron-Bridge 0.6.2's LoRA on a grouped expert linear (`mlp.experts.linear_fc1`, not `local_experts.N`:
 # peft/lora.py:163-184, utils.py:676-679), its factors beside the base (`to_wrap`): 3-D [num_local_experts, ...],
-# item i expert i's (GroupedExpertLinearAdapter, peft/utils.py:1820-1851: linear_in [E, r/ETP, in] of a
+# item i expert i's (GroupedExpertLinearAdapter, peft/utils.py:1832-1851: linear_in [E, r/ETP, in] of a
 # column-parallel base, [E, r, in/ETP] of a row-parallel one, linear_out [E, out/ETP, r]; partition_dim 1 or 2 of the
-# 3-D tensor, :1870-1877), or 2-D, one factor every local expert applies (ParallelLinearAdapter under
+# 3-D tensor, :1881-1887), or 2-D, one factor every local expert applies (ParallelLinearAdapter under
 # `share_expert_adapters`, lora.py:114 default True, utils.py:1267-1270). Each item is named and split like a
 # SequentialMLP expert's adapter, so the adapter rules, the merge and the expert forms apply as they are
 _GROUPED_ADAPTER = regex.compile(r"(.+\.mlp\.experts\.linear_fc[12])\.adapter\.(linear_in|linear_out)\.weight")

@@ -3,28 +3,28 @@
 Bridge 0.6.2's `GroupedExpertLinearAdapter` (peft/utils.py:1767-2359; `LoRA(share_expert_adapters=False)` picks it
 for a grouped expert linear, lora.py:163-184) sits on Transformer Engine's TEColumnParallelGroupedLinear /
 TERowParallelGroupedLinear: `get_adapter_attributes_from_linear` raises for any other base (utils.py:643), and its
-constructor needs `num_local_experts=module.num_gemms` (lora.py:203-208). No machine here has Transformer Engine, so
+constructor needs `num_local_experts=module.num_gemms` (lora.py:198-202). No machine here has Transformer Engine, so
 the real class cannot run: the tests build what it holds, with its names, shapes, split attributes and forward, on
 a model Bridge 0.3.1 has wrapped expert by expert (SequentialMLP, the local spec's), then give that model TE's
 grouped names (`mcore2hf.runtime.te_naming`, as the base export of TEGroupedMLP is tested). What is Bridge's:
 
-* wrapper: `LoRALinear(to_wrap, adapter)` (Bridge's own class, lora.py:215-218): the base at
+* wrapper: `LoRALinear(to_wrap, adapter)` (Bridge's own class, lora.py:218): the base at
   `mlp.experts.linear_fc{1,2}.to_wrap.weight{i}` (TE GroupedLinear's `weight{i}`, te_naming);
 * `adapter.linear_in.weight` / `adapter.linear_out.weight`: one Parameter each, in a module of its own
   (`_GroupedExpertAdapterWeight`, utils.py:1750-1765, attached at :1879-1880);
-* shapes (utils.py:1827-1843): column-parallel base (fc1, `input_is_parallel=False`): linear_in
+* shapes (utils.py:1835-1851): column-parallel base (fc1, `input_is_parallel=False`): linear_in
   [E_local, r / ETP, in], row-parallel base (fc2): [E_local, r, in / ETP]; linear_out [E_local, out / ETP, r], where
   in / out are the whole base's (`get_adapter_attributes_from_linear` multiplies TE's local sizes by the TP size,
   utils.py:593-598 / :624-627, over the expert-TP group for experts, :574-582);
-* split attributes (utils.py:1864-1877): `set_tensor_model_parallel_attributes(weight, True, axis, 1)`, axis 1 for
+* split attributes (utils.py:1832-1833, :1881-1887): `set_tensor_model_parallel_attributes(weight, True, axis, 1)`, axis 1 for
   linear_out and for a column base's linear_in, 2 for a row base's linear_in;
 * `dim`, `alpha`, `input_is_parallel`, `is_expert=True`, `num_local_experts`, an identity `activation`
-  (utils.py:1794-1806; lora.py:196 activation="identity");
+  (utils.py:1794-1806; lora.py:187 activation="identity");
 * forward (utils.py:2217-2313, per expert as `_forward_per_expert`, :2175-2215; the grouped_mm path computes the
   same products): for the tokens of local expert e, `h = x A_e^T`, gathered over expert-TP on its last axis when the
   base is column-parallel (:2199-2200, `_gather_along_last_dim` :1916-1934), `y = h B_e^T`, gathered the same way
-  when the base is row-parallel (:2205-2206), times alpha / dim (:2225-2226). The padding of each expert's tokens to
-  a multiple of expert-TP (:2192, :2212) adds zero rows that are cut again: it changes no row, and is left out.
+  when the base is row-parallel (:2206-2207), times alpha / dim (:2243-2245). The padding of each expert's tokens to
+  a multiple of expert-TP (:2194, :2210-2211) adds zero rows that are cut again: it changes no row, and is left out.
   Bridge's dropout (0 here) too.
 
 The factors are the per-expert ParallelLinearAdapter factors Bridge 0.3.1 built and the test loaded, stacked:
