@@ -99,7 +99,9 @@ class _ExpertOfGroup(nn.Module):
         self.e = e
         self.__dict__["group"] = group  # not a submodule: the parameters stay the grouped module's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # Bridge 0.6.2's LoRALinear passes the base's arguments on (adapter_wrapper.py:159-162 adapter_forward)
+        del args, kwargs
         flat = x.reshape(-1, x.shape[-1])
         splits = [0] * self.group.num_local_experts
         splits[self.e] = flat.shape[0]
