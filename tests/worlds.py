@@ -1508,8 +1508,63 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
+    grouped = None
+    if cfg.model_type == "qwen3_moe":  # (one MoE architecture, for CI time)
+        grouped = grouped_lora(ckpt, chunks, cfg, layout, adapter_ref, merged_sd, full if stacked else None, out_root)
     return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
-            "bridge_merge": bridge_merge} if dist.get_rank() == 0 else {}
+            "bridge_merge": bridge_merge, "grouped": grouped} if dist.get_rank() == 0 else {}
+
+
+def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merged_sd: dict, stacked_sd: dict | None,
+                 out_root: str) -> dict:
+    """The same adapters as Bridge 0.6.2's GroupedExpertLinearAdapter holds them on TEGroupedMLP (an equivalent built
+    from megatron-core layers: tests/harness/bridge_grouped.py): Megatron's forward with its math, then, under TE's
+    grouped names, the per-expert adapter export bit-identical to the SequentialMLP adapters' (the source), the
+    merged export bit-identical to theirs, and (`stacked_sd`) PEFT's stacked form too; then with Bridge's default
+    shared adapter (one ParallelLinearAdapter per grouped linear) each expert's adapter and merge are that one's. Rank
+    0 returns the logits,
+    the PEFT directory and the stacked directory."""
+    import regex
+    from harness.bridge_grouped import share_first_expert, to_grouped_lora, to_grouped_names
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    from mcore2hf.hf_config import text_config
+    from mcore2hf.lora import peft_name
+
+    layers = to_grouped_lora(chunks)
+    logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    to_grouped_names(layers, LoRALinear)
+    names = [n for c in chunks for n, _ in c.named_parameters() if ".experts." in n and ".adapter." in n]
+    assert names and all(".mlp.experts.linear_fc" in n and n.endswith(("adapter.linear_in.weight",
+                                                                       "adapter.linear_out.weight")) for n in names)
+    ex = HFExporter(chunks, cfg, lora="adapter")
+    assert_same(ex.state_dict(), adapter_ref, f"{layout} grouped adapters, per expert")
+    out = ex.save_pretrained(os.path.join(out_root, "grouped-adapter"), progress=False)
+    assert_same(HFExporter(chunks, cfg, lora="merged").state_dict(), merged_sd, f"{layout} grouped adapters, merged")
+    stacked = None
+    if stacked_sd is not None:
+        stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
+        assert_same(stacked_ex.state_dict(), stacked_sd, f"{layout} grouped adapters, stacked")
+        stacked = stacked_ex.save_pretrained(os.path.join(out_root, "grouped-stacked"), progress=False)
+    # Bridge's default for grouped experts: one ParallelLinearAdapter for every local expert (share_expert_adapters;
+    # here each EP rank's local expert 0's): every expert's adapter is that one's, merged W_e + s B_0 A_0
+    share_first_expert(layers)
+    num_local = (cfg.num_experts // layout.ep) if layout.ep > 1 else cfg.num_experts
+    first = regex.compile(r"(.*\.mlp\.experts\.)(\d+)(\..*)")
+
+    def of_first(name: str) -> str:
+        m = first.fullmatch(name)
+        return name if m is None else f"{m.group(1)}{int(m.group(2)) // num_local * num_local}{m.group(3)}"
+
+    shared = {n: adapter_ref[of_first(n)] for n in adapter_ref}
+    assert_same(HFExporter(chunks, cfg, lora="adapter").state_dict(), shared, f"{layout} shared grouped adapters")
+    ref, scale, worst = read_hf_checkpoint(ckpt), LORA_ALPHA / LORA_R, 0.0
+    for n, t in HFExporter(chunks, cfg, lora="merged").state_dict().items():
+        a = peft_name(n, "A")
+        want = ref[n] + scale * shared[peft_name(n, "B")] @ shared[a] if a in shared else ref[n]
+        worst = max(worst, (t - want).abs().max().item())
+    assert worst <= 1e-6, f"{layout} shared grouped adapters, merged: |diff| {worst:.2e} from W + s B A"
+    return {"logits": logits, "dir": out, "stacked": stacked}
 
 
 def lora_structure(chunks: list) -> list[dict]:
