@@ -368,6 +368,15 @@ class Term:
     rows: int
     stride: int  # rows from one group to the next (groups * stride == out)
     offset: int  # the first group's first row
+    #: a factor that is an item of a larger parameter (a grouped expert's slice of Bridge's 3-D factors): read
+    #: through its getter at each export, since training may swap that parameter's .data
+    a_item: LocalTensor | None = None
+    b_item: LocalTensor | None = None
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, b) as they are now."""
+        return (self.a if self.a_item is None else self.a_item.get(),
+                self.b if self.b_item is None else self.b_item.get())
 
 
 @dataclass(frozen=True, eq=False)
@@ -428,8 +437,11 @@ def merged_tensor(m: Merge) -> torch.Tensor:
     w = m.base.get()
     out = w.detach().clone().unsqueeze(0)
     dt = m.compute_dtype()
-    merge_weights(out, [(t, t.b.detach().to(dt).reshape(t.groups, t.rows, -1),
-                         t.a.detach().to(dt).expand(t.groups, *t.a.shape)) for t in m.terms], m.scale)
+    stacks = []
+    for t in m.terms:
+        a, b = t.factors()
+        stacks.append((t, b.detach().to(dt).reshape(t.groups, t.rows, -1), a.detach().to(dt).expand(t.groups, *a.shape)))
+    merge_weights(out, stacks, m.scale)
     return out[0]
 
 
@@ -502,6 +514,11 @@ class Merger:
         for a in units:
             full = self.full[a.prefix]
             fa, fb = (self._factor(a.a), full) if a.row_parallel else (full, self._factor(a.b))
+            # an item factor read where it lies: the one not gathered, and at TP 1 the other too (`full` is it)
+            alone = self.groups[1 if a.is_expert else 0].size == 1
+            item = {k: self.local[n] for k, n, where in (("a_item", a.a, a.row_parallel or alone),
+                                                         ("b_item", a.b, not a.row_parallel or alone))
+                    if where and self.local[n].param is None}
             out = fb.shape[0]
             if a.part in ("adapter_q", "adapter_k", "adapter_v"):  # this shard's query groups, [q_g; k_g; v_g] each
                 d = a.head_dim
@@ -509,9 +526,9 @@ class Merger:
                 groups = k // d
                 per = (q + 2 * k) // groups
                 first = {"adapter_q": 0, "adapter_k": q // groups, "adapter_v": q // groups + d}[a.part]
-                terms.append(Term(fa, fb, groups, out // groups, per, first))
+                terms.append(Term(fa, fb, groups, out // groups, per, first, **item))
             else:  # one adapter (the whole shard), or canonical [gate_i; up_i]
-                terms.append(Term(fa, fb, 1, out, base.shape[0], row))
+                terms.append(Term(fa, fb, 1, out, base.shape[0], row, **item))
                 row += out
         return Merge(base, self.scale, tuple(terms))
 

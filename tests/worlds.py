@@ -1540,7 +1540,19 @@ def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merg
     ex = HFExporter(chunks, cfg, lora="adapter")
     assert_same(ex.state_dict(), adapter_ref, f"{layout} grouped adapters, per expert")
     out = ex.save_pretrained(os.path.join(out_root, "grouped-adapter"), progress=False)
-    assert_same(HFExporter(chunks, cfg, lora="merged").state_dict(), merged_sd, f"{layout} grouped adapters, merged")
+    merging = HFExporter(chunks, cfg, lora="merged")
+    assert_same(merging.state_dict(), merged_sd, f"{layout} grouped adapters, merged")
+    # a training step that replaces a 3-D factor's storage (.data, doubled): the same exporter reads the new one (a
+    # grouped expert's factor is an item, read at each export), as a new exporter does
+    p3 = next(p for c in chunks for n, p in c.named_parameters()
+              if n.endswith("linear_fc1.adapter.linear_out.weight") and p.dim() == 3)
+    kept = p3.data
+    p3.data = kept * 2
+    stepped = merging.state_dict()
+    fresh = HFExporter(chunks, cfg, lora="merged").state_dict()
+    p3.data = kept
+    assert_same(stepped, fresh, f"{layout} grouped adapters, merged after a 3-D factor's .data was replaced")
+    assert any(not torch.equal(stepped[n], merged_sd[n]) for n in stepped), "the replaced factor changed nothing"
     stacked = None
     if stacked_sd is not None:
         stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
