@@ -343,8 +343,13 @@ def _grouped_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict, layout: 
     same factors. Here: its PEFT directory is the source's bytes; Megatron's forward with its math equals
     transformers on the merged export (bit-identical to the sequential one) within the family tolerance (at
     expert-TP > 1 it equals the per-expert adapters' forward instead); peft 0.21.2 loads its stacked directory,
-    logits against that forward (`_stacked_oracle`)."""
+    logits against that forward (`_stacked_oracle`). With Bridge 0.6.2 the world also runs its own
+    GroupedExpertLinearAdapter (buildable without a TE base) on the equivalent's factors: same local shapes and split
+    axes, same forward (`real_class_diff`)."""
     g = res["grouped"]
+    if g.get("real_class_diff") is not None:
+        print(f"\nLoRA {layout} grouped experts: |Bridge 0.6.2's GroupedExpertLinearAdapter - the equivalent| "
+              f"{g['real_class_diff']:.2e}")
     got = load_file(os.path.join(g["dir"], "adapter_model.safetensors"))
     assert sorted(got) == sorted(src) and all(torch.equal(got[k], src[k]) for k in src)
     if layout.expert_tp > 1:  # its forward equals the per-expert ParallelLinearAdapter's (measured 0.0), which is

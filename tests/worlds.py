@@ -1525,13 +1525,15 @@ def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merg
     0 returns the logits,
     the PEFT directory and the stacked directory."""
     import regex
-    from harness.bridge_grouped import share_first_expert, to_grouped_lora, to_grouped_names
+    from harness.bridge_grouped import real_class_diff, share_first_expert, to_grouped_lora, to_grouped_names
     from megatron.bridge.peft.lora_layers import LoRALinear
 
     from mcore2hf.hf_config import text_config
     from mcore2hf.lora import peft_name
 
     layers = to_grouped_lora(chunks)
+    real = real_class_diff(layers)  # Bridge 0.6.2's own class against the equivalent (None: 0.3.1)
+    assert real is None or real <= 1e-6, f"{layout} Bridge 0.6.2's GroupedExpertLinearAdapter: |diff| {real:.2e}"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
     to_grouped_names(layers, LoRALinear)
     names = [n for c in chunks for n, _ in c.named_parameters() if ".experts." in n and ".adapter." in n]
@@ -1576,7 +1578,7 @@ def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merg
         want = ref[n] + scale * shared[peft_name(n, "B")] @ shared[a] if a in shared else ref[n]
         worst = max(worst, (t - want).abs().max().item())
     assert worst <= 1e-6, f"{layout} shared grouped adapters, merged: |diff| {worst:.2e} from W + s B A"
-    return {"logits": logits, "dir": out, "stacked": stacked}
+    return {"logits": logits, "dir": out, "stacked": stacked, "real_class_diff": real}
 
 
 def lora_structure(chunks: list) -> list[dict]:

@@ -173,3 +173,41 @@ def to_grouped_names(layers: list[tuple], wrapper_class: type) -> None:
                 base.register_parameter(f"weight{i}", p)
             setattr(grouped, fc, wrapper_class(base, adapter))
         layer.mlp.experts = grouped
+
+
+def real_class_diff(layers: list[tuple]) -> float | None:
+    """Megatron-Bridge 0.6.2's own `GroupedExpertLinearAdapter` (its constructor and forward need no TE: only
+    `LoRA.transform` and `get_adapter_attributes_from_linear` ask for TE's grouped base) built beside each
+    equivalent above with the same in / out features (utils.py:1832-1851: its local shapes must equal the
+    equivalent's), given its factors, and run on the same tokens split over every local expert: max |its forward
+    - the equivalent's| (a collective over expert-TP, as both forwards are). None where Bridge has no such class."""
+    import copy
+
+    try:
+        from megatron.bridge.peft.utils import GroupedExpertLinearAdapter as Real
+    except ImportError:
+        return None
+    etp = ps.get_expert_tensor_parallel_world_size()
+    gen = torch.Generator().manual_seed(7)
+    worst = 0.0
+    for layer, groups in layers:
+        for fc, (group, _) in groups.items():
+            a, b = group.linear_in.weight, group.linear_out.weight
+            n, in_local = a.shape[0], a.shape[2]
+            real = Real(in_local * (etp if group.input_is_parallel else 1), b.shape[1] * etp, group.dim,
+                        num_local_experts=n, base_linear_name=f"decoder.layers.{layer.layer_number - 1}.mlp.{fc}",
+                        activation="identity", input_is_parallel=group.input_is_parallel, alpha=group.alpha,
+                        model_parallel_config=copy.copy(layer.config))  # it sets perform_initialization on it
+            assert real.linear_in.weight.shape == a.shape and real.linear_out.weight.shape == b.shape, \
+                f"{fc}: Bridge 0.6.2 holds {tuple(real.linear_in.weight.shape)} / {tuple(real.linear_out.weight.shape)}, " \
+                f"the equivalent {tuple(a.shape)} / {tuple(b.shape)}"
+            for ours, theirs in ((group.linear_in.weight, real.linear_in.weight),
+                                 (group.linear_out.weight, real.linear_out.weight)):
+                assert theirs.partition_dim == ours.partition_dim, f"{fc}: split axis {theirs.partition_dim}"
+                with torch.no_grad():
+                    theirs.copy_(ours)
+            splits = [(3 + 2 * e) % 5 for e in range(n)]  # an expert with no token too
+            x = torch.randn(sum(splits), in_local, generator=gen, dtype=a.dtype)
+            with torch.no_grad():
+                worst = max(worst, (real(x, splits) - group(x, splits)).abs().max().item())
+    return worst
