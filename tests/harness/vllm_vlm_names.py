@@ -95,6 +95,96 @@ def fp8_skipped(files: dict[str, str], cls: str, names: list[str], quantization_
     return out
 
 
+#: torchvision modules transformers' Qwen2-VL image processor imports at module level
+#: (transformers 5.24 models/qwen2_vl/image_processing_qwen2_vl.py:26, `torchvision.transforms.v2.functional`), which
+#: vLLM's qwen3_vl.py:37-40 imports: used only to preprocess images, never by a class's __init__ or load_weights
+TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                     "torchvision.transforms.v2.functional")
+#: packages vLLM imports that are not installed here, stubbed: compressed_tensors (quantization configs,
+#: fused_moe/oracle/int_wna16.py:8 via qwen_gdn_linear_attn.py:55's AutoAWQConfig import; no tiny model is
+#: quantized, so no code of it runs)
+ABSENT = ("compressed_tensors",)
+#: the classes vLLM resolves for each HF architecture (model_executor/models/registry.py), built here
+LOAD_CLASSES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+
+
+def _stub_for_model_building() -> None:
+    """What building the model classes on CPU needs around vLLM's code (each stub listed above, and why):
+    torchvision's and the absent packages' modules as harness.sglang_real's catch-all stubs, put in only after
+    transformers decided torchvision is absent (its availability check is cached, so it keeps the PIL image
+    processor); the registry's model inspection (registry.py `_LazyRegisteredModel.inspect_model_cls`, which runs
+    `_ModelInfo.from_model_cls` in a fresh subprocess that would not have these stubs) run in this process; the
+    CPU MoE kernel's width check (below)."""
+    import importlib.abc
+    import importlib.machinery
+
+    from transformers.utils import is_torchvision_available
+
+    from harness.sglang_real import _Stub
+
+    assert not is_torchvision_available()  # cached False: transformers takes the PIL paths from here on
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return _Stub(spec.name)
+
+        def exec_module(self, module) -> None:
+            pass
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname.split(".")[0] not in ABSENT:
+                return None
+            return importlib.machinery.ModuleSpec(fullname, Loader(), is_package=True)
+
+    for name in TORCHVISION_STUBS:
+        sys.modules[name] = _Stub(name)
+    sys.meta_path.append(Finder())
+    import vllm.model_executor.models.registry as registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+    # the CPU MoE kernels take hidden / intermediate widths in multiples of 32 only (experts/cpu_moe.py:173-194
+    # `_supports_grouped_gemm`), which the tiny odd widths are not, so FusedMoE finds no backend: that kernel runs
+    # only in the forward, FusedMoE's parameters and weight_loader do not depend on it
+    # (unquantized_fused_moe_method.py:68-130 create_weights), so it is accepted here
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    CPUUnquantizedExperts._supports_grouped_gemm = classmethod(lambda cls, moe_config: (True, None))
+
+
+def load_check(config_dir: str, ckpt_dir: str) -> dict:
+    """vLLM's own class for `config_dir`'s config.json (the checkpoint's, as published), built as its model loader builds it (ModelConfig of the
+    directory, VllmConfig on the CPU platform, `get_model_architecture`, `cls(vllm_config=..., prefix="")` under
+    `set_current_vllm_config`; model_loader/utils.py initialize_model), in a gloo world of one process, then
+    harness.vlm_load's `load_contract` with the checkpoint's tensors through the class's `load_weights`."""
+    import socket
+
+    import torch
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    from harness.vlm_load import load_contract, read_tensors
+
+    model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True)
+    vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
+    with set_current_vllm_config(vllm_config):
+        if parallel_state.model_parallel_is_initialized():  # its groups follow the model (an EP group for MoE)
+            parallel_state.destroy_model_parallel()
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        parallel_state.initialize_model_parallel(backend="gloo")
+        cls, arch = get_model_architecture(model_config)
+        torch.manual_seed(0)
+        model = cls(vllm_config=vllm_config, prefix="")
+        return {"class": f"{cls.__module__}.{cls.__name__}", **load_contract(model, read_tensors(ckpt_dir))}
+
+
 def main(inp: str, out: str) -> None:
     import os
 
@@ -110,6 +200,15 @@ def main(inp: str, out: str) -> None:
         result[key] = {n: mapper._map_name(n) for n in names[key]}
     for key, (cls, tensor_names, quantization_config) in names.get("fp8", {}).items():
         result[f"fp8:{key}"] = fp8_skipped(files, cls, tensor_names, quantization_config)
+    if names.get("load"):
+        _stub_for_model_building()
+    for key, (config_dir, ckpt_dir) in names.get("load", {}).items():
+        try:
+            result[f"load:{key}"] = load_check(config_dir, ckpt_dir)
+        except Exception:  # noqa: BLE001 - reported per model, the others still run
+            import traceback
+
+            result[f"load:{key}"] = {"error": traceback.format_exc()[-4000:]}
     with open(out, "w") as f:
         json.dump(result, f)
 
