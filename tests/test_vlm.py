@@ -128,9 +128,11 @@ def _tower(model_type: str, name: str) -> bool:
 
 #: the vLLM release whose WeightsMapper and model classes load our exports (tests/harness/vllm_vlm_names.py)
 VLLM = "0.33.0"
-#: the architectures vLLM 0.33 resolves its classes by (model_executor/models/registry.py)
-VLLM_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-              "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+#: the architectures of the published checkpoints (their config.json), which SGLang and vLLM resolve their classes
+#: by (SGLang's models/registry.py, vLLM's model_executor/models/registry.py)
+ENGINE_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 
 
 def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
@@ -138,7 +140,7 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     (harness.vllm_vlm_names: read from the wheel, run on CPU) maps every name an export sends (language model and
     tower, checkpoint order) into the modules the class builds; Qwen3.5's MTP names it drops. vLLM's Fp8Config,
     given an FP8 export's quantization_config, keeps the tower of Qwen3-VL, GLM-4.5V and Kimi-K2.5 unquantized.
-    vLLM's own Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE classes, built on CPU from the wheel (same
+    vLLM's own Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and GLM-4.5V classes, built on CPU from the wheel (same
     subprocess), load every tensor an export sends through their `load_weights` (harness.vlm_load.load_contract,
     the check SGLang's classes pass too): each into a parameter, whole copies exact, no parameter unfilled; a
     renamed tower tensor is caught."""
@@ -166,7 +168,7 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         names["fp8"][mt] = [cls, sorted(n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")), qc]
     # vLLM's own classes, built on CPU, load each checkpoint (the names and tensors an export sends)
     names["load"] = {}
-    for mt, arch in VLLM_ARCHS.items():
+    for mt, arch in ENGINE_ARCHS.items():
         ckpt = make_hf_checkpoint(tiny_config(mt), tmp_path / mt)
         names["load"][mt] = [_engine_config_view(mt, ckpt, arch, tmp_path), str(ckpt)]
     # the check can fail: one tower tensor under a name vLLM has no parameter for
@@ -202,7 +204,7 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         tower = {n: k for n, k in skipped.items() if _tower(mt, n)}
         assert tower and all(tower.values()), (mt, [n for n, k in tower.items() if not k][:5])
         assert any(not k for n, k in skipped.items() if n not in tower), (mt, "nothing quantized")
-    for mt, arch in VLLM_ARCHS.items():
+    for mt, arch in ENGINE_ARCHS.items():
         # vLLM's tower at visual.*, its language model at language_model.model.* / language_model.lm_head.*
         problems = _load_contract_problems(mt, arch, res[f"load:{mt}"],
                                            ("visual.", "language_model.lm_head.", "language_model.model."))
@@ -221,7 +223,9 @@ def _engine_config_view(mt: str, ckpt: str, arch: str, tmp_path) -> str:
     configs/qwen3_next.py layers_block_type reads it; here layer_types alternate from linear) and the
     vision_config's `"deepstack_visual_indexes": []` (SGLang's configs/qwen3_vl.py defaults it to [8, 16, 24]).
     Qwen3-VL-MoE: the text_config's `"norm_topk_prob": true` (vLLM 0.33's models/qwen3_moe.py:210 reads it;
-    transformers 5.24's Qwen3VLMoeTextConfig no longer defines it)."""
+    transformers 5.24's Qwen3VLMoeTextConfig no longer defines it). GLM-4.5V: the text_config's
+    `"use_qk_norm": false`, as GLM-4.5-Air's published config.json has it (vLLM 0.33's models/glm4_moe.py:350
+    reads it; transformers 5.24's Glm4vMoeTextConfig does not define it)."""
     import json
     from pathlib import Path
 
@@ -237,6 +241,8 @@ def _engine_config_view(mt: str, ckpt: str, arch: str, tmp_path) -> str:
                    for i, k in enumerate(kinds)), kinds
     if mt == "qwen3_vl_moe":
         raw["text_config"].setdefault("norm_topk_prob", True)
+    if mt == "glm4v_moe":  # the tiny model, like GLM-4.5V's language model (GLM-4.5-Air's), has no q/k norm
+        raw["text_config"].setdefault("use_qk_norm", False)
     (view / "config.json").write_text(json.dumps(raw))
     return str(view)
 
@@ -268,10 +274,6 @@ def _load_contract_problems(mt: str, arch: str, got: dict, where: tuple[str, str
 
 #: the SGLang release whose model classes load our exports (tests/harness/sglang_vlm_load.py)
 SGLANG = "0.5.23"
-#: the architectures of the published checkpoints (their config.json), which SGLang resolves its class by
-SGLANG_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 
 
 def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
@@ -293,7 +295,7 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     cases = {}
-    for mt, arch in SGLANG_ARCHS.items():
+    for mt, arch in ENGINE_ARCHS.items():
         cfg = tiny_config(mt)
         ckpt = make_hf_checkpoint(cfg, tmp_path / mt)
         assert set(read_hf_checkpoint(ckpt)) == set(hf_tensor_shapes(cfg)), mt  # the names an export sends
@@ -302,7 +304,7 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     from mcore2hf.quantize import SCHEMES
     from mcore2hf.registry import get_converter
 
-    for mt, arch in (("qwen3_vl", SGLANG_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
+    for mt, arch in (("qwen3_vl", ENGINE_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
         cfg = tiny_config(mt)
         view = tmp_path / f"{mt}-fp8-config"
         view.mkdir()
@@ -324,7 +326,7 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     assert out.exists(), (r.stdout[-2000:], r.stderr[-4000:])
     res = json.loads(out.read_text())
     assert res["sglang"] == SGLANG and res["file"].startswith(str(site)), res  # the wheel's own code
-    for mt, arch in SGLANG_ARCHS.items():
+    for mt, arch in ENGINE_ARCHS.items():
         # the tower lands in SGLang's tower (visual.*, qkv -> qkv_proj), the language model in model.*
         problems = _load_contract_problems(mt, arch, res[mt], ("visual.", "lm_head.", "model."))
         assert not problems, "\n".join(problems)

@@ -1,15 +1,20 @@
 """vLLM 0.33.0's own name handling of Qwen3-VL and Qwen3.5 checkpoints, run on the names mcore2hf exports
-(`python -m harness.vllm_vlm_names IN.json OUT.json`, in a subprocess with the unpacked wheel on sys.path).
+(`python -m harness.vllm_vlm_names IN.json OUT.json`, in a subprocess with the unpacked wheel on sys.path and
+VLLM_TARGET_DEVICE=cpu).
 
-The model classes (vllm/model_executor/models/qwen3_vl.py Qwen3VLForConditionalGeneration, qwen3_5.py
-Qwen3_5ForConditionalGeneration) cannot be imported here: they import transformers' Qwen2-VL image processor,
-which needs torchvision (not installed). Their `hf_to_vllm_mapper` is a literal `WeightsMapper(...)` in the class
-body; it is read from the wheel's source (ast, the class's own assignment, `A.hf_to_vllm_mapper | WeightsMapper(...)`
-followed) and built with the wheel's own `WeightsMapper` (model_executor/models/utils.py), whose `_map_name` is
-what `AutoWeightsLoader.load_weights(weights, mapper=...)` applies to every checkpoint name. The mapped names must
-land in the modules the class builds: `visual.` (Qwen3_VisionTransformer), `language_model.model.` and
-`language_model.lm_head.` (Qwen3LLMForCausalLM's model and lm_head, qwen3_vl.py:1910-1915, 2011, 2043), or be
-dropped (None: Qwen3.5's `mtp.`).
+The mapper: each class's `hf_to_vllm_mapper` (vllm/model_executor/models/qwen3_vl.py
+Qwen3VLForConditionalGeneration, qwen3_5.py Qwen3_5ForConditionalGeneration) is a literal `WeightsMapper(...)` in
+the class body; it is read from the wheel's source (ast, the class's own assignment,
+`A.hf_to_vllm_mapper | WeightsMapper(...)` followed) and built with the wheel's own `WeightsMapper`
+(model_executor/models/utils.py), whose `_map_name` is what `AutoWeightsLoader.load_weights(weights, mapper=...)`
+applies to every checkpoint name. The mapped names must land in the modules the class builds: `visual.`
+(Qwen3_VisionTransformer), `language_model.model.` and `language_model.lm_head.` (Qwen3LLMForCausalLM's model and
+lm_head, qwen3_vl.py:1910-1915, 2011, 2043), or be dropped (None: Qwen3.5's `mtp.`).
+
+The classes (`load_check`, IN.json's "load"): vLLM's own Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and GLM-4.5V
+classes built on CPU as its model loader builds them, their `load_weights` run on an export's tensors by
+harness.vlm_load's `load_contract` (the check SGLang's classes are held to); `_stub_for_model_building` lists what
+is stubbed around vLLM's code for that, and why.
 
 `fp8_skipped`: which layers vLLM keeps unquantized under an FP8 export's quantization_config (Qwen3-VL, GLM-4.5V,
 Kimi-K2.5: the classes pass the FP8 config to their towers, kimi_k25.py:350-367, glm4_1v.py:1791-1795)."""
@@ -104,11 +109,6 @@ TORCHVISION_STUBS = ("torchvision", "torchvision.transforms", "torchvision.trans
 #: fused_moe/oracle/int_wna16.py:8 via qwen_gdn_linear_attn.py:55's AutoAWQConfig import; no tiny model is
 #: quantized, so no code of it runs)
 ABSENT = ("compressed_tensors",)
-#: the classes vLLM resolves for each HF architecture (model_executor/models/registry.py), built here
-LOAD_CLASSES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-                "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-
-
 def _stub_for_model_building() -> None:
     """What building the model classes on CPU needs around vLLM's code (each stub listed above, and why):
     torchvision's and the absent packages' modules as harness.sglang_real's catch-all stubs, put in only after
