@@ -179,6 +179,16 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     (tmp_path / "renamed").mkdir()
     save_file(tensors, str(tmp_path / "renamed" / "model.safetensors"))
     names["load"]["renamed"] = [names["load"]["qwen3_vl"][0], str(tmp_path / "renamed")]
+    # and built with an FP8 export's quantization_config: which parameters they create in float8
+    for mt in ("qwen3_vl", "glm4v_moe"):
+        qc = names["fp8"][mt][2]
+        names["load"][f"fp8:{mt}"] = [_engine_config_view(mt, tmp_path / mt, ENGINE_ARCHS[mt], tmp_path, qc), None]
+    # the check can fail: without the tower's entries vLLM builds Qwen3-VL's tower in float8
+    qc = dict(names["fp8"]["qwen3_vl"][2])
+    qc["modules_to_not_convert"] = [m for m in qc["modules_to_not_convert"] if not m.startswith("model.visual")]
+    (tmp_path / "no-tower").mkdir()
+    names["load"]["fp8-no-tower:qwen3_vl"] = [
+        _engine_config_view("qwen3_vl", tmp_path / "qwen3_vl", ENGINE_ARCHS["qwen3_vl"], tmp_path / "no-tower", qc), None]
     inp, out = tmp_path / "names.json", tmp_path / "mapped.json"
     inp.write_text(json.dumps(names))
     wheel = unpacked_wheel("vllm", VLLM, ("vllm/*.py", "vllm-*.dist-info/*"))
@@ -214,9 +224,18 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     renamed = res["load:renamed"]
     assert "qkvx" in renamed.get("error", "") or (
         renamed["dropped"] and "visual.blocks.0.attn.qkv.weight" in renamed["unfilled"]), renamed
+    # vLLM's classes built with our FP8 exports' quantization_config (its own Fp8Config and mapper, as its model
+    # loader applies them): the language model in float8, no tower parameter
+    for mt in ("qwen3_vl", "glm4v_moe"):
+        got = res[f"load:fp8:{mt}"]
+        assert "error" not in got, f"fp8 {mt}:\n{got.get('error')}"
+        assert any(p.startswith("language_model.model.layers.") for p in got["float8"]), (mt, got["float8"][:4])
+        assert not [p for p in got["float8"] if p.startswith("visual.")], (mt, got["float8"])
+    assert "visual.blocks.0.attn.qkv.weight" in res["load:fp8-no-tower:qwen3_vl"].get("float8", []), res[
+        "load:fp8-no-tower:qwen3_vl"]
 
 
-def _engine_config_view(mt: str, ckpt: str, arch: str, tmp_path) -> str:
+def _engine_config_view(mt: str, ckpt: str, arch: str, tmp_path, quantization_config: dict | None = None) -> str:
     """The engines' view of the published config.json of `ckpt` (a directory holding only it): `architectures`
     (what SGLang and vLLM resolve the class by) and what published configs carry that transformers 5.24's
     save_pretrained of the tiny model drops. Qwen3.5: `full_attention_interval` beside `layer_types` (SGLang's
@@ -225,14 +244,18 @@ def _engine_config_view(mt: str, ckpt: str, arch: str, tmp_path) -> str:
     Qwen3-VL-MoE: the text_config's `"norm_topk_prob": true` (vLLM 0.33's models/qwen3_moe.py:210 reads it;
     transformers 5.24's Qwen3VLMoeTextConfig no longer defines it). GLM-4.5V: the text_config's
     `"use_qk_norm": false`, as GLM-4.5-Air's published config.json has it (vLLM 0.33's models/glm4_moe.py:350
-    reads it; transformers 5.24's Glm4vMoeTextConfig does not define it)."""
+    reads it; transformers 5.24's Glm4vMoeTextConfig does not define it). With `quantization_config`: an FP8
+    export's, in 1 x 1 blocks (the tiny odd widths are not multiples of 128; the block size plays no part in which
+    layers are skipped)."""
     import json
     from pathlib import Path
 
-    view = tmp_path / f"{mt}-config"
+    view = tmp_path / f"{mt}-{'fp8-' if quantization_config else ''}view"
     view.mkdir()
     raw = json.loads((Path(ckpt) / "config.json").read_text())
     raw["architectures"] = [arch]
+    if quantization_config:
+        raw["quantization_config"] = dict(quantization_config, weight_block_size=[1, 1])
     if mt.startswith("qwen3_5"):
         kinds = raw["text_config"]["layer_types"]
         raw["text_config"]["full_attention_interval"] = kinds.index("full_attention") + 1

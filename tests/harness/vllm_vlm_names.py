@@ -153,24 +153,22 @@ def _stub_for_model_building() -> None:
     CPUUnquantizedExperts._supports_grouped_gemm = classmethod(lambda cls, moe_config: (True, None))
 
 
-def load_check(config_dir: str, ckpt_dir: str) -> dict:
-    """vLLM's own class for `config_dir`'s config.json (the checkpoint's, as published), built as its model loader builds it (ModelConfig of the
-    directory, VllmConfig on the CPU platform, `get_model_architecture`, `cls(vllm_config=..., prefix="")` under
-    `set_current_vllm_config`; model_loader/utils.py initialize_model), in a gloo world of one process, then
-    harness.vlm_load's `load_contract` with the checkpoint's tensors through the class's `load_weights`."""
+def _build(config_dir: str, dtype: str = "float32"):
+    """vLLM's own class for `config_dir`'s config.json (the checkpoint's, as published), built by its model loader's
+    own `initialize_model` (model_loader/utils.py: the registry's class, its quant config mapped, built under
+    `set_current_vllm_config`) from a ModelConfig of the directory and a VllmConfig on the CPU platform, in a gloo
+    world of one process (its model-parallel groups made anew for each model: an EP group only for MoE ones)."""
     import socket
 
     import torch
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
-    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.model_executor.model_loader.utils import initialize_model
 
-    from harness.vlm_load import load_contract, read_tensors
-
-    model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True)
+    model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
     with set_current_vllm_config(vllm_config):
-        if parallel_state.model_parallel_is_initialized():  # its groups follow the model (an EP group for MoE)
+        if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         else:
             with socket.socket() as s:
@@ -179,10 +177,36 @@ def load_check(config_dir: str, ckpt_dir: str) -> dict:
             parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
         parallel_state.initialize_model_parallel(backend="gloo")
-        cls, arch = get_model_architecture(model_config)
         torch.manual_seed(0)
-        model = cls(vllm_config=vllm_config, prefix="")
-        return {"class": f"{cls.__module__}.{cls.__name__}", **load_contract(model, read_tensors(ckpt_dir))}
+        return initialize_model(vllm_config)
+
+
+def load_check(config_dir: str, ckpt_dir: str) -> dict:
+    """vLLM's own class for `config_dir`'s config.json (`_build`), then harness.vlm_load's `load_contract` with the
+    checkpoint's tensors through the class's `load_weights`."""
+    from harness.vlm_load import load_contract, read_tensors
+
+    model = _build(config_dir)
+    cls = type(model)
+    return {"class": f"{cls.__module__}.{cls.__name__}", **load_contract(model, read_tensors(ckpt_dir))}
+
+
+def fp8_params(config_dir: str) -> dict:
+    """vLLM's own class for `config_dir`'s config.json, which holds an FP8 export's `quantization_config`, built by
+    `initialize_model` as `load_check` builds it (the quant config mapped with the class's hf_to_vllm_mapper, each
+    layer's quant method chosen by the wheel's Fp8Config.get_quant_method): which parameters it creates in float8
+    (those the engine expects quantized). Stubbed: the FP8 GEMM kernel each FP8 linear picks at the end of
+    create_weights (layers/quantization/fp8.py:347 `init_fp8_linear_kernel`; the CPU ones need vllm._C's
+    `fp8_scaled_mm_cpu` or AMX-FP8 hardware): it runs only in the forward, the parameters exist before it."""
+    import vllm.model_executor.layers.quantization.fp8 as fp8
+
+    fp8.init_fp8_linear_kernel = lambda **kwargs: None
+    import torch
+
+    model = _build(config_dir, "bfloat16")  # vLLM's FP8 takes bf16 / fp16 models only (its config check)
+    cls = type(model)
+    return {"class": f"{cls.__module__}.{cls.__name__}",
+            "float8": sorted(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)}
 
 
 def main(inp: str, out: str) -> None:
@@ -203,8 +227,8 @@ def main(inp: str, out: str) -> None:
     if names.get("load"):
         _stub_for_model_building()
     for key, (config_dir, ckpt_dir) in names.get("load", {}).items():
-        try:
-            result[f"load:{key}"] = load_check(config_dir, ckpt_dir)
+        try:  # an FP8 config (no checkpoint): the parameters it builds in float8
+            result[f"load:{key}"] = fp8_params(config_dir) if ckpt_dir is None else load_check(config_dir, ckpt_dir)
         except Exception:  # noqa: BLE001 - reported per model, the others still run
             import traceback
 
