@@ -123,7 +123,7 @@ def _stub_for_model_building() -> None:
 
     from harness.sglang_real import _Stub
 
-    assert not is_torchvision_available()  # cached False: transformers takes the PIL paths from here on
+    torchvision = is_torchvision_available()  # cached: where False, transformers takes the PIL paths from here on
 
     class Loader(importlib.abc.Loader):
         def create_module(self, spec):
@@ -138,7 +138,7 @@ def _stub_for_model_building() -> None:
                 return None
             return importlib.machinery.ModuleSpec(fullname, Loader(), is_package=True)
 
-    for name in TORCHVISION_STUBS:
+    for name in TORCHVISION_STUBS if not torchvision else ():  # an installed torchvision is used as it is
         sys.modules[name] = _Stub(name)
     sys.meta_path.append(Finder())
     import vllm.model_executor.models.registry as registry
