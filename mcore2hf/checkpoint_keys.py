@@ -23,7 +23,14 @@ itself saved; tests/test_checkpoint_keys.py checks the two directions are invers
   layer under its Megatron index (an HF layer's mixer and MLP are two, `naming.HybridLayout`), the final norm
   `decoder.final_norm.`;
 * every linear's `_extra_state` as a ShardedObject (`extra_state_key`; dist_checkpointing/mapping.py
-  `ShardedObject.unique_key`).
+  `ShardedObject.unique_key`);
+* a vision-language wrapper (Megatron-Bridge's `Qwen3VLModel`, 0.3.1 and 0.6.2 models/qwen_vl/modelling_qwen3_vl/
+  model.py: a MegatronModule without its own `sharded_state_dict`, so module.py `MegatronModule.sharded_state_dict`
+  keys each child under its attribute name): the GPT model's keys under `language_model.`, the tower's under
+  `vision_model.` (`VISION_TOWERS`): a native Megatron tower's blocks and deepstack mergers stacked like decoder
+  layers (Bridge 0.6.2 transformer_block.py:393-465 `Qwen3VLVisionTransformerBlock.sharded_state_dict`), its
+  linears with an `_extra_state`, the rest (patch / position embeddings, merger) under their module paths; an
+  embedded transformers tower (Bridge 0.3.1) under its HF module paths, plain replicated tensors.
 
 Reading accepts both impls' keys (a key names one canonical name, whatever the impl), and what other writers spell
 differently: Transformer Engine's other fused-norm names (`naming.TE_RENAMES`), per-expert keys without
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import regex
 import torch
@@ -49,6 +56,21 @@ from .plan import natural_key
 
 #: top-level modules of a GPT / hybrid model's weights; other keys are optimizer or RNG state
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+#: a vision-language wrapper's children (Megatron-Bridge 0.3.1 / 0.6.2 Qwen3VLModel `language_model`,
+#: `vision_model`): the GPT model's keys under the first, the tower's under the second
+WRAPPED_LANGUAGE_MODEL = "language_model."
+VISION_MODEL = "vision_model."
+#: how a wrapper's checkpoint holds its tower: "native" (Megatron layers, Bridge 0.6.2 / mbridge: layout 1 of
+#: docs/vlm.md), "hf" (transformers' module embedded, Bridge 0.3.1: layout 2)
+NATIVE, HF_TOWER = "native", "hf"
+VISION_TOWERS = (NATIVE, HF_TOWER)
+#: a native tower's blocks and deepstack mergers, canonical (per index) and as keys (stacked: no index)
+_VISION_PART = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(\d+)\.(.+)")
+_VISION_KEY = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(?:(\d+)\.)?(.+)")
+#: a ViT block holds attention and a dense MLP: under Transformer Engine's ViT spec (megatron-core 0.16.1
+#: models/vision/vit_layer_specs.py get_vit_layer_with_transformer_engine_spec, Bridge model.py:305) its norms are
+#: fused into linear_qkv and linear_fc1; the local ViT spec has no keys map (its norms keep their names)
+VISION_LAYER_KINDS = frozenset({"attention", "dense"})
 #: a key (or local name) inside decoder or MTP layer <i>
 LAYER_KEY = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 STACKED_LAYERS = "decoder.layers."
@@ -136,6 +158,8 @@ LINEAR_MODULES = frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_f
 #: learnable softmax offset: extensions/transformer_engine.py `sharded_state_dict` saves its whole state dict)
 TE_STATE_MODULES = frozenset({"input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm",
                               "out_norm", "final_layernorm", "final_norm", "enorm", "hnorm", "core_attention",
+                              # a native vision tower's patch mergers: TENorm (Bridge 0.6.2 model.py:306-310)
+                              "patch_norm",
                               # DSA's indexer: TE linears built duplicated, and its TE LayerNorm k_norm
                               "linear_wq_b", "linear_wk", "linear_weights_proj", "k_norm"})
 #: a hybrid model's output layer `_extra_state`: GPTModel.sharded_state_dict drops it, MambaModel / HybridModel keep
@@ -205,10 +229,20 @@ class KeyLayout:
     transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL
     #: names inside a layer of modules the architecture's TE spec builds without TE (no `_extra_state`)
     non_te: frozenset[str] = frozenset()
+    #: a vision-language wrapper's checkpoint (None: a GPT model's): how it holds its tower (VISION_TOWERS), the
+    #: native tower's depth and deepstack mergers, and whether its blocks are stacked (Bridge 0.6.2: unless the
+    #: metadata flag `non_homogeneous_layers`)
+    vision_tower: str | None = None
+    vision_depth: int = 0
+    vision_deepstack: int = 0
+    vision_stacked: bool = True
 
     def extra_state(self, name: str) -> str | None:
         """The `_extra_state` ShardedObject key of the module holding canonical name `name`, or None: every linear;
-        with transformer_engine also TE_STATE_MODULES under their own key (not fused into a linear)."""
+        with transformer_engine also TE_STATE_MODULES under their own key (not fused into a linear). An embedded
+        transformers tower has none (plain torch modules)."""
+        if name.startswith(VISION_MODEL) and self.vision_tower != NATIVE:
+            return None
         key, lead, glob = self.key(name)
         found = extra_state_key(name, key, lead, glob)
         if found is not None or self.transformer_impl != TRANSFORMER_ENGINE:
@@ -221,6 +255,11 @@ class KeyLayout:
     def key(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """(key, lead, dims) of a canonical Megatron name: its tensor is item `lead` of the key's tensor, whose
         leading dims are `dims` (stacked layers, stacked experts; both empty when the key holds it alone)."""
+        if self.vision_tower is not None:  # a wrapper: the GPT model's keys under language_model.
+            if name.startswith(VISION_MODEL):
+                return self._vision_key(name)
+            key, lead, glob = replace(self, vision_tower=None).key(name)
+            return WRAPPED_LANGUAGE_MODEL + key, lead, glob
         m = _CANONICAL_LAYER.fullmatch(name)
         if m is None:
             if self.hybrid is not None and name == FINAL_NORM:
@@ -245,6 +284,20 @@ class KeyLayout:
         if self.stacked and self.hybrid is None:
             return f"{STACKED_LAYERS}{rest}", (layer, *lead), (self.num_layers, *glob)
         return f"decoder.layers.{layer}.{rest}", lead, glob
+
+    def _vision_key(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """A tower tensor's key: a native tower's blocks (norms renamed as TE's ViT spec fuses them) and deepstack
+        mergers stacked or per index; anything else under its own name."""
+        m = _VISION_PART.fullmatch(name)
+        if m is None or self.vision_tower != NATIVE:
+            return name, (), ()
+        part, index, rest = m.group(1), int(m.group(2)), m.group(3)
+        if part == "layers" and self.transformer_impl == TRANSFORMER_ENGINE:
+            rest = rename_to_key(rest, VISION_LAYER_KINDS, TRANSFORMER_ENGINE)
+        if not self.vision_stacked:
+            return f"vision_model.decoder.{part}.{index}.{rest}", (), ()
+        count = self.vision_depth if part == "layers" else self.vision_deepstack
+        return f"vision_model.decoder.{part}.{rest}", (index,), (count,)
 
 
 def extra_state_key(name: str, key: str, lead: tuple[int, ...], glob: tuple[int, ...],
@@ -283,10 +336,15 @@ def canonical_parts(keys: Iterable[str], shape: Callable[[str], tuple[int, ...]]
         found.setdefault(canonical_layer_name(kind, number, rest, num_layers), {})[part] = (key, lead)
 
     for key in sorted(keys, key=natural_key):
-        if not key.startswith(MODEL_PREFIXES):
+        if key.startswith(VISION_MODEL):
+            _vision_names(key, shape, found)
+            continue
+        # a vision-language wrapper's language model: the GPT model's keys under `language_model.`
+        inner = key.removeprefix(WRAPPED_LANGUAGE_MODEL)
+        if not inner.startswith(MODEL_PREFIXES):
             ignored.append(key)
             continue
-        base, part = split_part(key)
+        base, part = split_part(inner)
         m = LAYER_KEY.fullmatch(base)
         if m is not None:
             add(m.group(1), int(m.group(2)), m.group(3), key, (), part)
@@ -298,6 +356,21 @@ def canonical_parts(keys: Iterable[str], shape: Callable[[str], tuple[int, ...]]
                 base = FINAL_NORM
             found.setdefault(base, {})[part] = (key, ())
     return found, ignored
+
+
+def _vision_names(key: str, shape: Callable[[str], tuple[int, ...]],
+                  found: dict[str, dict[str, tuple[str, tuple[int, ...]]]]) -> None:
+    """A wrapper's tower key -> canonical names (the inverse of `KeyLayout._vision_key`): a native tower's stacked
+    or per-index blocks and deepstack mergers (TE's fused norm keys read back to the local names), else the key."""
+    m = _VISION_KEY.fullmatch(key)
+    if m is None:
+        found.setdefault(key, {})[""] = (key, ())
+        return
+    part, index, rest = m.group(1), m.group(2), m.group(3)
+    if part == "layers":
+        rest = rename_from_key(rest)
+    for i in [int(index)] if index is not None else range(shape(key)[0]):
+        found.setdefault(f"vision_model.decoder.{part}.{i}.{rest}", {})[""] = (key, () if index is not None else (i,))
 
 
 #: Megatron-LM's `--moe-layer-freq` default (NVIDIA/Megatron-LM megatron/training/arguments.py `_add_moe_args`, commit

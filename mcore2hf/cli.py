@@ -179,7 +179,7 @@ def cmd_import(a) -> int:
                           singleton_local_shards=a.singleton_local_shards, moe_layer_freq=a.moe_layer_freq,
                           non_homogeneous_layers=a.non_homogeneous_layers, file_size=a.file_size,
                           overwrite=a.overwrite, progress=not a.quiet, model_class=a.model_class,
-                          transformer_impl=a.transformer_impl)
+                          transformer_impl=a.transformer_impl, vision_tower=a.vision_tower)
     if not a.quiet:
         print(f"wrote {r.tensors} Megatron tensors ({r.keys} keys, {format_size(r.bytes_written)}) to "
               f"{r.ckpt_dir}/iter_{r.iteration:07d} in {r.seconds:.1f} s; peak RSS {format_size(r.peak_rss_bytes)}")
@@ -224,9 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="show Transformer Engine parameter names as Megatron sources (fused norms, grouped experts)")
     pl.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="plan a block-FP8 export: which weights are quantized (and where), their scale shapes")
-    pl.add_argument("--vision-tower", choices=["native"], default=None,
-                    help="a vision-language model with its vision tower built natively in Megatron (qwen3_vl, "
-                         "qwen3_vl_moe, qwen3_5, qwen3_5_moe: Megatron-Bridge 0.6.2's layout)")
+    pl.add_argument("--vision-tower", choices=["native", "hf"], default=None,
+                    help="a vision-language model with its vision tower (qwen3_vl, qwen3_vl_moe, qwen3_5, "
+                         "qwen3_5_moe): 'native' built natively in Megatron (Megatron-Bridge 0.6.2's layout), 'hf' "
+                         "transformers' tower embedded (Megatron-Bridge 0.3.1's Qwen3VLModel)")
     _filters(pl)
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
@@ -290,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine",
                     help="the --transformer-impl the Megatron model is built with (default: Megatron-LM's "
                          "transformer_engine): where the norms Transformer Engine fuses into linears are keyed")
+    im.add_argument("--vision-tower", choices=("native", "hf"), default=None,
+                    help="a vision-language model as Megatron-Bridge's Qwen3VLModel holds it (language model under "
+                         "language_model.): 'native' its native Megatron tower (Bridge >= 0.6, build_model(..., "
+                         "vision_tower='native')), 'hf' transformers' tower embedded (Bridge 0.3.1); default: the "
+                         "language model alone, the tower skipped (docs/vlm.md)")
     im.add_argument("--file-size", type=_size("--file-size"), default="5GB",
                     help="largest .distcp file, e.g. 5GB (default 5GB)")
     im.add_argument("--overwrite", action="store_true", help="replace an existing iter_NNNNNNN of this iteration")

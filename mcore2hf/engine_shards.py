@@ -36,6 +36,18 @@ Read from the engines' published code (the wheels tests/harness/wheels.py unpack
   mamba_v2_sharded_weight_loader; A_log / dt_bias sharded_weight_loader(0)), models/qwen3_next.py
   (Qwen3NextAttention QKVParallelLinear with gated heads, Qwen3NextSparseMoeBlock shared_expert_gate
   ReplicatedLinear).
+* Qwen3-VL's vision tower (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE: `model.visual.*`, ARCH_KINDS), with the
+  engines' default tensor-parallel encoder: sglang 0.5.23 models/qwen3_vl.py (Qwen3_VisionBlock: VisionAttention
+  with use_qkv_parallel=True, i.e. layers/attention/vision.py QKVParallelLinear `qkv_proj` over all heads, filled
+  from the fused `attn.qkv` by its weight_loader without shard id (load_weights), RowParallelLinear `proj`;
+  Qwen3_VisionMLP and Qwen3VLMoeVisionPatchMerger: ColumnParallelLinear `linear_fc1`, RowParallelLinear
+  `linear_fc2`; Conv3dLayer patch embedding and LayerNorms whole; `pos_embed` a VocabParallelEmbedding over the
+  attention-TP group: its rows padded and split as a vocabulary), vllm 0.33.0 models/qwen3_vl.py (the same linears:
+  Qwen2_5_VisionAttention QKVParallelLinear `qkv`, AutoWeightsLoader passing the fused tensor without shard id;
+  `pos_embed` an nn.Embedding, whole), models/qwen3_vl_moe.py and qwen3_5.py reusing Qwen3_VisionTransformer.
+  The fused [q; k; v] splits into its three thirds, each narrowed to the rank's heads (QKVParallelLinear
+  weight_loader with loaded_shard_id None). Not covered: the data-parallel encoders (sglang --mm-enable-dp-encoder,
+  vllm mm_encoder_tp_mode="data": every tower tensor whole), and the GLM-4.5V / Kimi-K2.5 towers (refused by name).
 
 The two engines differ only in the vocab padding rule, in expert placement when E % ep != 0 (SGLang refuses
 it) and in gpt-oss's stacked experts under EP (vLLM: whole experts per EP rank; SGLang 0.5.23's
@@ -137,6 +149,11 @@ LINEAR_HEADS = "linear_heads"
 #: dim 0 is [q; k; v] of all linear heads (conv1d, Qwen3.5's in_proj_qkv): each part split over TP, so a rank's
 #: region is three boxes (mamba_v2_sharded_weight_loader; MergedColumnParallelLinear shard ids 0, 1, 2)
 LINEAR_QKV_PARTS = "linear_qkv_parts"
+#: a vision tower's fused attention `qkv` [q; k; v] (no GQA: three equal parts), each part split by vision heads
+VISION_QKV = "vision_qkv"
+#: the vision tower's position embedding: sglang's VocabParallelEmbedding (rows of its padded table over TP, real
+#: rows only), vllm's nn.Embedding (whole)
+POSITION_ROWS = "position_rows"
 
 # multimodal checkpoints keep the decoder under model.language_model. (Qwen3.5, Qwen3-VL, GLM-4.5V) or
 # language_model.model. (Kimi-K2.5, whose head is language_model.lm_head)
@@ -199,13 +216,30 @@ KINDS: list[tuple[str, str]] = [
     (rf"{_L}\.mlp\.experts\.down_proj_bias", STACKED_DOWN_BIAS),
 ]
 
+_VB = r"model\.visual\.blocks\.\d+"
+_VM = r"model\.visual\.(?:merger|deepstack_merger_list\.\d+)"
+#: Qwen3-VL's vision tower as both engines' qwen3_vl.py shard it by default (the module docstring)
+QWEN3_VL_TOWER: list[tuple[str, str | None]] = [
+    (rf"{_VB}\.attn\.qkv\.(?:weight|bias)", VISION_QKV),
+    (rf"{_VB}\.attn\.proj\.weight|{_VB}\.mlp\.linear_fc2\.weight|{_VM}\.linear_fc2\.weight", ROW),
+    (rf"{_VB}\.mlp\.linear_fc1\.(?:weight|bias)|{_VM}\.linear_fc1\.(?:weight|bias)", COLUMN),
+    # RowParallelLinear biases (added after the reduction), LayerNorms, the Conv3d patch embedding: whole
+    (rf"{_VB}\.(?:attn\.proj|mlp\.linear_fc2)\.bias|{_VM}\.linear_fc2\.bias|{_VB}\.norm[12]\.(?:weight|bias)"
+     rf"|{_VM}\.norm\.(?:weight|bias)|model\.visual\.patch_embed\.proj\.(?:weight|bias)", REPLICATED),
+    (r"model\.visual\.pos_embed\.weight", POSITION_ROWS),
+]
+
 #: per-architecture entries, checked before KINDS: MiniMax-M2's full-width q/k norms are split by heads in both
-#: engines (sglang MiniMaxM2RMSNormTP, vllm MiniMaxText01RMSNormTP with weight_shard_rank = tp_rank // replicas)
+#: engines (sglang MiniMaxM2RMSNormTP, vllm MiniMaxText01RMSNormTP with weight_shard_rank = tp_rank // replicas);
+#: Qwen3-VL's vision tower (and Qwen3.5's: the same tower, without deepstack mergers)
 ARCH_KINDS: dict[str, list[tuple[str, str | None]]] = {
     "minimax_m2": [(rf"{_L}\.self_attn\.q_norm\.weight", COLUMN), (rf"{_L}\.self_attn\.k_norm\.weight", KV_HEADS)],
+    "qwen3_vl": QWEN3_VL_TOWER,
     # Qwen3-VL-MoE's packed experts ([E, hidden, 2 * ffn], gate | up by column) are not gpt-oss's interleaved ones:
     # the engines' loaders for them are not in this table
-    "qwen3_vl_moe": [(rf"{_L}\.mlp\.experts\.(?:gate_up_proj|down_proj)", None)],
+    "qwen3_vl_moe": [(rf"{_L}\.mlp\.experts\.(?:gate_up_proj|down_proj)", None), *QWEN3_VL_TOWER],
+    "qwen3_5": QWEN3_VL_TOWER,
+    "qwen3_5_moe": QWEN3_VL_TOWER,
 }
 
 _COMPILED = [(regex.compile(p), k) for p, k in KINDS]
@@ -308,6 +342,14 @@ def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placemen
         return [((0, start, stop - start),)] if stop > start else []
     if kind in (LINEAR_HEADS, LINEAR_QKV_PARTS):
         return _linear(kind, hf_name, shape, dims, p)
+    if kind == VISION_QKV:
+        return _vision_qkv(hf_name, shape, dims, p)
+    if kind == POSITION_ROWS:  # sglang's VocabParallelEmbedding of num_position_embeddings rows, vllm's whole table
+        if p.engine == "vllm":
+            return [()]
+        per = padded_vocab(shape[0], p) // tp
+        start, stop = r * per, min((r + 1) * per, shape[0])
+        return [((0, start, stop - start),)] if stop > start else []
     if kind in (EXPERT_COLUMN, EXPERT_ROW):
         if expert not in expert_owner_range(dims.num_experts, p):
             return []
@@ -336,6 +378,24 @@ def _linear(kind: str, hf_name: str, shape: tuple[int, ...], dims: ModelDims, p:
         return [()]
     starts = (0, parts[0], 2 * parts[0])
     return [((0, start + r * n // tp, n // tp),) for start, n in zip(starts, parts)]
+
+
+def _vision_qkv(hf_name: str, shape: tuple[int, ...], dims: ModelDims, p: EnginePlacement) -> list[Region]:
+    # QKVParallelLinear(total_num_heads = total_num_kv_heads = vision heads): the fused tensor's thirds q, k, v, each
+    # narrowed to heads [r * heads / tp, (r + 1) * heads / tp) (both engines divide the heads, asserting it)
+    heads, head_dim = dims.vision_num_heads, dims.vision_head_dim
+    if heads is None or head_dim is None:
+        raise EngineShardError(f"{hf_name}: expected ModelDims with vision_num_heads / vision_head_dim (a model with "
+                               f"a vision tower), found {heads} / {head_dim}")
+    if shape[0] != 3 * heads * head_dim:
+        raise EngineShardError(f"{hf_name}: expected dim 0 = 3 x {heads} heads x {head_dim} = {3 * heads * head_dim} "
+                               f"([q; k; v]), found {shape[0]}")
+    tp, r = p.tp_size, p.tp_rank
+    if heads % tp:
+        raise EngineShardError(f"{hf_name}: expected tp_size {tp} dividing the {heads} vision heads ({p.engine} "
+                               "splits the vision tower's attention by heads; its data-parallel encoder is not covered)")
+    n = heads * head_dim // tp
+    return [((0, part * heads * head_dim + r * n, n),) for part in range(3)] if tp > 1 else [()]
 
 
 def _stacked(kind: str, hf_name: str, shape: tuple[int, ...], dims: ModelDims, p: EnginePlacement) -> list[Region]:

@@ -43,8 +43,11 @@ import torch
 
 from .checkpoint_keys import (
     GLU_PARTS,
+    HF_TOWER,
     HYBRID_OUTPUT_EXTRA_STATE,
     MEGATRON_LM_TRANSFORMER_IMPL,
+    VISION_MODEL,
+    VISION_TOWERS,
     KeyLayout,
     check_transformer_impl,
     layer_keys,
@@ -63,7 +66,7 @@ from .errors import (
 from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
 from .hf_dir import HFDirectory
 from .layouts import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
-from .mapping import Converter, ModelDims, compile_pattern, match_fields
+from .mapping import NAME, Converter, ModelDims, compile_pattern, match_fields
 from .naming import HybridLayout
 from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
 from .registry import get_converter
@@ -110,10 +113,16 @@ class ImportReport:
     transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL  # the layer spec whose norm keys were written
 
 
-def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str]) -> tuple[dict[str, object], list[str]]:
+def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str], vision_tower: str | None = None
+                   ) -> tuple[dict[str, object], list[str]]:
     """{canonical Megatron name: Resolved} for the HF tensors, by reading each rule's first HF template back
-    (placeholders become numbers; MTP rules' {L} is num_layers + M); also the HF names no rule explains."""
-    templates = [(compile_pattern(rule.hf[0]), rule) for rule in converter.rules]
+    (placeholders become numbers; MTP rules' {L} is num_layers + M); also the HF names no rule explains.
+    `vision_tower`: which of a vision-language table's tower rules are read back, "hf" the pass-through ones
+    (`{NAME}`: an embedded transformers tower), "native" the others (a native Megatron tower)."""
+    rules = [r for r in converter.rules if vision_tower is None
+             or (f"{{{NAME}}}" in r.megatron) == (vision_tower == HF_TOWER)
+             or not r.megatron.startswith(VISION_MODEL)]
+    templates = [(compile_pattern(rule.hf[0]), rule) for rule in rules]
     found: dict[str, object] = {}
     used: set[str] = set()
     for hf_name in sorted(hf_names):
@@ -148,14 +157,20 @@ def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tupl
 
 def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
                 singleton: bool, stacked: bool, hybrid: HybridLayout | None = None,
-                transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
+                transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL, vision_tower: str | None = None,
+                non_homogeneous: bool = False) -> tuple[list[ImportSource], dict[str, tuple], list[str]]:
     """Every Megatron tensor to write with its chunks, the checkpoint's keys {key: (global shape, dtype)}, and
-    its `_extra_state` object keys; every problem is reported at once, before anything is written."""
+    its `_extra_state` object keys; every problem is reported at once, before anything is written.
+    `vision_tower`: the keys of a vision-language wrapper holding its tower (checkpoint_keys.VISION_TOWERS)."""
     from .model_specs.common import padded_vocab_size
 
-    # what the Megatron model does not hold by design (a text model's vision tower) is not imported
+    # what the Megatron model does not hold by design (a text model's vision tower) is not imported; a wrapper
+    # holding its tower imports the not-held tensors its tower rules produce (the tower, not Qwen3.5's MTP)
     held = {n for n in reader.names() if not converter.not_held_by_model(n)}
-    resolved, unexplained = megatron_names(converter, dims, held)
+    if vision_tower is not None:
+        tower, _ = megatron_names(converter, dims, set(reader.names()) - held, vision_tower)
+        held |= {h for name, r in tower.items() if name.startswith(VISION_MODEL) for h in r.hf_names}
+    resolved, unexplained = megatron_names(converter, dims, held, vision_tower)
     if unexplained:
         raise UnknownParametersError(converter.model_type, [f"{n} (an HF tensor no rule of the "
                                                             f"{converter.model_type} table produces)"
@@ -170,7 +185,9 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
                        mla=dims.kv_lora_rank is not None, dsa=dims.index_head_dim is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
                        transformer_impl=transformer_impl,
-                       non_te=frozenset(getattr(import_module(converter.spec), "NON_TE_MODULES", ())))
+                       non_te=frozenset(getattr(import_module(converter.spec), "NON_TE_MODULES", ())),
+                       vision_tower=vision_tower, vision_depth=_count(resolved, "layers"),
+                       vision_deepstack=_count(resolved, "deepstack_merger_list"), vision_stacked=not non_homogeneous)
     sources, keys, objects, problems = [], {}, set(), []
     for name, r in sorted(resolved.items()):
         missing = [n for n in r.hf_names if n not in reader]
@@ -224,11 +241,29 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
         objects.add(HYBRID_OUTPUT_EXTRA_STATE)
     if not problems:  # every tensor against the model transformers builds from the config, as export checks
         problems = shape_problems({n: shape_of(reader.slice(n)) for n in sorted(held)},
-                                  hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_by_model))
+                                  hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_except(held)))
     if problems:
         raise ShapeMismatchError(f"the HF checkpoint {reader.path} cannot become a Megatron checkpoint "
                                  f"({converter.model_type}):\n  " + problem_list(problems))
     return sources, keys, sorted(objects)
+
+
+def _check_vision_tower(converter: Converter, spec, vision_tower: str, model_class: str) -> None:
+    """A wrapper's keys need a table whose tower the wrapper's `vision_model` holds: a native tower the model spec
+    builds, or the pass-through rule `vision_model.{NAME}`."""
+    passes = any(r.megatron == f"{VISION_MODEL}{{{NAME}}}" for r in converter.rules)
+    native = hasattr(spec, "native_vision_tower")
+    if model_class != "gpt" or (vision_tower == HF_TOWER and not passes) or (vision_tower != HF_TOWER and not native):
+        raise UsageError(f"vision_tower={vision_tower!r}: {converter.model_type!r} has "
+                         f"{'a native Megatron tower' if native else 'no native Megatron tower'} and "
+                         f"{'an' if passes else 'no'} embedded tower under vision_model. (Megatron-Bridge's "
+                         "Qwen3VLModel: qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe), model_class 'gpt' only")
+
+
+def _count(resolved: dict, part: str) -> int:
+    """How many native tower blocks (`layers`) or deepstack mergers the import writes."""
+    found = {int(m.group(1)) for m in (regex.match(rf"vision_model\.decoder\.{part}\.(\d+)\.", n) for n in resolved) if m}
+    return len(found)
 
 
 #: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one
@@ -368,7 +403,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                       singleton_local_shards: bool = False, moe_layer_freq: int | list[int] | str | None = None,
                       non_homogeneous_layers: bool = False, file_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
                       model_class: str = "gpt",
-                      transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL) -> ImportReport:
+                      transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL,
+                      vision_tower: str | None = None) -> ImportReport:
     """Write a Megatron torch_dist checkpoint (`ckpt_dir/iter_NNNNNNN` + latest_checkpointed_iteration.txt)
     from an HF directory, which Megatron's `dist_checkpointing.load` reads at any TP/PP/VPP/EP/ETP layout and any
     vocab padding: the vocab-parallel tensors hold exactly vocab_size rows and Megatron loads them with
@@ -385,7 +421,11 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     MambaModel), its layer pattern derived from the HF config as build_model derives it. `transformer_impl` is the
     layer spec of the model that will load it (Megatron-LM's `--transformer-impl`): "transformer_engine" (Megatron-LM's
     default) keys the norms TE fuses into linears under the linears' `layer_norm_weight`, "local" as the local spec's
-    keys map does (`checkpoint_keys.RENAMES`; what `build_model(use_te=False)` loads). The iteration directory is
+    keys map does (`checkpoint_keys.RENAMES`; what `build_model(use_te=False)` loads). `vision_tower` (a
+    vision-language model, docs/vlm.md): the keys of Megatron-Bridge's Qwen3VLModel wrapper holding its tower, the
+    language model under `language_model.`: "native" a native Megatron tower (Bridge 0.6.2, `build_model(...,
+    vision_tower="native")`), "hf" transformers' tower embedded (Bridge 0.3.1); None (default) the language model
+    alone, as a GPT model's keys, the tower skipped. The iteration directory is
     written under a temporary name and renamed when complete; the tracker file is replaced last."""
     t0 = time.perf_counter()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
@@ -395,6 +435,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     if model_class not in ("gpt", "hybrid"):
         raise UsageError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
     check_transformer_impl(transformer_impl)
+    if vision_tower not in (None, *VISION_TOWERS):
+        raise UsageError(f"vision_tower must be one of {', '.join(VISION_TOWERS)} or None, got {vision_tower!r}")
     if (tp is not None and tp < 1) or make_vocab_size_divisible_by < 1 or iteration < 0:
         raise ValueError(f"tp ({tp}) and make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be "
                          f">= 1 and iteration ({iteration}) >= 0")
@@ -413,13 +455,16 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
             raise LayoutError(f"model_class='hybrid' with {dims.num_mtp_layers} MTP layer(s) in the HF config: hybrid "
                               "models with MTP are not supported (import as model_class='gpt')")
         hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
+    if vision_tower is not None:
+        _check_vision_tower(converter, spec, vision_tower, model_class)
     stacked, why = layer_keys(spec, cfg, dims, moe_layer_freq, singleton=singleton_local_shards,
                               non_homogeneous=non_homogeneous_layers, hybrid=hybrid is not None)
     reader = HFDirectory(hf_dir)
     try:
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
                                              divisible_by=make_vocab_size_divisible_by, stacked=stacked,
-                                             hybrid=hybrid, transformer_impl=transformer_impl)
+                                             hybrid=hybrid, transformer_impl=transformer_impl,
+                                             vision_tower=vision_tower, non_homogeneous=non_homogeneous_layers)
     except BaseException:
         reader.close()
         raise

@@ -36,6 +36,7 @@ bucket's weights batched (transfer/lora_merges.py `LoRAMerges`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,17 +58,24 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 #: PEFT's prefix of a LoraModel's state dict (peft 0.21.2 tuners/lora/model.py: PeftModel.base_model.model)
 PEFT_PREFIX = "base_model.model."
 #: the Bridge wrapper / adapter classes exported, with SPLIT_WRAPPERS (DoRA's DoRALinear / ParallelLinearDoRAAdapter,
-#: the router's LoRATopKRouter, 0.6.2's grouped-expert adapters are refused by name). megatron-bridge 0.6.2's
+#: the router's LoRATopKRouter, 0.6.2's shared-outer grouped-expert adapter are refused by name). megatron-bridge 0.6.2's
 #: ParallelLinearAdapter (peft/utils.py:1006-1055) builds A and B as 0.3.1 does (utils.py:481-528): its wrappers'
 #: names, shapes and split flags equal 0.3.1's on every rank (tests/test_lora.py test_lora_bridge_062, run on
 #: megatron-core 0.19), and its own merge (LoRALinear.weight, lora_layers.py:35-58) equals the merged export
 WRAPPER, ADAPTER_CLASS = "LoRALinear", "ParallelLinearAdapter"
-#: megatron-bridge 0.6.2's grouped-expert adapters (3-D factors [experts, r, in] / [experts, out, r]: peft/utils.py
-#: 1767-1894, 2477-2600), chosen by lora.py:163-184 only for grouped expert linears (`mlp.experts.linear_fc1`, not
-#: `local_experts.N`). Their bases are Transformer Engine's TEColumnParallelGroupedLinear / TERowParallelGroupedLinear
-#: (get_adapter_attributes_from_linear, utils.py:591-643: any other base raises at :643); megatron-core 0.19.2's local spec
-#: builds SequentialMLP for every MoE (models/backends.py:133-142), so without TE they cannot be built or verified
-GROUPED_ADAPTERS = ("GroupedExpertLinearAdapter", "SharedOuterGroupedExpertAdapter")
+#: megatron-bridge 0.6.2's adapters of a grouped expert linear (TEGroupedMLP's `mlp.experts.linear_fc{1,2}`, not
+#: `local_experts.N`: chosen at lora.py:163-184 by is_grouped_expert_linear, utils.py:676-679). Exported, one adapter
+#: per local expert (naming splits their factors per expert, `_GROUPED_ADAPTER`): GroupedExpertLinearAdapter
+#: (`share_expert_adapters=False`; 3-D factors, one pair per local expert, utils.py:1767-1893) and the default
+#: ParallelLinearAdapter shared by every local expert (`share_expert_adapters=True`, lora.py:114; utils.py:1267-1270).
+#: GroupedExpertLinearAdapter's forward (utils.py:2175-2215 per expert; its grouped_mm path :2217-2313 the same
+#: products) is per expert e: fc1 B_e gather_r(A_e x), fc2 gather_out(B_e A_e x), times alpha / dim: the per-expert
+#: ParallelLinearAdapter's products (tests/harness/bridge_grouped.py, docs/lora.md)
+GROUPED_ADAPTER = "GroupedExpertLinearAdapter"
+#: refused: SharedOuterGroupedExpertAdapter (`experts_shared_outer_loras=True`, utils.py:2477-2645): its per-expert
+#: side (PackedPerExpertLinear, :2414-2475) is not split over expert-TP while its base is, and fc2's shared B is a
+#: RowParallelLinear(r, out) (:2583-2592), split on r, which no adapter rule takes; it is not built in the tests
+SHARED_OUTER = "SharedOuterGroupedExpertAdapter"
 
 
 def is_adapter(name: str) -> bool:
@@ -220,19 +228,31 @@ def find_adapters(chunks: list[torch.nn.Module], local: list[LocalTensor]) -> tu
             kinds = f"{wrapper} with {', '.join(sorted({type(sub).__name__ for _, sub in units})) or 'no adapter'}"
             first = f"{prefix}{name}.adapter" + (f".{units[0][0]}" if units and units[0][0] else "") + ".linear_in.weight"
             module = canonical.get(first, f"{prefix}{name}").split(ADAPTER)[0]
-            grouped = sorted({type(sub).__name__ for _, sub in units} & set(GROUPED_ADAPTERS))
-            if grouped:
-                problems.append(f"{module}: {kinds}; Megatron-Bridge's grouped-expert adapters ({', '.join(grouped)}: "
-                                "3-D factors on Transformer Engine's grouped expert linears) are not exported: only "
-                                "one adapter per expert of the local spec's SequentialMLP is (docs/lora.md)")
+            if any(type(sub).__name__ == SHARED_OUTER for _, sub in units):
+                problems.append(f"{module}: {kinds}; Megatron-Bridge's shared-outer grouped-expert adapter "
+                                "(experts_shared_outer_loras) is not exported: its per-expert side is not split "
+                                "over expert-TP and fc2's shared B is split on r (docs/lora.md)")
+                continue
+            # a grouped expert linear: its factors named per local expert (naming `_GROUPED_ADAPTER`)
+            item = f"{prefix}{name}.adapter.linear_in.weight"
+            experts = list(itertools.takewhile(lambda i, item=item: f"{item}{i}" in canonical, itertools.count()))
+            if experts and wrapper == WRAPPER and type(m.adapter).__name__ in (GROUPED_ADAPTER, ADAPTER_CLASS):
+                sub = m.adapter
+                if not isinstance(getattr(sub, "activation", None), torch.nn.Identity):
+                    problems.append(f"{module}: adapter activation {type(sub.activation).__name__}; LoRA has none")
+                    continue
+                for i in experts:
+                    expert = canonical[f"{item}{i}"].split(ADAPTER)[0]
+                    adapters.append(Adapter(expert, f"{prefix}{name}", int(sub.dim), float(sub.alpha),
+                                            bool(sub.input_is_parallel), True))
                 continue
             if (wrapper not in (WRAPPER, *SPLIT_WRAPPERS) or not units
                     or any(type(sub).__name__ != ADAPTER_CLASS for _, sub in units)
                     or any(f"{prefix}{name}.adapter{'.' + p if p else ''}.linear_in.weight" not in canonical
                            for p, _ in units)):
                 problems.append(f"{module}: {kinds}; only LoRA ({WRAPPER}, or canonical LoRA's {'/'.join(SPLIT_WRAPPERS)}, "
-                                f"with {ADAPTER_CLASS}: adapter[.adapter_x].linear_in / linear_out) is exported, not "
-                                "DoRA or other variants")
+                                f"with {ADAPTER_CLASS}, or {GROUPED_ADAPTER} on grouped experts: "
+                                "adapter[.adapter_x].linear_in / linear_out) is exported, not DoRA or other variants")
                 continue
             head_dim = int(getattr(getattr(m.to_wrap, "config", None), "kv_channels", 0) or 0)
             for part, sub in units:
@@ -348,6 +368,15 @@ class Term:
     rows: int
     stride: int  # rows from one group to the next (groups * stride == out)
     offset: int  # the first group's first row
+    #: a factor that is an item of a larger parameter (a grouped expert's slice of Bridge's 3-D factors): read
+    #: through its getter at each export, since training may swap that parameter's .data
+    a_item: LocalTensor | None = None
+    b_item: LocalTensor | None = None
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, b) as they are now."""
+        return (self.a if self.a_item is None else self.a_item.get(),
+                self.b if self.b_item is None else self.b_item.get())
 
 
 @dataclass(frozen=True, eq=False)
@@ -408,8 +437,11 @@ def merged_tensor(m: Merge) -> torch.Tensor:
     w = m.base.get()
     out = w.detach().clone().unsqueeze(0)
     dt = m.compute_dtype()
-    merge_weights(out, [(t, t.b.detach().to(dt).reshape(t.groups, t.rows, -1),
-                         t.a.detach().to(dt).expand(t.groups, *t.a.shape)) for t in m.terms], m.scale)
+    stacks = []
+    for t in m.terms:
+        a, b = t.factors()
+        stacks.append((t, b.detach().to(dt).reshape(t.groups, t.rows, -1), a.detach().to(dt).expand(t.groups, *a.shape)))
+    merge_weights(out, stacks, m.scale)
     return out[0]
 
 
@@ -482,6 +514,11 @@ class Merger:
         for a in units:
             full = self.full[a.prefix]
             fa, fb = (self._factor(a.a), full) if a.row_parallel else (full, self._factor(a.b))
+            # an item factor read where it lies: the one not gathered, and at TP 1 the other too (`full` is it)
+            alone = self.groups[1 if a.is_expert else 0].size == 1
+            item = {k: self.local[n] for k, n, where in (("a_item", a.a, a.row_parallel or alone),
+                                                         ("b_item", a.b, not a.row_parallel or alone))
+                    if where and self.local[n].param is None}
             out = fb.shape[0]
             if a.part in ("adapter_q", "adapter_k", "adapter_v"):  # this shard's query groups, [q_g; k_g; v_g] each
                 d = a.head_dim
@@ -489,9 +526,9 @@ class Merger:
                 groups = k // d
                 per = (q + 2 * k) // groups
                 first = {"adapter_q": 0, "adapter_k": q // groups, "adapter_v": q // groups + d}[a.part]
-                terms.append(Term(fa, fb, groups, out // groups, per, first))
+                terms.append(Term(fa, fb, groups, out // groups, per, first, **item))
             else:  # one adapter (the whole shard), or canonical [gate_i; up_i]
-                terms.append(Term(fa, fb, 1, out, base.shape[0], row))
+                terms.append(Term(fa, fb, 1, out, base.shape[0], row, **item))
                 row += out
         return Merge(base, self.scale, tuple(terms))
 

@@ -161,6 +161,13 @@ class Converter:
         """An HF tensor of a part of the published model the Megatron model does not have (e.g. `model.visual.*`)."""
         return any(p.fullmatch(hf_name) for p in self._not_held)
 
+    def not_held_except(self, produced) -> Callable[[str], bool]:
+        """`not_held_by_model`, less every `not_held` pattern of which `produced` (HF names) holds a tensor: a model
+        holding its vision tower is expected to produce all of it (Qwen3.5's MTP, a pattern of its own, stays not
+        held)."""
+        held = [p for p in self._not_held if any(p.fullmatch(n) for n in produced)]
+        return lambda name: self.not_held_by_model(name) and not any(p.fullmatch(name) for p in held)
+
     def resolve(self, name: str, dims: ModelDims) -> Resolved | None:
         for rule in self.rules:
             m = rule._regex.fullmatch(name)

@@ -59,12 +59,22 @@ _LAYER = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 #: `Qwen3VLVisionModel.decoder`), whole on the first pipeline stage: the local index is the block's index
 _VISION_LAYER = regex.compile(r"(vision_model\.decoder\.layers\.\d+)\.(.+)")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
-_GROUPED_EXPERT = regex.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
+#: TE's grouped expert weights (`weight{i}`), and Megatron-Bridge 0.6.2's LoRA factors of a grouped expert linear
+#: split per local expert like them (`_GROUPED_ADAPTER`: `linear_fc1.adapter.linear_in.weight{i}`)
+_GROUPED_EXPERT = regex.compile(r"mlp\.experts\.(linear_fc[12](?:\.adapter\.linear_(?:in|out))?)\.(weight|bias)(\d+)")
 _MTP_INNER = ("transformer_layer.", "mtp_model_layer.")
 # megatron-core 0.19 with moe_single_grouped_weight / _bias (TE >= 2.14): all local experts in one parameter
 # `linear_fc{1,2}.weight` of TEGroupedLinear (extensions/transformer_engine.py, _split_grouped_checkpoint_tensor:
 # item i is tensor[i] when dim 0 is num_gemms, else chunk i of dim 0); each item is named like TE's weight{i}
 _SINGLE_GROUPED = regex.compile(r"(.+\.mlp\.experts\.linear_fc[12])\.(weight|bias)")
+# Megatron-Bridge 0.6.2's LoRA on a grouped expert linear (`mlp.experts.linear_fc1`, not `local_experts.N`:
+# peft/lora.py:163-184, utils.py:676-679), its factors beside the base (`to_wrap`): 3-D [num_local_experts, ...],
+# item i expert i's (GroupedExpertLinearAdapter, peft/utils.py:1832-1851: linear_in [E, r/ETP, in] of a
+# column-parallel base, [E, r, in/ETP] of a row-parallel one, linear_out [E, out/ETP, r]; partition_dim 1 or 2 of the
+# 3-D tensor, :1881-1887), or 2-D, one factor every local expert applies (ParallelLinearAdapter under
+# `share_expert_adapters`, lora.py:114 default True, utils.py:1267-1270). Each item is named and split like a
+# SequentialMLP expert's adapter, so the adapter rules, the merge and the expert forms apply as they are
+_GROUPED_ADAPTER = regex.compile(r"(.+\.mlp\.experts\.linear_fc[12])\.adapter\.(linear_in|linear_out)\.weight")
 # layer symbols of hybrid patterns (megatron-core 0.19.2 models/hybrid/hybrid_layer_allocation.py `Symbols`;
 # 0.16.1 ssm/mamba_hybrid_layer_allocation.py has M * - E): mamba, gated delta net, attention, DSA, MLA | MLP, MoE
 HYBRID_MIXERS = frozenset("MG*D+")
@@ -361,6 +371,20 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
                     view = get()
                     _copy_tp_attributes(p, view)
                     items.append((f"{single.group(1)}.{single.group(2)}{i}", view, get, True))
+                continue
+            grouped = _GROUPED_ADAPTER.fullmatch(name) if num_local else None
+            if grouped is not None and (p.dim() == 2 or (p.dim() == 3 and p.shape[0] == num_local)):
+                for i in range(num_local):  # expert i's factor: the one shared factor, or item i of a 3-D stack
+                    item = f"{grouped.group(1)}.adapter.{grouped.group(2)}.weight{i}"
+                    if p.dim() == 2:
+                        items.append((item, p, _param_getter(p), False))
+                        continue
+                    get = _grouped_item_getter(p, i, num_local)  # read at every export, as the grouped weights
+                    view = get()
+                    _copy_tp_attributes(p, view)
+                    if getattr(p, "partition_dim", None) is not None:
+                        view.partition_dim = p.partition_dim - 1  # the 3-D tensor's axis, less the expert axis
+                    items.append((item, view, get, True))
                 continue
             items.append((name, p, _param_getter(p), False))
         for name, b in chunk.named_buffers():

@@ -508,9 +508,9 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
             continue
         s.hf = list(zip(r.hf_names + r.copies, shapes + [shapes[0]] * len(r.copies)))
     structural = structure_problems({s.name: s for s in sources}, spec, cfg, dims)
-    if not problems:  # every tensor against the model transformers builds from this config
-        problems = shape_problems({name: shape for s in sources for name, shape in s.hf},
-                                  hf_tensor_shapes(cfg, ckpt_mtp, converter.not_held_by_model))
+    if not problems:  # every tensor against the model transformers builds from this config (a tower held: all of it)
+        produced = {name: shape for s in sources for name, shape in s.hf}
+        problems = shape_problems(produced, hf_tensor_shapes(cfg, ckpt_mtp, converter.not_held_except(produced)))
     if structural or problems:
         error = ConfigMismatchError if structural else ShapeMismatchError
         raise error(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "

@@ -96,8 +96,10 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
             overrides.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         with torch.device("meta"), _no_rope_tables():  # shapes and names only: no memory, no initialization
             # local spec: TE names, when asked for, are applied below (Transformer Engine needs no GPU then)
-            chunks = build_model(hf_config, use_te=False, vision_tower=vision_tower,  # initialized as in training
-                                 **overrides)
+            chunks = build_model(hf_config, use_te=False, vision_tower=None if vision_tower == "hf" else vision_tower,
+                                 **overrides)  # initialized as in training
+            if vision_tower == "hf":
+                chunks = [_embedded_tower(c, hf_config) for c in chunks]
             chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
         if te_names:
             from .runtime.te_naming import to_te_names
@@ -108,6 +110,31 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
         ps.destroy_model_parallel()
         dist.destroy_process_group()
         sys.excepthook = hook
+
+
+def _embedded_tower(chunk, hf_config):
+    """A vision-language wrapper around the GPT chunk as Megatron-Bridge 0.3.1's Qwen3VLModel holds it (models/
+    qwen_vl/modelling_qwen3_vl/model.py:97-107): transformers' vision tower as `vision_model` where the chunk holds
+    the first stage's embedding (`pre_process`), the GPT model as `language_model` (the names and shapes a plan
+    needs; its forward is not run). The tower is the module the table's pass-through rule names (`vision_model.
+    {NAME}` -> `model.visual.{NAME}`) in transformers' multimodal class built from the config."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from .errors import UsageError
+    from .mapping import NAME
+    from .registry import get_converter
+
+    rules = [r for r in get_converter(hf_config.model_type).rules if r.megatron == f"vision_model.{{{NAME}}}"]
+    if not rules:
+        raise UsageError(f"vision_tower='hf': {hf_config.model_type!r} has no embedded tower under vision_model. "
+                         "(Megatron-Bridge's Qwen3VLModel: qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe)")
+    wrapper = torch.nn.Module()
+    if chunk.pre_process:  # registered first, as Bridge's __init__ does (the order of its parameters)
+        hf = AutoModelForImageTextToText.from_config(hf_config, dtype=next(chunk.parameters()).dtype)
+        wrapper.vision_model = hf.get_submodule(rules[0].hf[0].removesuffix(f".{{{NAME}}}"))
+    wrapper.language_model = chunk
+    return wrapper
 
 
 def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: bool = False,
@@ -157,7 +184,8 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
             name_filter=None, quantize: str | None = None, vision_tower: str | None = None):
     """(the ExportPlan every rank of a live world at `layout` would build, each rank's memory estimate as
     `Executor.memory_estimate()` gives it, all ranks receiving), computed in this process. `vision_tower="native"`:
-    the model as `build_model(..., vision_tower="native")` builds it (its tower on the first stage)."""
+    the model as `build_model(..., vision_tower="native")` builds it (its tower on the first stage); "hf":
+    Megatron-Bridge 0.3.1's Qwen3VLModel (transformers' tower embedded on the first stage, `_embedded_tower`)."""
     from importlib import import_module
 
     from .exporter import Planner, check_model_config, model_dims

@@ -96,16 +96,23 @@ class PatchEmbed(nn.Module):
         return self.proj(x).view(-1, self.embed_dim)
 
 
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
 class PatchMerger(nn.Module):
     """Bridge utils.py:112-177 `Qwen3VLVisionPatchMerger`: `patch_norm` (LayerNorm, over the tower width, or over
     the merged width with `postshuffle` for the deepstack mergers), `linear_fc1` column- and `linear_fc2`
     row-parallel over the language model's TP group, both biased; exact GELU between (transformers'; see the
-    module docstring)."""
+    module docstring). Its checkpoint keys are a MegatronModule's, as Bridge's (`sharded_state_dict`)."""
 
     def __init__(self, config, out_hidden_size: int, merge: int, postshuffle: bool):
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
+        self.config = config
         self.merged = config.hidden_size * merge * merge
         self.postshuffle = postshuffle
         self.patch_norm = nn.LayerNorm(self.merged if postshuffle else config.hidden_size, eps=1e-6,
@@ -115,6 +122,11 @@ class PatchMerger(nn.Module):
         self.linear_fc2 = RowParallelLinear(self.merged, out_hidden_size, config=config, bias=True,
                                             init_method=config.output_layer_init_method, input_is_parallel=True,
                                             skip_bias_add=False)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """MegatronModule's (Bridge's merger is one): patch_norm replicated, the linears' own (TP-split, with
+        their `_extra_state`)."""
+        return _megatron_module().sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_norm(x.view(-1, self.merged) if self.postshuffle else x).view(-1, self.merged)
@@ -139,6 +151,26 @@ def _vision_block_class():
                 [PatchMerger(config, vision_cfg.out_hidden_size, merge, postshuffle=True)
                  for _ in self.deepstack_visual_indexes])
 
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+            """Bridge transformer_block.py:393-465 `Qwen3VLVisionTransformerBlock.sharded_state_dict`: the layers as
+            megatron-core's block keys them (stacked `layers.<name>`, the block a leading axis of `depth`), the
+            deepstack mergers stacked the same way under `deepstack_merger_list.<name>` (a leading axis of their
+            count); both keyed per index (`layers.<i>.`, `deepstack_merger_list.<i>.`) with the metadata flag
+            `non_homogeneous_layers`."""
+            from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+            mergers = f"{prefix}deepstack_merger_list."
+            out = {k: v for k, v in super().sharded_state_dict(prefix, sharded_offsets, metadata).items()
+                   if not k.startswith(mergers)}
+            per_index = metadata is not None and metadata.get("non_homogeneous_layers", False)
+            count = len(self.deepstack_merger_list)
+            for i, merger in enumerate(self.deepstack_merger_list):
+                local = f"{mergers}{i}."
+                sd = merger.sharded_state_dict(local, [] if per_index else [(0, i, count)], metadata)
+                replace_prefix_for_sharding(sd, local, local if per_index else mergers)
+                out.update(sd)
+            return out
+
         def forward(self, hidden_states, attention_mask, rotary_pos_emb):
             features = []
             for i, layer in enumerate(self.layers):
@@ -156,7 +188,8 @@ class VisionModel(nn.Module):
     num_position_embeddings, replicated, bilinearly interpolated to the grid), 2-D rotary embeddings of each
     patch's (row, column), the ViT `decoder` with its deepstack mergers, and `merger`. `forward(pixel_values,
     grid_thw)` -> (merged embeddings [tokens, out_hidden_size], deepstack features), as transformers'
-    `Qwen3VLVisionModel` returns them (pooler_output, deepstack_features)."""
+    `Qwen3VLVisionModel` returns them (pooler_output, deepstack_features). Checkpoint keys: a MegatronModule's
+    (Bridge's is a VisionModule), each child under its attribute name."""
 
     def __init__(self, vision_cfg, lm_config):
         super().__init__()
@@ -170,6 +203,9 @@ class VisionModel(nn.Module):
         self.head_dim = vision_cfg.hidden_size // vision_cfg.num_heads
         self.decoder = _vision_block_class()(self.config, vision_layer_spec(), vision_cfg)
         self.merger = PatchMerger(self.config, vision_cfg.out_hidden_size, self.merge, postshuffle=False)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        return _megatron_module().sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def rot_pos_emb(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """Bridge vision_model.py:188-225: per patch the rotary frequencies of its row and column (patches in
@@ -305,6 +341,11 @@ class NativeVLModel(nn.Module):
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """What Megatron saves of the chunk: Bridge's Qwen3VLModel is a MegatronModule without an override, so
+        each child is keyed under its name, `language_model.` (the GPTModel's own keys) and `vision_model.`."""
+        return _megatron_module().sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None,
                 **kwargs):

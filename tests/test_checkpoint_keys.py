@@ -44,6 +44,22 @@ MOE = ["pre_mlp_layernorm.weight", "mlp.router.weight", "mlp.router.expert_bias"
        *[f"mlp.experts.{e}.linear_fc{i}.{p}" for e in range(E) for i in (1, 2) for p in ("weight", "bias")]]
 MTP = ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
        "mtp.layers.0.final_layernorm.weight"]
+#: a native vision tower (Qwen3-VL's): blocks, deepstack mergers, the merger, patch and position embeddings
+_MERGER = ["patch_norm.weight", "patch_norm.bias", "linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+           "linear_fc2.bias"]
+NATIVE_TOWER = ([f"vision_model.decoder.layers.{v}.{n}" for v in range(3) for n in (
+    "input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")]
+    + [f"vision_model.decoder.deepstack_merger_list.{d}.{n}" for d in range(2) for n in _MERGER]
+    + [f"vision_model.merger.{n}" for n in _MERGER]
+    + ["vision_model.patch_embed.proj.weight", "vision_model.patch_embed.proj.bias", "vision_model.pos_embed.weight"])
+#: transformers' tower embedded in the wrapper (its HF module paths)
+HF_TOWER = ["vision_model.blocks.0.attn.qkv.weight", "vision_model.blocks.0.norm1.weight",
+            "vision_model.merger.linear_fc1.weight", "vision_model.deepstack_merger_list.0.norm.weight",
+            "vision_model.patch_embed.proj.weight"]
+NATIVE_WRAPPER = dict(vision_tower="native", vision_depth=3, vision_deepstack=2)
 
 
 def names(layers: list[list[str]], mtp: list[str] | None = None) -> list[str]:
@@ -84,6 +100,12 @@ CASES = {
                                           names([GDN + MOE, GDN + MOE, ATTENTION + MOE])),
     "hybrid stack": (dict(num_layers=3, num_experts=E, gdn_layers=frozenset({1}), hybrid=HybridLayout.parse("*-G*E"),
                           moe_layers=moe(2)), names([ATTENTION + DENSE_MLP, GDN, ATTENTION + MOE])),
+    "vision-language wrapper, native tower, stacked": (dict(num_layers=2, stacked=True, **NATIVE_WRAPPER),
+                                                        names([ATTENTION + DENSE_MLP] * 2) + NATIVE_TOWER),
+    "vision-language wrapper, native tower, per index": (dict(num_layers=2, vision_stacked=False, **NATIVE_WRAPPER),
+                                                          names([ATTENTION + DENSE_MLP] * 2) + NATIVE_TOWER),
+    "vision-language wrapper, embedded HF tower": (dict(num_layers=2, num_experts=E, stacked=True, vision_tower="hf",
+                                                        moe_layers=moe(0, 1)), names([ATTENTION + MOE] * 2) + HF_TOWER),
 }
 
 
@@ -141,6 +163,35 @@ def test_the_key_forms_are_megatrons():
         "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_2.3_4.4"
     assert extra_state_key("decoder.layers.0.pre_mlp_layernorm.weight",
                            *stacked.key("decoder.layers.0.pre_mlp_layernorm.weight")) is None  # a norm in fc1's key
+
+
+def test_vision_language_wrapper_key_forms():
+    """Megatron-Bridge's Qwen3VLModel (a MegatronModule: each child under its name): the GPT model's keys under
+    `language_model.`; a native tower's blocks stacked as megatron-core's block stacks layers, TE's ViT spec fusing
+    their norms (the local ViT spec has no keys map), its deepstack mergers stacked (Bridge 0.6.2
+    transformer_block.py:393-465), linears with an `_extra_state`; an embedded transformers tower under its own
+    names, no `_extra_state` (what tests/test_qwen3_vl_native.py and tests/test_vlm.py check against checkpoints
+    Megatron saved of both)."""
+    te = KeyLayout(2, stacked=True, **NATIVE_WRAPPER)
+    local = KeyLayout(2, stacked=True, transformer_impl=LOCAL, **NATIVE_WRAPPER)
+    assert te.key("decoder.layers.1.input_layernorm.weight")[0] == \
+        "language_model.decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    assert te.key("embedding.word_embeddings.weight")[0] == "language_model.embedding.word_embeddings.weight"
+    block = "vision_model.decoder.layers.2.input_layernorm.bias"
+    assert te.key(block) == ("vision_model.decoder.layers.self_attention.linear_qkv.layer_norm_bias", (2,), (3,))
+    assert local.key(block) == ("vision_model.decoder.layers.input_layernorm.bias", (2,), (3,))
+    merger = "vision_model.decoder.deepstack_merger_list.1.linear_fc1.weight"
+    assert local.key(merger) == ("vision_model.decoder.deepstack_merger_list.linear_fc1.weight", (1,), (2,))
+    assert local.extra_state(merger) == "vision_model.decoder.deepstack_merger_list.linear_fc1._extra_state/shard_1_2"
+    assert local.extra_state("vision_model.merger.linear_fc2.bias") == "vision_model.merger.linear_fc2._extra_state/shard_0_1"
+    assert local.extra_state("vision_model.merger.patch_norm.weight") is None
+    assert te.extra_state("vision_model.merger.patch_norm.weight") == "vision_model.merger.patch_norm._extra_state/shard_0_1"
+    assert local.key("vision_model.pos_embed.weight") == ("vision_model.pos_embed.weight", (), ())
+    hf = KeyLayout(2, stacked=True, transformer_impl=LOCAL, vision_tower="hf")
+    assert hf.key("vision_model.merger.linear_fc1.weight") == ("vision_model.merger.linear_fc1.weight", (), ())
+    assert hf.extra_state("vision_model.merger.linear_fc1.weight") is None
+    assert hf.extra_state("decoder.layers.0.self_attention.linear_qkv.weight") == \
+        "language_model.decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"
 
 
 def test_other_writers_spellings_are_read():

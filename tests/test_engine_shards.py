@@ -31,6 +31,7 @@ from mcore2hf.engine_shards import (  # noqa: E402
     EngineShardError,
     engine_regions,
     engine_slices,
+    has_sharding_kind,
     mask_to_engine,
     padded_vocab,
     place_slices,
@@ -49,9 +50,11 @@ H, HEADS, KV, HD, VOCAB, E, INTER = 8, 4, 2, 4, 100, 8, 12
 # gated DeltaNet: 4 key heads, 8 value heads (2 per key head), head dims 4, conv kernel 4: TP 1/2/4 all split heads
 NK, NV, DK, DV, CK = 4, 8, 4, 4, 4
 KD, VD = NK * DK, NV * DV
+# a vision tower (Qwen3-VL's): the same 4 heads of 4 (no GQA), 25 position embeddings (sglang pads them to 64)
+NPOS = 25
 DIMS = ModelDims(hidden_size=H, num_layers=1, vocab_size=VOCAB, num_attention_heads=HEADS, num_query_groups=KV,
                  head_dim=HD, num_experts=E, linear_num_key_heads=NK, linear_num_value_heads=NV,
-                 linear_key_head_dim=DK, linear_value_head_dim=DV)
+                 linear_key_head_dim=DK, linear_value_head_dim=DV, vision_num_heads=HEADS, vision_head_dim=HD)
 
 
 def placements(engine: str, tp: int, moe: bool = False) -> list[EnginePlacement]:
@@ -240,10 +243,37 @@ def test_qwen3_5_language_model_names_and_qwen2_style_shared_expert_kinds():
         raise AssertionError(f"accepted {bad}")
 
 
+def test_vision_tower_qkv_thirds_and_position_rows():
+    """Qwen3-VL's tower: the fused attn.qkv [q; k; v] (48 rows: 4 heads of 4 each) is three boxes per rank at TP 2
+    (QKVParallelLinear's thirds narrowed to the rank's heads), whole at TP 1, refused where the heads do not divide;
+    pos_embed is sglang's VocabParallelEmbedding (25 rows padded to 64: TP 2's rank 0 holds every real row) and
+    vllm's whole nn.Embedding; the tower is declared for the Qwen3-VL family only (GLM-4.5V's is not in the table)."""
+    qkv = "model.visual.blocks.2.attn.qkv.weight"
+    assert sharding_kind(qkv, "qwen3_vl") == ("vision_qkv", None)
+    assert [engine_regions(qkv, (48, H), DIMS, EnginePlacement("vllm", r, 2), "qwen3_5") for r in (0, 1)] == [
+        [((0, 0, 8),), ((0, 16, 8),), ((0, 32, 8),)], [((0, 8, 8),), ((0, 24, 8),), ((0, 40, 8),)]]
+    assert engine_regions(qkv, (48, H), DIMS, EnginePlacement("sglang", 0, 1), "qwen3_vl") == [()]
+    with pytest.raises(EngineShardError, match="dividing the 3 vision heads"):
+        engine_regions(qkv, (36, H), dataclasses.replace(DIMS, vision_num_heads=3), EnginePlacement("sglang", 0, 2),
+                       "qwen3_vl")
+    with pytest.raises(EngineShardError, match="expected dim 0 = 3 x 4 heads x 4 = 48"):
+        engine_regions(qkv, (40, H), DIMS, EnginePlacement("sglang", 0, 2), "qwen3_vl")
+    pos = "model.visual.pos_embed.weight"
+    assert [engine_regions(pos, (NPOS, H), DIMS, EnginePlacement("sglang", r, 2), "qwen3_vl") for r in (0, 1)] == [
+        [((0, 0, NPOS),)], []]
+    assert engine_regions(pos, (NPOS, H), DIMS, EnginePlacement("vllm", 1, 2), "qwen3_vl") == [()]
+    assert sharding_kind("model.visual.deepstack_merger_list.1.linear_fc2.weight", "qwen3_vl_moe")[0] == "row"
+    assert sharding_kind("model.visual.merger.linear_fc2.bias", "qwen3_5_moe")[0] == "replicated"
+    with pytest.raises(EngineShardError, match="found none that matches"):
+        sharding_kind(qkv, "glm4v_moe")
+
+
 def _expected_multiplicity(kind: str, p: EnginePlacement, dims: ModelDims) -> int:
     """How many ranks of one engine load each element of a tensor of `kind`."""
     if kind in ("shared_column", "shared_row"):
         kind = "replicated" if p.replicated_shared_experts else "column"
+    if kind == "position_rows":
+        kind = "replicated" if p.engine == "vllm" else "column"
     if kind == "replicated":
         return p.tp_size
     if kind == "kv_heads" and p.tp_size > dims.num_query_groups:
@@ -260,12 +290,16 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
     from mcore2hf.registry import get_converter, get_model_spec
     from mcore2hf.runtime.tiny import TINY_CONFIGS, tiny_config
 
-    report, skipped = [], set()
+    report, skipped, refused_towers = [], set(), set()
     for model_type in TINY_CONFIGS:
         cfg = tiny_config(model_type)
         dims = get_model_spec(model_type).dims(cfg)
-        # what the export sends: Qwen3.5's vision tower is not held by the Megatron model (never sent)
-        shapes = hf_tensor_shapes(cfg, dims.num_mtp_layers, get_converter(model_type).not_held_by_model)
+        # what the export sends: the language model, and a vision tower where the table covers it (a Megatron model
+        # holding Qwen3-VL's or Qwen3.5's tower: layouts 1 and 2 of docs/vlm.md); never Qwen3.5's MTP
+        conv = get_converter(model_type)
+        shapes = hf_tensor_shapes(cfg, dims.num_mtp_layers)
+        shapes = {n: v for n, v in shapes.items() if not conv.not_held_by_model(n)
+                  or (n.startswith("model.visual.") and has_sharding_kind(n, model_type))}
         full_bytes = sum(torch.Size(s).numel() for s in shapes.values()) * 4
         for engine in ("sglang", "vllm"):
             for tp in TPS:
@@ -291,6 +325,10 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
                                     count[region_slices(region)] += 1
                                 need[p.tp_rank] += regions_bytes(regions, shape, torch.float32)
                         except EngineShardError as err:
+                            # the engines assert that their TP divides the tower's heads: all of it refused then
+                            if name.startswith("model.visual.") and dims.vision_num_heads % tp:
+                                refused_towers.add(f"{model_type} tp{tp}")
+                                continue
                             if "not declared" not in str(err):
                                 raise
                             skipped.add(f"{model_type} {engine} ep{ep} {name.split('.')[-1]}")
@@ -301,6 +339,9 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
                     report.append(f"{model_type:14s} {engine:6s} tp{tp} ep{ep}: full {full_bytes:8d} B, per rank "
                                   + " ".join(f"{b:8d}" for b in need)
                                   + f" (max {max(need) / full_bytes:.2f} of full)")
+    # the towers covered (Qwen3-VL's 3 heads, Qwen3.5's 2): every tensor at TP 1 (Qwen3.5's at TP 2 too), refused
+    # where their heads do not divide (Qwen3.5 at TP 4: already for its 2 linear key heads)
+    assert refused_towers == {"qwen3_vl tp2", "qwen3_vl tp4", "qwen3_vl_moe tp2", "qwen3_vl_moe tp4"}, refused_towers
     covered = {line.split()[0] for line in report}
     assert {"qwen3_next", "qwen3_5", "qwen3_5_moe"} <= covered, covered  # the gated DeltaNet architectures
     with capsys.disabled():
@@ -319,14 +360,15 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
 # (c) all-NaN tensors (the loader must read something: NaN reaches the parameters, or the case proves nothing).
 
 CASES = ("column", "row", "qkv", "merged_column", "vocab_embedding", "lm_head", "fused_moe", "minimax_qk_norm",
-         "gpt_oss_experts", "mla_fused_a", "vocab_tp3", "gdn_qwen3_next", "gdn_qwen3_5", "gated_qkv", "dsa_indexer")
+         "gpt_oss_experts", "mla_fused_a", "vocab_tp3", "gdn_qwen3_next", "gdn_qwen3_5", "gated_qkv", "dsa_indexer",
+         "vision_tower")
 #: engine TP sizes per case (vocab_tp3: 128 rows do not divide over 3: sglang pads to 192, vllm refuses)
 CASE_TPS = {"vocab_tp3": (3,)}
 Q_LORA, KV_LORA = 12, 6
 IH, ID = 3, 8  # DeepSeek sparse attention's indexer: heads, head dim
 #: the architecture whose per-architecture rules a case exercises
 CASE_MODEL_TYPE = {"minimax_qk_norm": "minimax_m2", "gpt_oss_experts": "gpt_oss", "gdn_qwen3_next": "qwen3_next",
-                   "gdn_qwen3_5": "qwen3_5", "gated_qkv": "qwen3_5"}
+                   "gdn_qwen3_5": "qwen3_5", "gated_qkv": "qwen3_5", "vision_tower": "qwen3_vl"}
 #: Qwen3.5's split DeltaNet inputs -> (packed engine parameter, shard id): sglang 0.5.23 models/qwen3_5.py
 #: stacked_params_mapping, vllm 0.33.0 models/qwen3_5.py Qwen3_5Model.hf_to_vllm_mapper orig_to_new_stacked
 #: (the vllm harness checks its table equals this one)
@@ -380,6 +422,14 @@ def _hf_tensors(case: str, seed: int = 0) -> dict[str, torch.Tensor]:
         a = "model.language_model.layers.3.self_attn"
         return {f"{a}.q_proj.weight": rnd(2 * HEADS * HD, H), f"{a}.k_proj.weight": rnd(KV * HD, H),
                 f"{a}.v_proj.weight": rnd(KV * HD, H)}
+    if case == "vision_tower":  # transformers 5.24 Qwen3VLVisionBlock / Qwen3VLVisionPatchMerger (biased linears)
+        b, m = "model.visual.blocks.0", "model.visual.merger"
+        return {f"{b}.attn.qkv.weight": rnd(3 * HEADS * HD, H), f"{b}.attn.qkv.bias": rnd(3 * HEADS * HD),
+                f"{b}.attn.proj.weight": rnd(H, HEADS * HD), f"{b}.attn.proj.bias": rnd(H),
+                f"{b}.mlp.linear_fc1.weight": rnd(INTER, H), f"{b}.mlp.linear_fc1.bias": rnd(INTER),
+                f"{b}.mlp.linear_fc2.weight": rnd(H, INTER), f"{b}.mlp.linear_fc2.bias": rnd(H),
+                f"{m}.linear_fc1.weight": rnd(4 * H, 4 * H), f"{m}.linear_fc1.bias": rnd(4 * H),
+                "model.visual.pos_embed.weight": rnd(NPOS, H)}
     if case == "gpt_oss_experts":  # transformers 5.23 GptOssExperts: stacked, gate/up interleaved by column
         x = f"{L}.mlp.experts"
         return {f"{x}.gate_up_proj": rnd(E, H, 2 * INTER), f"{x}.gate_up_proj_bias": rnd(E, 2 * INTER),
@@ -422,6 +472,21 @@ def _load_linear(lin, vpe, case: str, t: dict[str, torch.Tensor]) -> torch.nn.Mo
         m = lin.MergedColumnParallelLinear(H, [INTER, INTER], bias=False, **f32)
         m.weight.weight_loader(m.weight, k("gate_proj.weight"), 0)
         m.weight.weight_loader(m.weight, k("up_proj.weight"), 1)
+    elif case == "vision_tower":
+        # Qwen3-VL's vision block and merger as both engines' models/qwen3_vl.py build them: QKVParallelLinear over
+        # all heads (kv heads = heads) filled from the fused attn.qkv without shard id (sglang load_weights' default
+        # branch, vllm AutoWeightsLoader), RowParallelLinear proj / linear_fc2, ColumnParallelLinear linear_fc1
+        m = torch.nn.Module()
+        m.qkv = lin.QKVParallelLinear(H, HD, HEADS, HEADS, bias=True, **f32)
+        m.proj = lin.RowParallelLinear(HEADS * HD, H, bias=True, **f32)
+        m.fc1 = lin.ColumnParallelLinear(H, INTER, bias=True, **f32)
+        m.fc2 = lin.RowParallelLinear(INTER, H, bias=True, **f32)
+        m.merger_fc1 = lin.ColumnParallelLinear(4 * H, 4 * H, bias=True, **f32)
+        for mod, name in ((m.qkv, "attn.qkv"), (m.proj, "attn.proj"), (m.fc1, "mlp.linear_fc1"),
+                          (m.fc2, "mlp.linear_fc2"), (m.merger_fc1, "merger.linear_fc1")):
+            for w in ("weight", "bias"):
+                param = getattr(mod, w)
+                param.weight_loader(param, k(f"{name}.{w}"))
     elif case in ("vocab_embedding", "lm_head", "vocab_tp3"):
         cls = vpe.ParallelLMHead if case == "lm_head" else vpe.VocabParallelEmbedding
         m = cls(VOCAB, H, **f32)
@@ -450,7 +515,10 @@ def _sglang_engine():
         k = lambda s: next(v for n, v in t.items() if n.endswith(s))  # noqa: E731
         f32 = dict(params_dtype=torch.float32)
         m = _load_linear(lin, vpe, case, t)
-        if m is not None:
+        if m is not None and case == "vision_tower":  # models/qwen3_vl.py: pos_embed a VocabParallelEmbedding
+            m.pos_embed = vpe.VocabParallelEmbedding(NPOS, H, **f32)
+            m.pos_embed.weight.weight_loader(m.pos_embed.weight, k("pos_embed.weight"))
+        elif m is not None:
             pass  # a layer class both engines define alike
         elif case == "mla_fused_a":
             # models/deepseek_v2.py fused_qkv_a_proj_with_mqa; deepseek_common/deepseek_weight_loader.py
@@ -609,7 +677,12 @@ def _vllm_engine():
         ps._TP = types.SimpleNamespace(rank_in_group=p.tp_rank, world_size=p.tp_size)
         k = lambda s: next(v for n, v in t.items() if n.endswith(s))  # noqa: E731
         m = _load_linear(lin, vpe, case, t)
-        if m is not None:
+        if m is not None and case == "vision_tower":  # models/qwen3_vl.py: pos_embed an nn.Embedding, loaded whole
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            m.pos_embed = torch.nn.Embedding(NPOS, H)
+            default_weight_loader(m.pos_embed.weight, k("pos_embed.weight"))
+        elif m is not None:
             pass  # a layer class both engines define alike
         elif case == "mla_fused_a":
             from vllm.model_executor.models.deepseek_v2 import DeepSeekV2FusedQkvAProjLinear

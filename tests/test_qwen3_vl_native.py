@@ -13,19 +13,28 @@ Bridge 0.6.2's own tower module (harness.bridge_vision), put in place of mcore2h
 parameter names, shapes and TP attributes on every rank and loads and exports the checkpoint bit for bit; the
 one-process dry run (`mcore2hf plan --vision-tower native`) is the live plan.
 
+Offline (layout 1): Megatron's torch_dist checkpoint of the native-tower model (dist_checkpointing of its
+sharded_state_dict, whose tower part equals Bridge 0.6.2's key for key) exports offline bit for bit, `verify` finds
+it identical, and `mcore2hf import --vision-tower native` writes exactly its keys and loads back at TP2 x PP2, TP2
+and PP2. Layout 2's image forward: Megatron-Bridge 0.3.1's own Qwen3VLModel (transformers' tower embedded, loaded by
+mcore2hf) on text + images equals transformers' at TP2 x PP2 and TP1.
+
 The tiny towers: 2 heads of 20 (TP2 splits the heads; transformers' 2-D vision rope needs head_dim % 4 == 0, so
 with an even head count the width is a multiple of 8 here, unlike the other tower dimensions), ffn 30, patches of
 2 x 3 x 3 over a 5 x 5 position grid; Qwen3-VL's 3 blocks with deepstack after blocks 0 and 1, Qwen3.5's 2."""
 
+import os
 import re
 
 import pytest
 import torch
 import worlds
 from harness.bridge_vision import BRIDGE_VISION_FILES, BRIDGE_VISION_VERSION, bridge_vision_root
+from harness.bridge_vlm import bridge_vlm_root
+from vlm_checks import check_wrapper_checkpoint
 
 from mcore2hf.runtime.forward import MARGIN, logit_tolerance
-from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
+from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -53,6 +62,12 @@ TOKENS = torch.tensor([[5, 7, START] + [IMAGE] * 6 + [END, 11, 12, START] + [IMA
 #: stay ~1e-5, so it is round-off the recurrence amplifies, not a misplaced tensor (that moves logits by ~1)
 TOL = {"qwen3_vl": 1e-4, "qwen3_vl_moe": 1e-4, "qwen3_5": logit_tolerance("qwen3_5"), "qwen3_5_moe": logit_tolerance("qwen3_5_moe")}
 TOL_IMAGE_GDN = MARGIN * 5.3e-4
+#: engine-sharded export refused at engine TP 4: Qwen3-VL's tower's 2 heads (or its ffn of 30) do not divide, as
+#: the engines refuse; Qwen3.5's 2 linear key heads already; Qwen3-VL-MoE: its packed experts (worlds.ENGINE_REFUSALS)
+ENGINE_REFUSALS = {"qwen3_vl": (lambda engine, tp, ep: tp > 2, r"model\.visual\.[\w.]+: expected (?:tp_size 4 "
+                                r"dividing the 2 vision heads|dim 0 \(30\) divisible by 4 engine ranks)"),
+                   **{mt: (lambda engine, tp, ep: tp > 2, r"linear_attn\.\w+(?:\.weight)?: expected tp_size 4 "
+                           r"dividing the 2 linear key heads") for mt in ("qwen3_5", "qwen3_5_moe")}}
 #: Megatron-Bridge 0.6.2's Qwen3-VL table (its vision_model.* names are those of its TE-built native tower)
 BRIDGE_TABLE = "megatron/bridge/models/qwen_vl/qwen3_vl_bridge.py"
 
@@ -81,17 +96,37 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
     pixels = torch.randn(int(GRID.prod(-1).sum()), 3 * 2 * 3 * 3, generator=torch.Generator().manual_seed(1))
     images = {"pixel_values": pixels, "image_grid_thw": GRID}
     per_rank = run_world(worlds.in_layouts, LAYOUTS[0], LAYOUTS, worlds.native_vl_archs, vl_ckpts, "qwen3_vl",
-                         str(tmp_path), TOKENS, images, LAYOUTS[0], bridge_vision_root(), timeout=900)
-    # Megatron-Bridge 0.6.2's own tower: mcore2hf's names, shapes and TP attributes on every rank, exports the same
+                         str(tmp_path), TOKENS, images, LAYOUTS[0], bridge_vision_root(), bridge_vlm_root(),
+                         timeout=900)
+    # Megatron-Bridge 0.6.2's own tower: mcore2hf's names, shapes and TP attributes on every rank, exports the same,
+    # and Megatron saves the same of both (checkpoint keys, global shapes, offsets, replicas, `_extra_state` objects)
     assert [r[str(LAYOUTS[0])]["bridge"]["compared"] for r in per_rank] == [57, 57, 0, 0], per_rank
+    assert [r[str(LAYOUTS[0])]["bridge"]["keys"] for r in per_rank] == [75, 75, 0, 0], per_rank
+    # layout 1 offline: Megatron's torch_dist checkpoint of the native-tower model, and the import loaded back
+    full = read_hf_checkpoint(vl_ckpts["qwen3_vl"])
+    for layout in (LAYOUTS[0], Layout(tp=2), Layout(pp=2)):  # TP2 x PP2, TP2, PP2 (the tower on stage 0)
+        assert [r[str(layout)]["dist"]["tensors"] for r in per_rank] == [len(full)] * 4, layout
+    base = per_rank[0][str(LAYOUTS[0])]["dist"]["base"]
+    check_wrapper_checkpoint(base, vl_ckpts["qwen3_vl"], str(tmp_path / "offline_native"),
+                             os.path.join(os.path.dirname(base), "import", "qwen3_vl"))
     patterns = bridge_tower_patterns()
     worst: dict[str, float] = {}
+    engines = 0
     for mt, ckpt in vl_ckpts.items():
         hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
         with torch.no_grad():
             ref_image = hf(input_ids=TOKENS, pixel_values=pixels, image_grid_thw=GRID,
                            mm_token_type_ids=(TOKENS == IMAGE).int()).logits
             ref_text = hf(input_ids=worlds.TOKENS).logits
+            if mt == "qwen3_vl":  # the image moves the logits far more than the tolerance: the check can fail
+                blank = hf(input_ids=TOKENS, pixel_values=torch.zeros_like(pixels), image_grid_thw=GRID,
+                           mm_token_type_ids=(TOKENS == IMAGE).int()).logits
+                assert (blank - ref_image).abs().max() > 100 * TOL[mt]
+                # layout 2: Megatron-Bridge 0.3.1's own Qwen3VLModel (transformers' tower embedded) on text +
+                # images, at TP2 x PP2 and TP1, loaded by mcore2hf from the checkpoint
+                for layout in (LAYOUTS[0], Layout()):
+                    worst[f"bridge-0.3.1 {layout} image"] = max(
+                        (r[str(layout)]["bridge_image"] - ref_image).abs().max().item() for r in per_rank)
         for layout in LAYOUTS:
             key = str(layout)
             if mt not in per_rank[0][key]:
@@ -104,11 +139,17 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
             for what, ref in (("image", ref_image), ("text", ref_text)):
                 if res[0][what] is not None:  # (no image forward at PP2 x VPP2: deepstack needs 2 layers there)
                     worst[f"{mt} {key} {what}"] = max((r[what] - ref).abs().max().item() for r in res)
+            # engine-sharded export, the tower as both engines shard it (at TP2 x PP2, the layout of the whole world)
+            if res[0]["engine"] is not None:
+                engines += 1
+                problems = worlds.engine_problems(mt, [r["engine"] for r in res], layout, ENGINE_REFUSALS)
+                assert not problems, "\n".join(problems)
             _, info = AutoModelForImageTextToText.from_pretrained(res[0]["dir"], output_loading_info=True)
             assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (mt, key, info)
             # TE names (a TP rank of the first stage holds every tower name): each is a name of Bridge 0.6.2's table
             names = res[0]["te_tower"]
             assert names and not [n for n in names if not any(re.fullmatch(p, n) for p in patterns)], (mt, names)
+    assert engines == len(CONFIGS), engines  # every architecture at TP2 x PP2
     # `mcore2hf plan --vision-tower native`: the one-process dry run is the plan the live ranks built (records,
     # describe() text, every rank's memory estimate)
     text, records, memory = worlds.in_fresh_process(worlds.native_dry_run, vl_ckpts["qwen3_vl"], LAYOUTS[0], 4096)
@@ -117,9 +158,9 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
     assert memory == [p[2] for p in live], (memory, [p[2] for p in live])
     with capsys.disabled():
         print(f"\nnative vision tower: max |Megatron - transformers| fp32 logits {worst}")
-    assert len(worst) == 2 * (len(LAYOUTS) + len(CONFIGS) - 1) - 1, sorted(worst)
-    bad = {k: v for k, v in worst.items()
-           if v >= (TOL_IMAGE_GDN if k.endswith("image") and k.startswith("qwen3_5") else TOL[k.split()[0]])}
+    assert len(worst) == 2 * (len(LAYOUTS) + len(CONFIGS) - 1) - 1 + 2, sorted(worst)
+    bad = {k: v for k, v in worst.items() if v >= (TOL_IMAGE_GDN if k.endswith("image") and k.startswith("qwen3_5")
+                                                   else TOL.get(k.split()[0], TOL["qwen3_vl"]))}
     assert not bad, bad
 
 

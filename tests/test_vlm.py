@@ -14,6 +14,7 @@ import worlds
 from conftest import VLM_ARCHS
 from harness.bridge_vlm import bridge_vlm_root
 from oracle import logit_problems
+from vlm_checks import check_wrapper_checkpoint
 
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
@@ -84,6 +85,15 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
             assert any(n.startswith("vision_model.") for n in bridge["names"]), bridge["names"][:3]
             assert not any(n.startswith("vision_model.") for n in per_rank[-1][str(layout)]["bridge"]["names"])
             _loads_cleanly(bridge["dir"], vlm_ckpts["qwen3_vl"])
+            # `mcore2hf plan --vision-tower hf`: the one-process dry run is the plan Bridge's model built live
+            text, records, _ = worlds.in_fresh_process(worlds.native_dry_run, vlm_ckpts["qwen3_vl"], layout, 4096, "hf")
+            assert (text, records) == bridge["plan_4k"], "dry run != Bridge's live plan"
+            # layout 2 offline: Megatron's checkpoint of Bridge's model, and the import loaded back into it
+            assert [r[str(layout)]["bridge"]["dist"]["tensors"] for r in per_rank] == [len(
+                read_hf_checkpoint(vlm_ckpts["qwen3_vl"]))] * len(per_rank)
+            base = bridge["dist"]["base"]
+            check_wrapper_checkpoint(base, vlm_ckpts["qwen3_vl"], str(tmp_path / "offline_bridge"),
+                                     os.path.join(os.path.dirname(base), "import", "qwen3_vl"))
             # GLM-4.5V: Bridge's GLM45VModel holds transformers' tower at `visual`, on stage 0 only
             assert any(n.startswith("visual.") for n in bridge_glm["names"]), bridge_glm["names"][:3]
             assert not any(n.startswith("visual.") for n in per_rank[-1][str(layout)]["bridge_glm"]["names"])
@@ -389,3 +399,29 @@ def test_kimi_k25_equivalent_follows_bridge_0_6_2():
     assert not {"vision_tower", "mm_projector"} & set(top)
     call = ast.unparse(top["language_model"])
     assert call.startswith("self.config.provide_language_model("), call
+
+
+def test_import_vision_tower_refusals(vlm_ckpts, tmp_path):
+    """`mcore2hf import --vision-tower`: a model whose table has no such tower under Megatron-Bridge's
+    `vision_model.` (GLM-4.5V: Bridge's GLM45VModel holds transformers' tower as `visual`, and no native one) or an
+    unknown value is refused in one line, before anything is written."""
+    import contextlib
+    import io
+
+    from mcore2hf.cli import main
+    from mcore2hf.errors import UsageError
+    from mcore2hf.importer import import_checkpoint
+
+    for mt, value, words in (("glm4v_moe", "native", "no native Megatron tower"),
+                             ("glm4v_moe", "hf", "no embedded tower under vision_model."),
+                             ("qwen3_vl", "torch", "vision_tower must be one of native, hf")):
+        out = tmp_path / f"{mt}-{value}"
+        with pytest.raises(UsageError, match=words):
+            import_checkpoint(vlm_ckpts[mt], out, vision_tower=value, progress=False)
+        assert not out.exists()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["import", vlm_ckpts["glm4v_moe"], str(tmp_path / "cli"), "--vision-tower", "native", "--quiet"])
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "no native Megatron tower" in lines[0], lines
+    assert not (tmp_path / "cli").exists()

@@ -483,10 +483,13 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
 
 
 def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False,
-                         model_class: str = "gpt") -> str:
+                         model_class: str = "gpt", built: tuple | None = None, **build_kw) -> str:
     """Megatron training output at `layout`: a torch_dist checkpoint with model and Adam state under
     root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live.
-    Returns {"base": root/<arch>, "logits": the Megatron forward of the saved model (the oracle; None for hybrid)}."""
+    `built`: (cfg, chunks) of a model already built and loaded (e.g. Megatron-Bridge's), saved as it is; else the
+    model is built (`build_kw`: e.g. vision_tower="native") and loaded from the HF checkpoint.
+    Returns {"base": root/<arch>, "logits": the Megatron forward of the saved model (the oracle; None for hybrid
+    and for a model passed in)}."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
@@ -500,9 +503,12 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
             self._scale = torch.tensor([1.0])
             self.is_stub_optimizer = optimizer is None
 
-    cfg, chunks = build(ckpt, layout, model_class=model_class)
-    load_hf_weights(chunks, ckpt)
-    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" else None
+    if built is None:
+        cfg, chunks = build(ckpt, layout, model_class=model_class, **build_kw)
+        load_hf_weights(chunks, ckpt)
+    else:
+        cfg, chunks = built
+    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and built is None else None
     base = os.path.join(root, cfg.model_type)
     HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
 
@@ -716,7 +722,7 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
 
 
 def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None,
-                  model_class: str = "gpt", te_names: bool = False, **config) -> int:
+                  model_class: str = "gpt", te_names: bool = False, built: tuple | None = None, **config) -> int:
     """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
     checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
     builds), then exported live: bit-identical to the HF source. With `resave`, Megatron then saves the model
@@ -731,7 +737,7 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
 
     from mcore2hf.registry import get_converter
 
-    cfg, chunks = build(ckpt, layout, model_class=model_class, **config)
+    cfg, chunks = build(ckpt, layout, model_class=model_class, **config) if built is None else built
     zero_(chunks)
     if te_names:
         import dataclasses
@@ -755,11 +761,12 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     loaded = dist_checkpointing.load(sd, os.path.join(root, cfg.model_type, f"iter_{it:07d}"))
     for i, c in enumerate(chunks):
         c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
-    conv = get_converter(cfg.model_type)  # Qwen3.5's vision tower is not imported
-    ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if not conv.not_held_by_model(n)}
+    conv = get_converter(cfg.model_type)  # Qwen3.5's vision tower is not imported (unless the model holds one)
+    towered = built is not None or "vision_tower" in config
+    ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if towered or not conv.not_held_by_model(n)}
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} imported")
     # what Megatron loaded is right: its forward is transformers' (not under TE names: that model does not run)
-    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and not te_names else None
+    logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and not te_names and built is None else None
     if resave is not None:
         out = os.path.join(resave, cfg.model_type)
         if dist.get_rank() == 0:
@@ -1249,10 +1256,11 @@ ENGINE_REFUSALS = {
 }
 
 
-def engine_problems(model_type: str, per_rank: list[dict], layout: Layout) -> list[str]:
+def engine_problems(model_type: str, per_rank: list[dict], layout: Layout, refusals: dict | None = None) -> list[str]:
     """What is wrong in engine_matrix's results of every rank (empty: all checks pass): slices bit-identical and
     exactly the engine's regions; received = plan wire = needed - local, local copies = plan local; the world
-    sends what it receives; refused exactly where ENGINE_REFUSALS says, with its message."""
+    sends what it receives; refused exactly where ENGINE_REFUSALS (or `refusals`, by architecture, over it) says,
+    with its message."""
     import re
 
     bad = []
@@ -1260,7 +1268,7 @@ def engine_problems(model_type: str, per_rank: list[dict], layout: Layout) -> li
     assert placements, f"{model_type} at {layout}: no engine placement ran"
     for key in placements:
         engine, tp, ep = key.split()[0], int(key.split()[1][2:]), int(key.split()[2][2:])
-        when, words = ENGINE_REFUSALS.get(model_type, (lambda *a: False, ""))
+        when, words = {**ENGINE_REFUSALS, **(refusals or {})}.get(model_type, (lambda *a: False, ""))
         results = [r[key] for r in per_rank]
         if when(engine, tp, ep):
             msgs = [r.get("refused", "") for r in results]
@@ -1500,8 +1508,75 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
                 f.write("1")
         dist.barrier()
         dist_checkpointing.save(sd, it_dir)
+    grouped = None
+    if cfg.model_type == "qwen3_moe":  # (one MoE architecture, for CI time)
+        grouped = grouped_lora(ckpt, chunks, cfg, layout, adapter_ref, merged_sd, full if stacked else None, out_root)
     return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
-            "bridge_merge": bridge_merge} if dist.get_rank() == 0 else {}
+            "bridge_merge": bridge_merge, "grouped": grouped} if dist.get_rank() == 0 else {}
+
+
+def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merged_sd: dict, stacked_sd: dict | None,
+                 out_root: str) -> dict:
+    """The same adapters as Bridge 0.6.2's GroupedExpertLinearAdapter holds them on TEGroupedMLP (an equivalent built
+    from megatron-core layers: tests/harness/bridge_grouped.py): Megatron's forward with its math, then, under TE's
+    grouped names, the per-expert adapter export bit-identical to the SequentialMLP adapters' (the source), the
+    merged export bit-identical to theirs, and (`stacked_sd`) PEFT's stacked form too; then with Bridge's default
+    shared adapter (one ParallelLinearAdapter per grouped linear) each expert's adapter and merge are that one's. Rank
+    0 returns the logits,
+    the PEFT directory and the stacked directory."""
+    import regex
+    from harness.bridge_grouped import share_first_expert, to_grouped_lora, to_grouped_names
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    from mcore2hf.hf_config import text_config
+    from mcore2hf.lora import peft_name
+
+    layers = to_grouped_lora(chunks)
+    logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    to_grouped_names(layers, LoRALinear)
+    names = [n for c in chunks for n, _ in c.named_parameters() if ".experts." in n and ".adapter." in n]
+    assert names and all(".mlp.experts.linear_fc" in n and n.endswith(("adapter.linear_in.weight",
+                                                                       "adapter.linear_out.weight")) for n in names)
+    ex = HFExporter(chunks, cfg, lora="adapter")
+    assert_same(ex.state_dict(), adapter_ref, f"{layout} grouped adapters, per expert")
+    out = ex.save_pretrained(os.path.join(out_root, "grouped-adapter"), progress=False)
+    merging = HFExporter(chunks, cfg, lora="merged")
+    assert_same(merging.state_dict(), merged_sd, f"{layout} grouped adapters, merged")
+    # a training step that replaces a 3-D factor's storage (.data, doubled): the same exporter reads the new one (a
+    # grouped expert's factor is an item, read at each export), as a new exporter does
+    p3 = next(p for c in chunks for n, p in c.named_parameters()
+              if n.endswith("linear_fc1.adapter.linear_out.weight") and p.dim() == 3)
+    kept = p3.data
+    p3.data = kept * 2
+    stepped = merging.state_dict()
+    fresh = HFExporter(chunks, cfg, lora="merged").state_dict()
+    p3.data = kept
+    assert_same(stepped, fresh, f"{layout} grouped adapters, merged after a 3-D factor's .data was replaced")
+    assert any(not torch.equal(stepped[n], merged_sd[n]) for n in stepped), "the replaced factor changed nothing"
+    stacked = None
+    if stacked_sd is not None:
+        stacked_ex = HFExporter(chunks, cfg, lora="adapter", lora_experts="stacked")
+        assert_same(stacked_ex.state_dict(), stacked_sd, f"{layout} grouped adapters, stacked")
+        stacked = stacked_ex.save_pretrained(os.path.join(out_root, "grouped-stacked"), progress=False)
+    # Bridge's default for grouped experts: one ParallelLinearAdapter for every local expert (share_expert_adapters;
+    # here each EP rank's local expert 0's): every expert's adapter is that one's, merged W_e + s B_0 A_0
+    share_first_expert(layers)
+    num_local = (cfg.num_experts // layout.ep) if layout.ep > 1 else cfg.num_experts
+    first = regex.compile(r"(.*\.mlp\.experts\.)(\d+)(\..*)")
+
+    def of_first(name: str) -> str:
+        m = first.fullmatch(name)
+        return name if m is None else f"{m.group(1)}{int(m.group(2)) // num_local * num_local}{m.group(3)}"
+
+    shared = {n: adapter_ref[of_first(n)] for n in adapter_ref}
+    assert_same(HFExporter(chunks, cfg, lora="adapter").state_dict(), shared, f"{layout} shared grouped adapters")
+    ref, scale, worst = read_hf_checkpoint(ckpt), LORA_ALPHA / LORA_R, 0.0
+    for n, t in HFExporter(chunks, cfg, lora="merged").state_dict().items():
+        a = peft_name(n, "A")
+        want = ref[n] + scale * shared[peft_name(n, "B")] @ shared[a] if a in shared else ref[n]
+        worst = max(worst, (t - want).abs().max().item())
+    assert worst <= 1e-6, f"{layout} shared grouped adapters, merged: |diff| {worst:.2e} from W + s B A"
+    return {"logits": logits, "dir": out, "stacked": stacked}
 
 
 def lora_structure(chunks: list) -> list[dict]:
@@ -1607,13 +1682,76 @@ def lora_refusals(ckpt: str, layout: Layout, bridge: str, out_root: str) -> list
 
 
 def native_vl_archs(ckpts: dict[str, str], everywhere: str, out_root: str, tokens: torch.Tensor, images: dict,
-                    first: Layout, bridge_root: str, layout: Layout) -> dict:
+                    first: Layout, bridge_root: str, bridge_vlm: str, layout: Layout) -> dict:
     """native_vl_suite at `layout` for the architecture `everywhere`, and at `first` for every architecture (and
-    there, for `everywhere`, Megatron-Bridge 0.6.2's own tower from `bridge_root` too)."""
+    there, for `everywhere`, Megatron-Bridge 0.6.2's own tower from `bridge_root` too); for `everywhere`, its
+    torch_dist checkpoints at `first`, TP2 and PP2 (native_checkpoints), and at `first` and TP1 the image forward
+    of Megatron-Bridge 0.3.1's Qwen3VLModel from `bridge_vlm` (layout 2: transformers' tower embedded)."""
     chosen = {mt: c for mt, c in ckpts.items() if mt == everywhere or layout == first}
     out = for_each_arch(native_vl_suite, chosen, out_root, tokens, images, layout)
+    if layout in (first, Layout()):
+        out["bridge_image"] = bridge_image_logits(ckpts[everywhere], bridge_vlm, tokens, images, layout)
     if layout == first:
         out["bridge"] = bridge_native_tower(ckpts[everywhere], bridge_root, layout)
+    if layout in (first, Layout(tp=2), Layout(pp=2)):
+        out["dist"] = native_checkpoints(ckpts[everywhere], os.path.join(out_root, "dist"), layout == first, layout)
+    return out
+
+
+def bridge_image_logits(ckpt: str, bridge_root: str, tokens: torch.Tensor, images: dict, layout: Layout):
+    """Layout 2's image forward: Megatron-Bridge 0.3.1's own Qwen3VLModel (transformers' tower embedded on the first
+    stage, harness.bridge_vlm) at `layout`, loaded by mcore2hf from the HF checkpoint, on text + images (its own
+    forward: the tower, its merger and deepstack features, Bridge's Qwen3-VL rope positions and Qwen3VLGPTModel);
+    the fp32 logits, for transformers' in the test."""
+    from harness.bridge_vlm import build_qwen3_vl_model, transformers_5_forward
+    from megatron.core import parallel_state as ps
+
+    from mcore2hf.model_specs.common import padded_vocab_size
+
+    cfg = load_hf_config(ckpt)
+    vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
+    chunks = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
+    load_hf_weights(chunks, ckpt)
+    for c in chunks:
+        transformers_5_forward(c)
+    return megatron_logits(chunks, tokens, cfg.text_config.vocab_size, images=images, causal_mask=False)
+
+
+def native_checkpoints(ckpt: str, root: str, first: bool, layout: Layout) -> dict:
+    """Layout 1 offline (docs/vlm.md): with `first`, Megatron saves the native-tower model (megatron-core's
+    dist_checkpointing of its sharded_state_dict, with Adam state) under root/<arch>/ckpt beside its live export
+    root/<arch>/live, and rank 0 runs `mcore2hf import --vision-tower native --transformer-impl local` of the HF
+    checkpoint into root/import/<arch>; at every layout a model built from zeros loads that import with Megatron's
+    own `dist_checkpointing.load` (strict) and exports the whole HF checkpoint bit for bit (load_imported)."""
+    from mcore2hf.importer import import_checkpoint
+
+    saved = None
+    if first:
+        saved = save_dist_checkpoint(ckpt, layout, root, vision_tower="native")["base"]
+        if dist.get_rank() == 0:
+            import_checkpoint(ckpt, os.path.join(root, "import", load_hf_config(ckpt).model_type), progress=False,
+                              vision_tower="native", transformer_impl="local")
+        dist.barrier()
+    loaded = load_imported(ckpt, layout, os.path.join(root, "import"), vision_tower="native")
+    return {"base": saved, "tensors": loaded["tensors"]}
+
+
+def sharded_layout(module, prefix: str) -> dict:
+    """What Megatron's dist_checkpointing saves of `module` on this rank: per ShardedTensor its key, global shape
+    and offset, fragmentation, replica id and dtype; per ShardedObject (`_extra_state`) its unique key."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    out = {}
+    for v in module.sharded_state_dict(prefix=prefix, metadata=md).values():
+        if isinstance(v, ShardedTensor):
+            out[(v.key, v.global_offset)] = (tuple(v.global_shape), tuple(v.axis_fragmentations), v.replica_id,
+                                             str(v.dtype), tuple(v.local_shape))
+        elif isinstance(v, ShardedObject):
+            out[(v.unique_key, ())] = ("object", v.replica_id)
+        else:
+            out[(type(v).__name__, ())] = None
     return out
 
 
@@ -1629,18 +1767,24 @@ def bridge_native_tower(ckpt: str, bridge_root: str, layout: Layout) -> dict:
         return {n: (tuple(p.shape), bool(getattr(p, "tensor_model_parallel", False)), getattr(p, "partition_dim", None))
                 for n, p in module.named_parameters()}
 
-    compared, error = 0, None
+    compared, keys, error = 0, 0, None
     for c in chunks:
         if c.vision_model is not None:
             bridge = build_bridge_tower(bridge_root, cfg, c.config)
             mine, theirs = described(c.vision_model), described(bridge)
             if mine != theirs:
                 error = f"Bridge's tower differs: {sorted(set(mine.items()) ^ set(theirs.items()))[:4]}"
-            c.vision_model, compared = bridge, compared + len(theirs)
+            compared += len(theirs)
+            # and what Megatron saves of it: the same checkpoint keys, shapes, offsets, replicas (layout 1 offline)
+            mine, theirs = sharded_layout(c.vision_model, "vision_model."), sharded_layout(bridge, "vision_model.")
+            if mine != theirs:
+                diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs[k]]
+                error = error or f"Bridge's tower saves other checkpoint keys: {diff[:4]}"
+            c.vision_model, keys = bridge, keys + len(theirs)
     agree(error)  # every rank, towers or not: the collectives stay in step
     load_hf_weights(chunks, ckpt)
     assert_same(HFExporter(chunks, cfg).state_dict(), read_hf_checkpoint(ckpt), f"{layout} Bridge 0.6.2 tower")
-    return {"compared": compared}
+    return {"compared": compared, "keys": keys}
 
 
 def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict, layout: Layout) -> dict:
@@ -1669,19 +1813,10 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
         fp8 = ex.state_dict(quantize="fp8")
         assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} fp8")
         assert all(fp8[n].dtype == full[n].dtype for n in full if n.startswith("model.visual.")), "tower quantized"
-    # engine-sharded export: the engines' sharding of the tower is not in the table, refused naming its tensors
-    from mcore2hf.engine_shards import EngineShardError
-    from mcore2hf.plan import colocated_ranks
-
-    try:
-        ex.engine_plan(colocated_ranks(dist.get_world_size(), "sglang", 2))
-    except EngineShardError as e:
-        refused = str(e)
-    else:
-        refused = ""
-    # (Qwen3-VL-MoE's packed experts are refused too and listed first)
-    assert "no engine sharding rule" in refused and ("model.visual.blocks.0.attn.qkv.weight" in refused
-                                                     or cfg.model_type == "qwen3_vl_moe"), refused
+    # engine-sharded export at this world's placements, the tower as both engines shard it (engine_shards.
+    # QWEN3_VL_TOWER), checked in the test by engine_problems (at a layout of the whole world: engine ranks are
+    # colocated with every trainer rank, data-parallel replicas have none)
+    engine = engine_matrix(ex, full, layout, cfg.model_type) if layout.size == dist.get_world_size() else None
     plan = ex.plan(4096)  # the live plan, for the one-process dry run (`mcore2hf plan --vision-tower native`)
     live_plan = (plan.describe(), plan.records, ex.executor(4096).memory_estimate())
     vocab = text_config(cfg).vocab_size
@@ -1698,14 +1833,15 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     to_te_names(chunks)
     assert_same(ex.state_dict(), full, f"{layout} TE names")
     tower = sorted(n for c in chunks for n, _ in c.named_parameters() if n.startswith("vision_model."))
-    return dict(logits, towers=held, dir=out, te_tower=tower, plan_4k=live_plan)
+    return dict(logits, towers=held, dir=out, te_tower=tower, plan_4k=live_plan, engine=engine)
 
 
-def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int) -> tuple:
-    """The one-process dry run of the native-tower model at `layout` (run in a fresh process)."""
+def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int, vision_tower: str = "native") -> tuple:
+    """The one-process dry run of the model holding its tower (`vision_tower`: "native", or "hf" for Megatron-Bridge
+    0.3.1's Qwen3VLModel) at `layout` (run in a fresh process)."""
     from mcore2hf.planning import dry_run
 
-    plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower="native")
+    plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower=vision_tower)
     return plan.describe(), plan.records, memory
 
 
@@ -1783,6 +1919,8 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, fam
     through the pass-through rule: the export equals the whole checkpoint bit for bit; each tower tensor is one
     source, replicated (never gathered over TP), held by the first stage's ranks only, sent exactly once to each
     receiver; engine sharding refuses naming the tower's tensors."""
+    import re
+
     from harness.bridge_vlm import build_glm45v_model, build_kimi_k25_equivalent, build_qwen3_vl_model
     from megatron.core import parallel_state as ps
 
@@ -1823,13 +1961,17 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, fam
     sender = RecordingSender(receivers=(0,))
     sync(ex, sender, bucket_bytes=4096, pause=False, progress=False)
     agree(_counted(sender.syncs[0], {} if rank else full, f"{layout} Bridge {family} sync to rank 0, rank {rank}"))
-    try:
+    try:  # Qwen3-VL's tower: the engines split its attention by heads, 3 do not divide over engine TP 2
         ex.engine_plan(colocated_ranks(layout.size, "sglang", 2))
     except EngineShardError as e:
         refused = str(e)
     else:
         refused = ""
-    assert named in refused and "no engine sharding rule" in refused, refused
+    if family == "qwen3_vl":
+        assert re.search(r"model\.visual\.blocks\.\d+\.attn\.qkv\.(weight|bias): expected tp_size 2 dividing the 3 "
+                         r"vision heads", refused), refused
+    else:  # GLM-4.5V's and Kimi-K2.5's towers: not in the engine sharding table
+        assert named in refused and "no engine sharding rule" in refused, refused
     # block-FP8: the language model's weights quantized as the reference quantizer does, the tower kept as it is
     fp8 = {n: t.clone() for b in ex.buckets(bucket_bytes=4096, quantize="fp8") for n, t in b}
     agree(checked(lambda: assert_same(fp8, reference_fp8(full, ex.fp8_policy(), False), f"{layout} Bridge {family} fp8")))
@@ -1838,7 +1980,35 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, fam
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge {family} save_pretrained"))
           if rank == 0 else None)
-    return {"names": names, "tower_sources": len(tower), "dir": out}
+    if family != "qwen3_vl":
+        return {"names": names, "tower_sources": len(tower), "dir": out}
+    plan = ex.plan(4096)  # the live plan, for the dry run (`mcore2hf plan --vision-tower hf`) to equal
+    return {"names": names, "tower_sources": len(tower), "dir": out, "plan_4k": (plan.describe(), plan.records),
+            "dist": bridge_checkpoints(ckpt, layout, bridge_root, (cfg, chunks), os.path.join(out_root, "bridge_dist"))}
+
+
+def bridge_checkpoints(ckpt: str, layout: Layout, bridge_root: str, built: tuple, root: str) -> dict:
+    """Layout 2 offline (docs/vlm.md): Megatron saves Bridge 0.3.1's Qwen3VLModel `built` (dist_checkpointing of its
+    sharded_state_dict: the GPT model under `language_model.`, transformers' tower under `vision_model.`, replicated,
+    on the first stage) under root/<arch>/ckpt with its live export; rank 0 runs `mcore2hf import --vision-tower hf
+    --transformer-impl local`; a fresh Bridge model loads that with Megatron's `dist_checkpointing.load` (strict)
+    and exports the whole checkpoint bit for bit."""
+    from harness.bridge_vlm import build_qwen3_vl_model
+    from megatron.core import parallel_state as ps
+
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.model_specs.common import padded_vocab_size
+
+    cfg = built[0]
+    saved = save_dist_checkpoint(ckpt, layout, root, built=built)["base"]
+    if dist.get_rank() == 0:
+        import_checkpoint(ckpt, os.path.join(root, "import", cfg.model_type), progress=False, vision_tower="hf",
+                          transformer_impl="local")
+    dist.barrier()
+    vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
+    fresh = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
+    loaded = load_imported(ckpt, layout, os.path.join(root, "import"), built=(cfg, fresh))
+    return {"base": saved, "tensors": loaded["tensors"]}
 
 
 def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:

@@ -49,6 +49,9 @@ def apply_cpu_shims() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # NVTX profiler ranges (Megatron-Bridge's Qwen3VLModel.forward marks its phases) do nothing on a CPU build
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
 
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -66,6 +69,8 @@ def apply_cpu_shims() -> None:
         return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
 
     fused_softmax.get_sliding_window_causal_mask = window_mask_cpu
+    # transformer/utils.py get_default_causal_mask (0.16.1), the mask a causal attention builds when given none
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
     _gdn_without_fla()
     _dsa_without_hadamard_kernel()

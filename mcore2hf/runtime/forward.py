@@ -44,7 +44,8 @@ def _main_model_only(chunk):
         chunk.mtp_process, chunk.config.mtp_num_layers = saved
 
 
-def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int, images: dict | None = None) -> torch.Tensor:
+def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int, images: dict | None = None,
+                    causal_mask: bool = True) -> torch.Tensor:
     """Forward of `tokens` [batch, seq] through every pipeline stage and virtual chunk in order (stage 0 chunk 0,
     stage 1 chunk 0, ..., stage 0 chunk 1, ...: Megatron's interleaved layer order), hidden states passed with
     point-to-point sends over the PP group; the vocab-parallel logits gathered over TP, trimmed to the HF vocab
@@ -52,12 +53,15 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int, images: dict 
 
     `images`: a vision-language model's image input (`pixel_values`, `image_grid_thw`), given to every chunk (the
     tower runs where it is, the rope positions need the grids on every stage); the chunks compute their own
-    multimodal rope positions from the tokens."""
+    multimodal rope positions from the tokens. `causal_mask=False`: no mask is passed, the attention builds its
+    causal one (fused_softmax.py, megatron-core 0.16.1: the default causal mask when none is given), for a model that
+    reads a given mask otherwise (Megatron-Bridge 0.3.1's Qwen3VLModel collapses it to a padding mask for its rope
+    positions, modelling_qwen3_vl/utils.py `get_rope_index`)."""
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True = masked
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1) if causal_mask else None  # True = masked
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group) if pp > 1 else [dist.get_rank()]

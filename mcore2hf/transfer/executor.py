@@ -279,17 +279,6 @@ class Core:
         return blob
 
     # -- run -----------------------------------------------------------------------------------------------------
-    def run_pack(self, pack: Pack, cache: dict) -> None:
-        if not pack.dsts:
-            return
-        srcs = pack.srcs
-        if pack.dynamic:
-            srcs = list(srcs)
-            for i, name, (sizes, strides, off) in pack.dynamic:
-                t = self.sources.resolve(name, cache)
-                srcs[i] = t.as_strided(sizes, strides, t.storage_offset() + off)
-        torch._foreach_copy_(pack.dsts, srcs)
-
     def run_copies(self, copies: list[Copy], flat: torch.Tensor, dtypes: tuple, cache: dict,
                    memo: dict | None = None, key=None) -> None:
         """Copies into the output buffer `flat`: batched launches (then the constants added, then duplicates). On a
@@ -461,7 +450,7 @@ class Core:
             self.run_copies(copies, flat, cb.dtypes, cache, cb.prepared, j)
             works.extend(self.gather(flat[:members * slot], me, slot, st.group, cb.index))
             return
-        self.run_pack(st.pack, cache)
+        self.sources.copy_pack(st.pack, cache)
         works.extend(self.gather(st.recv, st.me, st.slot, st.group, cb.index))
 
     def quantize_held(self, cb: CBucket) -> None:
@@ -494,12 +483,12 @@ class Core:
         if cb.receive and any(st.direct is not None for st in cb.stages):
             flat = self.output(cb.nbytes)
         if cb.merges:  # LoRA-merged weights first: everything below reads them
-            self.lora.run(cb.merge_pack, cb.merges)
+            self.lora.run(cb.merge_pack, cb.merges, cache)
         if cb.prequant:
             self.quantize_held(cb)
         works: list = []
         if cb.p2p is not None:
-            self.run_pack(cb.p2p.pack, cache)
+            self.sources.copy_pack(cb.p2p.pack, cache)
             works.extend(self.exchange(cb.p2p, cb.index))
             return cb, works, 0, flat, cache
         j = 0

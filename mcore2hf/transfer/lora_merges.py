@@ -76,6 +76,14 @@ class LoRAMerges:
             bases[key] = (t, d.data_ptr())
             return d
 
+        def factor(key: str, t: torch.Tensor, item) -> torch.Tensor:
+            """A factor's pack source: watched, or (an item of a larger parameter, whose .data training may swap)
+            read through its getter at each run."""
+            if item is None:
+                return watched(key, t)
+            pack.dynamic.append((len(pack.srcs), item.name, (tuple(t.shape), t.stride(), 0)))
+            return t.detach()  # replaced at each run
+
         for members, w_off, term_offs in self.layout(names)[0]:
             m0: Merge = self.sources.local[members[0]].merge
             out, cols = m0.base.shape
@@ -89,11 +97,10 @@ class LoRAMerges:
                 for i, n in enumerate(members):
                     t = self.sources.local[n].merge.terms[j]
                     pack.dsts.append(b[i * t.groups:(i + 1) * t.groups].view(t.b.shape))
-                    pack.srcs.append(watched(f"{n}#B{j}", t.b))
-                    src = watched(f"{n}#A{j}", t.a)
+                    pack.srcs.append(factor(f"{n}#B{j}", t.b, t.b_item))
                     for g in range(t.groups):  # A once per group (canonical q / k / v: the shard's query groups)
                         pack.dsts.append(a_[i * t.groups + g])
-                        pack.srcs.append(src)
+                        pack.srcs.append(factor(f"{n}#A{j}", t.a, t.a_item))
             for i, n in enumerate(members):
                 pack.dsts.append(w[i])
                 pack.srcs.append(watched(n, self.sources.local[n].merge.base.param))
@@ -101,9 +108,8 @@ class LoRAMerges:
             merges.append((w, stacks, m0.scale))
         return pack, merges
 
-    @staticmethod
-    def run(pack: Pack, merges: list[tuple]) -> None:
+    def run(self, pack: Pack, merges: list[tuple], cache: dict) -> None:
         """A bucket's merged weights into their slots: the pack, then the batched products."""
-        torch._foreach_copy_(pack.dsts, pack.srcs)
+        self.sources.copy_pack(pack, cache)
         for w, stacks, scale in merges:
             merge_weights(w, stacks, scale)

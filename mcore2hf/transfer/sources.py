@@ -131,6 +131,18 @@ class Sources:
             t = cache[name] = t if t.is_contiguous() else t.contiguous()
         return t
 
+    def copy_pack(self, pack: Pack, cache: dict) -> None:
+        """A pack's copies, its sources read at each run (`dynamic`) resolved first."""
+        if not pack.dsts:
+            return
+        srcs = pack.srcs
+        if pack.dynamic:
+            srcs = list(srcs)
+            for i, name, (sizes, strides, off) in pack.dynamic:
+                t = self.resolve(name, cache)
+                srcs[i] = t.as_strided(sizes, strides, t.storage_offset() + off)
+        torch._foreach_copy_(pack.dsts, srcs)
+
     @staticmethod
     def watch(bases: dict) -> tuple[tuple, list[int]]:
         """`bases` as (parameters, their data pointers then) for `unchanged`."""

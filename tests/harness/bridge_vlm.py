@@ -89,6 +89,39 @@ def build_qwen3_vl_model(root: str, cfg, vocab_size: int, **overrides):
     return [model_cls(config, block, vision, pre_process=pre, post_process=post, pg_collection=pgs)]
 
 
+
+def transformers_5_forward(chunk) -> None:
+    """Let Bridge 0.3.1's own `Qwen3VLModel.forward` run beside transformers 5.24, whose classes it calls in their
+    4.57 form (Bridge 0.3.1 pins transformers < 5); the same math, two call forms restored on this chunk's modules:
+
+    * its tower's output, unpacked as `vision_embeds, deepstack_feature_lists` (model.py:274-277), what 4.57's
+      `Qwen3VLVisionModel.forward` returned: 5.24 returns `BaseModelOutputWithDeepstackFeatures`, whose
+      `pooler_output` is that merger output and `deepstack_features` those features;
+    * its rope (rope.py:83-93 `Qwen3VLTextRotaryEmbedding`, a subclass of transformers') calls 4.57's
+      `apply_interleaved_mrope(freqs, mrope_section)`, which 5.24 folded into `recomposition_frequencies` (with
+      the cos/sin concatenation): 4.57's method is given back (transformers 4.57.1 models/qwen3_vl/
+      modeling_qwen3_vl.py, the temporal frequencies overwritten by height / width ones at every third index)."""
+    tower = getattr(chunk, "vision_model", None)
+    if tower is not None:
+        forward = tower.forward
+
+        def as_tuple(hidden_states, grid_thw, **kwargs):
+            out = forward(hidden_states=hidden_states, grid_thw=grid_thw, **kwargs)
+            return out.pooler_output, out.deepstack_features
+
+        tower.forward = as_tuple
+    rope = chunk.language_model.rotary_pos_emb
+    if not hasattr(rope, "apply_interleaved_mrope"):
+        def apply_interleaved_mrope(freqs, mrope_section):
+            freqs_t = freqs[0]
+            for dim, offset in enumerate((1, 2), start=1):
+                idx = slice(offset, mrope_section[dim] * 3, 3)
+                freqs_t[..., idx] = freqs[dim, ..., idx]
+            return freqs_t
+
+        rope.apply_interleaved_mrope = apply_interleaved_mrope
+
+
 def import_glm45v_model(root: str):
     """Bridge 0.3.1's `GLM45VModel` (models/glm_vl/modeling_glm_45v.py) from the unpacked wheel at `root`.
 
