@@ -136,11 +136,24 @@ def _tower(model_type: str, name: str) -> bool:
     return get_converter(model_type).not_held_by_model(name)
 
 
+#: the vLLM release whose WeightsMapper and model classes load our exports (tests/harness/vllm_vlm_names.py)
+VLLM = "0.33.0"
+#: the architectures of the published checkpoints (their config.json), which SGLang and vLLM resolve their classes
+#: by (SGLang's models/registry.py, vLLM's model_executor/models/registry.py)
+ENGINE_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
+
+
 def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     """vLLM 0.33.0's own WeightsMapper of Qwen3VLForConditionalGeneration / Qwen3_5ForConditionalGeneration
     (harness.vllm_vlm_names: read from the wheel, run on CPU) maps every name an export sends (language model and
     tower, checkpoint order) into the modules the class builds; Qwen3.5's MTP names it drops. vLLM's Fp8Config,
-    given an FP8 export's quantization_config, keeps the tower of Qwen3-VL, GLM-4.5V and Kimi-K2.5 unquantized."""
+    given an FP8 export's quantization_config, keeps the tower of Qwen3-VL, GLM-4.5V and Kimi-K2.5 unquantized.
+    vLLM's own Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE and GLM-4.5V classes, built on CPU from the wheel (same
+    subprocess), load every tensor an export sends through their `load_weights` (harness.vlm_load.load_contract,
+    the check SGLang's classes pass too): each into a parameter, whole copies exact, no parameter unfilled; a
+    renamed tower tensor is caught."""
     import json
     import subprocess
     import sys
@@ -163,16 +176,41 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         shapes = hf_tensor_shapes(tiny_config(mt))
         qc = get_converter(mt).fp8.config(SCHEMES["fp8"], list(shapes.items()))  # what an FP8 export writes
         names["fp8"][mt] = [cls, sorted(n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")), qc]
+    # vLLM's own classes, built on CPU, load each checkpoint (the names and tensors an export sends)
+    names["load"] = {}
+    for mt, arch in ENGINE_ARCHS.items():
+        ckpt = make_hf_checkpoint(tiny_config(mt), tmp_path / mt)
+        names["load"][mt] = [_engine_config_view(mt, ckpt, arch, tmp_path), str(ckpt)]
+    # the check can fail: one tower tensor under a name vLLM has no parameter for
+    from safetensors.torch import save_file
+
+    tensors = read_hf_checkpoint(tmp_path / "qwen3_vl")
+    tensors["model.visual.blocks.0.attn.qkvx.weight"] = tensors.pop("model.visual.blocks.0.attn.qkv.weight")
+    (tmp_path / "renamed").mkdir()
+    save_file(tensors, str(tmp_path / "renamed" / "model.safetensors"))
+    names["load"]["renamed"] = [names["load"]["qwen3_vl"][0], str(tmp_path / "renamed")]
+    # and built with an FP8 export's quantization_config: which parameters they create in float8
+    for mt in ("qwen3_vl", "glm4v_moe"):
+        qc = names["fp8"][mt][2]
+        names["load"][f"fp8:{mt}"] = [_engine_config_view(mt, tmp_path / mt, ENGINE_ARCHS[mt], tmp_path, qc), None]
+    # the check can fail: without the tower's entries vLLM builds Qwen3-VL's tower in float8
+    qc = dict(names["fp8"]["qwen3_vl"][2])
+    qc["modules_to_not_convert"] = [m for m in qc["modules_to_not_convert"] if not m.startswith("model.visual")]
+    (tmp_path / "no-tower").mkdir()
+    names["load"]["fp8-no-tower:qwen3_vl"] = [
+        _engine_config_view("qwen3_vl", tmp_path / "qwen3_vl", ENGINE_ARCHS["qwen3_vl"], tmp_path / "no-tower", qc), None]
     inp, out = tmp_path / "names.json", tmp_path / "mapped.json"
     inp.write_text(json.dumps(names))
-    wheel = unpacked_wheel("vllm", "0.33.0", ("vllm/*.py", "vllm-*.dist-info/*"))
+    wheel = unpacked_wheel("vllm", VLLM, ("vllm/*.py", "vllm-*.dist-info/*"))
+    # VLLM_TARGET_DEVICE: vLLM's CPU platform (platforms/__init__.py cpu_platform_plugin), whose attention and
+    # MoE backends the classes pick when built
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(wheel), str(repo / "tests"), str(repo)]),
-               VLLM_LOGGING_LEVEL="WARNING")
+               VLLM_LOGGING_LEVEL="WARNING", VLLM_TARGET_DEVICE="cpu")
     r = subprocess.run([sys.executable, "-m", "harness.vllm_vlm_names", str(inp), str(out)], env=env, cwd=repo,
                        capture_output=True, text=True, timeout=300)
     assert out.exists(), r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["vllm"] == "0.33.0" and res["file"].startswith(str(wheel)), res
+    assert res["vllm"] == VLLM and res["file"].startswith(str(wheel)), res
     for mt in ("qwen3_vl", "qwen3_5"):
         mapped = res[mt]
         assert any(n.startswith("model.visual.") for n in mapped) and len(mapped) == len(names[mt])
@@ -186,14 +224,89 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         tower = {n: k for n, k in skipped.items() if _tower(mt, n)}
         assert tower and all(tower.values()), (mt, [n for n, k in tower.items() if not k][:5])
         assert any(not k for n, k in skipped.items() if n not in tower), (mt, "nothing quantized")
+    for mt, arch in ENGINE_ARCHS.items():
+        # vLLM's tower at visual.*, its language model at language_model.model.* / language_model.lm_head.*
+        problems = _load_contract_problems(mt, arch, res[f"load:{mt}"],
+                                           ("visual.", "language_model.lm_head.", "language_model.model."))
+        assert not problems, "\n".join(problems)
+    # the renamed tower tensor is refused (AutoWeightsLoader raises on a name it has no parameter for) or, were it
+    # skipped, reported as dropped with the parameter it should have filled left unfilled
+    renamed = res["load:renamed"]
+    assert "qkvx" in renamed.get("error", "") or (
+        renamed["dropped"] and "visual.blocks.0.attn.qkv.weight" in renamed["unfilled"]), renamed
+    # vLLM's classes built with our FP8 exports' quantization_config (its own Fp8Config and mapper, as its model
+    # loader applies them): the language model in float8, no tower parameter
+    for mt in ("qwen3_vl", "glm4v_moe"):
+        got = res[f"load:fp8:{mt}"]
+        assert "error" not in got, f"fp8 {mt}:\n{got.get('error')}"
+        assert any(p.startswith("language_model.model.layers.") for p in got["float8"]), (mt, got["float8"][:4])
+        assert not [p for p in got["float8"] if p.startswith("visual.")], (mt, got["float8"])
+    assert "visual.blocks.0.attn.qkv.weight" in res["load:fp8-no-tower:qwen3_vl"].get("float8", []), res[
+        "load:fp8-no-tower:qwen3_vl"]
+
+
+def _engine_config_view(mt: str, ckpt: str, arch: str, tmp_path, quantization_config: dict | None = None) -> str:
+    """The engines' view of the published config.json of `ckpt` (a directory holding only it): `architectures`
+    (what SGLang and vLLM resolve the class by) and what published configs carry that transformers 5.24's
+    save_pretrained of the tiny model drops. Qwen3.5: `full_attention_interval` beside `layer_types` (SGLang's
+    configs/qwen3_next.py layers_block_type reads it; here layer_types alternate from linear) and the
+    vision_config's `"deepstack_visual_indexes": []` (SGLang's configs/qwen3_vl.py defaults it to [8, 16, 24]).
+    Qwen3-VL-MoE: the text_config's `"norm_topk_prob": true` (vLLM 0.33's models/qwen3_moe.py:210 reads it;
+    transformers 5.24's Qwen3VLMoeTextConfig no longer defines it). GLM-4.5V: the text_config's
+    `"use_qk_norm": false`, as GLM-4.5-Air's published config.json has it (vLLM 0.33's models/glm4_moe.py:350
+    reads it; transformers 5.24's Glm4vMoeTextConfig does not define it). With `quantization_config`: an FP8
+    export's, in 1 x 1 blocks (the tiny odd widths are not multiples of 128; the block size plays no part in which
+    layers are skipped)."""
+    import json
+    from pathlib import Path
+
+    view = tmp_path / f"{mt}-{'fp8-' if quantization_config else ''}view"
+    view.mkdir()
+    raw = json.loads((Path(ckpt) / "config.json").read_text())
+    raw["architectures"] = [arch]
+    if quantization_config:
+        raw["quantization_config"] = dict(quantization_config, weight_block_size=[1, 1])
+    if mt.startswith("qwen3_5"):
+        kinds = raw["text_config"]["layer_types"]
+        raw["text_config"]["full_attention_interval"] = kinds.index("full_attention") + 1
+        raw["vision_config"]["deepstack_visual_indexes"] = []
+        assert all((k == "full_attention") == ((i + 1) % (kinds.index("full_attention") + 1) == 0)
+                   for i, k in enumerate(kinds)), kinds
+    if mt == "qwen3_vl_moe":
+        raw["text_config"].setdefault("norm_topk_prob", True)
+    if mt == "glm4v_moe":  # the tiny model, like GLM-4.5V's language model (GLM-4.5-Air's), has no q/k norm
+        raw["text_config"].setdefault("use_qk_norm", False)
+    (view / "config.json").write_text(json.dumps(raw))
+    return str(view)
+
+
+def _load_contract_problems(mt: str, arch: str, got: dict, where: tuple[str, str, str]) -> list[str]:
+    """What is wrong in an engine class's harness.vlm_load.load_contract result for the tiny `mt` checkpoint:
+    an error, another class, a sent name landing in no parameter, a whole-parameter copy not equal, a parameter
+    left unfilled, or a name landing outside the module `where` names for it (tower, lm_head, language model)."""
+    from mcore2hf.hf_config import hf_tensor_shapes
+
+    if "error" in got:
+        return [f"{mt}: {got['error']}"]
+    tower, head, lm = where
+    problems = []
+    if not (got["class"].endswith(arch) and got["visual_params"] > 0):
+        problems.append(f"{mt}: class {got['class']}")
+    if got["sent"] != len(hf_tensor_shapes(tiny_config(mt))):
+        problems.append(f"{mt}: sent {got['sent']}")
+    for key, what in (("dropped", "names the engine skipped"), ("mismatch", "loaded but not equal"),
+                      ("unfilled", "parameters nothing we send fills")):
+        if got[key]:
+            problems.append(f"{mt}: {what}: {got[key][:5]}")
+    for name, params in got["landed"].items():
+        want = tower if name.startswith("model.visual.") else head if name == "lm_head.weight" else lm
+        if not all(p.startswith(want) for p in params if not p.startswith(head)):
+            problems.append(f"{mt}: {name} landed in {params}")
+    return problems
 
 
 #: the SGLang release whose model classes load our exports (tests/harness/sglang_vlm_load.py)
 SGLANG = "0.5.23"
-#: the architectures of the published checkpoints (their config.json), which SGLang resolves its class by
-SGLANG_ARCHS = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-                "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 
 
 def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
@@ -215,32 +328,16 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     cases = {}
-    for mt, arch in SGLANG_ARCHS.items():
+    for mt, arch in ENGINE_ARCHS.items():
         cfg = tiny_config(mt)
         ckpt = make_hf_checkpoint(cfg, tmp_path / mt)
         assert set(read_hf_checkpoint(ckpt)) == set(hf_tensor_shapes(cfg)), mt  # the names an export sends
-        # SGLang's view of the published config.json: `architectures` (what it resolves the class by) and, for
-        # Qwen3.5, `full_attention_interval`, which the published text_config carries beside `layer_types`
-        # (SGLang's configs/qwen3_next.py layers_block_type reads it; here layer_types alternate from linear),
-        # and the vision_config's `"deepstack_visual_indexes": []` (published Qwen3.5 configs spell it out;
-        # transformers 5.24 drops it, SGLang's configs/qwen3_vl.py defaults it to [8, 16, 24])
-        view = tmp_path / f"{mt}-config"
-        view.mkdir()
-        raw = json.loads((Path(ckpt) / "config.json").read_text())
-        raw["architectures"] = [arch]
-        if mt.startswith("qwen3_5"):
-            kinds = raw["text_config"]["layer_types"]
-            raw["text_config"]["full_attention_interval"] = kinds.index("full_attention") + 1
-            raw["vision_config"]["deepstack_visual_indexes"] = []
-            assert all((k == "full_attention") == ((i + 1) % (kinds.index("full_attention") + 1) == 0)
-                       for i, k in enumerate(kinds)), kinds
-        (view / "config.json").write_text(json.dumps(raw))
-        cases[mt] = [str(view), str(ckpt)]
+        cases[mt] = [_engine_config_view(mt, ckpt, arch, tmp_path), str(ckpt)]
     # FP8 exports keep the tower unquantized: SGLang, given an export's quantization_config, must build it so
     from mcore2hf.quantize import SCHEMES
     from mcore2hf.registry import get_converter
 
-    for mt, arch in (("qwen3_vl", SGLANG_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
+    for mt, arch in (("qwen3_vl", ENGINE_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
         cfg = tiny_config(mt)
         view = tmp_path / f"{mt}-fp8-config"
         view.mkdir()
@@ -262,19 +359,10 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     assert out.exists(), (r.stdout[-2000:], r.stderr[-4000:])
     res = json.loads(out.read_text())
     assert res["sglang"] == SGLANG and res["file"].startswith(str(site)), res  # the wheel's own code
-    for mt, arch in SGLANG_ARCHS.items():
-        got = res[mt]
-        assert "error" not in got, f"{mt}:\n{got.get('error')}"
-        assert got["class"].endswith(arch) and got["visual_params"] > 0, (mt, got["class"])
-        assert got["sent"] == len(hf_tensor_shapes(tiny_config(mt))), (mt, got["sent"])
-        assert not got["dropped"], (mt, "names SGLang skipped", got["dropped"][:5])
-        assert not got["mismatch"], (mt, "loaded but not equal", got["mismatch"][:5])
-        assert not got["unfilled"], (mt, "parameters nothing we send fills", got["unfilled"][:5])
+    for mt, arch in ENGINE_ARCHS.items():
         # the tower lands in SGLang's tower (visual.*, qkv -> qkv_proj), the language model in model.*
-        for name, where in got["landed"].items():
-            want = "visual." if name.startswith("model.visual.") else ("lm_head." if name == "lm_head.weight"
-                                                                         else "model.")
-            assert all(p.startswith(want) for p in where if not p.startswith("lm_head.")), (mt, name, where)
+        problems = _load_contract_problems(mt, arch, res[mt], ("visual.", "lm_head.", "model."))
+        assert not problems, "\n".join(problems)
     for mt in ("qwen3_vl", "glm4v_moe"):
         got = res[f"fp8:{mt}"]
         assert "error" not in got, f"fp8 {mt}:\n{got.get('error')}"

@@ -16,11 +16,8 @@ kernels of the (stubbed) sgl_kernel as torch custom ops at import, and `direct_r
 (nothing calls them when loading); the kernel modules in REAL_KERNEL_MODULES, which define layers holding
 parameters, are the wheel's own files.
 
-The check, per model (TP 1; the engines' TP slicing is tests/test_engine_shards.py's): every parameter is filled
-with NaN, then each sent name is loaded alone and must write into at least one parameter (SGLang's loaders skip
-names they have no parameter for silently: qwen3_vl.py:1762-1765), a whole-parameter copy must be that tensor
-exactly; then all names are loaded together, in the order sent, and no parameter may keep a NaN (nothing the
-engine needs is missing).
+The check, per model (TP 1; the engines' TP slicing is tests/test_engine_shards.py's), is harness.vlm_load's
+`load_contract`, shared with vLLM's classes (harness.vllm_vlm_names).
 
 With a quantization config instead of a checkpoint (`fp8_params`), the class is built with SGLang's Fp8Config of
 an FP8 export's `quantization_config`, and the float8 parameters it creates are reported: the tower must have none
@@ -79,49 +76,21 @@ def _setup(site: str) -> None:
     get_parallel().override_permanently(**{f: 0 for f in _parallel_fields() if f.endswith("_rank")})
 
 
-def _nan_fill(model) -> None:
-    import torch
-
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-
-
 def check(config_dir: str, ckpt_dir: str) -> dict:
     """Build the release's class for the checkpoint's config and load its tensors (see the module docstring)."""
     import importlib
 
     import torch
-    from safetensors.torch import load_file
     from sglang.srt.utils.hf_transformers.config import get_config
+
+    from harness.vlm_load import load_contract, read_tensors
 
     cfg = get_config(config_dir, trust_remote_code=False)
     arch = cfg.architectures[0]
     cls = getattr(importlib.import_module(CLASSES[arch]), arch)
-    tensors = {}
-    for name in sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".safetensors")):
-        tensors.update(load_file(os.path.join(ckpt_dir, name)))
+    tensors = read_tensors(ckpt_dir)
     torch.manual_seed(0)
-    model = cls(cfg)
-    params = dict(model.named_parameters())
-    dropped, partial_mismatch, landed = [], [], {}
-    for name, t in tensors.items():
-        _nan_fill(model)
-        model.load_weights(iter([(name, t.clone())]))
-        written = [p for p, v in params.items() if not v.isnan().all()]
-        landed[name] = written
-        if not written:
-            dropped.append(name)
-        for p in written:
-            v = params[p]
-            if not v.isnan().any() and v.shape == t.shape and not torch.equal(v.detach(), t):
-                partial_mismatch.append((name, p))
-    _nan_fill(model)
-    model.load_weights(iter([(n, t.clone()) for n, t in tensors.items()]))
-    unfilled = sorted(p for p, v in params.items() if v.isnan().any())
-    return {"class": f"{cls.__module__}.{arch}", "sent": len(tensors), "dropped": dropped,
-            "mismatch": partial_mismatch, "unfilled": unfilled, "params": len(params),
-            "visual_params": sum(p.startswith("visual.") for p in params), "landed": landed}
+    return {"class": f"{cls.__module__}.{arch}", **load_contract(cls(cfg), tensors)}
 
 
 def fp8_params(config_dir: str, quantization_config: dict) -> dict:

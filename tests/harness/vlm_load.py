@@ -1,0 +1,56 @@
+"""The load contract both engines' multimodal classes are held to (harness.sglang_vlm_load for SGLang,
+harness.vllm_vlm_names for vLLM): one engine model, built on CPU by the engine's own code, and the names and
+tensors an mcore2hf export sends.
+
+Every parameter is filled with NaN, then each sent name is loaded alone and must write into at least one parameter
+(SGLang's loaders skip names they have no parameter for silently: qwen3_vl.py:1762-1765), a whole-parameter copy
+must be that tensor exactly; then all names are loaded together, in the order sent, and no parameter may keep a NaN
+(nothing the engine needs is missing)."""
+
+from __future__ import annotations
+
+
+def _nan_fill(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+
+
+def load_contract(model, tensors: dict) -> dict:
+    """`model.load_weights` (the engine's own) run on `tensors` one name at a time, then all at once (see the
+    module docstring): the names that landed nowhere, the whole-parameter copies that differ, the parameters left
+    unfilled, and where each name landed."""
+    import torch
+
+    params = dict(model.named_parameters())
+    dropped, partial_mismatch, landed = [], [], {}
+    for name, t in tensors.items():
+        _nan_fill(model)
+        model.load_weights(iter([(name, t.clone())]))
+        written = [p for p, v in params.items() if not v.isnan().all()]
+        landed[name] = written
+        if not written:
+            dropped.append(name)
+        for p in written:
+            v = params[p]
+            if not v.isnan().any() and v.shape == t.shape and not torch.equal(v.detach(), t):
+                partial_mismatch.append((name, p))
+    _nan_fill(model)
+    model.load_weights(iter([(n, t.clone()) for n, t in tensors.items()]))
+    unfilled = sorted(p for p, v in params.items() if v.isnan().any())
+    return {"sent": len(tensors), "dropped": dropped, "mismatch": partial_mismatch, "unfilled": unfilled,
+            "params": len(params), "visual_params": sum(p.startswith("visual.") for p in params), "landed": landed}
+
+
+def read_tensors(ckpt_dir: str) -> dict:
+    """The checkpoint's tensors, in the order of its files (what an export sends)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(ckpt_dir, name)))
+    return tensors
