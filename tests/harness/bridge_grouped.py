@@ -301,7 +301,10 @@ def real_class_diff(layers: list[tuple]) -> float | None:
     `LoRA.transform` and `get_adapter_attributes_from_linear` ask for TE's grouped base) built beside each
     equivalent above with the same in / out features (utils.py:1832-1851: its local shapes must equal the
     equivalent's), given its factors, and run on the same tokens split over every local expert: max |its forward
-    - the equivalent's| (a collective over expert-TP, as both forwards are). None where Bridge has no such class."""
+    - the equivalent's| (a collective over expert-TP, as both forwards are). Its `sharded_state_dict` (utils.py:
+    2315-2359) must save what the equivalent's does (`_saved`: keys, global shapes and offsets, fragmentations,
+    local shapes, replica ids; GLU factory built), at stacked and per-layer offsets, with and without
+    singleton_local_shards (an assertion). None where Bridge has no such class."""
     import copy
 
     try:
