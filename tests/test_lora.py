@@ -220,6 +220,8 @@ def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Lay
             _stacked_oracle(ckpt, want, res)
         if res.get("grouped"):
             _grouped_oracle(ckpt, want, res, layout)
+            if i == 0:
+                _grouped_offline(ckpt, str(out), res)
         got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))  # the PEFT directory: the source
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
         merged = read_hf_checkpoint(res["merged"])
@@ -312,6 +314,31 @@ def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None
         lines = err.getvalue().strip().splitlines()
         assert code == 2 and len(lines) == 1 and "lora='adapter'" in lines[0], lines
         assert not os.path.exists(os.path.join(out, "refused"))
+
+
+def _grouped_offline(ckpt: str, out: str, res: dict) -> None:
+    """The offline export of the torch_dist checkpoint megatron-core saved from the model with grouped-expert adapters
+    (Bridge 0.6.2's GroupedExpertLinearAdapter.sharded_state_dict, as its equivalent gives it: worlds.grouped_lora):
+    the adapter-only export the live grouped export's PEFT directory (tensors and config) and the merged export the
+    live merged one, bit for bit; both also the offline exports of the per-expert adapters' checkpoint."""
+    from mcore2hf.offline import export_checkpoint
+
+    dist_dir = os.path.join(out, "grouped-dist")
+    export_checkpoint(dist_dir, os.path.join(out, "grouped-off-adapter"), ckpt, lora="adapter", lora_alpha=LORA_ALPHA,
+                      progress=False)
+    live = load_file(os.path.join(res["grouped"]["dir"], "adapter_model.safetensors"))
+    got = load_file(os.path.join(out, "grouped-off-adapter", "adapter_model.safetensors"))
+    assert sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in live)
+    with open(os.path.join(res["grouped"]["dir"], "adapter_config.json")) as a, \
+            open(os.path.join(out, "grouped-off-adapter", "adapter_config.json")) as b:
+        assert json.load(a) == json.load(b)
+    export_checkpoint(dist_dir, os.path.join(out, "grouped-off-merged"), ckpt, lora="merged", lora_alpha=LORA_ALPHA,
+                      progress=False)
+    merged, live = read_hf_checkpoint(os.path.join(out, "grouped-off-merged")), read_hf_checkpoint(res["merged"])
+    differ = [n for n in live if not torch.equal(merged[n], live[n])]
+    assert sorted(merged) == sorted(live) and not differ, f"offline merged from grouped adapters differs: {differ[:5]}"
+    sequential = read_hf_checkpoint(os.path.join(out, "off-merged"))
+    assert all(torch.equal(merged[n], sequential[n]) for n in sequential)
 
 
 def _stacked_reference(src: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:

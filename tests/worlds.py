@@ -1510,22 +1510,30 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
         dist_checkpointing.save(sd, it_dir)
     grouped = None
     if cfg.model_type == "qwen3_moe":  # (one MoE architecture, for CI time)
-        grouped = grouped_lora(ckpt, chunks, cfg, layout, adapter_ref, merged_sd, full if stacked else None, out_root)
+        grouped = grouped_lora(ckpt, chunks, cfg, layout, adapter_ref, merged_sd, full if stacked else None, out_root,
+                               save_dist)
     return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
             "bridge_merge": bridge_merge, "grouped": grouped} if dist.get_rank() == 0 else {}
 
 
 def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merged_sd: dict, stacked_sd: dict | None,
-                 out_root: str) -> dict:
+                 out_root: str, save_dist: bool = False) -> dict:
     """The same adapters as Bridge 0.6.2's GroupedExpertLinearAdapter holds them on TEGroupedMLP (an equivalent built
     from megatron-core layers: tests/harness/bridge_grouped.py): Megatron's forward with its math, then, under TE's
     grouped names, the per-expert adapter export bit-identical to the SequentialMLP adapters' (the source), the
     merged export bit-identical to theirs, and (`stacked_sd`) PEFT's stacked form too; then with Bridge's default
-    shared adapter (one ParallelLinearAdapter per grouped linear) each expert's adapter and merge are that one's. Rank
-    0 returns the logits,
-    the PEFT directory and the stacked directory."""
+    shared adapter (one ParallelLinearAdapter per grouped linear) each expert's adapter and merge are that one's. With
+    `save_dist`, megatron-core's dist_checkpointing saves the grouped model (the grouped adapters' own
+    sharded_state_dict, harness.bridge_grouped.grouped_sharded_state_dict) under out_root/grouped-dist for the
+    offline export. Rank 0 returns the logits, the PEFT directory and the stacked directory."""
     import regex
-    from harness.bridge_grouped import real_class_diff, share_first_expert, to_grouped_lora, to_grouped_names
+    from harness.bridge_grouped import (
+        grouped_sharded_state_dict,
+        real_class_diff,
+        share_first_expert,
+        to_grouped_lora,
+        to_grouped_names,
+    )
     from megatron.bridge.peft.lora_layers import LoRALinear
 
     from mcore2hf.hf_config import text_config
@@ -1535,6 +1543,20 @@ def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merg
     real = real_class_diff(layers)  # Bridge 0.6.2's own class against the equivalent (None: 0.3.1)
     assert real is None or real <= 1e-6, f"{layout} Bridge 0.6.2's GroupedExpertLinearAdapter: |diff| {real:.2e}"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
+    if save_dist:  # (one layout, for CI time) the grouped model's torch_dist checkpoint
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+
+        md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        sd = {"model": grouped_sharded_state_dict(chunks[0], layers, md)} if len(chunks) == 1 else \
+            {f"model{i}": grouped_sharded_state_dict(c, layers, md) for i, c in enumerate(chunks)}
+        it_dir = os.path.join(out_root, "grouped-dist", "iter_0000001")
+        if dist.get_rank() == 0:
+            os.makedirs(it_dir)
+            with open(os.path.join(out_root, "grouped-dist", "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("1")
+        dist.barrier()
+        dist_checkpointing.save(sd, it_dir)
     to_grouped_names(layers, LoRALinear)
     names = [n for c in chunks for n, _ in c.named_parameters() if ".experts." in n and ".adapter." in n]
     assert names and all(".mlp.experts.linear_fc" in n and n.endswith(("adapter.linear_in.weight",
