@@ -490,7 +490,6 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
     model is built (`build_kw`: e.g. vision_tower="native") and loaded from the HF checkpoint.
     Returns {"base": root/<arch>, "logits": the Megatron forward of the saved model (the oracle; None for hybrid
     and for a model passed in)}."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
@@ -518,19 +517,31 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
         p.grad = torch.zeros_like(p)
     opt.optimizer.step()
     md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
-    if len(chunks) == 1:
-        sd = {"model": chunks[0].sharded_state_dict(metadata=md)}
-    else:
-        sd = {f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(chunks)}
+    sd = model_state(chunks, lambda c: c.sharded_state_dict(metadata=md))
     sd["optimizer"] = opt.sharded_state_dict(dict(sd))  # nested: VPP chunks share local key names
-    it_dir = os.path.join(base, "ckpt", f"iter_{iteration:07d}")
+    save_megatron(sd, os.path.join(base, "ckpt"), iteration)
+    return {"base": base, "logits": logits}
+
+
+def model_state(chunks: list, per_chunk) -> dict:
+    """The model entries of a Megatron checkpoint: "model", or "model{i}" per virtual-PP chunk."""
+    if len(chunks) == 1:
+        return {"model": per_chunk(chunks[0])}
+    return {f"model{i}": per_chunk(c) for i, c in enumerate(chunks)}
+
+
+def save_megatron(sd: dict, ckpt_dir: str, iteration: int = 1) -> None:
+    """megatron-core's dist_checkpointing save of `sd` (every rank) in Megatron-LM's directory layout:
+    ckpt_dir/iter_NNNNNNN and latest_checkpointed_iteration.txt."""
+    from megatron.core import dist_checkpointing
+
+    it_dir = os.path.join(ckpt_dir, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(it_dir, exist_ok=True)
-        with open(os.path.join(base, "ckpt", "latest_checkpointed_iteration.txt"), "w") as f:
+        with open(os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
     dist.barrier()
     dist_checkpointing.save(sd, it_dir)
-    return {"base": base, "logits": logits}
 
 
 def sender_suite(ckpt: str, layout: Layout, kind: str, urls: list[str], engine_tp: int, port: int,
@@ -1495,19 +1506,10 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     structure = lora_structure(chunks)
     bridge_merge = bridge_merge_diff(chunks, cfg, merged_sd)
     if save_dist:
-        from megatron.core import dist_checkpointing
         from megatron.core import parallel_state as ps
 
         md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-        sd = {"model": chunks[0].sharded_state_dict(metadata=md)} if len(chunks) == 1 else \
-            {f"model{i}": c.sharded_state_dict(metadata=md) for i, c in enumerate(chunks)}
-        it_dir = os.path.join(out_root, "dist", "iter_0000001")
-        if dist.get_rank() == 0:
-            os.makedirs(it_dir)
-            with open(os.path.join(out_root, "dist", "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write("1")
-        dist.barrier()
-        dist_checkpointing.save(sd, it_dir)
+        save_megatron(model_state(chunks, lambda c: c.sharded_state_dict(metadata=md)), os.path.join(out_root, "dist"))
     grouped = None
     if cfg.model_type == "qwen3_moe":  # (one MoE architecture, for CI time)
         grouped = grouped_lora(ckpt, chunks, cfg, layout, adapter_ref, merged_sd, full if stacked else None, out_root,
@@ -1544,19 +1546,11 @@ def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merg
     assert real is None or real <= 1e-6, f"{layout} Bridge 0.6.2's GroupedExpertLinearAdapter: |diff| {real:.2e}"
     logits = megatron_logits(chunks, TOKENS, text_config(cfg).vocab_size)
     if save_dist:  # (one layout, for CI time) the grouped model's torch_dist checkpoint
-        from megatron.core import dist_checkpointing
         from megatron.core import parallel_state as ps
 
         md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-        sd = {"model": grouped_sharded_state_dict(chunks[0], layers, md)} if len(chunks) == 1 else \
-            {f"model{i}": grouped_sharded_state_dict(c, layers, md) for i, c in enumerate(chunks)}
-        it_dir = os.path.join(out_root, "grouped-dist", "iter_0000001")
-        if dist.get_rank() == 0:
-            os.makedirs(it_dir)
-            with open(os.path.join(out_root, "grouped-dist", "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write("1")
-        dist.barrier()
-        dist_checkpointing.save(sd, it_dir)
+        save_megatron(model_state(chunks, lambda c: grouped_sharded_state_dict(c, layers, md)),
+                      os.path.join(out_root, "grouped-dist"))
     to_grouped_names(layers, LoRALinear)
     names = [n for c in chunks for n, _ in c.named_parameters() if ".experts." in n and ".adapter." in n]
     assert names and all(".mlp.experts.linear_fc" in n and n.endswith(("adapter.linear_in.weight",
