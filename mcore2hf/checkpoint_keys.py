@@ -30,7 +30,9 @@ itself saved; tests/test_checkpoint_keys.py checks the two directions are invers
   `vision_model.` (`VISION_TOWERS`): a native Megatron tower's blocks and deepstack mergers stacked like decoder
   layers (Bridge 0.6.2 transformer_block.py:393-465 `Qwen3VLVisionTransformerBlock.sharded_state_dict`), its
   linears with an `_extra_state`, the rest (patch / position embeddings, merger) under their module paths; an
-  embedded transformers tower (Bridge 0.3.1) under its HF module paths, plain replicated tensors.
+  embedded transformers tower (Bridge 0.3.1) under its HF module paths, plain replicated tensors; alike the
+  wrappers of GLM-4.5V (Bridge 0.3.1 GLM45VModel: the tower under `visual.`) and Kimi-K2.5 (Bridge 0.6.2
+  KimiK25VLModel: `vision_tower.` and `mm_projector.`), their towers' keys under those children (`TOWER_PREFIXES`).
 
 Reading accepts both impls' keys (a key names one canonical name, whatever the impl), and what other writers spell
 differently: Transformer Engine's other fused-norm names (`naming.TE_RENAMES`), per-expert keys without
@@ -50,7 +52,7 @@ import torch
 
 from .errors import ConfigMismatchError, UsageError
 from .layouts_gdn import GDN_PARTS
-from .mapping import ModelDims
+from .mapping import NAME, ModelDims
 from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout, canonical_layer_name, mtp_inner
 from .plan import natural_key
 
@@ -64,6 +66,20 @@ VISION_MODEL = "vision_model."
 #: docs/vlm.md), "hf" (transformers' module embedded, Bridge 0.3.1: layout 2)
 NATIVE, HF_TOWER = "native", "hf"
 VISION_TOWERS = (NATIVE, HF_TOWER)
+#: the children a wrapper holds its tower in, keyed (and named canonically) under their attribute names:
+#: `vision_model` (Qwen3VLModel), `visual` (Bridge 0.3.1 models/glm_vl/modeling_glm_45v.py:126 GLM45VModel, a
+#: MegatronModule without its own `sharded_state_dict`), `vision_tower` and `mm_projector` (Bridge 0.6.2
+#: models/kimi_vl/modeling_kimi_k25_vl.py:215-216 KimiK25VLModel, alike); tests/test_checkpoint_keys.py checks
+#: every table's pass-through tower rule is under one of them
+TOWER_PREFIXES = (VISION_MODEL, "visual.", "vision_tower.", "mm_projector.")
+
+
+def embedded_tower_rules(rules: Iterable) -> list:
+    """The pass-through rules (`<child>.{NAME}`, converters.common.hf_tower) of a table's tower embedded in a wrapper
+    under one of TOWER_PREFIXES: what a wrapper holding transformers' tower ("hf") holds of it."""
+    return [r for r in rules if any(r.megatron == f"{p}{{{NAME}}}" for p in TOWER_PREFIXES)]
+
+
 #: a native tower's blocks and deepstack mergers, canonical (per index) and as keys (stacked: no index)
 _VISION_PART = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(\d+)\.(.+)")
 _VISION_KEY = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(?:(\d+)\.)?(.+)")
@@ -241,7 +257,7 @@ class KeyLayout:
         """The `_extra_state` ShardedObject key of the module holding canonical name `name`, or None: every linear;
         with transformer_engine also TE_STATE_MODULES under their own key (not fused into a linear). An embedded
         transformers tower has none (plain torch modules)."""
-        if name.startswith(VISION_MODEL) and self.vision_tower != NATIVE:
+        if name.startswith(TOWER_PREFIXES) and self.vision_tower != NATIVE:
             return None
         key, lead, glob = self.key(name)
         found = extra_state_key(name, key, lead, glob)
@@ -256,7 +272,7 @@ class KeyLayout:
         """(key, lead, dims) of a canonical Megatron name: its tensor is item `lead` of the key's tensor, whose
         leading dims are `dims` (stacked layers, stacked experts; both empty when the key holds it alone)."""
         if self.vision_tower is not None:  # a wrapper: the GPT model's keys under language_model.
-            if name.startswith(VISION_MODEL):
+            if name.startswith(TOWER_PREFIXES):
                 return self._vision_key(name)
             key, lead, glob = replace(self, vision_tower=None).key(name)
             return WRAPPED_LANGUAGE_MODEL + key, lead, glob
@@ -336,7 +352,7 @@ def canonical_parts(keys: Iterable[str], shape: Callable[[str], tuple[int, ...]]
         found.setdefault(canonical_layer_name(kind, number, rest, num_layers), {})[part] = (key, lead)
 
     for key in sorted(keys, key=natural_key):
-        if key.startswith(VISION_MODEL):
+        if key.startswith(TOWER_PREFIXES):
             _vision_names(key, shape, found)
             continue
         # a vision-language wrapper's language model: the GPT model's keys under `language_model.`

@@ -225,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="plan a block-FP8 export: which weights are quantized (and where), their scale shapes")
     pl.add_argument("--vision-tower", choices=["native", "hf"], default=None,
-                    help="a vision-language model with its vision tower (qwen3_vl, qwen3_vl_moe, qwen3_5, "
-                         "qwen3_5_moe): 'native' built natively in Megatron (Megatron-Bridge 0.6.2's layout), 'hf' "
-                         "transformers' tower embedded (Megatron-Bridge 0.3.1's Qwen3VLModel)")
+                    help="a vision-language model with its vision tower: 'native' built natively in Megatron "
+                         "(Megatron-Bridge 0.6.2's layout: qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe), 'hf' "
+                         "transformers' tower embedded (Bridge 0.3.1's Qwen3VLModel for those, its GLM45VModel: "
+                         "glm4v_moe, 0.6.2's KimiK25VLModel: kimi_k25)")
     _filters(pl)
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
@@ -292,10 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the --transformer-impl the Megatron model is built with (default: Megatron-LM's "
                          "transformer_engine): where the norms Transformer Engine fuses into linears are keyed")
     im.add_argument("--vision-tower", choices=("native", "hf"), default=None,
-                    help="a vision-language model as Megatron-Bridge's Qwen3VLModel holds it (language model under "
-                         "language_model.): 'native' its native Megatron tower (Bridge >= 0.6, build_model(..., "
-                         "vision_tower='native')), 'hf' transformers' tower embedded (Bridge 0.3.1); default: the "
-                         "language model alone, the tower skipped (docs/vlm.md)")
+                    help="a vision-language model as Megatron-Bridge's wrapper holds it (language model under "
+                         "language_model.): 'native' its native Megatron tower (Bridge >= 0.6's Qwen3VLModel, "
+                         "build_model(..., vision_tower='native')), 'hf' transformers' tower embedded (Bridge 0.3.1's "
+                         "Qwen3VLModel under vision_model., GLM45VModel under visual., 0.6.2's KimiK25VLModel under "
+                         "vision_tower. and mm_projector.); default: the language model alone, the tower skipped "
+                         "(docs/vlm.md)")
     im.add_argument("--file-size", type=_size("--file-size"), default="5GB",
                     help="largest .distcp file, e.g. 5GB (default 5GB)")
     im.add_argument("--overwrite", action="store_true", help="replace an existing iter_NNNNNNN of this iteration")

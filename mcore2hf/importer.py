@@ -46,10 +46,12 @@ from .checkpoint_keys import (
     HF_TOWER,
     HYBRID_OUTPUT_EXTRA_STATE,
     MEGATRON_LM_TRANSFORMER_IMPL,
+    TOWER_PREFIXES,
     VISION_MODEL,
     VISION_TOWERS,
     KeyLayout,
     check_transformer_impl,
+    embedded_tower_rules,
     layer_keys,
     part_key,
 )
@@ -169,7 +171,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     held = {n for n in reader.names() if not converter.not_held_by_model(n)}
     if vision_tower is not None:
         tower, _ = megatron_names(converter, dims, set(reader.names()) - held, vision_tower)
-        held |= {h for name, r in tower.items() if name.startswith(VISION_MODEL) for h in r.hf_names}
+        held |= {h for name, r in tower.items() if name.startswith(TOWER_PREFIXES) for h in r.hf_names}
     resolved, unexplained = megatron_names(converter, dims, held, vision_tower)
     if unexplained:
         raise UnknownParametersError(converter.model_type, [f"{n} (an HF tensor no rule of the "
@@ -249,15 +251,17 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
 
 
 def _check_vision_tower(converter: Converter, spec, vision_tower: str, model_class: str) -> None:
-    """A wrapper's keys need a table whose tower the wrapper's `vision_model` holds: a native tower the model spec
-    builds, or the pass-through rule `vision_model.{NAME}`."""
-    passes = any(r.megatron == f"{VISION_MODEL}{{{NAME}}}" for r in converter.rules)
+    """A wrapper's keys need a table whose tower the wrapper holds: a native tower the model spec builds (under
+    `vision_model`), or pass-through rules of an embedded transformers tower (`embedded_tower_rules`)."""
+    passes = sorted({r.megatron.removesuffix(f"{{{NAME}}}") for r in embedded_tower_rules(converter.rules)})
     native = hasattr(spec, "native_vision_tower")
     if model_class != "gpt" or (vision_tower == HF_TOWER and not passes) or (vision_tower != HF_TOWER and not native):
+        embedded = f"an embedded tower under {', '.join(passes)}" if passes else "no embedded tower"
         raise UsageError(f"vision_tower={vision_tower!r}: {converter.model_type!r} has "
-                         f"{'a native Megatron tower' if native else 'no native Megatron tower'} and "
-                         f"{'an' if passes else 'no'} embedded tower under vision_model. (Megatron-Bridge's "
-                         "Qwen3VLModel: qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe), model_class 'gpt' only")
+                         f"{'a native Megatron tower' if native else 'no native Megatron tower'} and {embedded} "
+                         "(native: Megatron-Bridge 0.6.2's Qwen3VLModel, qwen3_vl, qwen3_vl_moe, qwen3_5, "
+                         "qwen3_5_moe; hf: Bridge 0.3.1's Qwen3VLModel for those, its GLM45VModel (glm4v_moe), "
+                         "0.6.2's KimiK25VLModel (kimi_k25)), model_class 'gpt' only")
 
 
 def _count(resolved: dict, part: str) -> int:
@@ -422,9 +426,10 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     layer spec of the model that will load it (Megatron-LM's `--transformer-impl`): "transformer_engine" (Megatron-LM's
     default) keys the norms TE fuses into linears under the linears' `layer_norm_weight`, "local" as the local spec's
     keys map does (`checkpoint_keys.RENAMES`; what `build_model(use_te=False)` loads). `vision_tower` (a
-    vision-language model, docs/vlm.md): the keys of Megatron-Bridge's Qwen3VLModel wrapper holding its tower, the
-    language model under `language_model.`: "native" a native Megatron tower (Bridge 0.6.2, `build_model(...,
-    vision_tower="native")`), "hf" transformers' tower embedded (Bridge 0.3.1); None (default) the language model
+    vision-language model, docs/vlm.md): the keys of Megatron-Bridge's wrapper holding its tower, the language
+    model under `language_model.`: "native" a native Megatron tower (Bridge 0.6.2's Qwen3VLModel, `build_model(...,
+    vision_tower="native")`), "hf" transformers' tower embedded (Bridge 0.3.1's Qwen3VLModel and GLM45VModel, 0.6.2's
+    KimiK25VLModel: checkpoint_keys.TOWER_PREFIXES); None (default) the language model
     alone, as a GPT model's keys, the tower skipped. The iteration directory is
     written under a temporary name and renamed when complete; the tracker file is replaced last."""
     t0 = time.perf_counter()

@@ -113,28 +113,63 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
 
 
 def _embedded_tower(chunk, hf_config):
-    """A vision-language wrapper around the GPT chunk as Megatron-Bridge 0.3.1's Qwen3VLModel holds it (models/
-    qwen_vl/modelling_qwen3_vl/model.py:97-107): transformers' vision tower as `vision_model` where the chunk holds
-    the first stage's embedding (`pre_process`), the GPT model as `language_model` (the names and shapes a plan
-    needs; its forward is not run). The tower is the module the table's pass-through rule names (`vision_model.
-    {NAME}` -> `model.visual.{NAME}`) in transformers' multimodal class built from the config."""
+    """A vision-language wrapper around the GPT chunk as Megatron-Bridge holds transformers' tower: Bridge 0.3.1's
+    Qwen3VLModel (models/qwen_vl/modelling_qwen3_vl/model.py:97-107, `vision_model`) and GLM45VModel
+    (models/glm_vl/modeling_glm_45v.py:126-131, `visual`), 0.6.2's KimiK25VLModel (models/kimi_vl/
+    modeling_kimi_k25_vl.py:148-220, `vision_tower` and `mm_projector`): the tower's module(s) where the chunk holds
+    the first stage's embedding (`pre_process`), registered first as their __init__s do, the GPT model as
+    `language_model` (the names and shapes a plan needs; its forward is not run). Each tower module is the one a
+    pass-through rule of the table names (`checkpoint_keys.embedded_tower_rules`, e.g. `visual.{NAME}` ->
+    `model.visual.{NAME}`) in transformers' multimodal class built from the config; where that class holds it under
+    other names than the published checkpoint (Kimi-K2.5: its conversion_mapping renames on load, and Bridge builds
+    the checkpoint's remote code), a module holding the published tensors' names and shapes."""
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from .checkpoint_keys import TOWER_PREFIXES, embedded_tower_rules
     from .errors import UsageError
+    from .hf_config import hf_tensor_shapes
     from .mapping import NAME
     from .registry import get_converter
 
-    rules = [r for r in get_converter(hf_config.model_type).rules if r.megatron == f"vision_model.{{{NAME}}}"]
+    rules = embedded_tower_rules(get_converter(hf_config.model_type).rules)
     if not rules:
-        raise UsageError(f"vision_tower='hf': {hf_config.model_type!r} has no embedded tower under vision_model. "
-                         "(Megatron-Bridge's Qwen3VLModel: qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe)")
+        raise UsageError(f"vision_tower='hf': {hf_config.model_type!r} has no embedded tower under "
+                         f"{', '.join(TOWER_PREFIXES)} (Megatron-Bridge's Qwen3VLModel: qwen3_vl, qwen3_vl_moe, "
+                         "qwen3_5, qwen3_5_moe; GLM45VModel: glm4v_moe; KimiK25VLModel: kimi_k25)")
     wrapper = torch.nn.Module()
     if chunk.pre_process:  # registered first, as Bridge's __init__ does (the order of its parameters)
-        hf = AutoModelForImageTextToText.from_config(hf_config, dtype=next(chunk.parameters()).dtype)
-        wrapper.vision_model = hf.get_submodule(rules[0].hf[0].removesuffix(f".{{{NAME}}}"))
+        dtype = next(chunk.parameters()).dtype
+        hf = AutoModelForImageTextToText.from_config(hf_config, dtype=dtype)
+        shapes = hf_tensor_shapes(hf_config)
+        for rule in rules:
+            path = rule.hf[0].removesuffix(f".{{{NAME}}}")
+            published = {n[len(path) + 1:]: s for n, s in shapes.items() if n.startswith(f"{path}.")}
+            try:
+                module = hf.get_submodule(path)
+            except AttributeError:
+                module = None
+            if module is None or {n: tuple(p.shape) for n, p in module.named_parameters()} != published:
+                module = _module_of(published, dtype)
+            wrapper.add_module(rule.megatron.removesuffix(f".{{{NAME}}}"), module)
     wrapper.language_model = chunk
     return wrapper
+
+
+def _module_of(shapes: dict[str, tuple[int, ...]], dtype):
+    """A module holding parameters of these dotted names and shapes (uninitialized)."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(tuple(shape), dtype=dtype)))
+    return root
 
 
 def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: bool = False,

@@ -70,8 +70,11 @@ VERIFIED: dict[str, str] = {
            "from the multimodal checkpoint offline and live (once per sync or with the first), offline export and "
            "import, engine shards" + (" (its packed experts refused)" if mt == "qwen3_vl_moe" else "")
            + ", the dry run, transformers loads every directory; logits (text tokens) = transformers' at both, "
-           "demo" + (", Megatron-Bridge 0.3.1's Qwen3VLModel with its HF tower (TP2 x PP2)"
-                            if mt == "qwen3_vl" else "")
+           "demo" + {"qwen3_vl": ", Megatron-Bridge 0.3.1's Qwen3VLModel with its HF tower (TP2 x PP2)",
+                     "glm4v_moe": ", Megatron-Bridge 0.3.1's GLM45VModel with its HF tower (TP2 x PP2)",
+                     "kimi_k25": ", Megatron-Bridge 0.6.2's KimiK25VLModel (rebuilt) with its tower (TP2 x PP2)",
+                     }.get(mt, "") + ("; its wrapper's torch_dist checkpoint exported offline, verified and imported "
+                                      "(--vision-tower hf), the wrapper's dry run" if mt != "qwen3_vl_moe" else "")
        for mt in ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25")},
 }
 

@@ -10,10 +10,12 @@ from mcore2hf.checkpoint_keys import (
     GLU_PARTS,
     LOCAL,
     RENAMES,
+    TOWER_PREFIXES,
     TRANSFORMER_ENGINE,
     KeyLayout,
     canonical_parts,
     check_transformer_impl,
+    embedded_tower_rules,
     extra_state_key,
     layer_keys,
     parse_moe_layer_freq,
@@ -192,6 +194,28 @@ def test_vision_language_wrapper_key_forms():
     assert hf.extra_state("vision_model.merger.linear_fc1.weight") is None
     assert hf.extra_state("decoder.layers.0.self_attention.linear_qkv.weight") == \
         "language_model.decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2"
+    # GLM45VModel's `visual` and KimiK25VLModel's `vision_tower` / `mm_projector`: the tower under the child's name,
+    # read back as the same canonical names, beside the language model's keys
+    for name in ("visual.blocks.0.attn.qkv.weight", "vision_tower.encoder.blocks.0.wqkv.weight",
+                 "mm_projector.proj.0.weight"):
+        assert hf.key(name) == (name, (), ()) and hf.extra_state(name) is None
+        found, ignored = canonical_parts([name, "language_model.embedding.word_embeddings.weight"], lambda k: (3, 3), 2)
+        assert found == {name: {"": (name, ())}, "embedding.word_embeddings.weight": {
+            "": ("language_model.embedding.word_embeddings.weight", ())}} and not ignored
+
+
+def test_every_embedded_tower_is_under_a_wrapper_child():
+    """Each table's pass-through tower rule (`<child>.{NAME}`, converters.common.hf_tower) names a child the key
+    scheme reads as a tower (TOWER_PREFIXES), and GLM-4.5V's and Kimi-K2.5's are Bridge's `visual` /
+    `vision_tower` + `mm_projector`."""
+    from mcore2hf.registry import get_converter
+
+    passes = {mt: sorted(r.megatron for r in get_converter(mt).rules if "{NAME}" in r.megatron)
+              for mt in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v_moe", "kimi_k25")}
+    assert all(p and sorted(r.megatron for r in embedded_tower_rules(get_converter(mt).rules)) == p and
+               all(r.startswith(TOWER_PREFIXES) for r in p) for mt, p in passes.items()), passes
+    assert passes["glm4v_moe"] == ["visual.{NAME}"]
+    assert passes["kimi_k25"] == ["mm_projector.{NAME}", "vision_tower.{NAME}"]
 
 
 def test_other_writers_spellings_are_read():

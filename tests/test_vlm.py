@@ -103,6 +103,18 @@ def test_vlm_language_models_towers_and_layouts(vlm_ckpts, tmp_path):
             assert {n.split(".")[0] for n in bridge_kimi["names"]} == {"vision_tower", "mm_projector", "language_model"}
             assert all(n.startswith("language_model.") for n in per_rank[-1][str(layout)]["bridge_kimi"]["names"])
             _loads_cleanly(bridge_kimi["dir"], vlm_ckpts["kimi_k25"])
+            # both offline as Qwen3VLModel's: Megatron's checkpoint of the wrapper exports bit for bit, `verify`
+            # identical, `import --vision-tower hf` writes its keys and loads back (strict); the dry run is its plan
+            for key, mt, tower in (("bridge_glm", "glm4v_moe", ("visual.", "model.visual.")),
+                                   ("bridge_kimi", "kimi_k25", ("vision_tower.", "vision_tower."))):
+                got = per_rank[0][str(layout)][key]
+                text, records, _ = worlds.in_fresh_process(worlds.native_dry_run, vlm_ckpts[mt], layout, 4096, "hf")
+                assert (text, records) == got["plan_4k"], f"dry run != {mt}'s live wrapper plan"
+                assert [r[str(layout)][key]["dist"]["tensors"] for r in per_rank] == [len(
+                    read_hf_checkpoint(vlm_ckpts[mt]))] * len(per_rank)
+                base = got["dist"]["base"]
+                check_wrapper_checkpoint(base, vlm_ckpts[mt], str(tmp_path / f"offline_{key}"),
+                                         os.path.join(os.path.dirname(base), "import", mt), tower)
 
 
 def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:
@@ -402,9 +414,9 @@ def test_kimi_k25_equivalent_follows_bridge_0_6_2():
 
 
 def test_import_vision_tower_refusals(vlm_ckpts, tmp_path):
-    """`mcore2hf import --vision-tower`: a model whose table has no such tower under Megatron-Bridge's
-    `vision_model.` (GLM-4.5V: Bridge's GLM45VModel holds transformers' tower as `visual`, and no native one) or an
-    unknown value is refused in one line, before anything is written."""
+    """`mcore2hf import --vision-tower`: a model whose table has no such tower (GLM-4.5V and Kimi-K2.5 have no
+    native Megatron tower: Bridge's GLM45VModel and KimiK25VLModel hold transformers' / the remote code's tower) or
+    an unknown value is refused in one line, before anything is written."""
     import contextlib
     import io
 
@@ -412,8 +424,8 @@ def test_import_vision_tower_refusals(vlm_ckpts, tmp_path):
     from mcore2hf.errors import UsageError
     from mcore2hf.importer import import_checkpoint
 
-    for mt, value, words in (("glm4v_moe", "native", "no native Megatron tower"),
-                             ("glm4v_moe", "hf", "no embedded tower under vision_model."),
+    for mt, value, words in (("glm4v_moe", "native", "no native Megatron tower and an embedded tower under visual."),
+                             ("kimi_k25", "native", "an embedded tower under mm_projector., vision_tower."),
                              ("qwen3_vl", "torch", "vision_tower must be one of native, hf")):
         out = tmp_path / f"{mt}-{value}"
         with pytest.raises(UsageError, match=words):

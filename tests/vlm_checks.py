@@ -10,9 +10,11 @@ import torch
 from mcore2hf.runtime.tiny import read_hf_checkpoint
 
 
-def check_wrapper_checkpoint(base: str, hf_dir: str, out: str, imported: str) -> None:
+def check_wrapper_checkpoint(base: str, hf_dir: str, out: str, imported: str,
+                             tower: tuple[str, str] = ("vision_model.", "model.visual.")) -> None:
     """A vision-language wrapper's torch_dist checkpoint (Megatron-Bridge's Qwen3VLModel, its tower native or
-    embedded: keys under `language_model.` / `vision_model.`), saved by Megatron under base/ckpt beside the live
+    embedded: keys under `language_model.` / `vision_model.`; GLM45VModel's and KimiK25VLModel's under `visual.` /
+    `vision_tower.`: `tower` is (a tower key prefix, its HF prefix)), saved by Megatron under base/ckpt beside the live
     export base/live (worlds.save_dist_checkpoint): the offline export is the HF checkpoint `hf_dir` and the live
     export bit for bit, and transformers' class loads it with nothing missing, unexpected or mismatched;
     `mcore2hf verify` finds checkpoint and HF directory identical, nothing missing; `mcore2hf import
@@ -29,7 +31,7 @@ def check_wrapper_checkpoint(base: str, hf_dir: str, out: str, imported: str) ->
     got = read_hf_checkpoint(out)
     assert set(got) == set(want) == set(live), sorted(set(want) ^ set(got))[:4]
     assert all(torch.equal(got[n], want[n]) and torch.equal(live[n], want[n]) for n in want), base
-    assert any(n.startswith("model.visual.") for n in got)
+    assert any(n.startswith(tower[1]) for n in got)
     _, info = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     r = compare(hf_dir, ckpt)
@@ -38,4 +40,4 @@ def check_wrapper_checkpoint(base: str, hf_dir: str, out: str, imported: str) ->
              if not k.startswith("optimizer.")}
     written = set(DistCheckpointReader(resolve_iteration_dir(imported)).meta.state_dict_metadata)
     assert written == saved, sorted(written ^ saved)[:6]
-    assert any(k.startswith("vision_model.") for k in saved) and any(k.startswith("language_model.") for k in saved)
+    assert any(k.startswith(tower[0]) for k in saved) and any(k.startswith("language_model.") for k in saved)

@@ -1855,8 +1855,8 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
 
 
 def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int, vision_tower: str = "native") -> tuple:
-    """The one-process dry run of the model holding its tower (`vision_tower`: "native", or "hf" for Megatron-Bridge
-    0.3.1's Qwen3VLModel) at `layout` (run in a fresh process)."""
+    """The one-process dry run of the model holding its tower (`vision_tower`: "native", or "hf" for Megatron-Bridge's
+    wrappers of transformers' tower) at `layout` (run in a fresh process)."""
     from mcore2hf.planning import dry_run
 
     plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower=vision_tower)
@@ -1954,13 +1954,22 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, fam
     # the wrapper, its tower's attribute(s), the tower's HF prefix(es), a tower tensor engine sharding names
     hf, named = ("model.visual.",), "model.visual.blocks.0.attn.qkv.weight"
     if family == "qwen3_vl":
-        chunks, prefix = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides()), ("vision_model.",)
+        prefix = ("vision_model.",)
+
+        def make():
+            return build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
     elif family == "glm4v_moe":
-        chunks, prefix = build_glm45v_model(bridge_root, cfg, **layout.config_overrides()), ("visual.",)
+        prefix = ("visual.",)
+
+        def make():
+            return build_glm45v_model(bridge_root, cfg, **layout.config_overrides())
     else:  # Bridge 0.6.2's KimiK25VLModel, rebuilt (harness.bridge_vlm.build_kimi_k25_equivalent says why)
-        chunks = build_kimi_k25_equivalent(cfg, **layout.config_overrides())
         prefix = hf = ("vision_tower.", "mm_projector.")
         named = "mm_projector.proj.0.weight"
+
+        def make():
+            return build_kimi_k25_equivalent(cfg, **layout.config_overrides())
+    chunks = make()
     names = [n for c in chunks for n, _ in c.named_parameters()]
     zero_(chunks)
     report = load_hf_weights(chunks, ckpt)
@@ -1998,24 +2007,19 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, fam
     ex.save_pretrained(out, max_shard_size=20_000, progress=False)
     agree(checked(lambda: assert_same(read_hf_checkpoint(out), full, f"{layout} Bridge {family} save_pretrained"))
           if rank == 0 else None)
-    if family != "qwen3_vl":
-        return {"names": names, "tower_sources": len(tower), "dir": out}
     plan = ex.plan(4096)  # the live plan, for the dry run (`mcore2hf plan --vision-tower hf`) to equal
     return {"names": names, "tower_sources": len(tower), "dir": out, "plan_4k": (plan.describe(), plan.records),
-            "dist": bridge_checkpoints(ckpt, layout, bridge_root, (cfg, chunks), os.path.join(out_root, "bridge_dist"))}
+            "dist": bridge_checkpoints(ckpt, layout, (cfg, chunks), make, os.path.join(out_root, "bridge_dist"))}
 
 
-def bridge_checkpoints(ckpt: str, layout: Layout, bridge_root: str, built: tuple, root: str) -> dict:
-    """Layout 2 offline (docs/vlm.md): Megatron saves Bridge 0.3.1's Qwen3VLModel `built` (dist_checkpointing of its
-    sharded_state_dict: the GPT model under `language_model.`, transformers' tower under `vision_model.`, replicated,
-    on the first stage) under root/<arch>/ckpt with its live export; rank 0 runs `mcore2hf import --vision-tower hf
-    --transformer-impl local`; a fresh Bridge model loads that with Megatron's `dist_checkpointing.load` (strict)
-    and exports the whole checkpoint bit for bit."""
-    from harness.bridge_vlm import build_qwen3_vl_model
-    from megatron.core import parallel_state as ps
-
+def bridge_checkpoints(ckpt: str, layout: Layout, built: tuple, make, root: str) -> dict:
+    """Layout 2 offline (docs/vlm.md): Megatron saves the Bridge wrapper `built` (dist_checkpointing of its
+    sharded_state_dict: the GPT model under `language_model.`, transformers' tower under its child's name,
+    `vision_model.` / `visual.` / `vision_tower.` + `mm_projector.`, replicated, on the first stage) under
+    root/<arch>/ckpt with its live export; rank 0 runs `mcore2hf import --vision-tower hf --transformer-impl local`;
+    a fresh wrapper (`make()`) loads that with Megatron's `dist_checkpointing.load` (strict) and exports the whole
+    checkpoint bit for bit."""
     from mcore2hf.importer import import_checkpoint
-    from mcore2hf.model_specs.common import padded_vocab_size
 
     cfg = built[0]
     saved = save_dist_checkpoint(ckpt, layout, root, built=built)["base"]
@@ -2023,9 +2027,7 @@ def bridge_checkpoints(ckpt: str, layout: Layout, bridge_root: str, built: tuple
         import_checkpoint(ckpt, os.path.join(root, "import", cfg.model_type), progress=False, vision_tower="hf",
                           transformer_impl="local")
     dist.barrier()
-    vocab = padded_vocab_size(cfg.text_config.vocab_size, ps.get_tensor_model_parallel_world_size())
-    fresh = build_qwen3_vl_model(bridge_root, cfg, vocab, **layout.config_overrides())
-    loaded = load_imported(ckpt, layout, os.path.join(root, "import"), built=(cfg, fresh))
+    loaded = load_imported(ckpt, layout, os.path.join(root, "import"), built=(cfg, make()))
     return {"base": saved, "tensors": loaded["tensors"]}
 
 
