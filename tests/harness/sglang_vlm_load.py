@@ -45,9 +45,9 @@ REAL_KERNEL_MODULES = ("sglang.kernels.ops.attention.fla.layernorm_gated",)
 def _setup(site: str) -> None:
     """The release imported with harness.sglang_real's stubs, a published dummy config and a gloo world of 1."""
     import importlib.util
-    import socket
 
     from harness.sglang_real import _Stub, install
+    from harness.vlm_load import local_init_method
 
     install(site)
     import sglang.srt.distributed.parallel_state as dps
@@ -67,11 +67,8 @@ def _setup(site: str) -> None:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     get_context().override_server_args(device="cpu").install()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     dps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                     distributed_init_method=local_init_method())
     dps.initialize_model_parallel(backend="gloo")
     get_parallel().override_permanently(**{f: 0 for f in _parallel_fields() if f.endswith("_rank")})
 

@@ -29,26 +29,33 @@ import sys
 MODULES = ("visual.", "language_model.model.", "language_model.lm_head.")
 
 
-def _class_mapper(files: dict[str, str], cls: str):
-    """The WeightsMapper expression assigned to `cls.hf_to_vllm_mapper`, evaluated with the wheel's WeightsMapper."""
-    from vllm.model_executor.models.utils import WeightsMapper
-
+def _class_value(files: dict[str, str], cls: str, attr: str):
+    """The expression assigned to `attr` in the body of class `cls` in the wheel's source, or inherited from its
+    bases (glm4_1v.py Glm4vMoeForConditionalGeneration's mapper); None if absent."""
     for path in files.values():
         with open(path) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and node.name == cls:
                 for stmt in node.body:
-                    if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == "hf_to_vllm_mapper"
-                                                            for t in stmt.targets):
-                        return _evaluate(stmt.value, files, WeightsMapper)
-                for base in node.bases:  # inherited (glm4_1v.py Glm4vMoeForConditionalGeneration)
+                    if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == attr for t in stmt.targets):
+                        return stmt.value
+                for base in node.bases:
                     if isinstance(base, ast.Name):
-                        try:
-                            return _class_mapper(files, base.id)
-                        except LookupError:
-                            continue
-    raise LookupError(f"{cls}.hf_to_vllm_mapper not found in {list(files)}")
+                        value = _class_value(files, base.id, attr)
+                        if value is not None:
+                            return value
+    return None
+
+
+def _class_mapper(files: dict[str, str], cls: str):
+    """The WeightsMapper expression assigned to `cls.hf_to_vllm_mapper`, evaluated with the wheel's WeightsMapper."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    expr = _class_value(files, cls, "hf_to_vllm_mapper")
+    if expr is None:
+        raise LookupError(f"{cls}.hf_to_vllm_mapper not found in {list(files)}")
+    return _evaluate(expr, files, WeightsMapper)
 
 
 def _evaluate(expr, files, weights_mapper):
@@ -63,15 +70,8 @@ def _evaluate(expr, files, weights_mapper):
 
 def _class_literal(files: dict[str, str], cls: str, attr: str):
     """A literal class attribute (e.g. `packed_modules_mapping`) of `cls` in the wheel's source; None if absent."""
-    for path in files.values():
-        with open(path) as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.name == cls:
-                for stmt in node.body:
-                    if isinstance(stmt, ast.Assign) and any(getattr(t, "id", "") == attr for t in stmt.targets):
-                        return ast.literal_eval(stmt.value)
-    return None
+    value = _class_value(files, cls, attr)
+    return None if value is None else ast.literal_eval(value)
 
 
 def fp8_skipped(files: dict[str, str], cls: str, names: list[str], quantization_config: dict) -> dict[str, bool]:
@@ -158,12 +158,12 @@ def _build(config_dir: str, dtype: str = "float32"):
     own `initialize_model` (model_loader/utils.py: the registry's class, its quant config mapped, built under
     `set_current_vllm_config`) from a ModelConfig of the directory and a VllmConfig on the CPU platform, in a gloo
     world of one process (its model-parallel groups made anew for each model: an EP group only for MoE ones)."""
-    import socket
-
     import torch
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.model_executor.model_loader.utils import initialize_model
+
+    from harness.vlm_load import local_init_method
 
     model_config = ModelConfig(model=config_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True)
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
@@ -171,11 +171,8 @@ def _build(config_dir: str, dtype: str = "float32"):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                                        distributed_init_method=local_init_method())
         parallel_state.initialize_model_parallel(backend="gloo")
         torch.manual_seed(0)
         return initialize_model(vllm_config)

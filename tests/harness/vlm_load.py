@@ -10,6 +10,15 @@ must be that tensor exactly; then all names are loaded together, in the order se
 from __future__ import annotations
 
 
+def local_init_method() -> str:
+    """A tcp:// init method on a free local port: an engine's own one-process gloo world."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
 def _nan_fill(model) -> None:
     import torch
 
