@@ -19,7 +19,6 @@ import regex
 import torch
 import torch.distributed as dist
 
-from .engine_shards import EngineRank, colocated_ranks  # noqa: F401 - moved to engine_shards (one release)
 from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
 from .layouts_stacked import Stacked
 from .mapping import Converter, ModelDims, Resolved

@@ -45,12 +45,3 @@ def test_every_package_is_in_the_wheel():
              (ROOT / "mcore2hf").rglob("__init__.py")} | {"mcore2hf.converters", "mcore2hf.model_specs"}
     assert found == listed, (sorted(found - listed), sorted(listed - found))
 
-
-def test_moved_names_keep_their_documented_old_paths():
-    """Names the docs documented at an old path stay importable there for one release (one-line re-exports), as
-    the very objects of their new home (issue 23)."""
-    from mcore2hf import engine_shards, gather, plan
-    from mcore2hf.transfer import engine, export
-
-    assert plan.colocated_ranks is engine_shards.colocated_ranks and plan.EngineRank is engine_shards.EngineRank
-    assert gather.Executor is export.Executor and gather.EngineExecutor is engine.EngineExecutor

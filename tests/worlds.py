@@ -1894,9 +1894,8 @@ def frozen_tower(chunks, cfg, ckpt: str, ref: dict, full: dict, layout: Layout) 
     delivers the tower's tensors as stored, after the model's, with the first export only or with every export;
     to every rank (receivers "all": each rank reads them, nothing is gathered) or only to the receivers, and
     exactly once per delivery. Returns the bytes of tower buckets each sync handed the sender on this rank."""
-    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.errors import UsageError
-    from mcore2hf.plan import colocated_ranks
     from mcore2hf.senders import sync
 
     rank = dist.get_rank()
@@ -1942,9 +1941,8 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, fam
     from harness.bridge_vlm import build_glm45v_model, build_kimi_k25_equivalent, build_qwen3_vl_model
     from megatron.core import parallel_state as ps
 
-    from mcore2hf.engine_shards import EngineShardError
+    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.model_specs.common import padded_vocab_size
-    from mcore2hf.plan import colocated_ranks
     from mcore2hf.senders import sync
 
     rank = dist.get_rank()
