@@ -32,7 +32,7 @@ def world(ckpts: dict, layout, runs: int, bucket_bytes: int, profile: bool = Fal
     import worlds
 
     from mcore2hf import HFExporter
-    from mcore2hf.engine_shards import colocated_ranks
+    from mcore2hf.plan.engine_shards import colocated_ranks
 
     prof = cProfile.Profile() if profile and dist.get_rank() == 0 else None
     rows = []

@@ -71,11 +71,11 @@ def trainer_plan(model_type: str, overrides: dict, tp: int, pp: int, ep: int, et
     """(ExportPlan, dims) of the model (a registered architecture's tiny config with `overrides`) at the layout,
     from synthesized rank records (names, shard shapes; no data). tests/test_disaggregated.py checks them against
     a live megatron-core world's."""
-    from mcore2hf.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.registry import get_converter, get_model_spec
     from mcore2hf.importer import _full_shape, megatron_names
     from mcore2hf.model_specs.common import padded_vocab_size
-    from mcore2hf.plan import ExportPlan, RankRecord, assign_buckets, build_sources
-    from mcore2hf.registry import get_converter, get_model_spec
+    from mcore2hf.plan.export import ExportPlan, RankRecord, assign_buckets, build_sources
     from mcore2hf.runtime.tiny import tiny_config
 
     cfg = tiny_config(model_type, **overrides)
@@ -125,7 +125,7 @@ def trainer_plan(model_type: str, overrides: dict, tp: int, pp: int, ep: int, et
 
 
 def simulate(export, dims, world: int, engine: str, tp: int, ep: int, instances: int) -> dict:
-    from mcore2hf.engine_plan import plan_engine_shards
+    from mcore2hf.plan.engine import plan_engine_shards
     from mcore2hf.senders.engine_shard import disaggregated_ranks
 
     ranks = disaggregated_ranks(world, engine, tp, ep, instances)

@@ -104,7 +104,7 @@ def random_model(arch: str, config: dict, tp: int, device, seed: int = 1234):
     import torch
     import torch.distributed as dist
 
-    from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.arch.hf_config import load_hf_config
     from mcore2hf.model_specs.common import build_model, padded_vocab_size
 
     spec = importlib.import_module(f"mcore2hf.model_specs.{arch}")
@@ -297,7 +297,7 @@ def staged_executor(ex, bb, device):
     """An executor of the same plan with no bucket's collective landing in its output (BucketPlan.direct off)."""
     from dataclasses import replace
 
-    from mcore2hf.gather import Executor
+    from mcore2hf.transfer.export import Executor
 
     plan = ex.plan(bb)
     return Executor(replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets]), ex.ctx, ex._local,
@@ -328,7 +328,7 @@ def fp8_cuda_equals_cpu(ex, bb, quantize, limit: int = 48) -> str:
     bit-identical? Sampled over the first `limit` quantized tensors, clones kept on the host."""
     import torch
 
-    from mcore2hf.quantize import per_block_cast_to_fp8, scale_name
+    from mcore2hf.quantize.fp8 import per_block_cast_to_fp8, scale_name
 
     plan = ex.plan(bb, quantize=quantize)
     names = set(plan.quantized_names()[:limit])
@@ -436,7 +436,7 @@ def engine_rows(ex, bb, a, device, rows: dict) -> dict:
     plan's bytes per receiver, the bit-for-bit check. Collective: every rank runs it."""
     import torch.distributed as dist
 
-    from mcore2hf.engine_shards import colocated_ranks
+    from mcore2hf.plan.engine_shards import colocated_ranks
 
     info = {}
     world = dist.get_world_size()
@@ -531,7 +531,7 @@ def fp8_every_tensor(ex, bb, quantize) -> str:
     MCORE2HF_FP8_KERNEL=torch), every other tensor equal byte for byte."""
     import torch
 
-    from mcore2hf.quantize import per_block_cast_to_fp8, scale_name
+    from mcore2hf.quantize.fp8 import per_block_cast_to_fp8, scale_name
 
     ue8m0 = quantize == "fp8-ue8m0"
     n = bad = 0

@@ -26,8 +26,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def check(device: torch.device) -> list[str]:
-    from mcore2hf import quantize
-    from mcore2hf.quantize_cuda import block_cast_to_fp8
+    from mcore2hf.quantize import fp8 as quantize
+    from mcore2hf.quantize.fp8_cuda import block_cast_to_fp8
 
     g = torch.Generator().manual_seed(0)
     problems, n = [], 0
@@ -61,8 +61,8 @@ def check(device: torch.device) -> list[str]:
 def speed(device: torch.device, quick: bool) -> None:
     import triton
 
-    from mcore2hf import quantize
-    from mcore2hf.quantize_cuda import block_cast_to_fp8
+    from mcore2hf.quantize import fp8 as quantize
+    from mcore2hf.quantize.fp8_cuda import block_cast_to_fp8
 
     cases = [(128, 768), (128, 1536)] if quick else [(128, 768), (128, 1536), (256, 2048), (64, 7168)]
     print(f"{'stack':<22} {'MB':>8} {'kernel ms':>10} {'GB/s':>8} {'torch ms':>9} {'GB/s':>8} {'copy ms':>8} "

@@ -30,7 +30,7 @@ def job(cfg: dict, rounds: int, profile: bool):
     import torch.distributed as dist
 
     from mcore2hf import HFExporter
-    from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.arch.hf_config import load_hf_config
     from mcore2hf.model_specs import qwen3_moe
 
     hf = load_hf_config(cfg)

@@ -29,7 +29,7 @@ def write_checkpoint(hf_cfg: dict, out: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from mcore2hf.hf_config import load_hf_config
+    from mcore2hf.arch.hf_config import load_hf_config
     from mcore2hf.model_specs import qwen3_moe
     from mcore2hf.model_specs.common import padded_vocab_size
 

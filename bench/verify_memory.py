@@ -29,7 +29,7 @@ def write(root: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from mcore2hf.quantize import per_block_cast_to_fp8
+    from mcore2hf.quantize.fp8 import per_block_cast_to_fp8
 
     g = torch.Generator().manual_seed(0)
     tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, 6144, generator=g).bfloat16()

@@ -5,7 +5,8 @@ by name. Whether the model *should* have it is checked against the HF config by 
 
 import regex
 
-from mcore2hf.layouts import (
+from mcore2hf.arch.mapping import OpSpec, Rule
+from mcore2hf.layouts.ops import (
     QKV,
     Column,
     GatedColumn,
@@ -17,8 +18,7 @@ from mcore2hf.layouts import (
     VocabRows,
     WholeOrSplit,
 )
-from mcore2hf.mapping import OpSpec, Rule
-from mcore2hf.quantize import FP8Policy
+from mcore2hf.quantize.fp8 import FP8Policy
 
 L = "decoder.layers.{L}"
 HL = "model.layers.{L}"

@@ -1,8 +1,8 @@
 """DeepSeek-V2 / V2-Lite (HF `deepseek_v2`): multi-latent attention (V2-Lite: q_proj, no q_lora_rank), dense
 first layers, shared experts; no expert bias, no MTP layers."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import dense_mlp, embeddings, fp8_policy, mla_attention, moe
 

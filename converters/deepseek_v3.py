@@ -1,8 +1,8 @@
 """DeepSeek-V3 / R1 (HF `deepseek_v3`; Kimi-K2 and Moonlight use the same format): multi-latent attention, dense first layers,
 shared experts, expert bias, MTP layers (with the embedding and head copies the published checkpoints keep)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import dense_mlp, embeddings, fp8_policy, mla_attention, moe, mtp
 

@@ -1,8 +1,8 @@
 """DeepSeek-V3.2 (HF `deepseek_v32`): DeepSeek-V3's table (multi-latent attention, dense first layers, shared
 experts, expert bias, MTP layers with the embedding and head copies) plus DeepSeek sparse attention's indexer."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import dsa_indexer, fp8_policy
 from .deepseek_v3 import DEEPSEEK_V3

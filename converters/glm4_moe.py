@@ -1,8 +1,8 @@
 """GLM-4.5 / GLM-4.5-Air / GLM-4.6 (HF `glm4_moe`): dense first layers, shared experts, expert bias, q/k/v bias,
 q/k norms, MTP layers (with the embedding and head copies the published checkpoints keep in layer N)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import dense_mlp, embeddings, fp8_policy, gqa_attention, moe, mtp
 

@@ -1,8 +1,8 @@
 """GLM-4.7-Flash (HF `glm4_moe_lite`): DeepSeek-V3's tensor format (multi-latent attention, dense first layers,
 shared experts, expert bias, MTP layers with the embedding and head copies)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import fp8_policy
 from .deepseek_v3 import DEEPSEEK_V3

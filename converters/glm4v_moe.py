@@ -7,8 +7,8 @@ Megatron-Bridge 0.3.1's GLM45VModel (models/glm_vl/modeling_glm_45v.py) embeds t
 `visual` beside `language_model` (its bridge maps `visual.**` -> `model.visual.**`): passed through (`hf_tower`).
 Without a tower in the Megatron model, `model.visual.*` is declared not held (docs/vlm.md)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import (
     VLM_FP8_SOURCE,

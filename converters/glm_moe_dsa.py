@@ -1,7 +1,7 @@
 """GLM-5 (HF `glm_moe_dsa`): DeepSeek-V3.2's table (GLM-5.2's IndexShare layers simply lack the indexer rows)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import fp8_policy
 from .deepseek_v32 import DEEPSEEK_V32

@@ -5,9 +5,9 @@ GptOssExperts: `gate_up_proj` [E, hidden, 2 * ffn] with gate/up interleaved by c
 for gpt_oss in 5.23's conversion_mapping.py, so these are also the saved names. The published openai/gpt-oss-20b
 checkpoint stores the same names with MXFP4 `_blocks` / `_scales` for the two weights)."""
 
-from mcore2hf.layouts import Column, GatedInterleaved, Replicated, RowTransposed
-from mcore2hf.mapping import Converter, Rule
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter, Rule
+from mcore2hf.arch.registry import register
+from mcore2hf.layouts.ops import Column, GatedInterleaved, Replicated, RowTransposed
 
 from .common import HL, L, embeddings, gqa_attention
 

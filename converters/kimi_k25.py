@@ -8,8 +8,8 @@ and the engines load. No MTP layers (Kimi-K2's num_nextn_predict_layers is 0).
 An HF tower embedded in the Megatron model keeps the published names under `vision_tower` / `mm_projector` (passed
 through); without one, both are declared not held (docs/vlm.md)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import (
     VLM_FP8_SOURCE,

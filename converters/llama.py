@@ -1,7 +1,7 @@
 """Llama (HF `llama`): Llama 2/3 family, optional tied embeddings."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import fp8_policy, llama_like
 

@@ -5,9 +5,9 @@ Names: what transformers 5.23.0 saves (conversion_mapping.py "minimax_m2": mixtr
 and block_sparse_moe.e_score_correction_bias), the published MiniMaxAI/MiniMax-M2 checkpoint's names. The
 published checkpoint also holds MTP modules (use_mtp, num_mtp_modules=3) that transformers does not build: not mapped."""
 
-from mcore2hf.layouts import Column
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
+from mcore2hf.layouts.ops import Column
 
 from .common import block_sparse_moe, embeddings, fp8_policy, gqa_attention
 

@@ -1,7 +1,7 @@
 """Mistral (HF `mistral`): the Llama tensor layout."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import fp8_policy, llama_like
 

@@ -2,8 +2,8 @@
 the experts' gate / up / down projections w1 / w3 / w2 (transformers 5.23 conversion_mapping.py, "mixtral",
 renames them only in memory; save_pretrained writes these names)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import block_sparse_moe, embeddings, fp8_policy, gqa_attention
 

@@ -1,9 +1,9 @@
 """OLMoE (HF `olmoe`): full-width q/k norms split by heads over TP, every layer MoE with softmax top-k routing
 (Qwen2-MoE-style names: mlp.gate, mlp.experts.{E}.gate_proj / up_proj / down_proj, as transformers 5.23.0 saves)."""
 
-from mcore2hf.layouts import Column
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
+from mcore2hf.layouts.ops import Column
 
 from .common import embeddings, fp8_policy, gqa_attention, moe
 

@@ -13,9 +13,9 @@ Megatron-Bridge 0.3.1 embeds Qwen3-VL's) passes through under `model.visual.` (d
 exports and loads through `native_vision_tower(deepstack=False)`, ahead of the pass-through. No FP8 table (as
 Qwen3-Next)."""
 
-from mcore2hf.layouts_gdn import ColumnParts, GatedQKV
-from mcore2hf.mapping import Converter, Rule
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter, Rule
+from mcore2hf.arch.registry import register
+from mcore2hf.layouts.gdn import ColumnParts, GatedQKV
 
 from . import qwen3_next
 from .common import HL, L, dense_mlp, embeddings, gqa_attention, hf_tower, language_model, native_vision_tower

@@ -3,9 +3,9 @@ converters/qwen3_5.py) with Qwen3-Next's MoE in every layer (router `mlp.gate`, 
 checkpoint format, `mlp.shared_expert` and its sigmoid `mlp.shared_expert_gate`), read in transformers 5.23.0
 models/qwen3_5_moe/modeling_qwen3_5_moe.py."""
 
-from mcore2hf.layouts_gdn import GatedQKV
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
+from mcore2hf.layouts.gdn import GatedQKV
 
 from . import qwen3_next
 from .common import embeddings, gqa_attention, hf_tower, language_model, moe, native_vision_tower

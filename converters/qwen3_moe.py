@@ -1,7 +1,7 @@
 """Qwen3-MoE (HF `qwen3_moe`): Qwen3-30B-A3B, Qwen3-235B-A22B. q/k norms, GQA, no shared experts."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import dense_mlp, embeddings, fp8_policy, gqa_attention, moe
 

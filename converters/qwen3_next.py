@@ -8,10 +8,10 @@ Names: what transformers 5.23.0 saves (models/qwen3_next/modeling_qwen3_next.py;
 The published checkpoints' MTP tensors (`mtp.*`, which transformers ignores) are not mapped. No FP8 table: the
 published FP8 checkpoint's list of unquantized modules was not available to check against."""
 
-from mcore2hf.layouts import Column, Replicated, Row, ZeroCentered
-from mcore2hf.layouts_gdn import ColumnParts, GatedQKV, GDNInProj
-from mcore2hf.mapping import Converter, Rule
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter, Rule
+from mcore2hf.arch.registry import register
+from mcore2hf.layouts.gdn import ColumnParts, GatedQKV, GDNInProj
+from mcore2hf.layouts.ops import Column, Replicated, Row, ZeroCentered
 
 from .common import HL, L, dense_mlp, embeddings, glu_mlp, gqa_attention, moe
 

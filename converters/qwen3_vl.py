@@ -13,8 +13,8 @@ The tower, by Megatron-side layout (docs/vlm.md):
 * no tower (a text-only trainer, or miles' frozen tower): `model.visual.*` is declared not held, so loading skips
   it, `save_pretrained(base=...)` completes it and a live sync sends it from the checkpoint (`tower_from`)."""
 
-from mcore2hf.mapping import Converter
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter
+from mcore2hf.arch.registry import register
 
 from .common import VLM_FP8_SOURCE, fp8_policy, hf_tower, language_model, llama_like, native_vision_tower
 

@@ -4,9 +4,9 @@ store them: `mlp.experts.gate_up_proj` [E, hidden, 2 * ffn] ([gate | up] by colu
 [E, ffn, hidden] (transformers 4.57 Qwen3VLMoeTextExperts; 5.24 keeps them transposed in memory and converts on
 load, conversion_mapping.py "qwen3_vl_moe": Transpose(1, 2)). The tower as in Qwen3-VL (converters/qwen3_vl.py)."""
 
-from mcore2hf.layouts import GatedTransposed, Replicated, RowTransposed
-from mcore2hf.mapping import Converter, Rule
-from mcore2hf.registry import register
+from mcore2hf.arch.mapping import Converter, Rule
+from mcore2hf.arch.registry import register
+from mcore2hf.layouts.ops import GatedTransposed, Replicated, RowTransposed
 
 from .common import HL, L, embeddings, gqa_attention, hf_tower, language_model, native_vision_tower
 from .qwen3_vl import VISUAL

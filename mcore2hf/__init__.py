@@ -13,12 +13,12 @@ __version__ = "0.1.0"
 logging.getLogger("mcore2hf").addHandler(logging.NullHandler())  # silent unless the application configures logging
 
 _LAZY = {
-    "Bucket": "buckets", "build_model": "build", "DEFAULT_BUCKET_BYTES": "exporter", "HFExporter": "exporter",
-    "load_hf_weights": "loader", "get_converter": "registry", "list_architectures": "registry",
+    "Bucket": "transfer.buckets", "build_model": "arch.build", "DEFAULT_BUCKET_BYTES": "exporter", "HFExporter": "exporter",
+    "load_hf_weights": "loader", "get_converter": "arch.registry", "list_architectures": "arch.registry",
     "Mcore2HFError": "errors", "ConfigMismatchError": "errors", "LayoutError": "errors",
     "MissingWeightsError": "errors", "ParallelStateError": "errors", "ShapeMismatchError": "errors",
     "UnknownParametersError": "errors", "UnsupportedArchitectureError": "errors", "HFDirectoryError": "errors",
-    "HFDirectory": "hf_dir",
+    "HFDirectory": "formats.hf_dir",
 }
 
 __all__ = [*_LAZY, "__version__"]

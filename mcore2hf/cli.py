@@ -86,14 +86,14 @@ def _filters(p: argparse.ArgumentParser) -> None:
 
 
 def _name_filter(a):
-    from .naming import NameFilter
+    from .arch.naming import NameFilter
 
     return NameFilter.of(include=a.include, exclude=a.exclude)
 
 
 def cmd_list(_a) -> int:
-    from .hf_config import architecture_classes
-    from .registry import get_converter, list_architectures, verified
+    from .arch.hf_config import architecture_classes
+    from .arch.registry import get_converter, list_architectures, verified
 
     print(f"{'model_type':<13} {'HF class':<34} {'FP8':<4} verified (docs/architectures.md)")
     for name in list_architectures():
@@ -109,7 +109,7 @@ def cmd_list(_a) -> int:
 
 
 def _check_model_type(model_type: str) -> None:
-    from .registry import list_architectures
+    from .arch.registry import list_architectures
 
     if model_type not in list_architectures():
         raise UsageError(f"--model-type must be one of {', '.join(list_architectures())}, got {model_type!r}")
@@ -124,7 +124,7 @@ def cmd_demo(a) -> int:
 
     layout.check(tiny_config(a.model_type))
     if a.out is not None:  # refused before anything runs, not after the world's 20 s
-        from .senders.safetensors import check_target
+        from .formats.safetensors import check_target
 
         check_target(a.out, a.overwrite)
     report, ok = format_report(run_demo(a.model_type, layout, a.out, a.overwrite))
@@ -135,8 +135,8 @@ def cmd_demo(a) -> int:
 def cmd_plan(a) -> int:
     import json
 
-    from .hf_config import load_hf_config
-    from .planning import plan_report, run_plan
+    from .arch.hf_config import load_hf_config
+    from .dry_run import plan_report, run_plan
 
     if a.hf_config.startswith("tiny:"):
         from .runtime.tiny import tiny_config
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"mcore2hf {a.cmd}"
     seen: list = []
 
-    from . import paths
+    from .formats import paths
 
     def on_sigint(signum, frame):
         seen.append(signum)

@@ -25,8 +25,8 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, ove
     import torch.distributed as dist
 
     from . import HFExporter, build_model, load_hf_weights
-    from .hf_config import load_hf_config, text_config
-    from .registry import get_converter
+    from .arch.hf_config import load_hf_config, text_config
+    from .arch.registry import get_converter
     from .runtime.forward import megatron_logits
     from .runtime.tiny import read_hf_checkpoint
 
@@ -65,7 +65,7 @@ def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_di
     directory (`overwrite`: replace an earlier export there)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from .hf_config import text_config
+    from .arch.hf_config import text_config
     from .runtime.tiny import make_hf_checkpoint, tiny_config
 
     with tempfile.TemporaryDirectory(prefix="mcore2hf-demo-") as work:  # nothing is left behind but `out_dir`

@@ -10,13 +10,8 @@ from collections.abc import Callable, Iterator, Sequence
 import regex
 import torch
 
-from .buckets import DEFAULT_BUCKET_BYTES, Bucket, group_tensors, stored_buckets
-from .collective import agree
-from .engine_plan import EngineShardPlan, plan_engine_shards
-from .engine_shards import EngineRank, EngineShardError
-from .errors import ConfigMismatchError, Mcore2HFError, UsageError, problem_list
-from .hf_config import HFConfigLike, config_source
-from .lora import (
+from .arch.hf_config import HFConfigLike, config_source
+from .arch.lora import (
     EXPERT_FORMS,
     LORA_MODES,
     LoraInfo,
@@ -27,10 +22,23 @@ from .lora import (
     lora_converter,
     peft_config,
 )
-from .mapping import Converter
-from .naming import LocalTensor, local_tensors, model_config, unwrap_model
+from .arch.mapping import Converter
+from .arch.naming import LocalTensor, local_tensors, model_config, unwrap_model
+from .arch.registry import get_converter
+from .collective import agree
+from .errors import ConfigMismatchError, Mcore2HFError, UsageError, problem_list
+from .formats.safetensors import (
+    SafetensorsWriter,
+    TensorInfo,
+    base_completion,
+    check_base,
+    check_target,
+    read_base,
+)
 from .parallel import ParallelContext
-from .plan import (
+from .plan.engine import EngineShardPlan, plan_engine_shards
+from .plan.engine_shards import EngineRank, EngineShardError
+from .plan.export import (
     ExportPlan,
     RankRecord,
     Source,
@@ -40,17 +48,9 @@ from .plan import (
     gather_records,
     quantized_plan,
 )
-from .quantize import FP8Scheme, get_scheme
-from .registry import get_converter
-from .senders.safetensors import (
-    SafetensorsWriter,
-    TensorInfo,
-    base_completion,
-    check_base,
-    check_target,
-    read_base,
-)
+from .quantize.fp8 import FP8Scheme, get_scheme
 from .sizes import format_size
+from .transfer.buckets import DEFAULT_BUCKET_BYTES, Bucket, group_tensors, stored_buckets
 from .transfer.engine import EngineBucket, EngineExecutor
 from .transfer.export import Executor
 

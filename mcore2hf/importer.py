@@ -41,7 +41,21 @@ from importlib import import_module
 import regex
 import torch
 
-from .checkpoint_keys import (
+from .arch.hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .arch.mapping import NAME, Converter, ModelDims, compile_pattern, match_fields
+from .arch.naming import HybridLayout
+from .arch.registry import get_converter
+from .dtypes import parse_dtype
+from .errors import (
+    ImportTargetError,
+    LayoutError,
+    Problem,
+    ShapeMismatchError,
+    UnknownParametersError,
+    UsageError,
+    problem_list,
+)
+from .formats.checkpoint_keys import (
     GLU_PARTS,
     HF_TOWER,
     HYBRID_OUTPUT_EXTRA_STATE,
@@ -55,23 +69,17 @@ from .checkpoint_keys import (
     layer_keys,
     part_key,
 )
-from .dtypes import parse_dtype
-from .errors import (
-    ImportTargetError,
-    LayoutError,
-    Problem,
-    ShapeMismatchError,
-    UnknownParametersError,
-    UsageError,
-    problem_list,
+from .formats.hf_dir import HFDirectory
+from .formats.paths import (
+    OutputKind,
+    Staging,
+    check_output_dir,
+    overlaps,
+    remove_stale,
+    replace_file,
+    user_entries,
 )
-from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .hf_dir import HFDirectory
-from .layouts import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
-from .mapping import NAME, Converter, ModelDims, compile_pattern, match_fields
-from .naming import HybridLayout
-from .paths import OutputKind, Staging, check_output_dir, overlaps, remove_stale, replace_file, user_entries
-from .registry import get_converter
+from .layouts.ops import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
 from .sizes import parse_size, peak_rss
 
 _LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")

@@ -11,6 +11,10 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
+from .arch.hf_config import HFConfigLike, load_hf_config
+from .arch.lora import expert_form, is_adapter, lora_converter
+from .arch.mapping import Converter
+from .arch.naming import local_tensors, model_config, unwrap_model
 from .errors import (
     Mcore2HFError,
     MissingWeightsError,
@@ -19,14 +23,10 @@ from .errors import (
     problem_list,
 )
 from .exporter import check_model_config, model_dims
-from .hf_config import HFConfigLike, load_hf_config
-from .hf_dir import open_tensors
-from .layouts import shape_of
-from .lora import expert_form, is_adapter, lora_converter
-from .mapping import Converter
-from .naming import local_tensors, model_config, unwrap_model
+from .formats.hf_dir import open_tensors
+from .layouts.ops import shape_of
 from .parallel import ParallelContext
-from .plan import shard_split
+from .plan.export import shard_split
 
 log = logging.getLogger("mcore2hf")
 
@@ -57,7 +57,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
             raise Mcore2HFError("hf_config is required when loading from a state dict")
         hf_config = source
     cfg = load_hf_config(hf_config)
-    from .registry import get_converter
+    from .arch.registry import get_converter
 
     converter = converter or get_converter(cfg.model_type)
     spec = import_module(converter.spec)

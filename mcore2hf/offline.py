@@ -27,23 +27,8 @@ from importlib import import_module
 
 import torch
 
-from .buckets import Bucket
-from .checkpoint_keys import PARTS, CkptSource, canonical_parts
-from .dtypes import parse_dtype
-from .errors import (
-    CheckpointError,
-    ConfigMismatchError,
-    Problem,
-    ShapeMismatchError,
-    UnknownParametersError,
-    UsageError,
-    problem_list,
-)
-from .exporter import structure_problems
-from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
-from .layouts import full_shape_of_shard
-from .layouts_stacked import Stacked
-from .lora import (
+from .arch.hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .arch.lora import (
     A_SUFFIX,
     ADAPTER,
     B_SUFFIX,
@@ -55,17 +40,32 @@ from .lora import (
     merged_whole,
     peft_config,
 )
-from .naming import (
+from .arch.naming import (
     HYBRID_FINAL_NORM,
     HybridLayout,
     checkpoint_hybrid_layout,
     filter_outputs,
 )
-from .plan import align, pack_tight, stack_units
-from .quantize import get_scheme, quantize_flat, quantized_tensors
-from .registry import get_converter
-from .senders.safetensors import SafetensorsWriter, TensorInfo, check_target
+from .arch.registry import get_converter
+from .dtypes import parse_dtype
+from .errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    Problem,
+    ShapeMismatchError,
+    UnknownParametersError,
+    UsageError,
+    problem_list,
+)
+from .exporter import structure_problems
+from .formats.checkpoint_keys import PARTS, CkptSource, canonical_parts
+from .formats.safetensors import SafetensorsWriter, TensorInfo, check_target
+from .layouts.ops import full_shape_of_shard
+from .layouts.stacked import Stacked
+from .plan.export import align, pack_tight, stack_units
+from .quantize.fp8 import get_scheme, quantize_flat, quantized_tensors
 from .sizes import parse_size, peak_rss
+from .transfer.buckets import Bucket
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -91,7 +91,7 @@ def resolve_iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | None = N
         if not os.path.isdir(path):
             raise CheckpointError(f"{tracker} names iteration {text!r}, but {path} does not exist")
         return path
-    from .legacy import is_legacy_dir
+    from .formats.legacy import is_legacy_dir
 
     if os.path.isfile(os.path.join(root, ".metadata")) or is_legacy_dir(root):
         return root
@@ -370,7 +370,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     `lora="merged"` the HF directory of W + lora_alpha/r B A, `lora="base"` the base weights (docs/lora.md)."""
     t0 = time.perf_counter()
     if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.legacy)
-        from .legacy import missing_hf_config
+        from .formats.legacy import missing_hf_config
 
         raise UsageError(missing_hf_config(resolve_iteration_dir(ckpt_dir, iteration)))
     budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
@@ -448,7 +448,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
 
 def open_checkpoint(it_dir: str):
     """The reader for what the iteration directory holds: torch_dist (.metadata) or legacy (mp_rank_*)."""
-    from .legacy import LegacyCheckpointReader, is_legacy_dir
+    from .formats.legacy import LegacyCheckpointReader, is_legacy_dir
 
     if not os.path.isfile(os.path.join(it_dir, ".metadata")) and is_legacy_dir(it_dir):
         return LegacyCheckpointReader(it_dir)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import UsageError
-from .hf_dir import HFDirectory
+from .formats.hf_dir import HFDirectory
 
 CHUNK_ELEMENTS = 1 << 21  # elements per side compared at a time (fp32 temporaries: 8 MiB each)
 #: a Megatron checkpoint's tensors are converted in buckets of this size (a larger tensor is a bucket alone), so
@@ -67,7 +67,7 @@ class Comparison:
 
 
 def is_megatron_checkpoint(path: str) -> bool:
-    from .legacy import is_legacy_dir
+    from .formats.legacy import is_legacy_dir
 
     return (any(os.path.exists(os.path.join(path, f)) for f in ("latest_checkpointed_iteration.txt", ".metadata"))
             or is_legacy_dir(path))
@@ -185,7 +185,7 @@ def _compare_values(r: Comparison, name: str, a: Side, b: Side) -> None:
 def _fp8_scheme(d: HFDirectory | None) -> tuple[bool | None, torch.dtype | None, int]:
     """(UE8M0 scales?, dtype the unquantized tensors have, block) from an FP8 directory's config.json
     (quantization_config as output_config writes it and the published block-FP8 checkpoints have it)."""
-    from .quantize import BLOCK
+    from .quantize.fp8 import BLOCK
 
     if d is None:
         return None, None, BLOCK
@@ -214,7 +214,7 @@ def _fp8_step(q: torch.Tensor) -> torch.Tensor:
 
 def _compare_fp8(r: Comparison, name: str, q: Side, src: Side, scheme: tuple, q_is_a: bool) -> None:
     """An FP8 weight (with its scale) against the unquantized one (`src`): see the module's docstring."""
-    from .quantize import ceil_div, dequantize_fp8, per_block_cast_to_fp8
+    from .quantize.fp8 import ceil_div, dequantize_fp8, per_block_cast_to_fp8
 
     ue8m0, src_dtype, block = scheme
     label = ("float8_e4m3fn+scale", _short(src.dtype)) if q_is_a else (_short(src.dtype), "float8_e4m3fn+scale")
@@ -302,7 +302,7 @@ def _compare(r: Comparison, name: str, a: Side, b: Side, scheme: tuple) -> None:
 
 def _fp8_weights(d: HFDirectory) -> dict[str, str]:
     """{fp8 weight: its scale_inv} of an HF directory (quantize.py's format)."""
-    from .quantize import scale_name
+    from .quantize.fp8 import scale_name
 
     return {n: scale_name(n) for n in d.names()
             if d.info(n).dtype == torch.float8_e4m3fn and scale_name(n) in d}

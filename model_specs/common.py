@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from mcore2hf.hf_config import get, partial_rotary_factor, rope_theta, text_config
+from mcore2hf.arch.hf_config import get, partial_rotary_factor, rope_theta, text_config
 
 
 def supported_kwargs(fn: Callable, **kwargs) -> dict:
@@ -170,7 +170,7 @@ def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, u
 
 
 def base_dims(cfg, **extra):
-    from mcore2hf.mapping import ModelDims
+    from mcore2hf.arch.mapping import ModelDims
 
     return ModelDims(
         hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
@@ -220,7 +220,7 @@ class TextView:
     name) laid over it."""
 
     def __init__(self, cfg, **fields):
-        from mcore2hf.hf_config import text_config
+        from mcore2hf.arch.hf_config import text_config
 
         self._text = text_config(cfg)
         if self._text is not cfg and getattr(cfg, "tie_word_embeddings", None) is not None:

@@ -11,8 +11,8 @@ differences (which layers are MoE, the router fields) as data."""
 import copy
 from collections.abc import Callable
 
+from mcore2hf.arch.hf_config import rope_parameters, rope_theta
 from mcore2hf.errors import ConfigMismatchError
-from mcore2hf.hf_config import rope_parameters, rope_theta
 
 from .common import (
     base_dims,

@@ -11,8 +11,8 @@
   TransformerConfig in 0.16.1), set here; HF's truncate=False is correction_range_round_to_int=False.
 """
 
+from mcore2hf.arch.hf_config import get, rope_parameters
 from mcore2hf.errors import ConfigMismatchError, LayoutError
-from mcore2hf.hf_config import get, rope_parameters
 
 from .common import (
     base_dims,

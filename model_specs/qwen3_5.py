@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mcore2hf.hf_config import text_config
+from mcore2hf.arch.hf_config import text_config
 
 from . import qwen3_next
 from .common import spec_builder

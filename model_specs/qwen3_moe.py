@@ -1,6 +1,6 @@
 """Qwen3-MoE: HF Qwen3MoeConfig <-> Megatron TransformerConfig (q/k norm, GQA, top-k softmax routing)."""
 
-from mcore2hf.hf_config import get
+from mcore2hf.arch.hf_config import get
 
 from .common import (
     base_dims,

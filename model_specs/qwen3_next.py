@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from mcore2hf.arch.hf_config import get
 from mcore2hf.errors import ConfigMismatchError
-from mcore2hf.hf_config import get
 
 from .common import (
     base_dims,

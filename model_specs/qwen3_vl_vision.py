@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from mcore2hf.hf_config import get
+from mcore2hf.arch.hf_config import get
 
 from .common import supported_kwargs
 

@@ -9,7 +9,7 @@ import importlib.util
 import torch
 from harness.wheels import unpacked_wheel
 
-from mcore2hf.hf_config import load_hf_config
+from mcore2hf.arch.hf_config import load_hf_config
 from mcore2hf.runtime.forward import logit_tolerance
 
 #: deep_gemm/utils/math.py as published on PyPI in sgl-deep-gemm 0.2.5 (SGLang's DeepGEMM build; the file is

@@ -8,9 +8,9 @@ import pytest
 from transformers import DeepseekV3Config
 
 from mcore2hf import ParallelStateError, build_model, get_converter, list_architectures
+from mcore2hf.arch.hf_config import load_hf_config
+from mcore2hf.arch.registry import get_model_spec
 from mcore2hf.errors import ConfigMismatchError
-from mcore2hf.hf_config import load_hf_config
-from mcore2hf.registry import get_model_spec
 from mcore2hf.runtime.tiny import TINY_VARIANTS, tiny_config
 
 

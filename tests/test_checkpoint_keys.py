@@ -6,7 +6,10 @@ tests/test_import.py's part (Megatron loads the import and re-saves the same key
 
 import pytest
 
-from mcore2hf.checkpoint_keys import (
+from mcore2hf.arch.naming import HybridLayout
+from mcore2hf.arch.registry import get_model_spec
+from mcore2hf.errors import ConfigMismatchError, UsageError
+from mcore2hf.formats.checkpoint_keys import (
     GLU_PARTS,
     LOCAL,
     RENAMES,
@@ -23,10 +26,7 @@ from mcore2hf.checkpoint_keys import (
     pattern_text,
     split_part,
 )
-from mcore2hf.errors import ConfigMismatchError, UsageError
-from mcore2hf.layouts_gdn import GDN_PARTS
-from mcore2hf.naming import HybridLayout
-from mcore2hf.registry import get_model_spec
+from mcore2hf.layouts.gdn import GDN_PARTS
 from mcore2hf.runtime.tiny import tiny_config
 
 E = 4  # experts
@@ -208,7 +208,7 @@ def test_every_embedded_tower_is_under_a_wrapper_child():
     """Each table's pass-through tower rule (`<child>.{NAME}`, converters.common.hf_tower) names a child the key
     scheme reads as a tower (TOWER_PREFIXES), and GLM-4.5V's and Kimi-K2.5's are Bridge's `visual` /
     `vision_tower` + `mm_projector`."""
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
 
     passes = {mt: sorted(r.megatron for r in get_converter(mt).rules if "{NAME}" in r.megatron)
               for mt in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v_moe", "kimi_k25")}

@@ -159,7 +159,7 @@ def test_verify_fp8_export_against_its_bf16_source(fp8_export):
 
 
 def _flip(directory: str, name: str, element: int, bit: int) -> None:
-    from mcore2hf.hf_dir import HFDirectory
+    from mcore2hf.formats.hf_dir import HFDirectory
 
     with HFDirectory(directory) as d:
         info = d.info(name)
@@ -228,7 +228,7 @@ def test_verify_streams_fp8_blocks_and_rows_in_bounded_runs(tmp_path, monkeypatc
     from safetensors.torch import save_file
 
     from mcore2hf import verify
-    from mcore2hf.quantize import per_block_cast_to_fp8
+    from mcore2hf.quantize.fp8 import per_block_cast_to_fp8
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 260, generator=g).bfloat16()
@@ -247,7 +247,7 @@ def test_verify_streams_fp8_blocks_and_rows_in_bounded_runs(tmp_path, monkeypatc
     assert (runs.fp8_max_abs_diff, runs.max_abs_diff) == (whole.fp8_max_abs_diff, whole.max_abs_diff) != (0, 0)
     assert list(verify._row_runs((300, 260), 128)) == [(0, 128), (128, 256), (256, 300)]
     with open(tmp_path / "q" / "model.safetensors", "r+b") as f:  # one fp8 byte in the third block row
-        from mcore2hf.hf_dir import HFDirectory
+        from mcore2hf.formats.hf_dir import HFDirectory
 
         info = HFDirectory(a).info("x.weight")
         f.seek(info.offset + 270 * 260 + 3)

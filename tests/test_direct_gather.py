@@ -37,8 +37,8 @@ def test_ep2_all_gather_lands_in_the_output_bit_identical_and_copies_less(ckpts)
 
 def _qwen3_moe_sources(ep: int, experts: int = 8, layers: int = 2):
     """The plan's sources of a tiny Qwen3-MoE at EP `ep` (TP 1), from rank records as each rank would send them."""
-    from mcore2hf.plan import RankRecord, build_sources
-    from mcore2hf.registry import get_converter, get_model_spec
+    from mcore2hf.arch.registry import get_converter, get_model_spec
+    from mcore2hf.plan.export import RankRecord, build_sources
     from mcore2hf.runtime.tiny import tiny_config
 
     cfg = tiny_config("qwen3_moe", num_experts=experts, num_hidden_layers=layers)
@@ -67,7 +67,7 @@ def _qwen3_moe_sources(ep: int, experts: int = 8, layers: int = 2):
 
 
 def test_direct_layout_ep2_and_ep4_member_slots_tile_the_bucket():
-    from mcore2hf.plan import assign_buckets
+    from mcore2hf.plan.export import assign_buckets
 
     for ep in (2, 4):
         sources = _qwen3_moe_sources(ep)

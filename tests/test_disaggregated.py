@@ -84,8 +84,8 @@ def test_disaggregated_engine_shards_tp2_ep2_trainer_to_2_engine_ranks_every_hol
     slices equal the engine's slices of the source HF checkpoint (torch.equal) and are exactly its engine_regions; it
     receives exactly its regions' bytes; every trainer rank sends (no single source) exactly what the plan routes
     from it, and the trainers send what the engines receive."""
-    from mcore2hf.engine_shards import EnginePlacement, engine_regions, region_slices
-    from mcore2hf.registry import get_model_spec
+    from mcore2hf.arch.registry import get_model_spec
+    from mcore2hf.plan.engine_shards import EnginePlacement, engine_regions, region_slices
     from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 
     t0 = time.time()
@@ -163,8 +163,8 @@ def test_disaggregated_ranks_and_receive_program_refusals():
 
     import pytest
 
-    from mcore2hf.engine_plan import plan_engine_shards
-    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
+    from mcore2hf.plan.engine import plan_engine_shards
+    from mcore2hf.plan.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.senders.engine_shard import (
         EngineShardReceiver,
         disaggregated_ranks,

@@ -25,10 +25,10 @@ import pytest
 import worlds
 from oracle import hf_logits, logit_problems
 
+from mcore2hf.arch.hf_config import load_hf_config
+from mcore2hf.arch.registry import get_model_spec
 from mcore2hf.errors import ConfigMismatchError
-from mcore2hf.hf_config import load_hf_config
 from mcore2hf.model_specs.deepseek_v3 import megatron_at_least
-from mcore2hf.registry import get_model_spec
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
 
@@ -154,7 +154,7 @@ def test_fp8_keeps_the_indexer_weights_proj_as_transformers_loads_it():
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32PreTrainedModel
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaPreTrainedModel
 
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
 
     assert transformers.__version__ == "5.24.0"
     for cls in (DeepseekV32PreTrainedModel, GlmMoeDsaPreTrainedModel):

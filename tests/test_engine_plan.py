@@ -9,12 +9,12 @@ import functools
 import pytest
 import torch
 
-from mcore2hf.engine_shards import EnginePlacement, EngineShardError, clip, engine_regions, region_slices
 from mcore2hf.errors import ShapeMismatchError
 from mcore2hf.importer import _full_shape, megatron_names
-from mcore2hf.layout_pieces import Piece, pieces
-from mcore2hf.layouts import QKV, Column, GatedInterleaved, RowTransposed, VocabRows
-from mcore2hf.layouts_stacked import Stacked
+from mcore2hf.layouts.ops import QKV, Column, GatedInterleaved, RowTransposed, VocabRows
+from mcore2hf.layouts.pieces import Piece, pieces
+from mcore2hf.layouts.stacked import Stacked
+from mcore2hf.plan.engine_shards import EnginePlacement, EngineShardError, clip, engine_regions, region_slices
 from mcore2hf.runtime.world import Layout, run_world
 
 COUNTS = (1, 2, 4)
@@ -24,8 +24,8 @@ COUNTS = (1, 2, 4)
 def _model(model_type: str):
     """(dims, {HF name: shape}, [(op, full Megatron shape, HF names)]) of the tiny config, one entry per
     distinct (op, shape): the layers share op objects."""
-    from mcore2hf.hf_config import hf_tensor_shapes
-    from mcore2hf.registry import get_converter, get_model_spec
+    from mcore2hf.arch.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.registry import get_converter, get_model_spec
     from mcore2hf.runtime.tiny import tiny_config
 
     cfg = tiny_config(model_type)
@@ -191,7 +191,7 @@ def test_pieces_small_ops_shapes(op, full, count):
 
 def test_pieces_refuse_a_copy_that_does_not_factor_5_elements_of_5x2():
     """A copy of 5 flat elements of a 5x2 tensor (two rows and a half): no box per HF dim, refused."""
-    from mcore2hf.layouts import LayoutOp, StridedCopy
+    from mcore2hf.layouts.ops import LayoutOp, StridedCopy
 
     class Odd(LayoutOp):
         def copies(self, shard_shape, count):
@@ -245,9 +245,9 @@ def test_engine_sharded_export_tp2_pp2_ep2_equals_engine_slices_of_full_export_4
 def test_engine_plan_refusals_quantized_plan_and_bad_colocated_groups():
     """A quantized export plan, an engine TP that does not divide the world, overlapping groups: clear errors
     before anything is planned or sent."""
-    from mcore2hf.engine_plan import plan_engine_shards
-    from mcore2hf.engine_shards import colocated_ranks
-    from mcore2hf.plan import ExportPlan
+    from mcore2hf.plan.engine import plan_engine_shards
+    from mcore2hf.plan.engine_shards import colocated_ranks
+    from mcore2hf.plan.export import ExportPlan
 
     with pytest.raises(EngineShardError, match=r"quantized \(fp8\) plan: not supported"):
         plan_engine_shards(ExportPlan("qwen3", {}, [], 1, [], 4, quantize="fp8"), colocated_ranks(4, "vllm", 2), None)
@@ -282,8 +282,8 @@ def test_masked_engine_bucket_as_bucket_debug_needs_a_nan_filling_executor():
     unless the executor filled NaN first (it used to ignore `debug` silently)."""
     import pytest
 
-    from mcore2hf.engine_shards import EngineShardError
-    from mcore2hf.plan import pack_tight
+    from mcore2hf.plan.engine_shards import EngineShardError
+    from mcore2hf.plan.export import pack_tight
     from mcore2hf.transfer.engine import EngineBucket
 
     full = pack_tight([("w", (2, 3), torch.float32, "w")])
@@ -298,9 +298,9 @@ def test_slices_bucket_as_bucket_equals_mask_to_engine_column_row_and_two_region
     """A raw-slices bucket's as_bucket() (the executor's masked placement run on its slices) equals mask_to_engine
     of the full tensors (an independent path: indexing), NaN outside the regions with debug, for a column region
     (strided destination), a row region of a bf16 tensor and one tensor with two regions."""
-    from mcore2hf.engine_plan import SliceEntry
-    from mcore2hf.engine_shards import mask_to_engine, region_slices
-    from mcore2hf.plan import pack_tight
+    from mcore2hf.plan.engine import SliceEntry
+    from mcore2hf.plan.engine_shards import mask_to_engine, region_slices
+    from mcore2hf.plan.export import pack_tight
     from mcore2hf.transfer.engine import EngineBucket
 
     full = {"a": torch.arange(24, dtype=torch.float32).reshape(6, 4),
@@ -334,7 +334,7 @@ def test_slices_bucket_as_bucket_equals_mask_to_engine_column_row_and_two_region
 @pytest.mark.parametrize("full", [(45, 7), (45,)])
 def test_pieces_partition_fused_vision_qkv_heads3_d5(count, full):
     """The vision tower's fused QKV (one HF output [q; k; v]): pieces cover it once and equal `to_hf`."""
-    from mcore2hf.layouts import QKV
+    from mcore2hf.layouts.ops import QKV
 
     op = QKV(3, 3, 5, fused=True)
     _check_partition(op, full, _shards(op, full, count), (full, count))

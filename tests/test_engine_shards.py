@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
 
-from mcore2hf.engine_shards import (  # noqa: E402
+from mcore2hf.arch.mapping import ModelDims  # noqa: E402
+from mcore2hf.plan.engine_shards import (  # noqa: E402
     EnginePlacement,
     EngineShardError,
     engine_regions,
@@ -39,7 +40,6 @@ from mcore2hf.engine_shards import (  # noqa: E402
     regions_bytes,
     sharding_kind,
 )
-from mcore2hf.mapping import ModelDims  # noqa: E402
 
 SGLANG, VLLM = "0.5.23", "0.33.0"
 TPS = (1, 2, 4)
@@ -286,8 +286,8 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
     the ranks' regions cover every element of every HF tensor exactly as often as the engine loads it (replicated:
     every rank; kv heads under replication: tp / kv heads ranks; everything else: exactly one rank), and the
     bytes each rank needs are printed against the full model's bytes."""
-    from mcore2hf.hf_config import hf_tensor_shapes
-    from mcore2hf.registry import get_converter, get_model_spec
+    from mcore2hf.arch.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.registry import get_converter, get_model_spec
     from mcore2hf.runtime.tiny import TINY_CONFIGS, tiny_config
 
     report, skipped, refused_towers = [], set(), set()

@@ -8,9 +8,9 @@ import worlds
 from oracle import logit_problems
 
 from mcore2hf import HFExporter, ParallelStateError, list_architectures
+from mcore2hf.arch.hf_config import load_hf_config
+from mcore2hf.arch.registry import get_converter
 from mcore2hf.errors import UnsupportedArchitectureError
-from mcore2hf.hf_config import load_hf_config
-from mcore2hf.registry import get_converter
 from mcore2hf.runtime.tiny import tiny_config
 from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 

@@ -13,8 +13,8 @@ from conftest import ARCHS as ALL_ARCHS
 from conftest import FORMAT_MATES, WORLD_ARCHS
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-from mcore2hf.quantize import FP8Policy, dequantize_fp8
-from mcore2hf.registry import get_converter
+from mcore2hf.arch.registry import get_converter
+from mcore2hf.quantize.fp8 import FP8Policy, dequantize_fp8
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 

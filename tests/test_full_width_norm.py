@@ -78,7 +78,7 @@ def test_full_width_norm_refuses_tp_not_dividing_heads():
 
 
 def test_specs_refuse_configs_transformers_computes_differently():
-    from mcore2hf.registry import get_model_spec
+    from mcore2hf.arch.registry import get_model_spec
     from mcore2hf.runtime.tiny import tiny_config
 
     with pytest.raises(ConfigMismatchError, match="'scoring_func': 'softmax'"):

@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-import mcore2hf.hf_dir as hf_dir
+import mcore2hf.formats.hf_dir as hf_dir
 from mcore2hf.errors import HFDirectoryError, Mcore2HFError
-from mcore2hf.hf_dir import HFDirectory, read_all
+from mcore2hf.formats.hf_dir import HFDirectory, read_all
 from mcore2hf.runtime.tiny import randomize_, tiny_config
 
 

@@ -10,9 +10,9 @@ import pytest
 import worlds
 from oracle import logit_problems
 
+from mcore2hf.arch.naming import HybridLayout
 from mcore2hf.errors import ConfigMismatchError, UsageError
 from mcore2hf.importer import import_checkpoint
-from mcore2hf.naming import HybridLayout
 from mcore2hf.offline import export_checkpoint
 from mcore2hf.runtime.tiny import read_hf_checkpoint
 from mcore2hf.runtime.world import Layout, run_world
@@ -85,7 +85,7 @@ def test_hybrid_model_exports_and_loads_like_gpt_model(ckpts, layout, archs, tmp
 
 
 def test_offline_export_refuses_hybrid_checkpoint_pattern_mismatch():
-    from mcore2hf.naming import checkpoint_hybrid_layout
+    from mcore2hf.arch.naming import checkpoint_hybrid_layout
 
     keys = ["decoder.final_norm.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
             "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.2.mlp.linear_fc1.weight",

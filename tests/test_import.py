@@ -24,7 +24,8 @@ from oracle import logit_problems
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from mcore2hf.checkpoint_keys import TRANSFORMER_IMPLS, pattern_text
+from mcore2hf.arch.hf_config import load_hf_config, text_config
+from mcore2hf.arch.registry import get_converter, get_model_spec
 from mcore2hf.errors import (
     ConfigMismatchError,
     HFDirectoryError,
@@ -33,10 +34,9 @@ from mcore2hf.errors import (
     UnknownParametersError,
     UsageError,
 )
-from mcore2hf.hf_config import load_hf_config, text_config
+from mcore2hf.formats.checkpoint_keys import TRANSFORMER_IMPLS, pattern_text
 from mcore2hf.importer import ImportTargetError, import_checkpoint
 from mcore2hf.offline import VOCAB_KEYS, export_checkpoint
-from mcore2hf.registry import get_converter, get_model_spec
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
@@ -76,7 +76,7 @@ def held(ckpt: str) -> dict[str, torch.Tensor]:
 
 
 def test_every_registered_architecture_is_imported():
-    from mcore2hf.registry import canonical_model_type, list_architectures
+    from mcore2hf.arch.registry import canonical_model_type, list_architectures
 
     # the vision-language models' imports run in tests/test_vlm.py (import -> offline export = the checkpoint)
     assert {canonical_model_type(m) for m in list_architectures()} == set(ARCHS) | set(HYBRID_ATTENTION) | set(VLM_ARCHS)
@@ -440,7 +440,7 @@ def test_transformer_engine_import_has_the_keys_of_megatron_cores_te_spec(all_ck
     """For every registered architecture, the default (transformer_engine) import's tensor keys and `_extra_state`
     objects are exactly those of the model megatron-core's own TE spec builds (harness.te_spec: which norms are
     fused, which are TENorm), keyed by megatron-core's stacking rules (hybrid stacks: not checked here)."""
-    from mcore2hf.checkpoint_keys import split_part
+    from mcore2hf.formats.checkpoint_keys import split_part
     from mcore2hf.importer import megatron_names
 
     for mt, ckpt in all_ckpts.items():

@@ -91,7 +91,7 @@ def test_mcore2hf_list_states_these_worlds():
 
     from conftest import ARCHS, FORMAT_MATES
 
-    from mcore2hf.registry import verified
+    from mcore2hf.arch.registry import verified
 
     for mt in ARCHS:
         worlds_run = sum(1 for layout, _, mates in LAYOUTS if (mates or mt not in FORMAT_MATES)

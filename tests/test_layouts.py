@@ -6,7 +6,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mcore2hf.errors import ShapeMismatchError
-from mcore2hf.layouts import (
+from mcore2hf.layouts.gdn import ColumnParts, GatedQKV, GDNInProj
+from mcore2hf.layouts.ops import (
     QKV,
     Column,
     GatedColumn,
@@ -19,8 +20,7 @@ from mcore2hf.layouts import (
     VocabRows,
     ZeroCentered,
 )
-from mcore2hf.layouts_gdn import ColumnParts, GatedQKV, GDNInProj
-from mcore2hf.layouts_stacked import Stacked
+from mcore2hf.layouts.stacked import Stacked
 
 g = torch.Generator().manual_seed(0)
 
@@ -377,7 +377,7 @@ def test_indexer_rope_rows_give_megatron_the_scores_transformers_computes(hf_int
 def test_whole_or_split_decides_from_the_shard_merged12_tp3(tp_dim):
     """The Qwen3-VL merger's linears: split over TP natively (column / row), whole in an embedded HF tower, one
     name; the shard's size along the TP dim says which (as for MLA's down projections)."""
-    from mcore2hf.layouts import WholeOrSplit
+    from mcore2hf.layouts.ops import WholeOrSplit
 
     op = WholeOrSplit(12, tp_dim)
     full = rand(12, 12)

@@ -16,7 +16,7 @@ from oracle import logit_problems
 from worlds import TOKENS
 
 from mcore2hf.errors import UsageError
-from mcore2hf.legacy import LegacyFormatError
+from mcore2hf.formats.legacy import LegacyFormatError
 from mcore2hf.offline import export_checkpoint
 from mcore2hf.runtime.tiny import read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
@@ -171,7 +171,7 @@ class _Evil:
 def test_globals_registered_by_others_are_not_used(saved):
     """Importing megatron.core adds the real numpy _reconstruct to torch's process-wide allow-list; whichever entry
     of a name comes last wins there, so a load must see ALLOWED's entries only, and leave the others registered."""
-    from mcore2hf.legacy import FILE, load_restricted
+    from mcore2hf.formats.legacy import FILE, load_restricted
 
     def bomb(*args):
         raise AssertionError("a global registered by someone else was called")

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
 
-from mcore2hf.lora import PEFT_V4_RENAMED
+from mcore2hf.arch.lora import PEFT_V4_RENAMED
 from mcore2hf.model_specs.deepseek_v3 import megatron_at_least
 from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import read_hf_checkpoint
@@ -553,7 +553,7 @@ def test_peft_target_modules():
     """adapter_config.json's target_modules: leaf names when every layer has the adapter, else the full module
     names, which peft matches exactly (a name matches itself or a module ending in '.' + it), so PEFT adds no
     adapter the export does not hold; a non-integral alpha stays a float."""
-    from mcore2hf.lora import LoraInfo, peft_config
+    from mcore2hf.arch.lora import LoraInfo, peft_config
 
     def names(layers, leaves):
         return [f"base_model.model.model.layers.{i}.self_attn.{leaf}.lora_{f}.weight"

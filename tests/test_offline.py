@@ -249,7 +249,7 @@ def test_name_filter_skips_tensors_at_plan_level(saved, ckpts, tmp_path):
 def test_offline_fp8_export_equals_the_reference_quantizer(case, saved, ckpts, tmp_path):
     """`export --quantize`: bit-identical to the reference quantizer on the full (cast) HF tensors, the CLI and
     the Python API, both scale formats, with quantization_config in config.json."""
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
 
     layout, singleton = case
     for mt, base in saved[(str(layout), singleton)].items():

@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import save_file
 from test_senders import make_bucket
 
+from mcore2hf.arch.hf_config import config_source, output_config
 from mcore2hf.cli import build_parser
 from mcore2hf.errors import Mcore2HFError
-from mcore2hf.hf_config import config_source, output_config
+from mcore2hf.formats.safetensors import SafetensorsWriter, TensorInfo, check_target
 from mcore2hf.runtime.tiny import tiny_config
-from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo, check_target
 from mcore2hf.sizes import parse_size
 
 
@@ -278,7 +278,7 @@ def test_library_logging_is_silent_unless_configured():
 
 
 def test_name_filter_keeps_whole_megatron_tensors():
-    from mcore2hf.naming import NameFilter, filter_outputs
+    from mcore2hf.arch.naming import NameFilter, filter_outputs
 
     outs = [("qkv", ("q", "k", "v"), ()), ("emb", ("model.embed_tokens.weight",), ("model.layers.4.embed_tokens.weight",)),
             ("norm", ("model.norm.weight",), ())]

@@ -76,7 +76,7 @@ def test_dry_run_deepseek_v3_at_pp16_ep64(tmp_path, capsys):
     import torch
     import transformers
 
-    from mcore2hf.planning import plan_report
+    from mcore2hf.dry_run import plan_report
 
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     t0 = time.perf_counter()

@@ -3,8 +3,8 @@ dim that must find an overlapping pair exactly when the pairwise scan does."""
 
 import random
 
-from mcore2hf.engine_plan import _first_overlap, _meet
-from mcore2hf.layout_pieces import Piece
+from mcore2hf.layouts.pieces import Piece
+from mcore2hf.plan.engine import _first_overlap, _meet
 
 
 def _pairwise(ps):

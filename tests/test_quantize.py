@@ -5,7 +5,7 @@ import oracle
 import pytest
 import torch
 
-from mcore2hf.quantize import (
+from mcore2hf.quantize.fp8 import (
     SCHEMES,
     FP8Policy,
     ceil_to_ue8m0,
@@ -143,7 +143,7 @@ def test_policy_with_a_tower_lists_its_modules_and_prefixes():
 
 
 def test_quantize_flat_bucket_300x200_matches_per_tensor_quantization():
-    from mcore2hf.plan import pack_tight
+    from mcore2hf.plan.export import pack_tight
 
     policy = FP8Policy(keep=())
     a, b, norm = _weights((300, 200), torch.bfloat16), _weights((64, 300), torch.bfloat16, 1), torch.ones(64)
@@ -166,7 +166,7 @@ def test_quantize_flat_bucket_300x200_matches_per_tensor_quantization():
 
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
 def test_batched_3x300x200_equals_one_by_one(deepgemm, ue8m0):
-    from mcore2hf.quantize import per_block_cast_to_fp8_batched
+    from mcore2hf.quantize.fp8 import per_block_cast_to_fp8_batched
 
     x = torch.stack([_weights((300, 200), torch.bfloat16, seed=k) for k in range(3)])
     x[1, :128, :128] = 0
@@ -177,7 +177,7 @@ def test_batched_3x300x200_equals_one_by_one(deepgemm, ue8m0):
 
 
 def test_batches_are_bounded_by_elements():
-    from mcore2hf.quantize import chunks
+    from mcore2hf.quantize.fp8 import chunks
 
     assert chunks(list(range(5)), 300 * 200, limit=2 * 300 * 200) == [[0, 1], [2, 3], [4]]
     assert chunks(list(range(2)), 10**9, limit=10) == [[0], [1]]  # a tensor over the limit goes alone
@@ -196,8 +196,8 @@ def test_batches_are_bounded_by_elements():
 def test_quantizing_shards_then_layout_equals_quantizing_hf_tensors(op_name, shape, count, eligible):
     """The plan's on-shard path in miniature: each shard quantized alone into its blob, FP8RowSlices' copies
     from the stacked blobs, versus the reference quantizer on the HF tensors the original op makes."""
-    from mcore2hf import layouts
-    from mcore2hf.quantize import FP8RowSlices, row_pieces
+    from mcore2hf.layouts import ops as layouts
+    from mcore2hf.quantize.fp8 import FP8RowSlices, row_pieces
 
     op = getattr(layouts, op_name)()
     found = row_pieces(op, shape, count)

@@ -13,15 +13,15 @@ import worlds
 from oracle import logit_problems, roundoff_problems
 from test_senders import make_bucket
 
-import mcore2hf.senders.safetensors as st
+import mcore2hf.formats.safetensors as st
+from mcore2hf.arch.hf_config import config_source
+from mcore2hf.arch.registry import get_converter
 from mcore2hf.errors import Mcore2HFError, ShapeMismatchError
-from mcore2hf.hf_config import config_source
-from mcore2hf.layouts_gdn import ColumnParts
+from mcore2hf.formats.safetensors import SafetensorsWriter, TensorInfo
+from mcore2hf.layouts.gdn import ColumnParts
 from mcore2hf.offline import export_checkpoint
-from mcore2hf.registry import get_converter
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world
-from mcore2hf.senders.safetensors import SafetensorsWriter, TensorInfo
 
 VISUAL = "model.visual."
 

@@ -6,10 +6,10 @@ tests/test_vllm_contract.py."""
 import pytest
 import torch
 
-from mcore2hf.buckets import Bucket
-from mcore2hf.plan import pack_tight
+from mcore2hf.plan.export import pack_tight
 from mcore2hf.senders.receiver import tight_views
 from mcore2hf.senders.serialize import deserialize, flattened_payload, reconstruct, serialize
+from mcore2hf.transfer.buckets import Bucket
 
 
 def make_bucket(tensors: dict[str, torch.Tensor]) -> Bucket:

@@ -61,8 +61,8 @@ class _Exporter:
     def executor(self, bucket_bytes, receivers):
         from types import SimpleNamespace
 
-        from mcore2hf.buckets import Bucket
-        from mcore2hf.plan import pack_tight
+        from mcore2hf.plan.export import pack_tight
+        from mcore2hf.transfer.buckets import Bucket
 
         names = list(self.ts)
         buckets = []
@@ -645,7 +645,7 @@ def sharded_trainer(url: str, ex, cfg, bucket_bytes: int) -> dict:
     this rank receives in an all-ranks export."""
     import torch.distributed as dist
 
-    from mcore2hf.engine_shards import engine_regions, mask_to_engine
+    from mcore2hf.plan.engine_shards import engine_regions, mask_to_engine
     from mcore2hf.senders import SGLangColocatedSender, sync
 
     rank = dist.get_rank()

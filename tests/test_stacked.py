@@ -8,8 +8,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mcore2hf.errors import ShapeMismatchError
-from mcore2hf.layouts import GatedInterleaved, GatedTransposed, Replicated, RowTransposed
-from mcore2hf.layouts_stacked import Stacked
+from mcore2hf.layouts.ops import GatedInterleaved, GatedTransposed, Replicated, RowTransposed
+from mcore2hf.layouts.stacked import Stacked
 
 g = torch.Generator().manual_seed(0)
 
@@ -145,8 +145,8 @@ def test_peft_stacked_lora_factors_E3_r2(etp):
     """PEFT's 3-D expert LoRA factors (peft 0.21.2 tuners/lora/layer.py:2534-2535): A rows expert-major
     (`StackedRows`), B columns rank-major / expert-minor (`StackedCols`), fc1's B [gate; up] as one (`Fused`),
     against a reference written with PEFT's own reshapes, from expert-TP shards; and each inverse."""
-    from mcore2hf.layouts import Column, GatedColumn, Row
-    from mcore2hf.layouts_stacked import Fused, StackedCols, StackedRows
+    from mcore2hf.layouts.ops import Column, GatedColumn, Row
+    from mcore2hf.layouts.stacked import Fused, StackedCols, StackedRows
 
     E, r, hidden, inter = 3, 2, 4, 6
     n = inter // etp

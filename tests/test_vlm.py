@@ -143,7 +143,7 @@ def _offline(model_type: str, ckpt_dir: str, hf_dir: str, tmp_path) -> None:
 
 
 def _tower(model_type: str, name: str) -> bool:
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
 
     return get_converter(model_type).not_held_by_model(name)
 
@@ -174,13 +174,13 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     from harness.vllm_vlm_names import MODULES
     from harness.wheels import unpacked_wheel
 
-    from mcore2hf.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.hf_config import hf_tensor_shapes
 
     repo = Path(__file__).resolve().parents[1]
     names = {mt: sorted(hf_tensor_shapes(tiny_config(mt))) for mt in ("qwen3_vl", "qwen3_5")}
     names["qwen3_5"].append("mtp.fc.weight")  # published Qwen3.5 checkpoints carry MTP weights (declared not held)
-    from mcore2hf.quantize import SCHEMES
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
+    from mcore2hf.quantize.fp8 import SCHEMES
 
     names["fp8"] = {}
     for mt, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"), ("glm4v_moe", "Glm4vMoeForConditionalGeneration"),
@@ -296,7 +296,7 @@ def _load_contract_problems(mt: str, arch: str, got: dict, where: tuple[str, str
     """What is wrong in an engine class's harness.vlm_load.load_contract result for the tiny `mt` checkpoint:
     an error, another class, a sent name landing in no parameter, a whole-parameter copy not equal, a parameter
     left unfilled, or a name landing outside the module `where` names for it (tower, lm_head, language model)."""
-    from mcore2hf.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.hf_config import hf_tensor_shapes
 
     if "error" in got:
         return [f"{mt}: {got['error']}"]
@@ -336,7 +336,7 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
 
     from harness.wheels import unpacked_wheel
 
-    from mcore2hf.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.hf_config import hf_tensor_shapes
 
     repo = Path(__file__).resolve().parents[1]
     cases = {}
@@ -346,8 +346,8 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         assert set(read_hf_checkpoint(ckpt)) == set(hf_tensor_shapes(cfg)), mt  # the names an export sends
         cases[mt] = [_engine_config_view(mt, ckpt, arch, tmp_path), str(ckpt)]
     # FP8 exports keep the tower unquantized: SGLang, given an export's quantization_config, must build it so
-    from mcore2hf.quantize import SCHEMES
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
+    from mcore2hf.quantize.fp8 import SCHEMES
 
     for mt, arch in (("qwen3_vl", ENGINE_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
         cfg = tiny_config(mt)

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from harness.te_spec import expected_te_names, megatron_fused_norm_names
 
 from mcore2hf import HFExporter, build_model, load_hf_weights
-from mcore2hf.hf_config import load_hf_config
-from mcore2hf.layouts_stacked import Stacked
-from mcore2hf.registry import get_model_spec
+from mcore2hf.arch.hf_config import load_hf_config
+from mcore2hf.arch.registry import get_model_spec
+from mcore2hf.layouts.stacked import Stacked
 from mcore2hf.runtime.forward import megatron_logits
 from mcore2hf.runtime.te_naming import te_names_of, to_te_names
 from mcore2hf.runtime.tiny import read_hf_checkpoint
@@ -81,7 +81,7 @@ def forward_oracle(ckpt: str, layout: Layout, chunks=None) -> torch.Tensor:
     if chunks is None or next(chunks[0].parameters()).dtype != torch.float32:
         _, chunks = build(ckpt, layout)
         load_hf_weights(chunks, ckpt)
-    from mcore2hf.hf_config import text_config
+    from mcore2hf.arch.hf_config import text_config
 
     return megatron_logits(chunks, TOKENS, text_config(load_hf_config(ckpt)).vocab_size)
 
@@ -181,7 +181,7 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, te_
 def dry_run_plans(ckpts: dict[str, str], layout: Layout, dtype_name: str, bucket_bytes: int) -> dict[str, tuple]:
     """The one-process dry run (mcore2hf.planning) of each checkpoint's model at `layout`: (describe(), records,
     every rank's memory estimate). Run in a fresh process: it sets up a fake torch.distributed world."""
-    from mcore2hf.planning import dry_run
+    from mcore2hf.dry_run import dry_run
 
     out = {}
     for mt, ckpt in ckpts.items():
@@ -195,7 +195,7 @@ def memory_by_rank_class(model_type: str, layout: Layout, bucket_bytes: int) -> 
     Executor.memory_estimate() from its own programs, one and two arenas, for a tiny model at `layout`."""
     import torch
 
-    from mcore2hf.planning import dry_run, rank_contexts
+    from mcore2hf.dry_run import dry_run, rank_contexts
     from mcore2hf.runtime.tiny import tiny_config
     from mcore2hf.transfer.builders import memory_estimates
     from mcore2hf.transfer.export import Executor
@@ -266,8 +266,8 @@ def error_suite(ckpt: str, layout: Layout, tmp: str) -> list[str]:
         ShapeMismatchError,
         UnknownParametersError,
     )
+    from mcore2hf.formats import safetensors as st
     from mcore2hf.runtime.tiny import tiny_config
-    from mcore2hf.senders import safetensors as st
 
     rank = dist.get_rank()
     seen = []
@@ -575,7 +575,7 @@ def outputs_suite(ckpt: str, layout: Layout, src_dir: str, tmp: str) -> dict:
 
     import pytest
 
-    from mcore2hf.naming import NameFilter
+    from mcore2hf.arch.naming import NameFilter
 
     _, chunks = build(ckpt, layout)
     load_hf_weights(chunks, ckpt)
@@ -610,7 +610,7 @@ def reference_fp8(ref: dict, policy, ue8m0: bool) -> dict:
     quantizes."""
     from oracle import fp8_reference
 
-    from mcore2hf.quantize import scale_name
+    from mcore2hf.quantize.fp8 import scale_name
 
     out = {}
     for name, t in ref.items():
@@ -746,7 +746,7 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
 
     cfg, chunks = build(ckpt, layout, model_class=model_class, **config) if built is None else built
     zero_(chunks)
@@ -807,7 +807,7 @@ def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor
     (vision tower, MTP), every export mode is bit-identical to the language model's tensors, save_pretrained
     completed from the checkpoint as base equals the whole checkpoint; with `tokens` (PP 1), the logits; last,
     te_naming's names equal megatron-core's TE spec's (`te_specs[model_type]`)."""
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
 
     rank = dist.get_rank()
     cfg, chunks = build(ckpt, layout)
@@ -842,7 +842,7 @@ def qwen3_5_suite(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor
     load_hf_weights(chunks, ckpt)
     logits = None
     if tokens is not None:
-        from mcore2hf.hf_config import text_config
+        from mcore2hf.arch.hf_config import text_config
 
         logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)
     agree(te_renamed(chunks, te_specs[cfg.model_type]))
@@ -883,8 +883,8 @@ def hybrid_suite(ckpt: str, layout: Layout, dist_root: str | None = None, import
     torch_dist checkpoint is saved under dist_root/<arch>/ckpt for the offline export; (with `import_root`) a
     hybrid model loads what `mcore2hf import --model-class hybrid` wrote under import_root/<arch> with Megatron's
     `dist_checkpointing.load` (strict) and exports the HF source."""
+    from mcore2hf.arch.naming import hybrid_layout, model_config
     from mcore2hf.errors import ConfigMismatchError
-    from mcore2hf.naming import hybrid_layout, model_config
 
     cfg, gpt = build(ckpt, layout, mtp=False)
     load_hf_weights(gpt, ckpt)
@@ -935,7 +935,7 @@ TP_ALIGNED_OPS = {"Column", "Row", "QKV", "GatedQKV", "GatedColumn", "GDNInProj"
 
 def _masked_ok(full: torch.Tensor, name: str, t: torch.Tensor, got: dict) -> bool:
     """In the rank's regions of `name` (the keys of `got`) the full export's values, NaN elsewhere."""
-    from mcore2hf.engine_shards import region_slices
+    from mcore2hf.plan.engine_shards import region_slices
 
     inside = torch.zeros(full.shape, dtype=torch.bool)
     for (n, region) in got:
@@ -949,7 +949,7 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
     and vllm at engine TP 1/2/4 (with EP for MoE), colocated: every rank's slices equal engine_slices of the
     full export (torch.equal), exactly its engine_regions arrive, debug masking leaves NaN elsewhere, and the
     bytes received equal the plan's wire bytes (= regions bytes - locally held bytes)."""
-    from mcore2hf.engine_shards import (
+    from mcore2hf.plan.engine_shards import (
         EngineShardError,
         colocated_ranks,
         engine_regions,
@@ -1046,8 +1046,8 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
 
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
-    from mcore2hf.engine_plan import plan_engine_shards
-    from mcore2hf.engine_shards import EnginePlacement, EngineRank, engine_regions, region_slices
+    from mcore2hf.plan.engine import plan_engine_shards
+    from mcore2hf.plan.engine_shards import EnginePlacement, EngineRank, engine_regions, region_slices
     from mcore2hf.transfer.engine import EngineExecutor
 
     me = dist.get_rank()
@@ -1204,7 +1204,7 @@ def engine_matrix(ex: HFExporter, ref: dict, layout: Layout, model_type: str) ->
     "refused" (the EngineShardError) or the slices that differ from engine_slices of `ref` (torch.equal), whether
     exactly the engine's regions arrived, and the byte counts (received / sent / copied locally by the executor,
     the plan's wire and local bytes, and the bytes of the engine's regions computed here from engine_regions)."""
-    from mcore2hf.engine_shards import (
+    from mcore2hf.plan.engine_shards import (
         EngineShardError,
         colocated_ranks,
         engine_regions,
@@ -1311,7 +1311,7 @@ def indexer_rows_as_hf(chunks) -> None:
     to HF's: on megatron-core 0.16-0.18 the HF order (what a converter that copied the indexer one to one would
     load), on 0.19 (whose order is HF's) the wrong move (what the 0.16 layout op would load there). The negative
     control of the sparse-regime parity test: its logits must then be far from transformers'."""
-    from mcore2hf.layouts import IndexerRope
+    from mcore2hf.layouts.ops import IndexerRope
 
     with torch.no_grad():
         for chunk in chunks:
@@ -1336,7 +1336,7 @@ def dsa_forward(ckpt: str, layout: Layout, scramble: bool = False) -> dict:
     same = all(c.keys() == indexer.keys() and all(torch.equal(c[n], t) for n, t in indexer.items()) for c in copies)
     if scramble:
         indexer_rows_as_hf(chunks)
-    from mcore2hf.hf_config import text_config
+    from mcore2hf.arch.hf_config import text_config
 
     logits = megatron_logits(chunks, TOKENS, text_config(load_hf_config(ckpt)).vocab_size)
     layers = [layer for c in chunks for layer in c.decoder.layers]
@@ -1417,9 +1417,9 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     from harness.bridge_lora import apply_lora
     from safetensors.torch import load_file
 
+    from mcore2hf.arch.hf_config import text_config
+    from mcore2hf.arch.lora import peft_name
     from mcore2hf.errors import UsageError
-    from mcore2hf.hf_config import text_config
-    from mcore2hf.lora import peft_name
 
     cfg, chunks = build(ckpt, layout, mtp=False)
     apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA, canonical=canonical)
@@ -1442,7 +1442,7 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
     agree(checked(lambda: assert_same(small, adapter_ref, f"{layout} adapters, 1 KiB buckets, receivers=[0]")
                   if dist.get_rank() == 0 else None))
     out = ex.save_pretrained(os.path.join(out_root, "adapter"), progress=False)
-    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
+    from mcore2hf.plan.engine_shards import EngineShardError, colocated_ranks
 
     try:
         ex.engine_plan(colocated_ranks(layout.size, "sglang", 1))
@@ -1538,8 +1538,8 @@ def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merg
     )
     from megatron.bridge.peft.lora_layers import LoRALinear
 
-    from mcore2hf.hf_config import text_config
-    from mcore2hf.lora import peft_name
+    from mcore2hf.arch.hf_config import text_config
+    from mcore2hf.arch.lora import peft_name
 
     layers = to_grouped_lora(chunks)
     real = real_class_diff(layers)  # Bridge 0.6.2's own class against the equivalent (None: 0.3.1)
@@ -1810,7 +1810,7 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
     at `layout`: the whole HF checkpoint loads (nothing skipped), every export mode gives it back bit for bit
     (tower included: fused QKV, replicated patch / position embeddings, TP-split mergers), save_pretrained writes
     it; the Megatron forward of a text + image input and of text alone, for the transformers oracle."""
-    from mcore2hf.hf_config import text_config
+    from mcore2hf.arch.hf_config import text_config
 
     rank = dist.get_rank()
     cfg, chunks = build(ckpt, layout, vision_tower="native")
@@ -1857,7 +1857,7 @@ def native_vl_suite(ckpt: str, out_root: str, tokens: torch.Tensor, images: dict
 def native_dry_run(ckpt: str, layout: Layout, bucket_bytes: int, vision_tower: str = "native") -> tuple:
     """The one-process dry run of the model holding its tower (`vision_tower`: "native", or "hf" for Megatron-Bridge's
     wrappers of transformers' tower) at `layout` (run in a fresh process)."""
-    from mcore2hf.planning import dry_run
+    from mcore2hf.dry_run import dry_run
 
     plan, memory = dry_run(ckpt, layout, bucket_bytes=bucket_bytes, dtype="float32", vision_tower=vision_tower)
     return plan.describe(), plan.records, memory
@@ -1894,8 +1894,8 @@ def frozen_tower(chunks, cfg, ckpt: str, ref: dict, full: dict, layout: Layout) 
     delivers the tower's tensors as stored, after the model's, with the first export only or with every export;
     to every rank (receivers "all": each rank reads them, nothing is gathered) or only to the receivers, and
     exactly once per delivery. Returns the bytes of tower buckets each sync handed the sender on this rank."""
-    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.errors import UsageError
+    from mcore2hf.plan.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.senders import sync
 
     rank = dist.get_rank()
@@ -1941,8 +1941,8 @@ def bridge_tower(ckpt: str, layout: Layout, bridge_root: str, out_root: str, fam
     from harness.bridge_vlm import build_glm45v_model, build_kimi_k25_equivalent, build_qwen3_vl_model
     from megatron.core import parallel_state as ps
 
-    from mcore2hf.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.model_specs.common import padded_vocab_size
+    from mcore2hf.plan.engine_shards import EngineShardError, colocated_ranks
     from mcore2hf.senders import sync
 
     rank = dist.get_rank()
@@ -2034,7 +2034,7 @@ def vlm_suite(ckpt: str, layout: Layout, out_root: str) -> dict:
     loading skips the tower (declared not held), every export equals the language model's tensors bit for bit,
     engine-sharded export at this world's placements, save_pretrained completed from the checkpoint equals it;
     then the frozen tower delivered live (`frozen_tower`)."""
-    from mcore2hf.registry import get_converter
+    from mcore2hf.arch.registry import get_converter
 
     rank = dist.get_rank()
     cfg, chunks = build(ckpt, layout)

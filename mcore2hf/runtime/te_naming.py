@@ -122,7 +122,7 @@ def to_te_names(model, single_grouped: bool = False, grouped: bool = True) -> No
     linears, extensions/transformer_engine_spec_provider.py `grouped_mlp_modules`), named as the local spec's."""
     from megatron.core import parallel_state as ps
 
-    from ..naming import language_model, unwrap_model
+    from ..arch.naming import language_model, unwrap_model
 
     explicit = ps.get_expert_tensor_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1
     for chunk in unwrap_model(model):
@@ -142,7 +142,7 @@ def to_te_names(model, single_grouped: bool = False, grouped: bool = True) -> No
 
 
 def te_names_of(model) -> list[str]:
-    from ..naming import unwrap_model
+    from ..arch.naming import unwrap_model
 
     return [n for chunk in unwrap_model(model) for n, _ in chunk.named_parameters()]
 

@@ -239,7 +239,7 @@ def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
     """A registered architecture's tiny config, or a family member's from TINY_VARIANTS (loaded as mcore2hf
     loads its config.json: kimi_k2 through its alias)."""
     if model_type in TINY_VARIANTS:
-        from mcore2hf.hf_config import load_hf_config
+        from mcore2hf.arch.hf_config import load_hf_config
 
         return load_hf_config({**TINY_VARIANTS[model_type], **overrides})
     kw = {**TINY_CONFIGS[model_type], **overrides}
@@ -283,7 +283,7 @@ def make_hf_checkpoint(cfg: PretrainedConfig, out_dir: str | os.PathLike, *, see
     model.save_pretrained(out)
     if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0):
         _add_mtp_tensors(cfg, out, seed)
-    from ..hf_config import PUBLISHED_LAYOUT
+    from ..arch.hf_config import PUBLISHED_LAYOUT
 
     if cfg.model_type in PUBLISHED_LAYOUT:  # where transformers saves another layout than the published one
         _to_published_layout(out, cfg.model_type)
@@ -294,7 +294,7 @@ def _to_published_layout(path: str, model_type: str) -> None:
     """Rewrite a checkpoint transformers saved into the published checkpoints' layout (hf_config.PUBLISHED_LAYOUT)."""
     from safetensors.torch import save_file
 
-    from ..hf_config import published_layout
+    from ..arch.hf_config import published_layout
 
     out = dict(published_layout(model_type, n, t) for n, t in read_hf_checkpoint(path).items())
     for f in os.listdir(path):
@@ -348,6 +348,6 @@ def _add_mtp_tensors(cfg: PretrainedConfig, path: str, seed: int) -> None:
 
 def read_hf_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory, as saved (hf_dir: validated, index or single file)."""
-    from ..hf_dir import read_all
+    from ..formats.hf_dir import read_all
 
     return read_all(path)

@@ -60,8 +60,8 @@ class Layout:
         """Every way this layout cannot hold the model of `hf_config`, at once (UsageError), before any process
         starts: Megatron would fail inside the workers with an assertion. `processes`: one worker process per
         rank will run (at most 64 on one machine); the dry run needs none."""
+        from ..arch.registry import get_model_spec
         from ..errors import UsageError
-        from ..registry import get_model_spec
 
         dims = get_model_spec(hf_config.model_type).dims(hf_config)
         problems = []

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ..buckets import Bucket
 from ..errors import EngineError, UnsupportedEngine
-from .safetensors import SafetensorsWriter
+from ..formats.safetensors import SafetensorsWriter
+from ..transfer.buckets import Bucket
 from .sglang import SGLangColocatedSender, SGLangDistributedSender, SGLangHTTPEngine
 from .sync import SyncReport, sync
 from .vllm import VLLMColocatedSender, VLLMDistributedSender, VLLMHTTPEngine, VLLMLocalEngine

@@ -22,10 +22,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..buckets import Bucket
 from ..collective import agree
-from ..engine_shards import EngineRank, colocated_ranks
 from ..errors import EngineError, UnsupportedEngine, UsageError
+from ..plan.engine_shards import EngineRank, colocated_ranks
+from ..transfer.buckets import Bucket
 from . import checker
 from .process_group import destroy_group, host_store, join_weight_update_group, start_broadcast
 

@@ -31,8 +31,8 @@ from datetime import timedelta
 
 import torch
 
-from ..engine_plan import EngineShardPlan
-from ..engine_shards import EnginePlacement, EngineRank, EngineShardError
+from ..plan.engine import EngineShardPlan
+from ..plan.engine_shards import EnginePlacement, EngineRank, EngineShardError
 from ..transfer.builders import engine_program
 from ..transfer.engine import EngineBucket, EngineExecutor
 from ..transfer.program import EngineProgram, packed_bytes

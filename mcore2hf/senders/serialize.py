@@ -36,7 +36,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 from torch.multiprocessing import reductions as _red
 
-from ..buckets import Bucket
+from ..transfer.buckets import Bucket
 
 DEVICE_ARG = 6  # index of the device in rebuild_cuda_tensor's arguments (sglang 0.5.23 utils/patch_torch.py)
 

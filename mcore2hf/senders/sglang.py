@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..buckets import Bucket
 from ..collective import agree
 from ..errors import EngineError, HTTPStatusError, UnsupportedEngine, UsageError
+from ..transfer.buckets import Bucket
 from .base import (
     BroadcastSender,
     ColocatedSender,

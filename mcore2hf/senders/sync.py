@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..buckets import DEFAULT_BUCKET_BYTES
 from ..errors import UsageError
+from ..transfer.buckets import DEFAULT_BUCKET_BYTES
 from .checker import check_mode
 
 log = logging.getLogger("mcore2hf")

@@ -52,10 +52,10 @@ import warnings
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ..buckets import Bucket
 from ..errors import EngineError
+from ..formats.safetensors import SafetensorsWriter, TensorInfo
+from ..transfer.buckets import Bucket
 from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, quietly, refuse_broadcast_sharding
-from .safetensors import SafetensorsWriter, TensorInfo
 from .vllm_clients import VERIFIED_VLLM, VLLMHTTPEngine, VLLMLocalEngine, as_engine, vllm_module
 
 __all__ = ["VERIFIED_VLLM", "VLLMColocatedSender", "VLLMDistributedSender", "VLLMHTTPEngine", "VLLMLocalEngine",

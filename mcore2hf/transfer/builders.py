@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..engine_plan import EngineShardPlan
 from ..parallel import Axis, ParallelContext
-from ..plan import BucketPlan, ExportPlan, Source, align
-from ..routes import receiver_routes
+from ..plan.engine import EngineShardPlan
+from ..plan.export import BucketPlan, ExportPlan, Source, align
+from ..plan.routes import receiver_routes
 from .program import LOCAL, OUT, EngineProgram, Item, Loc, P2PRound, Program, Stage
 
 

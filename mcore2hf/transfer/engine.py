@@ -9,13 +9,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..buckets import Bucket
-from ..engine_plan import EngineShardPlan
-from ..engine_shards import EngineShardError, EngineSlice, region_slices
-from ..layout_pieces import Piece, row_strides
-from ..naming import LocalTensor
+from ..arch.naming import LocalTensor
+from ..layouts.pieces import Piece, row_strides
 from ..parallel import ParallelContext
-from ..plan import align
+from ..plan.engine import EngineShardPlan
+from ..plan.engine_shards import EngineShardError, EngineSlice, region_slices
+from ..plan.export import align
+from .buckets import Bucket
 from .builders import engine_program
 from .executor import CBucket, Copy, Core, CRound
 from .program import EngineProgram, packed_bytes, packed_offsets

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..layout_pieces import row_strides
-from ..naming import LocalTensor
-from ..quantize import (
+from ..arch.naming import LocalTensor
+from ..layouts.pieces import row_strides
+from ..quantize.fp8 import (
     FP8Into,
     FP8RowSlices,
     chunks,

@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..buckets import Bucket
-from ..layouts_stacked import Stacked
-from ..naming import LocalTensor
+from ..arch.naming import LocalTensor
+from ..layouts.stacked import Stacked
 from ..parallel import ParallelContext
-from ..plan import BucketPlan, ExportPlan, Source, align
-from ..quantize import BLOCK, FP8RowSlices, quantize_flat
+from ..plan.export import BucketPlan, ExportPlan, Source, align
+from ..quantize.fp8 import BLOCK, FP8RowSlices, quantize_flat
+from .buckets import Bucket
 from .builders import bucket_program, memory_estimate, stage_bytes
 from .executor import CBucket, Copy, Core, CRound, CStage, copy_bytes
 from .program import LOCAL, OUT, Loc, Program

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..lora import Merge, merge_weights
-from ..plan import align
+from ..arch.lora import Merge, merge_weights
+from ..plan.export import align
 from .sources import Arena, Pack, Sources
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine_plan import SliceEntry
-from ..engine_shards import EngineShardError
-from ..layout_pieces import Piece
+from ..layouts.pieces import Piece
 from ..parallel import Axis
-from ..plan import BucketPlan, HFEntry, Source
+from ..plan.engine import SliceEntry
+from ..plan.engine_shards import EngineShardError
+from ..plan.export import BucketPlan, HFEntry, Source
 
 LOCAL = "local"
 OUT = "out"  # in the bucket's output buffer already (a direct stage put it there)

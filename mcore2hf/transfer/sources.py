@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..naming import LocalTensor
+from ..arch.naming import LocalTensor
 
 _data_ptr = torch.Tensor.data_ptr
 _use_count = torch._C._storage_Use_Count  # references to a storage (tensors, views, storage objects)

@@ -63,8 +63,8 @@ def build_qwen3_vl_model(root: str, cfg, vocab_size: int, **overrides):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from mcore2hf.arch.registry import get_model_spec
     from mcore2hf.model_specs.common import block_specs, stage_ends
-    from mcore2hf.registry import get_model_spec
 
     model_cls, config_cls = import_qwen3_vl_model(root)
     spec = get_model_spec(cfg.model_type)
@@ -165,7 +165,7 @@ def build_glm45v_model(root: str, cfg, **overrides):
     with its own spec, which needs Transformer Engine)."""
     from megatron.core import parallel_state as ps
 
-    from mcore2hf.build import build_model
+    from mcore2hf.arch.build import build_model
     from mcore2hf.model_specs.common import stage_ends
 
     model_cls = import_glm45v_model(root)
@@ -208,8 +208,8 @@ def build_kimi_k25_equivalent(cfg, **overrides):
     import torch
     from megatron.core.transformer.module import MegatronModule
 
-    from mcore2hf.build import build_model
-    from mcore2hf.hf_config import hf_tensor_shapes
+    from mcore2hf.arch.build import build_model
+    from mcore2hf.arch.hf_config import hf_tensor_shapes
     from mcore2hf.model_specs.common import stage_ends
 
     (language_model,) = build_model(cfg, use_te=False, **overrides)

@@ -141,10 +141,10 @@ def _spec_trees(configs: dict[str, dict]) -> dict[str, dict]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mcore2hf.arch.hf_config import load_hf_config
+    from mcore2hf.arch.registry import get_model_spec
     from mcore2hf.errors import ConfigMismatchError
-    from mcore2hf.hf_config import load_hf_config
     from mcore2hf.model_specs.common import block_specs
-    from mcore2hf.registry import get_model_spec
 
     with tempfile.TemporaryDirectory() as tmp:  # block specs read parallel sizes: a world of one
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)

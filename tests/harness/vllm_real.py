@@ -695,8 +695,8 @@ class ListExporter:
 
 
 def make_bucket(index: int, tensors: dict[str, torch.Tensor]):
-    from mcore2hf.buckets import Bucket
-    from mcore2hf.plan import pack_tight
+    from mcore2hf.plan.export import pack_tight
+    from mcore2hf.transfer.buckets import Bucket
 
     entries = pack_tight([(n, tuple(t.shape), t.dtype, n) for n, t in tensors.items()])
     flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)
@@ -935,7 +935,7 @@ def scenario_ipc_tp2_engine_sharded() -> None:
     (the checkpoint's values in exactly those regions, NaN elsewhere: nothing else was written), byte for byte;
     each trainer rank received fewer bytes than in an all-ranks export (none at all when engine EP = trainer EP)."""
     from harness.vllm_real import _sharded_ipc_trainer  # by module name: may run as __main__
-    from mcore2hf.engine_shards import EnginePlacement, engine_regions, mask_to_engine
+    from mcore2hf.plan.engine_shards import EnginePlacement, engine_regions, mask_to_engine
     from mcore2hf.runtime.world import run_world
 
     if _SHARDED_RUN:  # ran in scenario_ipc_tp2_sync's world
@@ -974,8 +974,8 @@ def scenario_engine_sharding_refusals() -> None:
     debug_nan on an all-ranks sync, an exporter that cannot plan engine shards."""
     import pytest
 
-    from mcore2hf.engine_shards import EngineShardError
     from mcore2hf.errors import UsageError
+    from mcore2hf.plan.engine_shards import EngineShardError
     from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, sync
     from mcore2hf.senders.vllm import VLLMColocatedSender, VLLMDistributedSender
 

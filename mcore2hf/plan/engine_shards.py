@@ -75,9 +75,9 @@ from dataclasses import dataclass
 import regex
 import torch
 
-from .errors import EngineShardError
-from .layout_pieces import Piece
-from .mapping import ModelDims
+from ..arch.mapping import ModelDims
+from ..errors import EngineShardError
+from ..layouts.pieces import Piece
 
 ENGINES = ("sglang", "vllm")
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..buckets import Bucket
+from ..arch.hf_config import ConfigSource, output_config
+from ..arch.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from ..errors import Mcore2HFError, Problem, ShapeMismatchError, problem_list
-from ..hf_config import ConfigSource, output_config
-from ..hf_dir import SAFETENSORS_DTYPES, HFDirectory, StoredTensor
-from ..lora import ADAPTER_CONFIG, ADAPTER_FILE
-from ..paths import OutputKind, Staging, check_output_dir
 from ..sizes import parse_size
+from ..transfer.buckets import Bucket
+from .hf_dir import SAFETENSORS_DTYPES, HFDirectory, StoredTensor
+from .paths import OutputKind, Staging, check_output_dir
 
 log = logging.getLogger("mcore2hf")
 #: the files of an HF checkpoint an earlier export (ours or another tool's) wrote: replaced by an overwrite
@@ -131,7 +131,7 @@ def check_base(base: str | os.PathLike, hf_config) -> None:
 def _with_base_files(extra_files: Sequence[str], base: str | os.PathLike, hf_config) -> list[str]:
     """The export's companion files, plus the base's of other names (the export's win: they come with the config
     the model was built from). The base must be one for this export (`check_base`)."""
-    from ..hf_config import COMPANION_FILES
+    from ..arch.hf_config import COMPANION_FILES
 
     check_base(base, hf_config)
     root = os.fspath(base)

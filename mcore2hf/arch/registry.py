@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .errors import UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from .mapping import Converter
 
 _CONVERTERS: dict[str, Converter] = {}

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arch.mapping import ModelDims
+from ..errors import problem_list
+from ..layouts.pieces import Piece, pieces
 from .engine_shards import EngineRank, EngineShardError, clip, engine_regions, has_sharding_kind
-from .errors import problem_list
-from .layout_pieces import Piece, pieces
-from .mapping import ModelDims
-from .plan import ExportPlan
+from .export import ExportPlan
 from .routes import LeastLoaded
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import regex
 import torch
 
-from .layouts import LayoutOp, StridedCopy
+from ..layouts.ops import LayoutOp, StridedCopy
 
 BLOCK = 128  # weight_block_size of every published block-FP8 checkpoint
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -79,7 +79,7 @@ def _cuda_kernel(x: torch.Tensor):
     if not x.is_cuda or os.environ.get("MCORE2HF_FP8_KERNEL") == "torch":
         return None
     try:
-        from . import quantize_cuda
+        from . import fp8_cuda as quantize_cuda
     except ImportError:
         return None
     return quantize_cuda

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from .errors import ShapeMismatchError
-from .layouts import (
+from ..errors import ShapeMismatchError
+from .ops import (
     LayoutOp,
     Shape,
     StridedCopy,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import HFDirectoryError
+from ..errors import HFDirectoryError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .errors import ConfigMismatchError, Problem
+from ..errors import ConfigMismatchError, Problem
 
 HFConfigLike = PretrainedConfig | dict | str | os.PathLike
 

@@ -32,8 +32,8 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
     tensor-parallel), as Megatron-Bridge 0.6.2's Qwen3VLModel holds it; without it, the language model only."""
     from megatron.core import parallel_state as ps
 
-    from .errors import ParallelStateError, UsageError
-    from .model_specs.common import padded_vocab_size
+    from ..errors import ParallelStateError, UsageError
+    from ..model_specs.common import padded_vocab_size
     from .registry import get_model_spec
 
     if not ps.model_parallel_is_initialized():
@@ -52,7 +52,7 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
                          f"Megatron vision tower), {cfg.model_type!r} has "
                          f"{'one' if hasattr(spec, 'native_vision_tower') else 'none'}")
     if model_class == "hybrid":
-        from .model_specs.common import build_hybrid_model
+        from ..model_specs.common import build_hybrid_model
 
         chunks = build_hybrid_model(spec, cfg, vocab_size=vocab, use_te=use_te, **overrides)
     else:

@@ -10,8 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import ShapeMismatchError
-from .layouts import LayoutOp, S, Shape
+from ..errors import ShapeMismatchError
+from .ops import LayoutOp, S, Shape
 
 
 @dataclass(frozen=True)

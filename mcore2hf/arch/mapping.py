@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import regex
 
-from .errors import UnknownParametersError
-from .layouts import LayoutOp, Replicated
-from .layouts_stacked import Stacked, StackedCols, StackedRows
-from .quantize import FP8Policy
+from ..errors import UnknownParametersError
+from ..layouts.ops import LayoutOp, Replicated
+from ..layouts.stacked import Stacked, StackedCols, StackedRows
+from ..quantize.fp8 import FP8Policy
 
 _PLACEHOLDER = regex.compile(r"\{([A-Z]+)\}")
 #: the placeholder of a dotted name (string-valued); every other placeholder is an index

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .errors import ShapeMismatchError
+from ..errors import ShapeMismatchError
 
 Shape = tuple[int, ...]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ShapeMismatchError
-from .layouts import QKV, LayoutOp, S, Shape, StridedCopy, check_dim, numel_of, take_range
+from ..errors import ShapeMismatchError
+from .ops import QKV, LayoutOp, S, Shape, StridedCopy, check_dim, numel_of, take_range
 
 #: megatron-core 0.16.1 gated_delta_net.py sharded_state_dict: in_proj saved as these parts (conv1d: the first
 #: three), each a whole component, in Megatron's TP-1 order

@@ -82,7 +82,7 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .build import build_model
+    from .arch.build import build_model
     from .parallel import ParallelContext
     from .runtime.world import init_megatron
 
@@ -126,11 +126,11 @@ def _embedded_tower(chunk, hf_config):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from .checkpoint_keys import TOWER_PREFIXES, embedded_tower_rules
+    from .arch.hf_config import hf_tensor_shapes
+    from .arch.mapping import NAME
+    from .arch.registry import get_converter
     from .errors import UsageError
-    from .hf_config import hf_tensor_shapes
-    from .mapping import NAME
-    from .registry import get_converter
+    from .formats.checkpoint_keys import TOWER_PREFIXES, embedded_tower_rules
 
     rules = embedded_tower_rules(get_converter(hf_config.model_type).rules)
     if not rules:
@@ -180,9 +180,9 @@ def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: boo
 
     import torch.distributed as dist
 
+    from .arch.naming import local_tensors, model_config, shift_experts
     from .errors import ParallelStateError
-    from .naming import local_tensors, model_config, shift_experts
-    from .plan import rank_record
+    from .plan.export import rank_record
 
     if dist.is_available() and dist.is_initialized():
         raise ParallelStateError("the dry run sets up its own (fake) torch.distributed world in this process, but "
@@ -223,9 +223,9 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     Megatron-Bridge 0.3.1's Qwen3VLModel (transformers' tower embedded on the first stage, `_embedded_tower`)."""
     from importlib import import_module
 
+    from .arch.hf_config import load_hf_config
+    from .arch.registry import get_converter
     from .exporter import Planner, check_model_config, model_dims
-    from .hf_config import load_hf_config
-    from .registry import get_converter
     from .transfer.builders import memory_estimates
 
     cfg = load_hf_config(hf_config)
@@ -242,7 +242,7 @@ def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", t
              name_filter=None, quantize: str | None = None, vision_tower: str | None = None) -> dict:
     """The plan as a dict (tensors, buckets, layout, each rank's memory). The layout is checked first.
     `quantize="fp8"` / `"fp8-ue8m0"`: the FP8 export's plan (which weights are quantized, scale shapes)."""
-    from .hf_config import load_hf_config
+    from .arch.hf_config import load_hf_config
 
     t0 = time.perf_counter()
     cfg = load_hf_config(hf_config)

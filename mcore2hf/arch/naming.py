@@ -34,8 +34,8 @@ from typing import Any
 import regex
 import torch
 
-from .errors import ConfigMismatchError, problem_list
-from .parallel import ParallelContext
+from ..errors import ConfigMismatchError, problem_list
+from ..parallel import ParallelContext
 
 # TE spec name -> local spec name (suffix inside a decoder layer)
 TE_RENAMES: dict[str, str] = {

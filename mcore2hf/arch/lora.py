@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigMismatchError, UsageError
-from .layouts import QKV, Column, GatedColumn, LatentDown, Row
-from .layouts_stacked import Fused
+from ..errors import ConfigMismatchError, UsageError
+from ..layouts.ops import QKV, Column, GatedColumn, LatentDown, Row
+from ..layouts.stacked import Fused
 from .mapping import Converter, ModelDims, Rule
 from .naming import LocalTensor
 

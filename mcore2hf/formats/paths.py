@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .errors import OutputError
+from ..errors import OutputError
 
 log = logging.getLogger("mcore2hf.paths")
 #: set by a front end's SIGINT handler (mcore2hf.cli): an interrupt that code swallowed on its way (a

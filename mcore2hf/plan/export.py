@@ -19,12 +19,12 @@ import regex
 import torch
 import torch.distributed as dist
 
-from .errors import LayoutError, ShapeMismatchError, UnknownParametersError
-from .layouts_stacked import Stacked
-from .mapping import Converter, ModelDims, Resolved
-from .naming import LocalTensor, filter_outputs
-from .parallel import ParallelContext
-from .quantize import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
+from ..arch.mapping import Converter, ModelDims, Resolved
+from ..arch.naming import LocalTensor, filter_outputs
+from ..errors import LayoutError, ShapeMismatchError, UnknownParametersError
+from ..layouts.stacked import Stacked
+from ..parallel import ParallelContext
+from ..quantize.fp8 import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
 
 ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
 

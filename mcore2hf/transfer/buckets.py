@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .hf_dir import HFDirectory, StoredTensor
-from .plan import HFEntry, align
+from ..formats.hf_dir import HFDirectory, StoredTensor
+from ..plan.export import HFEntry, align
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # slime's measured sweet spot between memory and per-bucket overhead
 

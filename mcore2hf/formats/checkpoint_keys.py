@@ -50,11 +50,11 @@ from dataclasses import dataclass, field, replace
 import regex
 import torch
 
-from .errors import ConfigMismatchError, UsageError
-from .layouts_gdn import GDN_PARTS
-from .mapping import NAME, ModelDims
-from .naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout, canonical_layer_name, mtp_inner
-from .plan import natural_key
+from ..arch.mapping import NAME, ModelDims
+from ..arch.naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout, canonical_layer_name, mtp_inner
+from ..errors import ConfigMismatchError, UsageError
+from ..layouts.gdn import GDN_PARTS
+from ..plan.export import natural_key
 
 #: top-level modules of a GPT / hybrid model's weights; other keys are optimizer or RNG state
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")

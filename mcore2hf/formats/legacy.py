@@ -36,9 +36,9 @@ import regex
 import torch
 from torch import _weights_only_unpickler
 
+from ..arch.naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner
+from ..errors import ConfigMismatchError, LegacyFormatError, Problem, problem_list
 from .checkpoint_keys import LAYER_KEY, MODEL_PREFIXES, CkptSource
-from .errors import ConfigMismatchError, LegacyFormatError, Problem, problem_list
-from .naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = regex.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
