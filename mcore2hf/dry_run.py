@@ -2,7 +2,7 @@
 process and in seconds, as text or JSON.
 
 The plan is a pure function of every rank's record (`plan.RankRecord`: its place and the names, shapes, dtypes
-and TP attributes of its local tensors; `exporter.Planner`). A live world all-gathers the records; here they are
+and TP attributes of its local tensors; `plan.planner.Planner`). A live world all-gathers the records; here they are
 derived in this process, with megatron-core's own machinery:
 
 * the ranks' coordinates and groups: megatron-core's `RankGenerator`s, built as `initialize_model_parallel` builds
@@ -13,7 +13,7 @@ derived in this process, with megatron-core's own machinery:
   stage differ only in their TP / expert-TP shard (same shapes, Megatron splits evenly) and their EP rank (the
   local experts' global indices, which `naming.local_tensors` derives from the EP rank), so one build per stage
   gives every rank's record;
-* the plan: the exporter's `Planner` on those records; the memory: `transfer.builders.memory_estimates`, the executor's own
+* the plan: the live export's `Planner` on those records; the memory: `transfer.builders.memory_estimates`, the executor's own
   estimate per rank, its programs shared by ranks that differ only in rank ids.
 
 tests/test_layout_matrix.py checks, in every layout world, that this plan's `describe()` and every rank's memory
@@ -225,15 +225,17 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
 
     from .arch.hf_config import load_hf_config
     from .arch.registry import get_converter
-    from .exporter import Planner, check_model_config, model_dims
+    from .plan.checks import check, checked_dims
+    from .plan.planner import Planner
     from .transfer.builders import memory_estimates
 
     cfg = load_hf_config(hf_config)
     records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names, vision_tower=vision_tower)
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
-    check_model_config(config, spec, cfg)  # as HFExporter checks the live model
-    planner = Planner(records, cfg, converter, model_dims(spec, cfg, config), layout.tp, layout.expert_tp)
+    dims = checked_dims(spec, cfg, int(getattr(config, "mtp_num_layers", None) or 0), "the Megatron model")
+    check(spec, cfg, dims, what="the Megatron model", model_config=config)  # as HFExporter checks the live model
+    planner = Planner(records, cfg, converter, dims, layout.tp, layout.expert_tp)
     plan = planner.plan(bucket_bytes, name_filter=name_filter, quantize=quantize)
     return plan, memory_estimates(plan, contexts)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
-import regex
 import torch
 
 from .arch.hf_config import HFConfigLike, config_source
@@ -26,7 +25,8 @@ from .arch.mapping import Converter
 from .arch.naming import LocalTensor, local_tensors, model_config, unwrap_model
 from .arch.registry import get_converter
 from .collective import agree
-from .errors import ConfigMismatchError, Mcore2HFError, UsageError, problem_list
+from .errors import Mcore2HFError, UsageError
+from .formats.hf_dir import group_tensors, stored_buckets
 from .formats.safetensors import (
     SafetensorsWriter,
     TensorInfo,
@@ -36,34 +36,21 @@ from .formats.safetensors import (
     read_base,
 )
 from .parallel import ParallelContext
+from .plan.checks import check, checked_dims
 from .plan.engine import EngineShardPlan, plan_engine_shards
 from .plan.engine_shards import EngineRank, EngineShardError
-from .plan.export import (
-    ExportPlan,
-    RankRecord,
-    Source,
-    assign_buckets,
-    build_sources,
-    filter_sources,
-    gather_records,
-    quantized_plan,
-)
-from .quantize.fp8 import FP8Scheme, get_scheme
-from .sizes import format_size
-from .transfer.buckets import DEFAULT_BUCKET_BYTES, Bucket, group_tensors, stored_buckets
+from .plan.export import ExportPlan, gather_records
+from .plan.options import DEFAULT_BUCKET_BYTES, NameFilterLike, Quantize, Receivers
+from .plan.planner import Planner, fp8_policy
+from .quantize.fp8 import get_scheme
+from .transfer.buckets import Bucket
 from .transfer.engine import EngineBucket, EngineExecutor
 from .transfer.export import Executor
 
-Receivers = str | int | Sequence[int] | None
-NameFilterLike = Callable[[str], bool] | None  # e.g. naming.NameFilter(exclude=(r"^model\.layers\.48\.",))
-Quantize = str | FP8Scheme | None  # "fp8" / "fp8-ue8m0": block-FP8 output (see mcore2hf.quantize)
 BASE_SYNC = ("first", "every")  # HFExporter(base=...): the base's tensors with the first export, or with every one
 
 log = logging.getLogger("mcore2hf")
-
-_DECODER_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.")
-#: a native vision tower's blocks and deepstack mergers (canonical names, naming.wrapper_part_name)
-_VISION_PART = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(\d+)\.")
+MODEL = "the Megatron model"  # what the checks name
 
 
 class HFExporter:
@@ -124,7 +111,7 @@ class HFExporter:
 
         self.spec = import_module(self.converter.spec)
         self.ctx = ParallelContext.from_megatron()
-        self.dims = model_dims(self.spec, self.hf_config, model_config(self.chunks))
+        self.dims = checked_dims(self.spec, self.hf_config, mtp_layers(model_config(self.chunks)), MODEL)
         self._local: dict[str, LocalTensor] | None = None
         self._planner: Planner | None = None
         self._plans: dict[tuple, EngineShardPlan] = {}
@@ -137,7 +124,7 @@ class HFExporter:
     def planner(self) -> Planner:
         """The plan's builder, from every rank's record (collective on first use: one metadata all-gather)."""
         if self._planner is None:
-            check_model_config(model_config(self.chunks), self.spec, self.hf_config)
+            check(self.spec, self.hf_config, self.dims, what=MODEL, model_config=model_config(self.chunks))
             local = local_tensors(self.chunks, self.ctx)
             self._local = {t.name: t for t in local}
             records = gather_records(local, self.ctx)
@@ -241,7 +228,7 @@ class HFExporter:
     def base_groups(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
                     quantize: Quantize = None) -> list:
         """The base checkpoint's tensors this export delivers after the model's, in buckets of at most
-        `bucket_bytes` (`buckets.group_tensors`); [] without a base, or once delivered with base_sync="first".
+        `bucket_bytes` (`hf_dir.group_tensors`); [] without a base, or once delivered with base_sync="first".
         Checked once per settings (no communication: every rank reads the same headers), before anything moves:
         the base is this model's checkpoint (model_type, unquantized, shapes of the tensors both have) and what it
         adds is only what the converter declares not held (`senders.safetensors.base_completion`)."""
@@ -430,153 +417,6 @@ class HFExporter:
         return os.path.abspath(os.fspath(out_dir))
 
 
-class Planner:
-    """The export plan as a pure function of every rank's record (`plan.RankRecord`: names, shapes, dtypes and
-    holder coordinates of its local tensors), the HF config and the settings; no tensor, no communication.
-
-    The live exporter builds it from the all-gathered records (`HFExporter.planner`), the dry run
-    (`mcore2hf.planning`) from records it derives in one process: both get the same plan from the same records.
-    Sources are built (and checked against the HF config) once; plans are cached per settings."""
-
-    def __init__(self, records: Sequence[RankRecord], hf_config, converter: Converter, dims, tp_size: int,
-                 etp_size: int, *, verbose: bool = False, structure: bool = True):
-        from importlib import import_module
-
-        self.records = list(records)
-        self.hf_config, self.converter, self.dims = hf_config, converter, dims
-        self.spec = import_module(converter.spec)
-        self.tp_size, self.etp_size, self.world_size = tp_size, etp_size, len(self.records)
-        self.verbose = verbose  # log each new plan (rank 0 of a live world)
-        self.structure = structure  # check the sources against the HF config (not for a LoRA adapter table)
-        self._sources: dict[str, Source] | None = None
-        self._plans: dict[tuple, ExportPlan] = {}
-
-    @property
-    def sources(self) -> dict[str, Source]:
-        """The global source table, checked against the HF config (layers, dense/MoE pattern, experts, ties)."""
-        if self._sources is None:
-            sources = build_sources(self.records, self.converter, self.dims, self.tp_size, self.etp_size)
-            if self.structure:
-                check_structure(sources, self.spec, self.hf_config, self.dims)
-            self._sources = sources
-        return self._sources
-
-    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
-             quantize: Quantize = None) -> ExportPlan:
-        """The export plan for these settings (see `HFExporter.plan`)."""
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        scheme = get_scheme(quantize)
-        if scheme is not None:
-            key = (bucket_bytes, name_filter, scheme.name)
-            if key not in self._plans:
-                self._plans[key] = quantized_plan(self.plan(bucket_bytes, name_filter), fp8_policy(self.converter),
-                                                  scheme)
-            return self._plans[key]
-        key = (bucket_bytes, name_filter)
-        if key not in self._plans:
-            sources = filter_sources(self.sources, name_filter)
-            plan = self._plans[key] = ExportPlan(
-                model_type=self.converter.model_type, sources=sources,
-                buckets=assign_buckets(sources, bucket_bytes), bucket_bytes=bucket_bytes,
-                records=self.records, world_size=self.world_size)
-            if self.verbose:
-                log.info("plan for %s: %d HF tensors, %s in %d bucket(s) of <= %s, world size %d%s",
-                         plan.model_type, plan.num_tensors, format_size(plan.total_bytes), len(plan.buckets),
-                         format_size(bucket_bytes), plan.world_size, ", filtered" if name_filter else "")
-        return self._plans[key]
-
-
-def fp8_policy(converter: Converter):
-    """The architecture's FP8 table (which HF tensors stay unquantized), from its converter."""
-    if converter.fp8 is None:
-        raise ValueError(f"FP8 export is not supported for model_type {converter.model_type!r}: its "
-                         "converter has no fp8 policy (which tensors stay unquantized)")
-    return converter.fp8
-
-
-def model_dims(spec, hf_config, model_config):
-    """The spec's dims for the HF config, with the MTP layers the Megatron model actually has: a model trained
-    without MTP exports (and loads) the main model only; more MTP layers than the config has is an error."""
-    dims = spec.dims(hf_config)
-    model_mtp = int(getattr(model_config, "mtp_num_layers", None) or 0)
-    if model_mtp > dims.num_mtp_layers:
-        raise ConfigMismatchError(f"the Megatron model has {model_mtp} MTP layer(s), the HF config "
-                                  f"({hf_config.model_type}) has num_nextn_predict_layers={dims.num_mtp_layers}")
-    return dataclasses.replace(dims, num_mtp_layers=model_mtp) if model_mtp < dims.num_mtp_layers else dims
-
-
-def check_model_config(model_config, spec, hf_config) -> None:
-    """The Megatron model's structure must be what the HF config describes (every difference listed)."""
-    expected = spec.structural_fields(hf_config)
-    diffs = []
-    for name, want in expected.items():
-        have = getattr(model_config, name, None)
-        if have != want:
-            diffs.append(f"{name}: HF config implies {want!r}, the Megatron model has {have!r}")
-    if getattr(model_config, "hybrid_layout", None) is not None:  # a hybrid model (naming.model_config)
-        from .model_specs.common import hybrid_pattern_problems
-
-        diffs += hybrid_pattern_problems(model_config.hybrid_layout, spec, hf_config)
-    if diffs:
-        raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
-                                  + problem_list(diffs))
-
-
-def check_structure(sources: dict[str, Source], spec, hf_config, dims) -> None:
-    """Global checks the per-tensor ops cannot make: layer set, dense/MoE pattern, tied embeddings."""
-    problems = structure_problems(sources, spec, hf_config, dims)
-    if problems:
-        raise ConfigMismatchError(f"the HF config ({hf_config.model_type}) disagrees with the Megatron model:\n  "
-                                  + problem_list(problems))
-
-
-def structure_problems(sources: dict[str, Source], spec, hf_config, dims) -> list[str]:
-    problems = []
-    layers: dict[int, set[str]] = {}
-    for name in sources:
-        m = _DECODER_LAYER.match(name)
-        if m:
-            layers.setdefault(int(m.group(1)), set()).add(name[m.end():])
-    want = set(range(dims.num_layers + dims.num_mtp_layers))
-    if set(layers) != want:
-        problems.append(f"decoder layers: HF config implies {dims.num_layers} (+{dims.num_mtp_layers} MTP), "
-                        f"the model has layers {sorted(layers)}")
-    for layer, names in sorted(layers.items()):
-        has_router = "mlp.router.weight" in names
-        if layer < dims.num_layers and has_router != spec.is_moe_layer(hf_config, layer):
-            problems.append(f"layer {layer}: HF config says {'MoE' if not has_router else 'dense'}, "
-                            f"the model's layer is {'MoE' if has_router else 'dense'}")
-        experts = {int(n.split(".")[2]) for n in names if n.startswith("mlp.experts.")}
-        if has_router and experts != set(range(dims.num_experts)):
-            problems.append(f"layer {layer}: HF config has {dims.num_experts} experts, the model has experts "
-                            f"{sorted(experts)[:8]}{'...' if len(experts) > 8 else ''} ({len(experts)})")
-    problems += vision_tower_problems(sources, hf_config)
-    has_output = "output_layer.weight" in sources
-    if dims.tie_word_embeddings and has_output:
-        problems.append("HF config ties word embeddings, the model has a separate output_layer")
-    if not dims.tie_word_embeddings and not has_output:
-        problems.append("HF config has a separate lm_head, the model shares embedding and output weights")
-    return problems
-
-
-def vision_tower_problems(names, hf_config) -> list[str]:
-    """A native vision tower (Qwen3-VL's) against the HF vision_config: its blocks are 0..depth-1 and its deepstack
-    mergers one per `deepstack_visual_indexes` entry (the ops check each tensor's shape, not how many there are)."""
-    found: dict[str, set[int]] = {"layers": set(), "deepstack_merger_list": set()}
-    for name in names:
-        m = _VISION_PART.match(name)
-        if m:
-            found[m.group(1)].add(int(m.group(2)))
-    vision = getattr(hf_config, "vision_config", None)
-    if not found["layers"] or vision is None:
-        return []
-    problems = []
-    if found["layers"] != set(range(vision.depth)):
-        problems.append(f"vision tower blocks: HF vision_config has depth {vision.depth}, the model has blocks "
-                        f"{sorted(found['layers'])}")
-    want = len(getattr(vision, "deepstack_visual_indexes", None) or [])
-    if found["deepstack_merger_list"] != set(range(want)):
-        problems.append(f"vision tower deepstack mergers: HF vision_config has {want} "
-                        f"(deepstack_visual_indexes), the model has {sorted(found['deepstack_merger_list'])}")
-    return problems
+def mtp_layers(model_config) -> int:
+    """The MTP layers a Megatron model has (its TransformerConfig's mtp_num_layers)."""
+    return int(getattr(model_config, "mtp_num_layers", None) or 0)

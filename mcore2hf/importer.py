@@ -41,7 +41,7 @@ from importlib import import_module
 import regex
 import torch
 
-from .arch.hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .arch.hf_config import HFConfigLike, config_source
 from .arch.mapping import NAME, Converter, ModelDims, compile_pattern, match_fields
 from .arch.naming import HybridLayout
 from .arch.registry import get_converter
@@ -53,7 +53,6 @@ from .errors import (
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
-    problem_list,
 )
 from .formats.checkpoint_keys import (
     GLU_PARTS,
@@ -80,6 +79,7 @@ from .formats.paths import (
     user_entries,
 )
 from .layouts.ops import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
+from .plan.checks import check
 from .sizes import parse_size, peak_rss
 
 _LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -174,6 +174,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     `vision_tower`: the keys of a vision-language wrapper holding its tower (checkpoint_keys.VISION_TOWERS)."""
     from .model_specs.common import padded_vocab_size
 
+    spec = import_module(converter.spec)
     # what the Megatron model does not hold by design (a text model's vision tower) is not imported; a wrapper
     # holding its tower imports the not-held tensors its tower rules produce (the tower, not Qwen3.5's MTP)
     held = {n for n in reader.names() if not converter.not_held_by_model(n)}
@@ -195,7 +196,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
                        mla=dims.kv_lora_rank is not None, dsa=dims.index_head_dim is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
                        transformer_impl=transformer_impl,
-                       non_te=frozenset(getattr(import_module(converter.spec), "NON_TE_MODULES", ())),
+                       non_te=frozenset(getattr(spec, "NON_TE_MODULES", ())),
                        vision_tower=vision_tower, vision_depth=_count(resolved, "layers"),
                        vision_deepstack=_count(resolved, "deepstack_merger_list"), vision_stacked=not non_homogeneous)
     sources, keys, objects, problems = [], {}, set(), []
@@ -249,12 +250,10 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
         sources.append(src)
     if hybrid is not None:
         objects.add(HYBRID_OUTPUT_EXTRA_STATE)
-    if not problems:  # every tensor against the model transformers builds from the config, as export checks
-        problems = shape_problems({n: shape_of(reader.slice(n)) for n in sorted(held)},
-                                  hf_tensor_shapes(cfg, dims.num_mtp_layers, not_held=converter.not_held_except(held)))
-    if problems:
-        raise ShapeMismatchError(f"the HF checkpoint {reader.path} cannot become a Megatron checkpoint "
-                                 f"({converter.model_type}):\n  " + problem_list(problems))
+    # every tensor against the model transformers builds from the config, as the export checks
+    check(spec, cfg, dims, what=f"the HF checkpoint {reader.path}", problems=problems,
+          shapes=None if problems else {n: shape_of(reader.slice(n)) for n in sorted(held)},
+          not_held=converter.not_held_except(held))
     return sources, keys, sorted(objects)
 
 

@@ -22,10 +22,10 @@ from .errors import (
     UnknownParametersError,
     problem_list,
 )
-from .exporter import check_model_config, model_dims
 from .formats.hf_dir import open_tensors
 from .layouts.ops import shape_of
 from .parallel import ParallelContext
+from .plan.checks import check, checked_dims
 from .plan.export import shard_split
 
 log = logging.getLogger("mcore2hf")
@@ -65,9 +65,10 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     if lora:  # per-expert or PEFT's stacked 3-D expert factors, as the source holds them
         converter = lora_converter(converter, expert_form(reader.names()))
     ctx = ParallelContext.from_megatron()
-    dims = model_dims(spec, cfg, model_config(chunks))
+    megatron = model_config(chunks)
+    dims = checked_dims(spec, cfg, int(getattr(megatron, "mtp_num_layers", None) or 0), "the Megatron model")
     hf_mtp = spec.dims(cfg).num_mtp_layers
-    check_model_config(model_config(chunks), spec, cfg)
+    check(spec, cfg, dims, what="the Megatron model", model_config=megatron)
     local = [t for t in local_tensors(chunks, ctx) if is_adapter(t.name) == lora]
     if lora and not _exchange([t.name for t in local], [], [], set())[0]:
         raise Mcore2HFError("lora=True, but the model holds no LoRA adapter (Megatron-Bridge's "

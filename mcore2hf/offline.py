@@ -27,7 +27,7 @@ from importlib import import_module
 
 import torch
 
-from .arch.hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .arch.hf_config import HFConfigLike, config_source, hf_tensor_shapes
 from .arch.lora import (
     A_SUFFIX,
     ADAPTER,
@@ -50,18 +50,16 @@ from .arch.registry import get_converter
 from .dtypes import parse_dtype
 from .errors import (
     CheckpointError,
-    ConfigMismatchError,
     Problem,
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
-    problem_list,
 )
-from .exporter import structure_problems
 from .formats.checkpoint_keys import PARTS, CkptSource, canonical_parts
 from .formats.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .layouts.ops import full_shape_of_shard
 from .layouts.stacked import Stacked
+from .plan.checks import check, checked_dims
 from .plan.export import align, pack_tight, stack_units
 from .quantize.fp8 import get_scheme, quantize_flat, quantized_tensors
 from .sizes import parse_size, peak_rss
@@ -483,10 +481,8 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
                          "the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the model was trained with")
 
     ckpt_mtp = len({s.name.split(".")[2] for s in sources if s.name.startswith("mtp.layers.")})
-    if ckpt_mtp > dims.num_mtp_layers:
-        raise ConfigMismatchError(f"the checkpoint has {ckpt_mtp} MTP layer(s), the HF config has "
-                                  f"num_nextn_predict_layers={dims.num_mtp_layers}")
-    dims = replace(dims, num_mtp_layers=ckpt_mtp)
+    what = f"the checkpoint {it_dir}"
+    dims = checked_dims(spec, cfg, ckpt_mtp, what)
 
     unknown = [s.name for s in sources if converter.resolve(s.name, dims) is None]
     if unknown:
@@ -507,14 +503,10 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
             problems.append(Problem(f"{s.key} -> {list(r.hf_names)}", str(e)))
             continue
         s.hf = list(zip(r.hf_names + r.copies, shapes + [shapes[0]] * len(r.copies)))
-    structural = structure_problems({s.name: s for s in sources}, spec, cfg, dims)
-    if not problems:  # every tensor against the model transformers builds from this config (a tower held: all of it)
-        produced = {name: shape for s in sources for name, shape in s.hf}
-        problems = shape_problems(produced, hf_tensor_shapes(cfg, ckpt_mtp, converter.not_held_except(produced)))
-    if structural or problems:
-        error = ConfigMismatchError if structural else ShapeMismatchError
-        raise error(f"the HF config ({cfg.model_type}) disagrees with the checkpoint {it_dir}:\n  "
-                    + problem_list(structural + problems))
+    # every tensor against the model transformers builds from this config (a tower held: all of it)
+    produced = None if problems else {name: shape for s in sources for name, shape in s.hf}
+    check(spec, cfg, dims, what=what, names=[s.name for s in sources], shapes=produced, problems=problems,
+          not_held=converter.not_held_except(produced or {}))
     if lora in ("adapter", "merged"):
         resolved = _adapter_sources(adapters, converter, dims, cfg, ckpt_mtp, it_dir)
         if lora == "adapter":

@@ -558,3 +558,27 @@ class DuplicatedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor):
         return F.linear(x, self.weight), None
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal scaled-dot-product attention with separate q/k and v head dims ([s, b, h, d] in, [s, b, h*dv] out):
+    the core attention of the local-spec MLA layer (megatron-core's `DotProductAttention` rejects MLA's `k_channels`
+    / `v_channels` / `softmax_scale`); model_specs.deepseek_v3 puts it into the layer spec without Transformer
+    Engine."""
+
+    def __init__(self, config=None, layer_number=None, attn_mask_type=None, attention_type=None,
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
+                 pg_collection=None, **_):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, packed_seq_params=None, **_):
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:  # grouped keys/values
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -15,6 +15,7 @@ from mcore2hf.arch.hf_config import rope_parameters, rope_theta
 from mcore2hf.errors import ConfigMismatchError
 
 from .common import (
+    SDPACoreAttention,
     base_dims,
     default_gpt_kwargs,
     llama_like_fields,
@@ -153,8 +154,6 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
         for name in latent:
             setattr(attn, name, with_eps(getattr(attn, name), MLA_LATENT_NORM_EPS))
         if not use_te:
-            from mcore2hf.runtime.cpu import SDPACoreAttention
-
             attn.core_attention = SDPACoreAttention
     return block
 

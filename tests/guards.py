@@ -4,6 +4,9 @@
    as), counting imports at any depth, function-level ones too: a lazy import that hides a cycle still is one.
 2. No module imports another module's private names (`from .x import _y`, `x._y` on an imported module) or reads
    a private attribute (`obj._y`) that only another of our modules defines.
+3. Imports follow the layer order (`LAYERS`, lowest first): a module imports only modules of its own layer or of
+   lower ones, at any depth; the entry points (one layer) do not import one another, so the facade `exporter.py`
+   is no library of the others, and the layers listed in `APART` do not import each other at all.
 
     python tests/guards.py      # prints each violation; exit 1 if any
 """
@@ -17,6 +20,59 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"mcore2hf": ROOT / "mcore2hf", "mcore2hf.converters": ROOT / "converters",
                 "mcore2hf.model_specs": ROOT / "model_specs"}
+
+
+#: the layers, lowest first: (name, module prefixes). A module belongs to the layer of its longest matching prefix.
+#: Architecture tables -> plan -> transfer -> formats and senders; the entry points and front ends on top.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("mcore2hf.errors", "mcore2hf.sizes", "mcore2hf.dtypes", "mcore2hf.parallel", "mcore2hf.collective")),
+    ("layouts", ("mcore2hf.layouts",)),
+    ("quantize", ("mcore2hf.quantize",)),
+    ("arch", ("mcore2hf.arch", "mcore2hf.converters", "mcore2hf.model_specs")),
+    ("plan", ("mcore2hf.plan",)),
+    ("transfer", ("mcore2hf.transfer",)),
+    ("formats", ("mcore2hf.formats",)),
+    ("senders", ("mcore2hf.senders",)),
+    ("runtime", ("mcore2hf.runtime",)),
+    ("entry", ("mcore2hf.exporter", "mcore2hf.loader", "mcore2hf.offline", "mcore2hf.importer", "mcore2hf.dry_run")),
+    ("front", ("mcore2hf", "mcore2hf.cli", "mcore2hf.demo", "mcore2hf.verify")),
+]
+ENTRY = "entry"
+#: layers that never import each other although the order would allow one way: the entry points drive senders
+#: only through `senders.sync(exporter, sender)`, which is handed the exporter (no import either way)
+APART = {("entry", "senders")}
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of `module`'s layer (its longest matching prefix); a module no prefix covers is an
+    error, so a new top-level module must be placed in a layer."""
+    best, index = "", None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, index = p, i
+    if index is None or (best == "mcore2hf" and module != "mcore2hf"):
+        raise KeyError(f"{module}: in no layer of tests/guards.py LAYERS")
+    return index
+
+
+def layer_problems(graph: dict[str, set[str]], mods: dict[str, Path]) -> list[str]:
+    """Imports against the layer order, and entry points importing one another."""
+    problems = []
+    for m, deps in sorted(graph.items()):
+        try:
+            mine = layer_of(m)
+        except KeyError as e:
+            problems.append(str(e))
+            continue
+        for d in sorted(deps):
+            theirs = layer_of(d)
+            pair = (LAYERS[mine][0], LAYERS[theirs][0])
+            if (theirs > mine or (theirs == mine and pair[0] == ENTRY and d != m) or pair in APART
+                    or pair[::-1] in APART):
+                problems.append(f"{mods[m].relative_to(ROOT)}: {LAYERS[mine][0]} module {m} imports {d} "
+                                f"({LAYERS[theirs][0]})")
+    return problems
 
 
 def modules() -> dict[str, Path]:
@@ -149,7 +205,7 @@ def violations() -> list[str]:
     graph, problems = analyse(mods)
     for comp in cycles(_package_edges(graph)):
         problems.append("import cycle: " + " <-> ".join(comp))
-    return problems
+    return problems + layer_problems(graph, mods)
 
 
 if __name__ == "__main__":

@@ -165,9 +165,9 @@ def test_native_tower_exports_bit_exact_and_matches_transformers_forward(vl_ckpt
 
 
 def test_native_tower_block_and_deepstack_counts_are_checked_against_the_hf_vision_config():
-    """The export's structure check (exporter.vision_tower_problems): blocks 0..depth-1 and one deepstack merger
+    """The export's structure check (plan.checks.vision_tower_problems): blocks 0..depth-1 and one deepstack merger
     per deepstack_visual_indexes entry; a tower of another depth or without its mergers is named."""
-    from mcore2hf.exporter import vision_tower_problems
+    from mcore2hf.plan.checks import vision_tower_problems
 
     cfg = tiny_config("qwen3_vl", **CONFIGS["qwen3_vl"])
     block = "vision_model.decoder.layers.{}.self_attention.linear_qkv.weight"

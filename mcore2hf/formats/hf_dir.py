@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import HFDirectoryError
+from ..plan.export import HFEntry, align
+from ..transfer.buckets import Bucket
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -401,3 +403,36 @@ def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory, as saved (small checkpoints: tests, the demo)."""
     with HFDirectory(path) as d:
         return {n: d.read(n) for n in d.names()}
+
+
+def group_tensors(tensors: Sequence[StoredTensor], bucket_bytes: int) -> list[list[StoredTensor]]:
+    """Stored tensors in order, in groups of at most `bucket_bytes` (64-byte aligned each; a larger tensor alone)."""
+    groups: list[list[StoredTensor]] = []
+    size = 0
+    for t in tensors:
+        if not groups or (groups[-1] and size + align(t.nbytes) > bucket_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += align(t.nbytes)
+    return groups
+
+
+def stored_buckets(directory: str | os.PathLike, groups: Sequence[Sequence[StoredTensor]], first_index: int,
+                   device: torch.device | None, role: str = "base checkpoint") -> Iterator[Bucket]:
+    """Buckets of tensors read from an HF directory (hf_dir, positioned reads straight into each bucket's flat
+    buffer, then one host-to-device copy): one bucket in memory at a time. `device` None: this rank receives
+    nothing and gets empty buckets, one per group, so every rank's loop stays in step."""
+    with HFDirectory(directory, role=role) as d:
+        for k, group in enumerate(groups):
+            entries, start = [], 0
+            for t in group:
+                entries.append(HFEntry(t.name, tuple(t.shape), t.dtype, start, t.nbytes, f"{role}:{t.file}"))
+                start += align(t.nbytes)
+            if device is None:
+                yield Bucket(first_index + k, None, entries)
+                continue
+            flat = torch.empty(start, dtype=torch.uint8)
+            for e in entries:
+                d.read_into(e.name, flat[e.start:e.start + e.nbytes])
+            yield Bucket(first_index + k, flat if device.type == "cpu" else flat.to(device), entries)

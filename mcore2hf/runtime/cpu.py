@@ -26,10 +26,6 @@ The one place for them (measured with megatron-core 0.16.1, torch 2.13 CPU); eac
    fast_hadamard_transform. The same transform in torch (Sylvester's H / sqrt(n), any float dtype) instead; it
    is orthogonal, so the indexer's q.k scores are unchanged but for rounding (transformers 5.24 skips it for
    that reason, modeling_deepseek_v32.py `DeepseekV32Indexer.forward`).
-
-Not a shim but a module: `SDPACoreAttention`, the core attention the local-spec MLA layer needs (Megatron's
-`DotProductAttention` rejects MLA's `k_channels` / `v_channels` / `softmax_scale`); model_specs.deepseek_v3
-puts it into the layer spec when Transformer Engine is not used.
 """
 
 from __future__ import annotations
@@ -174,23 +170,3 @@ def _gdn_without_fla() -> None:
         _eager(gdn.GatedDeltaNet, "_apply_gated_norm")
     _eager(Attention, "_apply_output_gate")
 
-
-class SDPACoreAttention(torch.nn.Module):
-    """Causal scaled-dot-product attention with separate q/k and v head dims ([s, b, h, d] in, [s, b, h*dv] out)."""
-
-    def __init__(self, config=None, layer_number=None, attn_mask_type=None, attention_type=None,
-                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
-                 pg_collection=None, **_):
-        super().__init__()
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, packed_seq_params=None, **_):
-        sq, b = query.shape[0], query.shape[1]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:  # grouped keys/values
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

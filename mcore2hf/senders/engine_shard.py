@@ -33,6 +33,7 @@ import torch
 
 from ..plan.engine import EngineShardPlan
 from ..plan.engine_shards import EnginePlacement, EngineRank, EngineShardError
+from ..plan.options import DEFAULT_BUCKET_BYTES
 from ..transfer.builders import engine_program
 from ..transfer.engine import EngineBucket, EngineExecutor
 from ..transfer.program import EngineProgram, packed_bytes
@@ -89,8 +90,6 @@ class EngineShardPusher:
 
     def __init__(self, exporter, engine_ranks: Sequence[EngineRank], group, group_rank: int,
                  bucket_bytes: int | None = None, name_filter=None, timeout: float = 120.0):
-        from ..exporter import DEFAULT_BUCKET_BYTES
-
         self.exporter, self.group, self.rank = exporter, group, group_rank
         self.engine_ranks = list(engine_ranks)
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..errors import UsageError
-from ..transfer.buckets import DEFAULT_BUCKET_BYTES
+from ..plan.options import DEFAULT_BUCKET_BYTES
 from .checker import check_mode
 
 log = logging.getLogger("mcore2hf")
