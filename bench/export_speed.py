@@ -385,8 +385,7 @@ def consume_engine(ex, ranks, bb, output: str) -> int:
 
 def drop_engine_executors(ex) -> None:
     """Free the engine executors' buffers before the next placement runs."""
-    for key in [k for k in ex._executors if isinstance(k, tuple) and k and k[0] == "engine"]:
-        ex._executors.pop(key)
+    ex._engine_executors.clear()
 
 
 def engine_check(ex, ranks, bb) -> tuple[int, int]:

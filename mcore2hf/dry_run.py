@@ -226,6 +226,7 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     from .arch.hf_config import load_hf_config
     from .arch.registry import get_converter
     from .plan.checks import check, checked_dims
+    from .plan.options import ExportOptions
     from .plan.planner import Planner
     from .transfer.builders import memory_estimates
 
@@ -236,7 +237,7 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     dims = checked_dims(spec, cfg, int(getattr(config, "mtp_num_layers", None) or 0), "the Megatron model")
     check(spec, cfg, dims, what="the Megatron model", model_config=config)  # as HFExporter checks the live model
     planner = Planner(records, cfg, converter, dims, layout.tp, layout.expert_tp)
-    plan = planner.plan(bucket_bytes, name_filter=name_filter, quantize=quantize)
+    plan = planner.plan(ExportOptions(bucket_bytes, name_filter=name_filter, quantize=quantize))
     return plan, memory_estimates(plan, contexts)
 
 

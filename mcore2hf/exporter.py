@@ -40,9 +40,15 @@ from .plan.checks import check, checked_dims
 from .plan.engine import EngineShardPlan, plan_engine_shards
 from .plan.engine_shards import EngineRank, EngineShardError
 from .plan.export import ExportPlan, gather_records
-from .plan.options import DEFAULT_BUCKET_BYTES, NameFilterLike, Quantize, Receivers
+from .plan.options import (
+    DEFAULT_BUCKET_BYTES,
+    ExportOptions,
+    NameFilterLike,
+    Quantize,
+    Receivers,
+    export_options,
+)
 from .plan.planner import Planner, fp8_policy
-from .quantize.fp8 import get_scheme
 from .transfer.buckets import Bucket
 from .transfer.engine import EngineBucket, EngineExecutor
 from .transfer.export import Executor
@@ -99,7 +105,7 @@ class HFExporter:
             raise UsageError(f"base_sync must be one of {BASE_SYNC}, got {base_sync!r}")
         self.base, self.base_sync = (None if base is None else os.fspath(base)), base_sync
         self._base_delivered = False
-        self._base_groups: dict[tuple, list] = {}
+        self._base_groups: dict[ExportOptions, list] = {}
         self.lora, self.lora_experts = lora, lora_experts
         self.lora_info: LoraInfo | None = None
         self._merger: Merger | None = None
@@ -114,8 +120,9 @@ class HFExporter:
         self.dims = checked_dims(self.spec, self.hf_config, mtp_layers(model_config(self.chunks)), MODEL)
         self._local: dict[str, LocalTensor] | None = None
         self._planner: Planner | None = None
-        self._plans: dict[tuple, EngineShardPlan] = {}
-        self._executors: dict[tuple, Executor] = {}
+        self._plans: dict[tuple, EngineShardPlan] = {}  # (engine ranks, options.planned)
+        self._executors: dict[ExportOptions, Executor] = {}
+        self._engine_executors: dict[tuple, EngineExecutor] = {}  # (engine ranks, options.planned, output, debug)
         p = next(self.chunks[0].parameters())
         self.device = p.device
 
@@ -155,8 +162,14 @@ class HFExporter:
             self._planner = planner
         return self._planner
 
+    def export_options(self, options: ExportOptions | None = None, **given) -> ExportOptions:
+        """The settings of one call as the one normalised value every cache is keyed by: `options`, or the
+        separate arguments (bucket_bytes, receivers, overlap, name_filter, quantize); receivers checked against
+        this world. Every method taking these settings also takes `options=` (what `sync()` passes through)."""
+        return export_options(options, **given).check_receivers(self.ctx.world_size)
+
     def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
-             quantize: Quantize = None) -> ExportPlan:
+             quantize: Quantize = None, *, options: ExportOptions | None = None) -> ExportPlan:
         """The export plan (collective on first call). `print(plan.describe())` is the dry run.
 
         `name_filter(hf_name) -> bool` keeps only the HF tensors it accepts (e.g. no MTP layers for an engine
@@ -165,22 +178,12 @@ class HFExporter:
         `weight_scale_inv` [ceil(out/128), ceil(in/128)] (DeepSeek-V3 / Qwen3-FP8 format), bit-identical to
         quantizing each full HF tensor; tensors whose 128x128 blocks never straddle a shard are quantized where
         they are held, before the collectives (half the bytes on the wire), the others after the gather."""
-        return self.planner.plan(bucket_bytes, name_filter, quantize)
+        return self.planner.plan(self.export_options(options, bucket_bytes=bucket_bytes, name_filter=name_filter,
+                                                     quantize=quantize))
 
     def fp8_policy(self):
         """The architecture's FP8 table (which HF tensors stay unquantized), from its converter."""
         return fp8_policy(self.converter)
-
-    def _receivers(self, receivers: Receivers) -> tuple[int, ...] | None:
-        if receivers is None or (isinstance(receivers, str) and receivers == "all"):
-            return None
-        if isinstance(receivers, int):
-            receivers = (receivers,)
-        out = tuple(sorted(set(int(r) for r in receivers)))
-        bad = [r for r in out if not 0 <= r < self.ctx.world_size]
-        if bad or not out:
-            raise ValueError(f"receivers must be 'all' or ranks in [0, {self.ctx.world_size}), got {receivers!r}")
-        return out
 
     @property
     def local_tensors(self) -> dict[str, LocalTensor]:
@@ -192,73 +195,85 @@ class HFExporter:
     def release(self) -> None:
         """Free the compiled executors and their staging arenas (the plan is kept; the next export recompiles)."""
         self._executors.clear()
+        self._engine_executors.clear()
 
     def executor(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
-                 overlap: bool = False, name_filter: NameFilterLike = None, quantize: Quantize = None) -> Executor:
+                 overlap: bool = False, name_filter: NameFilterLike = None, quantize: Quantize = None, *,
+                 options: ExportOptions | None = None) -> Executor:
         """The compiled executor for these settings (built and cached on first use)."""
-        recv = self._receivers(receivers)
-        scheme = get_scheme(quantize)
-        key = (bucket_bytes, recv, overlap, name_filter, scheme)
-        if key not in self._executors:
-            plan = self.plan(bucket_bytes, name_filter, scheme)
-            self._executors[key] = Executor(plan, self.ctx, self._local, recv, self.device, arenas=2 if overlap else 1)
-        return self._executors[key]
+        return self._executor(self.export_options(options, bucket_bytes=bucket_bytes, receivers=receivers,
+                                                  overlap=overlap, name_filter=name_filter, quantize=quantize))
+
+    def _executor(self, opts: ExportOptions) -> Executor:
+        if opts not in self._executors:
+            plan = self.planner.plan(opts)
+            self._executors[opts] = Executor(plan, self.ctx, self._local, opts.receivers, self.device,
+                                             arenas=2 if opts.overlap else 1)
+        return self._executors[opts]
 
     # -- export ----------------------------------------------------------------------------------------------
     def buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
                 overlap: bool = False, name_filter: NameFilterLike = None,
-                quantize: Quantize = None) -> Iterator[Bucket]:
+                quantize: Quantize = None, *, options: ExportOptions | None = None) -> Iterator[Bucket]:
         """Yield buckets of (HF name, full tensor). Every rank must iterate to the end.
 
         Drop each bucket before asking for the next to keep one output bucket alive at a time. `overlap=True`
         runs the next bucket's first collectives while this one is converted, with one more bucket of staging.
         `name_filter(hf_name) -> bool` selects tensors at plan level (see `plan`). `quantize="fp8"` /
         `"fp8-ue8m0"`: block-FP8 weights and their `weight_scale_inv` tensors, ordinary entries of the bucket."""
-        groups = self.base_groups(bucket_bytes, name_filter, quantize)  # checked before anything moves
-        yield from self._model_buckets(bucket_bytes, receivers, overlap, name_filter, quantize)
-        yield from self.base_buckets(bucket_bytes, receivers, name_filter, quantize, groups=groups)
+        opts = self.export_options(options, bucket_bytes=bucket_bytes, receivers=receivers, overlap=overlap,
+                                   name_filter=name_filter, quantize=quantize)
+        groups = self._base_groups_of(opts)  # checked before anything moves
+        yield from self._model_buckets(opts)
+        yield from self._base_buckets(opts, groups)
         self.base_delivered()
 
-    def _model_buckets(self, bucket_bytes: int, receivers: Receivers, overlap: bool, name_filter: NameFilterLike,
-                       quantize: Quantize) -> Iterator[Bucket]:
+    def _model_buckets(self, opts: ExportOptions) -> Iterator[Bucket]:
         self._refresh_merge()
-        yield from self.executor(bucket_bytes, receivers, overlap, name_filter, quantize).run()
+        yield from self._executor(opts).run()
 
     # -- base completion (the base's tensors the model does not hold) -----------------------------------------------
     def base_groups(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
-                    quantize: Quantize = None) -> list:
+                    quantize: Quantize = None, *, options: ExportOptions | None = None) -> list:
         """The base checkpoint's tensors this export delivers after the model's, in buckets of at most
         `bucket_bytes` (`hf_dir.group_tensors`); [] without a base, or once delivered with base_sync="first".
         Checked once per settings (no communication: every rank reads the same headers), before anything moves:
         the base is this model's checkpoint (model_type, unquantized, shapes of the tensors both have) and what it
         adds is only what the converter declares not held (`senders.safetensors.base_completion`)."""
+        return self._base_groups_of(self.export_options(options, bucket_bytes=bucket_bytes, name_filter=name_filter,
+                                                        quantize=quantize))
+
+    def _base_groups_of(self, opts: ExportOptions) -> list:
         if self.base is None or self.lora == "adapter" or (self.base_sync == "first" and self._base_delivered):
             return []
-        key = (bucket_bytes, name_filter, get_scheme(quantize))
+        key = opts.planned
         if key not in self._base_groups:
-            if quantize is not None:
+            if key.quantize is not None:
                 raise UsageError("a quantized export is not completed from a base checkpoint (its tensors would be "
                                  "missing from the quantization config): drop quantize, or base")
             check_base(self.base, self.config_source)
-            produced = [TensorInfo(e.name, e.shape, e.dtype) for e in self.plan(bucket_bytes, name_filter).hf_entries()]
+            produced = [TensorInfo(e.name, e.shape, e.dtype) for e in self.planner.plan(key).hf_entries()]
             tensors = base_completion(produced, read_base(self.base), self.converter.not_held_by_model)
-            keep = name_filter or (lambda name: True)
-            self._base_groups[key] = group_tensors([t for t in tensors if keep(t.name)], bucket_bytes)
+            keep = key.name_filter or (lambda name: True)
+            self._base_groups[key] = group_tensors([t for t in tensors if keep(t.name)], key.bucket_bytes)
         return self._base_groups[key]
 
     def base_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
                      name_filter: NameFilterLike = None, quantize: Quantize = None,
-                     groups: list | None = None) -> Iterator[Bucket]:
+                     groups: list | None = None, *, options: ExportOptions | None = None) -> Iterator[Bucket]:
         """The base's tensors (`base_groups`) as buckets, numbered after the model's: read from the base directory
         on each receiving rank (empty buckets elsewhere, so loops stay in step). `buckets()` and `sync()` send them
         after the model's; call `base_delivered()` once they reached their destination."""
-        if groups is None:
-            groups = self.base_groups(bucket_bytes, name_filter, quantize)
+        opts = self.export_options(options, bucket_bytes=bucket_bytes, receivers=receivers, name_filter=name_filter,
+                                   quantize=quantize)
+        return self._base_buckets(opts, self._base_groups_of(opts) if groups is None else groups)
+
+    def _base_buckets(self, opts: ExportOptions, groups: list) -> Iterator[Bucket]:
         if not groups:
             return iter(())
-        recv = self._receivers(receivers)
+        recv = opts.receivers
         device = self.device if recv is None or self.ctx.rank in recv else None
-        first = len(self.plan(bucket_bytes, name_filter, quantize).buckets)
+        first = len(self.planner.plan(opts).buckets)
         return stored_buckets(self.base, groups, first, device)
 
     def base_delivered(self) -> None:
@@ -272,70 +287,75 @@ class HFExporter:
             self._merger.refresh()
 
     def engine_plan(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    name_filter: NameFilterLike = None) -> EngineShardPlan:
+                    name_filter: NameFilterLike = None, *, options: ExportOptions | None = None) -> EngineShardPlan:
         """The engine-shard plan (routes from holders to engine ranks), built once per settings, no communication
         beyond the export plan's. `engine_ranks`: e.g. `colocated_ranks(world_size, "sglang", tp_size)`."""
         if self.lora == "adapter":
             raise EngineShardError("LoRA adapters are not engine-sharded: engines load an adapter whole and slice it "
                                    "for their own TP (SGLang 0.5.23 srt/managers/tp_worker.py:220); export it with "
                                    "buckets() or save_pretrained() (docs/lora.md)")
-        key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter)
+        opts = self.export_options(options, bucket_bytes=bucket_bytes, name_filter=name_filter)
+        key = (tuple(engine_ranks), opts.planned)
         if key not in self._plans:
-            self._plans[key] = plan_engine_shards(self.plan(bucket_bytes, name_filter), list(engine_ranks), self.dims)
+            self._plans[key] = plan_engine_shards(self.planner.plan(opts.planned), list(engine_ranks), self.dims)
         return self._plans[key]
 
     def engine_buckets(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                        name_filter: NameFilterLike = None, quantize: Quantize = None, output: str = "slices",
-                       debug: bool = False) -> Iterator[EngineBucket]:
+                       debug: bool = False, *, options: ExportOptions | None = None) -> Iterator[EngineBucket]:
         """Engine-sharded export (collective: every rank iterates): each rank's bucket holds only the regions its
         engine rank loads (`bucket.slices()` raw; `bucket.as_bucket()` full-shaped, a Bucket any sender sends);
         a rank that feeds no engine rank gets empty buckets. No byte is received that the engine rank does not
         load. `output="masked"` writes every piece straight into its full-shaped HF tensor (`as_bucket()` is
         then free); `debug` fills the unsent regions with NaN (float dtypes)."""
         self._refresh_merge()
-        return self.engine_executor(engine_ranks, bucket_bytes, name_filter, quantize, output, debug).run()
+        return self.engine_executor(engine_ranks, bucket_bytes, name_filter, quantize, output, debug,
+                                    options=options).run()
 
     def engine_executor(self, engine_ranks: Sequence[EngineRank], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                         name_filter: NameFilterLike = None, quantize: Quantize = None, output: str = "slices",
-                        debug: bool = False) -> EngineExecutor:
+                        debug: bool = False, *, options: ExportOptions | None = None) -> EngineExecutor:
         """The compiled engine-shard executor for these settings (built and cached on first use; its `stats`
         count the bytes sent, received and copied locally). Refusals (EngineShardError) come from here, before
         anything moves."""
-        if quantize is not None:
-            raise EngineShardError(f"quantize={quantize!r} with engine sharding: not supported yet (FP8 blocks need "
-                                   "128-aligned regions); export unquantized or with buckets()")
-        pending = [t.name for g in self.base_groups(bucket_bytes, name_filter) for t in g]
+        opts = self.export_options(options, bucket_bytes=bucket_bytes, name_filter=name_filter, quantize=quantize)
+        if opts.quantize is not None:
+            raise EngineShardError(f"quantize={opts.quantize.name!r} with engine sharding: not supported yet (FP8 "
+                                   "blocks need 128-aligned regions); export unquantized or with buckets()")
+        pending = [t.name for g in self._base_groups_of(opts) for t in g]
         if pending:
             raise EngineShardError(f"engine sharding with a base checkpoint: its {len(pending)} tensor(s) the model "
                                    f"does not hold (e.g. {pending[:3]}) are read whole from disk, not sharded for the "
                                    "engines' ranks; sync them without engine sharding first (base_sync='first'), or "
                                    "export them with buckets()")
-        key = ("engine", tuple(engine_ranks), bucket_bytes, name_filter, output, debug)
-        if key not in self._executors:
-            self._executors[key] = EngineExecutor(self.engine_plan(engine_ranks, bucket_bytes, name_filter),
-                                                  self.ctx, self._local, self.device, output=output, debug=debug)
-        return self._executors[key]
+        key = (tuple(engine_ranks), opts.planned, output, debug)
+        if key not in self._engine_executors:
+            self._engine_executors[key] = EngineExecutor(self.engine_plan(engine_ranks, options=opts.planned),
+                                                         self.ctx, self._local, self.device, output=output, debug=debug)
+        return self._engine_executors[key]
 
     def named_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, receivers: Receivers = "all",
-                      name_filter: NameFilterLike = None,
-                      quantize: Quantize = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in self.buckets(bucket_bytes, receivers, name_filter=name_filter, quantize=quantize):
+                      name_filter: NameFilterLike = None, quantize: Quantize = None, *,
+                      options: ExportOptions | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets(bucket_bytes, receivers, name_filter=name_filter, quantize=quantize,
+                                   options=options):
             yield from bucket
 
     def state_dict(self, receivers: Receivers = "all", name_filter: NameFilterLike = None,
-                   quantize: Quantize = None) -> dict[str, torch.Tensor]:
+                   quantize: Quantize = None, *, options: ExportOptions | None = None) -> dict[str, torch.Tensor]:
         """All HF tensors as one dict (copies): for tests and small models."""
         return {name: t.clone() for name, t in self.named_tensors(receivers=receivers, name_filter=name_filter,
-                                                                  quantize=quantize)}
+                                                                  quantize=quantize, options=options)}
 
     def adapter_config(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
-                       base: str | os.PathLike | None = None) -> dict:
+                       base: str | os.PathLike | None = None, *, options: ExportOptions | None = None) -> dict:
         """lora="adapter": the PEFT adapter_config.json of this export as a dict (r, lora_alpha, target_modules,
         `base_model_name_or_path`: `base` or else the HF config's directory); collective on first use (the plan).
         What save_pretrained writes, and what the engine senders hand SGLang (`config_dict`)."""
         if self.lora != "adapter":
             raise UsageError(f"adapter_config: expected an HFExporter(lora='adapter'), found lora={self.lora!r}")
-        names = [e.name for e in self.plan(bucket_bytes, name_filter).hf_entries()]  # sets lora_info
+        opts = self.export_options(options, bucket_bytes=bucket_bytes, name_filter=name_filter)
+        names = [e.name for e in self.planner.plan(opts.planned).hf_entries()]  # sets lora_info
         return peft_config(self.lora_info, names, self.dims.num_layers,
                            os.fspath(base) if base is not None else self.config_source.directory)
 
@@ -343,7 +363,7 @@ class HFExporter:
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer_rank: int = 0,
                         overwrite: bool = False, extra_files: Sequence[str] | None = None,
                         name_filter: NameFilterLike = None, progress: bool = True, quantize: Quantize = None,
-                        base: str | os.PathLike | None = None) -> str:
+                        base: str | os.PathLike | None = None, options: ExportOptions | None = None) -> str:
         """Write config.json, sharded *.safetensors and model.safetensors.index.json (from writer_rank only).
 
         Collective. The directory appears only when complete; on failure every rank raises and nothing is left.
@@ -357,18 +377,20 @@ class HFExporter:
         With lora="adapter" it writes a PEFT adapter directory instead: adapter_config.json (r, lora_alpha,
         target_modules, `base_model_name_or_path`: `base` or else the HF config's directory) and one
         adapter_model.safetensors, as peft's PeftModel.from_pretrained loads it."""
-        scheme = get_scheme(quantize)
+        opts = dataclasses.replace(self.export_options(options, bucket_bytes=bucket_bytes, name_filter=name_filter,
+                                                       quantize=quantize).planned, receivers=writer_rank)
+        scheme = opts.quantize
         if base is None and self.base is not None and scheme is None and self.lora != "adapter":
             base = self.base  # the exporter's base completes its directory too
         adapter_config = None
         if self.lora == "adapter":
-            if quantize is not None:
+            if scheme is not None:
                 raise UsageError("a LoRA adapter export is not quantized: drop quantize")
-            adapter_config = self.adapter_config(bucket_bytes, name_filter, base)
-        plan = self.plan(bucket_bytes, name_filter, scheme)
+            adapter_config = self.adapter_config(base=base, options=opts.planned)
+        plan = self.planner.plan(opts)
         quantization = None
         if scheme is not None:
-            unquantized = self.plan(bucket_bytes, name_filter)
+            unquantized = self.planner.plan(opts.unquantized)
             quantization = self.fp8_policy().config(scheme, [(e.name, e.shape) for e in unquantized.hf_entries()])
         writer = None
         error = None
@@ -395,7 +417,7 @@ class HFExporter:
 
             bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="save_pretrained", disable=None)
         # the model's buckets: the writer completes the directory from `base` itself (byte ranges, file to file)
-        for bucket in self._model_buckets(bucket_bytes, writer_rank, False, name_filter, scheme):
+        for bucket in self._model_buckets(opts.check_receivers(self.ctx.world_size)):
             if writer is not None and error is None:
                 try:
                     writer.send(bucket)

@@ -61,7 +61,9 @@ from .layouts.ops import full_shape_of_shard
 from .layouts.stacked import Stacked
 from .plan.checks import check, checked_dims
 from .plan.export import align, pack_tight, stack_units
-from .quantize.fp8 import get_scheme, quantize_flat, quantized_tensors
+from .plan.options import ExportOptions
+from .plan.planner import fp8_policy
+from .quantize.fp8 import quantize_flat, quantized_tensors
 from .sizes import parse_size, peak_rss
 from .transfer.buckets import Bucket
 
@@ -374,16 +376,11 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     budget = parse_size(bucket_bytes, "bucket_bytes")  # every argument is checked before anything is created
     parse_size(max_shard_size, "max_shard_size")
     cast = parse_dtype(dtype)
-    scheme = get_scheme(quantize)
+    scheme = ExportOptions(budget, name_filter=name_filter, quantize=quantize).quantize
     out_dir = os.path.abspath(os.fspath(out_dir))
     source = config_source(hf_config)
     converter = get_converter(source.config.model_type)
-    policy = None
-    if scheme is not None:
-        policy = converter.fp8
-        if policy is None:
-            raise ValueError(f"FP8 export is not supported for model_type {source.config.model_type!r}: its "
-                             "converter has no fp8 policy")
+    policy = None if scheme is None else fp8_policy(converter)
     inputs = [ckpt_dir] + ([source.directory] if source.directory else [])
     check_target(out_dir, overwrite, inputs)
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)

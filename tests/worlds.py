@@ -985,8 +985,8 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
 
                     # raw slices (masked() on top of them), then the masked output written in place (debug NaN)
                     for output in ("slices", "masked"):
-                        executor_key = ("engine", tuple(ranks), bucket_bytes, None, output, output == "masked")
-                        before = dict(ex._executors[executor_key].stats) if executor_key in ex._executors else None
+                        executor = ex.engine_executor(ranks, bucket_bytes, output=output, debug=output == "masked")
+                        before = dict(executor.stats)
                         got: dict = {}
                         masked_nan_ok = True
                         for bucket in ex.engine_buckets(ranks, bucket_bytes, output=output, debug=output == "masked"):
@@ -1002,9 +1002,7 @@ def engine_export_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
                                 named = mb.named_tensors()
                             for name, t in named:
                                 masked_nan_ok &= _masked_ok(ref[name], name, t, got)
-                        stats = ex._executors[executor_key].stats
-                        if before:
-                            stats = {k: v - before[k] for k, v in stats.items()}
+                        stats = {k: v - before[k] for k, v in executor.stats.items()}
                         assert set(got) == set(want), (key, output, sorted(set(want) ^ set(got))[:4])
                         bad = [k for k in want if not torch.equal(got[k], want[k])]
                         assert not bad, (key, output, bad[:4])
@@ -1193,7 +1191,7 @@ def engine_placements(layout: Layout) -> list[tuple[str, int, int, int | None]]:
 
 def _engine_executor(ex: HFExporter, eplan):
     """The executor HFExporter.engine_buckets made for `eplan` (for its byte counters)."""
-    found = [e for e in ex._executors.values() if getattr(e, "eplan", None) is eplan]
+    found = [e for e in ex._engine_executors.values() if getattr(e, "eplan", None) is eplan]
     assert len(found) == 1, f"expected one engine executor for the plan, found {len(found)}"
     return found[0]
 

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Sequence
 
 from ..arch.mapping import Converter
-from ..quantize.fp8 import get_scheme
 from ..sizes import format_size
 from .checks import check
 from .export import (
@@ -18,7 +17,7 @@ from .export import (
     filter_sources,
     quantized_plan,
 )
-from .options import DEFAULT_BUCKET_BYTES, NameFilterLike, Quantize
+from .options import ExportOptions
 
 log = logging.getLogger("mcore2hf")
 
@@ -41,7 +40,7 @@ class Planner:
         self.verbose = verbose  # log each new plan (rank 0 of a live world)
         self.structure = structure  # check the sources against the HF config (not for a LoRA adapter table)
         self._sources: dict[str, Source] | None = None
-        self._plans: dict[tuple, ExportPlan] = {}
+        self._plans: dict[ExportOptions, ExportPlan] = {}
 
     @property
     def sources(self) -> dict[str, Source]:
@@ -53,29 +52,22 @@ class Planner:
             self._sources = sources
         return self._sources
 
-    def plan(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, name_filter: NameFilterLike = None,
-             quantize: Quantize = None) -> ExportPlan:
-        """The export plan for these settings (see `HFExporter.plan`)."""
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        scheme = get_scheme(quantize)
-        if scheme is not None:
-            key = (bucket_bytes, name_filter, scheme.name)
-            if key not in self._plans:
-                self._plans[key] = quantized_plan(self.plan(bucket_bytes, name_filter), fp8_policy(self.converter),
-                                                  scheme)
-            return self._plans[key]
-        key = (bucket_bytes, name_filter)
+    def plan(self, options: ExportOptions) -> ExportPlan:
+        """The export plan for these settings (see `HFExporter.plan`), cached by what it depends on."""
+        key = options.planned
         if key not in self._plans:
-            sources = filter_sources(self.sources, name_filter)
-            plan = self._plans[key] = ExportPlan(
-                model_type=self.converter.model_type, sources=sources,
-                buckets=assign_buckets(sources, bucket_bytes), bucket_bytes=bucket_bytes,
-                records=self.records, world_size=self.world_size)
-            if self.verbose:
-                log.info("plan for %s: %d HF tensors, %s in %d bucket(s) of <= %s, world size %d%s",
-                         plan.model_type, plan.num_tensors, format_size(plan.total_bytes), len(plan.buckets),
-                         format_size(bucket_bytes), plan.world_size, ", filtered" if name_filter else "")
+            if key.quantize is not None:
+                self._plans[key] = quantized_plan(self.plan(key.unquantized), fp8_policy(self.converter), key.quantize)
+            else:
+                sources = filter_sources(self.sources, key.name_filter)
+                plan = self._plans[key] = ExportPlan(
+                    model_type=self.converter.model_type, sources=sources,
+                    buckets=assign_buckets(sources, key.bucket_bytes), bucket_bytes=key.bucket_bytes,
+                    records=self.records, world_size=self.world_size)
+                if self.verbose:
+                    log.info("plan for %s: %d HF tensors, %s in %d bucket(s) of <= %s, world size %d%s",
+                             plan.model_type, plan.num_tensors, format_size(plan.total_bytes), len(plan.buckets),
+                             format_size(key.bucket_bytes), plan.world_size, ", filtered" if key.name_filter else "")
         return self._plans[key]
 
 
