@@ -28,12 +28,8 @@ Megatron itself saved):
 
 from __future__ import annotations
 
-import io
-import json
 import os
-import pickle
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -54,6 +50,7 @@ from .errors import (
     UnknownParametersError,
     UsageError,
 )
+from .formats import TRACKER
 from .formats.checkpoint_keys import (
     GLU_PARTS,
     HF_TOWER,
@@ -70,7 +67,6 @@ from .formats.checkpoint_keys import (
 )
 from .formats.hf_dir import HFDirectory
 from .formats.paths import (
-    OutputKind,
     Staging,
     check_output_dir,
     overlaps,
@@ -78,6 +74,7 @@ from .formats.paths import (
     replace_file,
     user_entries,
 )
+from .formats.torch_dist import TORCH_DIST_OUTPUT, DistcpWriter, iteration_dir
 from .layouts.ops import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
 from .plan.checks import check
 from .sizes import parse_size, peak_rss
@@ -281,106 +278,6 @@ def _count(resolved: dict, part: str) -> int:
 GLU_FC1 = (GatedColumn, GatedInterleaved, GatedTransposed)
 
 
-def _torch_save(obj, f) -> None:
-    """torch.save, raising the OSError of a failed write (a full disk) as itself: torch 2.13 reports it as a
-    RuntimeError ("unexpected pos", caffe2 inline_container.cc) whose context is the OSError."""
-    try:
-        torch.save(obj, f)
-    except RuntimeError as e:
-        if isinstance(e.__context__, OSError):
-            raise e.__context__ from e
-        raise
-
-
-class _DistcpWriter:
-    """Writes chunks into `.distcp` files the way torch.distributed.checkpoint's FileSystemWriter does (one
-    `torch.save` per tensor chunk, raw bytes per object) and the `.metadata` that indexes them."""
-
-    def __init__(self, path: str, file_bytes: int):
-        from torch.distributed.checkpoint.metadata import Metadata  # noqa: F401 - fail early if DCP is absent
-
-        self.path, self.file_bytes = path, file_bytes
-        self.index, self.file, self.name = 0, None, ""
-        self.storage: dict = {}
-        self.chunks: dict[str, list] = {}
-        self.bytes = 0
-
-    def _stream(self):
-        if self.file is None or self.file.tell() >= self.file_bytes:
-            if self.file is not None:
-                self.file.close()
-            self.name = f"__0_{self.index}.distcp"
-            self.index += 1
-            self.file = open(os.path.join(self.path, self.name), "wb")  # noqa: SIM115 - closed in finish
-        return self.file
-
-    def tensor(self, key: str, offsets: tuple[int, ...], t: torch.Tensor) -> None:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-
-        t = t.contiguous()
-        if t.untyped_storage().nbytes() != t.nbytes:  # torch.save writes whole storages
-            t = t.clone()
-        f = self._stream()
-        start = f.tell()
-        _torch_save(t, f)
-        self._record(MetadataIndex(key, offsets), start, f.tell() - start)
-        self.chunks.setdefault(key, []).append(ChunkStorageMetadata(torch.Size(offsets), t.shape))
-
-    def blob(self, key: str, data: bytes) -> None:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        f = self._stream()
-        start = f.tell()
-        f.write(data)
-        self._record(MetadataIndex(key), start, len(data))
-
-    def _record(self, index, start: int, length: int) -> None:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-        self.storage[index] = _StorageInfo(self.name, start, length)
-        self.bytes += length
-
-    def finish(self, keys: dict[str, tuple], objects: list[str]) -> None:
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            Metadata,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
-
-        if self.file is not None:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-        sd_meta: dict = {k: TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), self.chunks[k])
-                         for k, (shape, dtype) in keys.items()}
-        sd_meta.update({k: BytesStorageMetadata() for k in objects})
-        meta = Metadata(state_dict_metadata=sd_meta, storage_data=self.storage,
-                        storage_meta=StorageMeta(checkpoint_id=self.path, save_id=str(uuid.uuid4())))
-        with open(os.path.join(self.path, ".metadata"), "wb") as f:
-            pickle.dump(meta, f)  # as FileSystemWriter.finish (torch 2.13 filesystem.py) writes it
-
-
-TRACKER = "latest_checkpointed_iteration.txt"
-_DISTCP_FILES = regex.compile(r"\.metadata|metadata\.json|common\.pt|__\d+_\d+\.distcp")
-
-
-def torch_dist_files(directory: str) -> set[str]:
-    """The names of a torch_dist iteration directory's own files (what FileSystemWriter and Megatron write)."""
-    return {n for n in os.listdir(directory)
-            if _DISTCP_FILES.fullmatch(n) and os.path.isfile(os.path.join(directory, n))}
-
-
-#: an iteration directory: `.metadata` and metadata.json (dist_checkpointing's check) say it is complete
-TORCH_DIST_OUTPUT = OutputKind("a torch_dist checkpoint directory (no .metadata or .distcp files)", torch_dist_files,
-                               last=(".metadata", "metadata.json"), error=ImportTargetError)
-
-
-def iteration_dir(ckpt_dir: str, iteration: int) -> str:
-    return os.path.join(ckpt_dir, f"iter_{iteration:07d}")
-
-
 def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: list[str]) -> None:
     """Refuse, before anything is written, an output that overlaps an input, a file, a directory that is not a
     Megatron checkpoint directory, or an existing iteration (with `overwrite`, only a torch_dist iteration
@@ -500,7 +397,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
 
         bar = tqdm(total=len(sources), unit="tensor", desc="import", disable=None)  # a bar only on a terminal
     try:
-        writer = _DistcpWriter(tmp, limit)
+        writer = DistcpWriter(tmp, limit)
         for s, full in _tensors(reader, sources):
             full = full.to(out_dtype(s))
             for p in s.parts:
@@ -508,15 +405,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                               .reshape(p.sizes))
             if bar is not None:
                 bar.update(1)
-        empty = io.BytesIO()
-        torch.save([None], empty)  # strategies/torch.py: a list of the rank's objects' data
-        for key in objects:
-            writer.blob(key, empty.getvalue())
-        writer.finish(keys, objects)
-        _torch_save({"checkpoint_version": 3.0, "iteration": iteration}, os.path.join(tmp, "common.pt"))
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                       "common_backend_version": 1}, f)
+        writer.finish(keys, objects, iteration)
         stage.commit()
         replace_file(os.path.join(ckpt_dir, TRACKER), str(iteration).encode(), TORCH_DIST_OUTPUT)  # the tracker last
     except BaseException as e:

@@ -1,26 +1,17 @@
-"""Offline export: a Megatron distributed checkpoint (torch_dist) -> an HF directory, on a CPU, in bounded memory.
+"""Offline export: a Megatron checkpoint -> an HF directory, on a CPU, in bounded memory.
 
-No torch.distributed, no model, no GPU: the checkpoint's `.metadata` says where every chunk of every tensor is
-(a byte range of a `.distcp` file holding one uncompressed `torch.save`d chunk), so each tensor is assembled from
-exactly the bytes it needs (a layer of a stacked-layers chunk is one contiguous read) and written out bucket by
-bucket through the streaming safetensors writer. Peak memory is about one bucket plus the tensor being
-converted, whatever the model size; every byte read is covered by the chunk's CRC32.
-
-Checkpoint keys are global already (layer and expert indices), in Megatron's sharded-state-dict names, which
-`mcore2hf.checkpoint_keys` maps to the canonical names the converter tables use (the same scheme the import writes).
-
-Megatron-LM's legacy `torch` format (`iter_N/mp_rank_*/model_optim_rng.pt`, per-rank local shards) is read by
-`mcore2hf.legacy` into the same sources, whose reads are then the TP shards the layout ops take.
+No torch.distributed, no model, no GPU: the checkpoint is opened in its format (`formats.open_checkpoint`:
+megatron-core's torch_dist, read chunk by chunk with every byte CRC-checked, or Megatron-LM's legacy per-rank
+`torch` files), its tensors come as canonical sources (`formats.checkpoint_keys`, the scheme the import writes),
+are checked against the HF config (`plan.checks`, as every entry point checks), converted by the converter's
+layout ops and written out bucket by bucket through the streaming safetensors writer. Peak memory is about one
+bucket plus the tensor being converted, whatever the model size.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import time
-import zipfile
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from importlib import import_module
@@ -42,7 +33,6 @@ from .arch.lora import (
 )
 from .arch.naming import (
     HYBRID_FINAL_NORM,
-    HybridLayout,
     checkpoint_hybrid_layout,
     filter_outputs,
 )
@@ -55,7 +45,8 @@ from .errors import (
     UnknownParametersError,
     UsageError,
 )
-from .formats.checkpoint_keys import PARTS, CkptSource, canonical_parts
+from .formats import CheckpointReader, open_checkpoint, resolve_iteration_dir
+from .formats.checkpoint_keys import CkptSource
 from .formats.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .layouts.ops import full_shape_of_shard
 from .layouts.stacked import Stacked
@@ -69,273 +60,6 @@ from .transfer.buckets import Bucket
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
-
-
-def resolve_iteration_dir(ckpt_dir: str | os.PathLike, iteration: int | None = None) -> str:
-    """The iter_NNNNNNN directory to read: `iteration`, else latest_checkpointed_iteration.txt, else ckpt_dir."""
-    root = os.fspath(ckpt_dir)
-    if not os.path.isdir(root):
-        raise CheckpointError(f"{root} is not a directory")
-    if iteration is not None:
-        path = os.path.join(root, f"iter_{iteration:07d}")
-        if not os.path.isdir(path):
-            have = sorted(d for d in os.listdir(root) if d.startswith("iter_"))
-            raise CheckpointError(f"iteration {iteration} not found in {root} (expected {path}); present: {have}")
-        return path
-    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}"
-        path = os.path.join(root, name)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"{tracker} names iteration {text!r}, but {path} does not exist")
-        return path
-    from .formats.legacy import is_legacy_dir
-
-    if os.path.isfile(os.path.join(root, ".metadata")) or is_legacy_dir(root):
-        return root
-    raise CheckpointError(f"{root} is not a Megatron checkpoint: no latest_checkpointed_iteration.txt, "
-                          "no iter_* directory given, no .metadata, no mp_rank_*/model_optim_rng.pt")
-
-
-class DistCheckpointReader:
-    """Reads tensors (or slices of them) of a torch_dist checkpoint directory chunk by chunk."""
-
-    def __init__(self, path: str):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-        self.path = path
-        meta_json = os.path.join(path, "metadata.json")
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise CheckpointError(f"{path} is not a torch_dist checkpoint: no .metadata file")
-        if os.path.isfile(meta_json):
-            import json
-
-            with open(meta_json) as f:
-                backend = json.load(f).get("sharded_backend")
-            if backend not in (None, "torch_dist"):
-                raise CheckpointError(f"{path}: sharded backend {backend!r} is not supported (only torch_dist)")
-        try:
-            self.meta = FileSystemReader(path).read_metadata()
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
-        self._index = MetadataIndex
-        self.tensors = {k: v for k, v in self.meta.state_dict_metadata.items()
-                        if isinstance(v, TensorStorageMetadata)}
-        self._sizes: dict[str, int] = {}
-        self._verified: set[tuple[str, int]] = set()
-        self.bytes_read = 0
-
-    def check_files(self, keys) -> None:
-        """Every chunk of `keys` lies inside its file: a truncated checkpoint fails before anything is written."""
-        for key in keys:
-            for chunk in self.tensors[key].chunks:
-                self._locate(key, chunk)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.tensors[key].size)
-
-    def sources(self, num_layers: int, tied: bool, hybrid: HybridLayout | None = None
-                ) -> tuple[list[CkptSource], list[str]]:
-        return checkpoint_sources(self, num_layers, hybrid)  # a tied output layer is not saved apart from the embedding
-
-    def tp_of(self, source: CkptSource) -> int:
-        """TP of the checkpoint's chunking of this tensor along dim 0 (vocab-parallel tensors)."""
-        return len({c.offsets[0] for c in self.tensors[source.key].chunks})
-
-    def checkpoint_bytes(self) -> int:
-        return sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path) if f.endswith(".distcp"))
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.tensors[key].properties.dtype
-
-    def _locate(self, key: str, chunk) -> tuple[str, int, int]:
-        info = self.meta.storage_data.get(self._index(key, chunk.offsets))
-        if info is None:
-            raise CheckpointError(f"{self.path}: no storage entry for a chunk of {key} at offset {list(chunk.offsets)}")
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{key}: transformed (e.g. compressed) chunks are not supported")
-        file = os.path.join(self.path, info.relative_path)
-        size = self._sizes.get(file)
-        if size is None:
-            if not os.path.isfile(file):
-                raise CheckpointError(f"{file} is missing (it holds a chunk of {key})")
-            size = self._sizes[file] = os.path.getsize(file)
-        if info.offset + info.length > size:
-            raise CheckpointError(f"{file} is truncated: a chunk of {key} needs bytes [{info.offset}, "
-                                  f"{info.offset + info.length}), the file has {size}")
-        return file, info.offset, info.length
-
-    def _chunk_part(self, key: str, chunk, sub: tuple[int, ...]) -> torch.Tensor:
-        """chunk[sub], reading only its bytes: each chunk is an uncompressed torch.save zip at a byte range of a
-        .distcp file, so its tensor layout comes from data.pkl and the sub-tensor from one contiguous read."""
-        file, start, length = self._locate(key, chunk)
-        where = f"{file} (chunk of {key} at bytes [{start}, {start + length}))"
-        with open(file, "rb") as f:
-            window = _Window(f, start, length)
-            try:
-                layout = _chunk_layout(window)
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{where} is corrupt: {type(e).__name__}: {e}") from None
-            if layout is None:  # unusual serialization: load the chunk whole (torch verifies it)
-                window.seek(0)
-                try:
-                    return torch.load(io.BytesIO(window.read(length)), map_location="cpu", weights_only=True)[sub]
-                except Exception as e:  # noqa: BLE001
-                    raise CheckpointError(f"{where} is corrupt: {type(e).__name__}: {e}") from None
-            dtype, storage_offset, size, stride, data_off, data_len, crc = layout
-            if tuple(size) != tuple(chunk.sizes):
-                raise CheckpointError(f"{where} is corrupt: tensor shape {list(size)}, metadata says {list(chunk.sizes)}")
-            rest, rest_stride = size[len(sub):], stride[len(sub):]
-            if tuple(rest_stride) != _contiguous_strides(rest):
-                window.seek(0)
-                return torch.load(io.BytesIO(window.read(length)), map_location="cpu", weights_only=True)[sub]
-            first = storage_offset + sum(i * st for i, st in zip(sub, stride))
-            count = 1
-            for d in rest:
-                count *= d
-            item = dtype.itemsize
-            window.seek(data_off + first * item)
-            raw = window.read(count * item)
-            if len(raw) != count * item:
-                raise CheckpointError(f"{where} is truncated: its data ends early")
-            whole = first == 0 and count * item == data_len
-            if whole and zlib.crc32(raw) != crc:
-                raise CheckpointError(f"{where} is corrupt: CRC32 mismatch")
-            if not whole and (file, start) not in self._verified:
-                _verify_crc(window, data_off, data_len, crc, where)
-                self._verified.add((file, start))
-        self.bytes_read += len(raw)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).view(rest) if count else torch.empty(rest, dtype=dtype)
-
-    def read(self, key: str, lead: tuple[int, ...] = ()) -> torch.Tensor:
-        """The tensor `key`, or its sub-tensor key[lead] (indices into its leading dims: stacked layers,
-        stacked experts), assembled from the parts of the chunks that hold it."""
-        md = self.tensors[key]
-        shape = list(md.size)
-        k = len(lead)
-        out = torch.empty(shape[k:], dtype=md.properties.dtype)
-        covered = 0
-        for chunk in md.chunks:
-            off, size = chunk.offsets, chunk.sizes
-            if any(not off[d] <= lead[d] < off[d] + size[d] for d in range(k)):
-                continue
-            src = self._chunk_part(key, chunk, tuple(lead[d] - off[d] for d in range(k)))
-            out[tuple(slice(o, o + n) for o, n in zip(off[k:], size[k:]))].copy_(src)
-            covered += src.numel()
-        if covered != out.numel():
-            raise CheckpointError(f"{self.path}: the chunks of {key}{list(lead)} cover {covered} of {out.numel()} elements")
-        return out
-
-
-class _Window(io.RawIOBase):
-    """A read-only view of bytes [start, start + length) of an open file (zipfile reads the chunk through it)."""
-
-    def __init__(self, f, start: int, length: int):
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
-        self.f.seek(self.start + self.pos)
-        data = self.f.read(max(n, 0))
-        self.pos += len(data)
-        return data
-
-    def readinto(self, b) -> int:
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(list(shape)):
-        strides.append(acc)
-        acc *= d
-    return tuple(reversed(strides))
-
-
-class _LayoutUnpickler(pickle.Unpickler):
-    """Reads a torch.save data.pkl for one tensor's layout without touching its storage."""
-
-    def find_class(self, module, name):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *_: ("tensor", storage, offset, tuple(size), tuple(stride))
-        if module == "torch" and name.endswith("Storage"):
-            return getattr(torch, name)
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        raise pickle.UnpicklingError(f"unexpected {module}.{name}")
-
-    def persistent_load(self, pid):
-        return pid
-
-
-def _chunk_layout(window: _Window):
-    """(dtype, storage_offset, size, stride, data offset, data length, crc) of the chunk, or None if unusual."""
-    zf = zipfile.ZipFile(window)
-    pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
-    obj = _LayoutUnpickler(io.BytesIO(zf.read(pkl))).load()
-    if not (isinstance(obj, tuple) and obj and obj[0] == "tensor"):
-        return None
-    _, storage, offset, size, stride = obj
-    if not (isinstance(storage, tuple) and storage[0] == "storage"):
-        return None
-    dtype = getattr(storage[1], "dtype", None)
-    if not isinstance(dtype, torch.dtype):
-        return None
-    info = zf.getinfo(pkl[: -len("data.pkl")] + f"data/{storage[2]}")
-    if info.compress_type != zipfile.ZIP_STORED:
-        return None
-    window.seek(info.header_offset)
-    header = window.read(30)
-    data_off = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
-    return dtype, offset, size, stride, data_off, info.file_size, info.CRC
-
-
-def _verify_crc(window: _Window, start: int, length: int, crc: int, where: str) -> None:
-    """CRC32 of a chunk's whole data, streamed (a partial read cannot check it otherwise)."""
-    window.seek(start)
-    value, left = 0, length
-    while left:
-        block = window.read(min(left, 64 * 2**20))
-        if not block:
-            raise CheckpointError(f"{where} is truncated: its data ends early")
-        value = zlib.crc32(block, value)
-        left -= len(block)
-    if value != crc:
-        raise CheckpointError(f"{where} is corrupt: CRC32 mismatch")
-
-
-def checkpoint_sources(reader: DistCheckpointReader, num_layers: int,
-                       hybrid: HybridLayout | None = None) -> tuple[list[CkptSource], list[str]]:
-    """Canonical sources of every model tensor of the checkpoint (its keys read by `checkpoint_keys`); also the
-    keys that are not model weights. `hybrid`: a hybrid model's checkpoint (naming.checkpoint_hybrid_layout)."""
-    found, ignored = canonical_parts(reader.tensors, reader.shape, num_layers, hybrid)
-    sources = []
-    for name, parts in found.items():
-        order = [parts[p] for p in PARTS if p in parts]  # gate (_w) before up (_v); GDN: Megatron's order
-        key, lead = order[0]
-        shape = list(reader.shape(key))[len(lead):]
-        for k, ld in order[1:]:
-            shape[0] += reader.shape(k)[len(ld)]
-        sources.append(CkptSource(name, key, [list(order)], tuple(shape), reader.dtype(key)))
-    return sources, ignored
 
 
 @dataclass
@@ -441,18 +165,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
                         len(ignored), time.perf_counter() - t0, peak_rss(), writer.notes)
 
 
-def open_checkpoint(it_dir: str):
-    """The reader for what the iteration directory holds: torch_dist (.metadata) or legacy (mp_rank_*)."""
-    from .formats.legacy import LegacyCheckpointReader, is_legacy_dir
-
-    if not os.path.isfile(os.path.join(it_dir, ".metadata")) and is_legacy_dir(it_dir):
-        return LegacyCheckpointReader(it_dir)
-    return DistCheckpointReader(it_dir)
-
-
 def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, name_filter=None,
                     lora: str | None = None, lora_alpha: float | None = None
-                    ) -> tuple[DistCheckpointReader, list[CkptSource], list[str]]:
+                    ) -> tuple[CheckpointReader, list[CkptSource], list[str]]:
     """The checkpoint's model tensors, resolved to HF names and shapes and checked against the HF config (every
     problem at once); also the keys that are not model weights. A checkpoint of a Megatron-Bridge LoRA model:
     `lora` says what is exported, as for HFExporter (docs/lora.md); the checkpoint does not hold alpha, so
@@ -624,7 +339,7 @@ def _nbytes(shape, dtype) -> int:
     return n
 
 
-def _convert(reader: DistCheckpointReader, group: list[CkptSource], out_dtype, index: int) -> Bucket:
+def _convert(reader: CheckpointReader, group: list[CkptSource], out_dtype, index: int) -> Bucket:
     # the pieces of a stacked tensor share its entry, each writing its item
     entries = pack_tight(list({name: (name, shape, out_dtype(s), s.name) for s in group for name, shape in s.hf}.values()))
     flat = torch.empty(sum(e.nbytes for e in entries), dtype=torch.uint8)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import UsageError
+from .formats import is_megatron_checkpoint
 from .formats.hf_dir import HFDirectory
 
 CHUNK_ELEMENTS = 1 << 21  # elements per side compared at a time (fp32 temporaries: 8 MiB each)
@@ -64,13 +65,6 @@ class Comparison:
     @property
     def identical(self) -> bool:
         return not (self.missing or self.unexpected or self.rows)
-
-
-def is_megatron_checkpoint(path: str) -> bool:
-    from .formats.legacy import is_legacy_dir
-
-    return (any(os.path.exists(os.path.join(path, f)) for f in ("latest_checkpointed_iteration.txt", ".metadata"))
-            or is_legacy_dir(path))
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -101,7 +101,7 @@ def test_offline_export_refuses_hybrid_checkpoint_pattern_mismatch():
 def test_hybrid_import_keys_follow_the_pattern(ckpts, tmp_path):
     """The import's keys for a hybrid model: each HF layer's attention under its mixer layer, its MLP / MoE under the
     next Megatron layer, never stacked, `decoder.final_norm` (0.16.1 mamba_block.py, 0.19.2 hybrid_block.py)."""
-    from mcore2hf.offline import open_checkpoint
+    from mcore2hf.formats import open_checkpoint
 
     import_checkpoint(ckpts["qwen3"], tmp_path / "q", model_class="hybrid", progress=False)
     keys = set(open_checkpoint(str(tmp_path / "q" / "iter_0000000")).tensors)

@@ -245,10 +245,10 @@ def test_output_guards_overwrite_and_atomicity(ckpts, tmp_path, monkeypatch):
             import_checkpoint(src, inside, progress=False)
 
     # a failure mid-write leaves the previous iteration, the tracker and nothing else
-    from mcore2hf import importer
+    from mcore2hf.formats.torch_dist import DistcpWriter
 
     calls = {"n": 0}
-    real = importer._DistcpWriter.tensor
+    real = DistcpWriter.tensor
 
     def failing(self, *a):
         calls["n"] += 1
@@ -256,7 +256,7 @@ def test_output_guards_overwrite_and_atomicity(ckpts, tmp_path, monkeypatch):
             raise OSError("disk full")
         return real(self, *a)
 
-    monkeypatch.setattr(importer._DistcpWriter, "tensor", failing)
+    monkeypatch.setattr(DistcpWriter, "tensor", failing)
     with pytest.raises(ImportTargetError, match=r"cannot write .*iter_0000002: disk full; .*iter_0000002 is as it was"):
         import_checkpoint(src, out, iteration=2, overwrite=True, progress=False)
     calls["n"] = 0

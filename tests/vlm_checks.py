@@ -22,7 +22,8 @@ def check_wrapper_checkpoint(base: str, hf_dir: str, out: str, imported: str,
     Megatron loads the import: the worlds)."""
     from transformers import AutoModelForImageTextToText
 
-    from mcore2hf.offline import DistCheckpointReader, export_checkpoint, resolve_iteration_dir
+    from mcore2hf.formats import open_checkpoint
+    from mcore2hf.offline import export_checkpoint
     from mcore2hf.verify import compare
 
     ckpt = os.path.join(base, "ckpt")
@@ -36,8 +37,8 @@ def check_wrapper_checkpoint(base: str, hf_dir: str, out: str, imported: str,
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     r = compare(hf_dir, ckpt)
     assert r.identical and r.compared == len(want), (r.rows[:3], r.missing[:3], r.unexpected[:3])
-    saved = {k for k in DistCheckpointReader(resolve_iteration_dir(ckpt)).meta.state_dict_metadata
+    saved = {k for k in open_checkpoint(ckpt).meta.state_dict_metadata
              if not k.startswith("optimizer.")}
-    written = set(DistCheckpointReader(resolve_iteration_dir(imported)).meta.state_dict_metadata)
+    written = set(open_checkpoint(imported).meta.state_dict_metadata)
     assert written == saved, sorted(written ^ saved)[:6]
     assert any(k.startswith(tower[0]) for k in saved) and any(k.startswith("language_model.") for k in saved)
