@@ -136,7 +136,8 @@ def cmd_plan(a) -> int:
     import json
 
     from .arch.hf_config import load_hf_config
-    from .dry_run import plan_report, run_plan
+    from .dry_run import run_plan
+    from .plan.report import render
 
     if a.hf_config.startswith("tiny:"):
         from .runtime.tiny import tiny_config
@@ -148,7 +149,7 @@ def cmd_plan(a) -> int:
     layout = _layout(a)
     report = run_plan(cfg, layout, bucket_bytes=a.bucket_size, dtype=DTYPES[a.dtype], te_names=a.te_names,
                       name_filter=_name_filter(a), quantize=a.quantize, vision_tower=a.vision_tower)
-    print(json.dumps(report, indent=2) if a.json else plan_report(report, a.limit))
+    print(json.dumps(report, indent=2) if a.json else render(report, a.limit))
     return 0
 
 

@@ -76,7 +76,7 @@ def test_dry_run_deepseek_v3_at_pp16_ep64(tmp_path, capsys):
     import torch
     import transformers
 
-    from mcore2hf.dry_run import plan_report
+    from mcore2hf.plan.report import render
 
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     t0 = time.perf_counter()
@@ -112,7 +112,7 @@ def test_dry_run_deepseek_v3_at_pp16_ep64(tmp_path, capsys):
             assert t["stages"] == [0 if layer < 3 else min(1 + (layer - 3) // 4, 15)], t
             assert t["ep"] == expert // 4 and t["shards"] == 1, t
     with capsys.disabled():
-        print(f"\n{plan_report(report, limit=0)}\n`mcore2hf plan` wall time {wall:.1f} s (CLI start included)")
+        print(f"\n{render(report, limit=0)}\n`mcore2hf plan` wall time {wall:.1f} s (CLI start included)")
 
 
 def test_memory_per_rank_class_equals_each_ranks_own_programs():

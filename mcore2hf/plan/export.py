@@ -200,33 +200,9 @@ class ExportPlan:
 
     def describe(self, limit: int | None = None) -> str:
         """The dry run: every HF tensor with shape, dtype, its Megatron source (and its shards) and bucket."""
-        lines = [
-            f"plan for {self.model_type}: {self.num_tensors} HF tensors, {self.total_bytes / 2**20:.1f} MiB, "
-            f"{len(self.buckets)} bucket(s) of <= {self.bucket_bytes / 2**20:.1f} MiB, world size {self.world_size}",
-        ]
-        if self.quantize:
-            q, pre = self.quantized_names(), self.prequantized_names()
-            lines.append(f"quantized ({self.quantize}, 128x128 blocks): {len(q)} weights become float8_e4m3fn + a "
-                         f"float32 weight_scale_inv (listed with their shapes), {len(pre)} of them on the shards "
-                         f"before the collectives (op FP8RowSlices), {len(q) - len(pre)} after the gather; the other "
-                         "tensors keep their dtype")
-        lines += [
-            f"{'bucket':>6}  {'HF tensor':<60} {'shape':<18} {'dtype':<9} source (shards x where)",
-        ]
-        shown = 0
-        for b in self.buckets:
-            for e in b.output:
-                if limit is not None and shown >= limit:
-                    lines.append(f"... {self.num_tensors - shown} more")
-                    return "\n".join(lines)
-                src = self.sources[e.source]
-                where = f"pp{','.join(map(str, src.stages))}" + (f" ep{src.ep}" if src.ep >= 0 else "")
-                op = type(src.resolved.op).__name__
-                lines.append(f"{b.index:>6}  {e.name:<60} {str(list(e.shape)):<18} {str(e.dtype)[6:]:<9} "
-                             f"{src.name} [{op}, {src.count} shard(s) x {where}]")
-                shown += 1
-        return "\n".join(lines)
+        from .report import render
 
+        return render(self.to_dict(), limit)
 
 def rank_record(local: list[LocalTensor], ctx: ParallelContext) -> RankRecord:
     """What this rank contributes to the plan: its place and its local tensors' metadata (no data)."""
