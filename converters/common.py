@@ -285,3 +285,24 @@ def native_vision_tower(deepstack: bool = True) -> list[Rule]:
 #: (models/kimi_k25.py:680-686). FP8Policy(tower=) lists the tower for vLLM's and SGLang's matching (its docstring).
 VLM_FP8_SOURCE = ("the text family's table under the language-model prefix; the tower and projector kept whole, "
                   "as the published Qwen3-VL / Qwen3.5 / GLM-4.5V FP8 releases keep them (docs/vlm.md)")
+
+
+#: What the test suite verifies, shared by the architectures it verifies alike (each registration says its own:
+#: `mcore2hf list`; docs/architectures.md has the detail). The layout worlds' counts are checked against
+#: tests/test_layout_matrix.py, so these cannot drift from the suite.
+EVERY = "logits = transformers' at each, import loaded by Megatron, offline export, engine shards, demo"
+SEVEN_WORLDS = f"7 layout worlds (TP, PP, VPP, EP, expert-TP != TP, uneven PP, bf16); {EVERY}"
+THREE_WORLDS = f"3 layout worlds (TP x PP x EP, PP x VPP, uneven PP: every parallel dimension); {EVERY}"
+
+# Vision-language models (docs/vlm.md), odd-shaped: no dimension a multiple of 8 (a transposition or a wrong
+# split cannot hide behind equal sizes); TP2 still splits heads (4, 2 kv) and ffn, EP 2 and 4 the 12 experts. 4 layers so
+# PP2 x VPP2 has a layer per chunk; ffn 52 and expert ffn 20 divide over engine TP 4; a vision tower of 3 patch-3 blocks with 2 deepstack mergers (Qwen3-VL).
+TINY_VL_TEXT = dict(vocab_size=101, hidden_size=44, intermediate_size=52, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=10, max_position_embeddings=256, rms_norm_eps=1e-6,
+                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TINY_VL_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 1]}
+TINY_QWEN3_VL_VISION = dict(depth=3, hidden_size=36, intermediate_size=30, num_heads=3, out_hidden_size=44,
+                            num_position_embeddings=25, patch_size=3, temporal_patch_size=2, spatial_merge_size=2,
+                            deepstack_visual_indexes=[0, 1])
+TINY_VL_IDS = dict(image_token_id=97, video_token_id=98, vision_start_token_id=99, vision_end_token_id=100)
+TINY_VL_MOE = dict(moe_intermediate_size=20, num_experts_per_tok=2)

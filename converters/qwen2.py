@@ -1,9 +1,14 @@
 """Qwen2 (HF `qwen2`): q/k/v biases."""
 
 from mcore2hf.arch.mapping import Converter
-from mcore2hf.arch.registry import register
+from mcore2hf.arch.registry import Architecture, register
+from mcore2hf.model_specs import qwen2 as spec
 
-from .common import fp8_policy, llama_like
+from .common import SEVEN_WORLDS, fp8_policy, llama_like
 
-QWEN2 = register(Converter(model_type="qwen2", spec="mcore2hf.model_specs.qwen2", rules=llama_like(),
-                           fp8=fp8_policy(source="no published block-FP8 checkpoint: the Qwen3-FP8 table")))
+QWEN2 = Converter(model_type="qwen2", spec=spec, rules=llama_like(),
+                           fp8=fp8_policy(source="no published block-FP8 checkpoint: the Qwen3-FP8 table"))
+
+TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+register(Architecture(QWEN2, tiny=TINY, verified=SEVEN_WORLDS))

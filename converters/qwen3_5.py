@@ -14,8 +14,9 @@ exports and loads through `native_vision_tower(deepstack=False)`, ahead of the p
 Qwen3-Next)."""
 
 from mcore2hf.arch.mapping import Converter, Rule
-from mcore2hf.arch.registry import register
+from mcore2hf.arch.registry import Architecture, register
 from mcore2hf.layouts.gdn import ColumnParts, GatedQKV
+from mcore2hf.model_specs import qwen3_5 as spec
 
 from . import qwen3_next
 from .common import HL, L, dense_mlp, embeddings, gqa_attention, hf_tower, language_model, native_vision_tower
@@ -32,10 +33,30 @@ def gated_delta_net() -> list[Rule]:
     return [in_proj] + [r for r in qwen3_next.gated_delta_net() if r.megatron != in_proj.megatron]
 
 
-QWEN3_5 = register(Converter(
+QWEN3_5 = Converter(
     model_type="qwen3_5",
-    spec="mcore2hf.model_specs.qwen3_5",
+    spec=spec,
     rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + dense_mlp())
     + native_vision_tower(deepstack=False) + hf_tower("vision_model", "model.visual"),
     not_held=NOT_HELD,
-))
+)
+
+# Qwen3.5 (Qwen/Qwen3.5-27B, -35B-A3B config.json layout): a multimodal config whose text_config is the language
+# model mcore2hf converts; the small vision tower makes the tiny checkpoint a real base for `save_pretrained(base=)`.
+# 4 layers, full attention every 2nd (published: every 4th), so PP2 stages both hold both layer kinds.
+TINY_TEXT = dict(
+    vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, full_attention_interval=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                   num_position_embeddings=16, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+
+TINY = dict(text_config=dict(TINY_TEXT, intermediate_size=96), vision_config=TINY_VISION,
+            tie_word_embeddings=False)
+VERIFIED = ("its own worlds (TP2 x EP2, PP2, TP1 x DP2); logits (and fp32 round-off) = transformers' at "
+            'each, completed from the multimodal checkpoint, offline export, engine shards, demo; the '
+            'native Megatron tower (TP2 x PP2): bit-identical with the tower, transformers loads it, text + '
+            "image logits = transformers'")
+register(Architecture(QWEN3_5, tiny=TINY, verified=VERIFIED))

@@ -9,9 +9,10 @@ The published checkpoints' MTP tensors (`mtp.*`, which transformers ignores) are
 published FP8 checkpoint's list of unquantized modules was not available to check against."""
 
 from mcore2hf.arch.mapping import Converter, Rule
-from mcore2hf.arch.registry import register
+from mcore2hf.arch.registry import Architecture, register
 from mcore2hf.layouts.gdn import ColumnParts, GatedQKV, GDNInProj
 from mcore2hf.layouts.ops import Column, Replicated, Row, ZeroCentered
+from mcore2hf.model_specs import qwen3_next as spec
 
 from .common import HL, L, dense_mlp, embeddings, glu_mlp, gqa_attention, moe
 
@@ -35,12 +36,29 @@ def gated_shared_expert() -> list[Rule]:
         Rule(f"{L}.mlp.shared_experts.gate_weight", f"{HL}.mlp.shared_expert_gate.weight", Replicated)]
 
 
-QWEN3_NEXT = register(Converter(
+QWEN3_NEXT = Converter(
     model_type="qwen3_next",
-    spec="mcore2hf.model_specs.qwen3_next",
+    spec=spec,
     # dense_mlp: layers listed in mlp_only_layers / skipped by decoder_sparse_step
     rules=embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe() + gated_shared_expert()
     + dense_mlp(),
     # the published checkpoints' MTP layer (vLLM's qwen3_next_mtp.py loads it): not built by the Megatron spec
     not_held=(r"mtp\..*",),
-))
+)
+
+# Qwen3-Next-80B-A3B scaled down: 3 gated DeltaNet layers then 1 gated attention layer (PP2 puts the boundary
+# between stages), more value heads than key heads (r = 2) and key / value head dims that differ, so TP2
+# splits both head counts and a mix-up of the grouping shows; partial rotary 0.25, gated shared expert
+TINY = dict(
+    vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+VERIFIED = ('its own layout world (TP2 x PP2 x VPP2 x EP2, bf16); logits (and fp32 round-off) = '
+            "transformers' at TP1 and TP2 x EP2, import loaded by Megatron, offline export, engine shards, "
+            'demo')
+register(Architecture(QWEN3_NEXT, tiny=TINY, verified=VERIFIED))

@@ -219,7 +219,6 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     `Executor.memory_estimate()` gives it, all ranks receiving), computed in this process. `vision_tower="native"`:
     the model as `build_model(..., vision_tower="native")` builds it (its tower on the first stage); "hf":
     Megatron-Bridge 0.3.1's Qwen3VLModel (transformers' tower embedded on the first stage, `_embedded_tower`)."""
-    from importlib import import_module
 
     from .arch.hf_config import load_hf_config
     from .arch.registry import get_converter
@@ -231,7 +230,7 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     cfg = load_hf_config(hf_config)
     records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names, vision_tower=vision_tower)
     converter = get_converter(cfg.model_type)
-    spec = import_module(converter.spec)
+    spec = converter.spec
     dims = checked_dims(spec, cfg, int(getattr(config, "mtp_num_layers", None) or 0), "the Megatron model")
     check(spec, cfg, dims, what="the Megatron model", model_config=config)  # as HFExporter checks the live model
     planner = Planner(records, cfg, converter, dims, layout.tp, layout.expert_tp)

@@ -113,9 +113,7 @@ class HFExporter:
         self.config_source = config_source(hf_config)  # written as given by save_pretrained
         self.hf_config = self.config_source.config
         self.converter = converter or get_converter(self.hf_config.model_type)
-        from importlib import import_module
-
-        self.spec = import_module(self.converter.spec)
+        self.spec = self.converter.spec
         self.ctx = ParallelContext.from_megatron()
         self.dims = checked_dims(self.spec, self.hf_config, mtp_layers(model_config(self.chunks)), MODEL)
         self._local: dict[str, LocalTensor] | None = None

@@ -32,7 +32,6 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import import_module
 
 import regex
 import torch
@@ -171,7 +170,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     `vision_tower`: the keys of a vision-language wrapper holding its tower (checkpoint_keys.VISION_TOWERS)."""
     from .model_specs.common import padded_vocab_size
 
-    spec = import_module(converter.spec)
+    spec = converter.spec
     # what the Megatron model does not hold by design (a text model's vision tower) is not imported; a wrapper
     # holding its tower imports the not-held tensors its tower rules produce (the tower, not Qwen3.5's MTP)
     held = {n for n in reader.names() if not converter.not_held_by_model(n)}
@@ -354,7 +353,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     inputs = [hf_dir] + ([source.directory] if source.directory else [])
     check_import_target(ckpt_dir, iteration, overwrite, inputs)
     converter = get_converter(cfg.model_type)
-    spec = import_module(converter.spec)
+    spec = converter.spec
     dims = spec.dims(cfg)
     hybrid = None
     if model_class == "hybrid":

@@ -6,7 +6,6 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
@@ -60,7 +59,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
     from .arch.registry import get_converter
 
     converter = converter or get_converter(cfg.model_type)
-    spec = import_module(converter.spec)
+    spec = converter.spec
     reader = open_tensors(source)
     if lora:  # per-expert or PEFT's stacked 3-D expert factors, as the source holds them
         converter = lora_converter(converter, expert_form(reader.names()))

@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from importlib import import_module
 
 import torch
 
@@ -125,7 +124,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     infos = [TensorInfo(name, shape, dt) for name, shape, dt in tensors]
     if lora == "adapter":  # r from the factors' shapes (checked equal), alpha as given
         r = next(shape[0] for name, shape, _ in tensors if ".lora_A." in name)
-        num_layers = import_module(converter.spec).dims(source.config).num_layers
+        num_layers = converter.spec.dims(source.config).num_layers
         config = peft_config(LoraInfo(r, float(lora_alpha), ()), [t.name for t in infos], num_layers,
                              source.directory)
         writer = SafetensorsWriter(out_dir, infos, None, overwrite=overwrite, inputs=inputs + [it_dir],
@@ -173,7 +172,7 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
     `lora` says what is exported, as for HFExporter (docs/lora.md); the checkpoint does not hold alpha, so
     "adapter" and "merged" need `lora_alpha`."""
     converter = get_converter(cfg.model_type)
-    spec = import_module(converter.spec)
+    spec = converter.spec
     dims = spec.dims(cfg)
     reader = open_checkpoint(it_dir)
     hybrid = None

@@ -101,7 +101,7 @@ def _check_partition(op, full, shards, what) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want)), what
 
 
-MODEL_TYPES = sorted(__import__("mcore2hf.runtime.tiny", fromlist=["TINY_CONFIGS"]).TINY_CONFIGS)
+MODEL_TYPES = sorted(__import__("mcore2hf.arch.registry", fromlist=["architectures"]).architectures())
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -287,11 +287,11 @@ def test_every_architecture_regions_cover_each_tensor_as_the_engine_loads_it(cap
     every rank; kv heads under replication: tp / kv heads ranks; everything else: exactly one rank), and the
     bytes each rank needs are printed against the full model's bytes."""
     from mcore2hf.arch.hf_config import hf_tensor_shapes
-    from mcore2hf.arch.registry import get_converter, get_model_spec
-    from mcore2hf.runtime.tiny import TINY_CONFIGS, tiny_config
+    from mcore2hf.arch.registry import architectures, get_converter, get_model_spec
+    from mcore2hf.runtime.tiny import tiny_config
 
     report, skipped, refused_towers = [], set(), set()
-    for model_type in TINY_CONFIGS:
+    for model_type in architectures():
         cfg = tiny_config(model_type)
         dims = get_model_spec(model_type).dims(cfg)
         # what the export sends: the language model, and a vision tower where the table covers it (a Megatron model

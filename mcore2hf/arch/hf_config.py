@@ -214,25 +214,14 @@ def output_config(source: ConfigSource, dtype, quantization: dict | None = None)
     return text, notes
 
 
-#: where the published checkpoints' layout differs from what transformers 5.24 saves (`revert_weight_conversion`
-#: gives the latter; both load): per model_type, (regex, action) with action "transpose" (dims 1 and 2 swapped) or
-#: a replacement name. Qwen3-VL-MoE's packed experts are published as [E, hidden, 2 * ffn] / [E, ffn, hidden]
-#: (conversion_mapping.py "qwen3_vl_moe" transposes them on load, with check_dims, not back on save); Kimi-K2.5's
-#: language model layers as `language_model.model.layers` (its "blocks" -> "layers" rename, meant for the vision
-#: tower, is reverted on the language model's names too when saving) and its projector norm under `mm_projector.`
-PUBLISHED_LAYOUT: dict[str, tuple[tuple[str, str], ...]] = {
-    "qwen3_vl_moe": ((r"\.mlp\.experts\.(gate_up_proj|down_proj)$", "transpose"),),
-    "kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
-                 (r"^model\.mm_projector\.", "mm_projector.")),
-}
-
-
 def published_layout(model_type: str, name: str, value):
     """(name, value) as the published checkpoints of `model_type` store a tensor transformers saves as (name,
-    value); `value` is a tensor or a shape tuple."""
+    value), by its registered architecture's `published_layout`; `value` is a tensor or a shape tuple."""
     import re
 
-    for pattern, action in PUBLISHED_LAYOUT.get(model_type, ()):
+    from .registry import published_layout as layout
+
+    for pattern, action in layout(model_type):
         if re.search(pattern, name):
             if action != "transpose":
                 name = re.sub(pattern, action, name)
@@ -250,7 +239,7 @@ def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
     5's in-memory fusions, e.g. of experts). MTP layers, which transformers does not build, are the last decoder
     layer's tensors (and a DSA indexer, see below) plus DeepSeek-V3's published MTP extras. A multimodal config (Qwen3.5) is built as its
     published class (AutoModelForImageTextToText); `not_held` drops the tensors a converter declares the
-    Megatron model never holds (its vision tower). Names and shapes are the published checkpoints' (PUBLISHED_LAYOUT)."""
+    Megatron model never holds (its vision tower). Names and shapes are the published checkpoints' (`Architecture.published_layout`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

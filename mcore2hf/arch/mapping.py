@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import regex
 
@@ -135,8 +136,8 @@ class Converter:
 
     model_type: str
     rules: list[Rule]
-    #: module path of the architecture's model spec (HF config <-> TransformerConfig + layer spec)
-    spec: str
+    #: the architecture's model spec (HF config <-> TransformerConfig + layer spec: model_specs/<model_type>.py)
+    spec: Any
     #: HF model_types that share this format (e.g. kimi_k2 -> deepseek_v3)
     aliases: tuple[str, ...] = ()
     #: HF name patterns (same placeholders) that loading may skip, beyond the rules' export-only copies

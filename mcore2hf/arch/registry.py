@@ -1,21 +1,47 @@
-"""Registry of architectures: HF model_type -> converter table (+ its model spec)."""
+"""Registry of architectures: HF model_type (and its aliases) -> the one `Architecture` object registered for it
+(converters/<model_type>.py): its rule table, its model spec, its tiny config, what the suite verifies and the
+published checkpoints' layout."""
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from dataclasses import dataclass
 
 from ..errors import UnsupportedArchitectureError
 from .mapping import Converter
 
-_CONVERTERS: dict[str, Converter] = {}
+
+@dataclass(frozen=True)
+class Architecture:
+    """Everything mcore2hf holds of one architecture, registered once: the rule table (`converter`, whose `spec` is
+    the model spec: HF config <-> TransformerConfig and layer spec), the HF config fields of a tiny model (`tiny`:
+    what the tests and the demo build, runtime.tiny.tiny_config), what the test suite verifies (`verified`, shown by
+    `mcore2hf list`) and where the published checkpoints' layout differs from what transformers saves
+    (`published_layout`: (regex, action) pairs, action "transpose" (dims 1 and 2 swapped) or a replacement name;
+    hf_config.published_layout applies them)."""
+
+    converter: Converter
+    tiny: dict
+    verified: str
+    published_layout: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def model_type(self) -> str:
+        return self.converter.model_type
+
+    @property
+    def spec(self):
+        return self.converter.spec
+
+
+_ARCHITECTURES: dict[str, Architecture] = {}
 _loaded = False
 
 
-def register(converter: Converter) -> Converter:
-    for name in (converter.model_type, *converter.aliases):
-        _CONVERTERS[name] = converter
-    return converter
+def register(architecture: Architecture) -> Architecture:
+    for name in (architecture.model_type, *architecture.converter.aliases):
+        _ARCHITECTURES[name] = architecture
+    return architecture
 
 
 def _load_builtin() -> None:
@@ -26,68 +52,49 @@ def _load_builtin() -> None:
 
 
 def list_architectures() -> list[str]:
-    """Registered HF model_type names, e.g. ["qwen3_moe", ...]."""
+    """Registered HF model_type names (aliases too), e.g. ["qwen3_moe", ...]."""
     _load_builtin()
-    return sorted(_CONVERTERS)
+    return sorted(_ARCHITECTURES)
+
+
+def architectures() -> dict[str, Architecture]:
+    """The registered architectures by their own model_type (no alias)."""
+    _load_builtin()
+    return {mt: a for mt, a in sorted(_ARCHITECTURES.items()) if mt == a.model_type}
+
+
+def get_architecture(model_type: str) -> Architecture:
+    _load_builtin()
+    try:
+        return _ARCHITECTURES[model_type]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"no converter for HF model_type {model_type!r}; registered: {sorted(_ARCHITECTURES)}"
+        ) from None
 
 
 def get_converter(model_type: str) -> Converter:
-    _load_builtin()
-    try:
-        return _CONVERTERS[model_type]
-    except KeyError:
-        raise UnsupportedArchitectureError(
-            f"no converter for HF model_type {model_type!r}; registered: {sorted(_CONVERTERS)}"
-        ) from None
+    return get_architecture(model_type).converter
+
+
+def get_model_spec(model_type: str):
+    return get_architecture(model_type).spec
 
 
 def canonical_model_type(model_type: str) -> str:
     """The registered model_type an alias stands for (e.g. kimi_k2 -> deepseek_v3); others unchanged."""
     _load_builtin()
-    converter = _CONVERTERS.get(model_type)
-    return converter.model_type if converter is not None else model_type
-
-
-def get_model_spec(model_type: str) -> ModuleType:
-    return importlib.import_module(get_converter(model_type).spec)
-
-
-#: What the test suite verifies per architecture (`mcore2hf list`; docs/architectures.md has the detail). The layout
-#: worlds' counts are checked against tests/test_layout_matrix.py, so this table cannot drift from the suite.
-_EVERY = "logits = transformers' at each, import loaded by Megatron, offline export, engine shards, demo"
-VERIFIED: dict[str, str] = {
-    **{mt: f"7 layout worlds (TP, PP, VPP, EP, expert-TP != TP, uneven PP, bf16); {_EVERY}"
-       for mt in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "minimax_m2")},
-    "gpt_oss": f"6 layout worlds (all at expert-TP 1); {_EVERY}",
-    **{mt: f"3 layout worlds (TP x PP x EP, PP x VPP, uneven PP: every parallel dimension); {_EVERY}"
-       for mt in ("glm4_moe_lite", "deepseek_v2", "mixtral", "mistral", "olmoe", "deepseek_v32", "glm_moe_dsa")},
-    "qwen3_next": "its own layout world (TP2 x PP2 x VPP2 x EP2, bf16); logits (and fp32 round-off) = transformers' "
-                  "at TP1 and TP2 x EP2, import loaded by Megatron, offline export, engine shards, demo",
-    **{mt: "its own worlds (TP2 x EP2, PP2, TP1 x DP2); logits (and fp32 round-off) = transformers' at each, "
-           "completed from the multimodal checkpoint, offline export, engine shards, demo"
-       for mt in ("qwen3_5", "qwen3_5_moe")},
-    **{mt: "its own world (TP2 x PP2 x EP2, PP2 x VPP2 x EP2): the language model bit-identical, the tower completed "
-           "from the multimodal checkpoint offline and live (once per sync or with the first), offline export and "
-           "import, engine shards" + (" (its packed experts refused)" if mt == "qwen3_vl_moe" else "")
-           + ", the dry run, transformers loads every directory; logits (text tokens) = transformers' at both, "
-           "demo" + {"qwen3_vl": ", Megatron-Bridge 0.3.1's Qwen3VLModel with its HF tower (TP2 x PP2)",
-                     "glm4v_moe": ", Megatron-Bridge 0.3.1's GLM45VModel with its HF tower (TP2 x PP2)",
-                     "kimi_k25": ", Megatron-Bridge 0.6.2's KimiK25VLModel (rebuilt) with its tower (TP2 x PP2)",
-                     }.get(mt, "") + ("; its wrapper's torch_dist checkpoint exported offline, verified and imported "
-                                      "(--vision-tower hf), the wrapper's dry run" if mt != "qwen3_vl_moe" else "")
-       for mt in ("qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25")},
-}
-
-#: the vision tower built natively in Megatron (build_model(vision_tower="native"), Megatron-Bridge 0.6.2's layout;
-#: tests/test_qwen3_vl_native.py, docs/architectures.md)
-for _mt, _layouts in (("qwen3_vl", "TP2 x PP2, TP2, PP2, TP1, PP2 x VPP2"), ("qwen3_vl_moe", "TP2 x PP2"), ("qwen3_5", "TP2 x PP2"),
-                      ("qwen3_5_moe", "TP2 x PP2")):
-    VERIFIED[_mt] += (f"; the native Megatron tower ({_layouts}): bit-identical with the tower, transformers loads it, "
-                      "text + image logits = transformers'" + (", Bridge 0.6.2's own tower module, FP8, the dry run"
-                                                               if _mt == "qwen3_vl" else ""))
+    found = _ARCHITECTURES.get(model_type)
+    return found.model_type if found is not None else model_type
 
 
 def verified(model_type: str) -> str:
     """What the test suite verifies for `model_type` (an alias: its format's)."""
-    return VERIFIED[canonical_model_type(model_type)]
+    return get_architecture(model_type).verified
 
+
+def published_layout(model_type: str) -> tuple[tuple[str, str], ...]:
+    """The registered architecture's published layout; () for a model_type not registered."""
+    _load_builtin()
+    found = _ARCHITECTURES.get(model_type)
+    return () if found is None else found.published_layout

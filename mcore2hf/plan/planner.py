@@ -31,11 +31,9 @@ class Planner:
 
     def __init__(self, records: Sequence[RankRecord], hf_config, converter: Converter, dims, tp_size: int,
                  etp_size: int, *, verbose: bool = False, structure: bool = True):
-        from importlib import import_module
-
         self.records = list(records)
         self.hf_config, self.converter, self.dims = hf_config, converter, dims
-        self.spec = import_module(converter.spec)
+        self.spec = converter.spec
         self.tp_size, self.etp_size, self.world_size = tp_size, etp_size, len(self.records)
         self.verbose = verbose  # log each new plan (rank 0 of a live world)
         self.structure = structure  # check the sources against the HF config (not for a LoRA adapter table)
