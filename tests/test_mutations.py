@@ -37,26 +37,26 @@ WORLD_EP2 = "test_layout_matrix.py::test_layout_invariance_all_architectures[tp2
 WORLD_FP8 = "test_fp8.py::test_fp8_export_bit_identical_to_reference_all_architectures[tp1-pp2-vpp2-ep2-etp1-w4]"
 
 MUTATIONS = [
-    Mutation("qkv-order", "mcore2hf/layouts.py", (  # k and v swapped inside QKV, in export and load alike
+    Mutation("qkv-order", "mcore2hf/layouts/ops.py", (  # k and v swapped inside QKV, in export and load alike
         ("spans = [(0, hpg * d), (hpg * d, d), ((hpg + 1) * d, d)]",
          "spans = [(0, hpg * d), ((hpg + 1) * d, d), (hpg * d, d)]"),
         ("parts = [q.reshape(gl, hpg * d, *rest), k.reshape(gl, d, *rest), v.reshape(gl, d, *rest)]",
          "parts = [q.reshape(gl, hpg * d, *rest), v.reshape(gl, d, *rest), k.reshape(gl, d, *rest)]")),
         ("test_layouts.py", WORLD_TP1), "qwen3"),
-    Mutation("expert-rank-order", "mcore2hf/naming.py", (  # EP ranks' experts numbered in reverse
+    Mutation("expert-rank-order", "mcore2hf/arch/naming.py", (  # EP ranks' experts numbered in reverse
         ("canon = canonical_name(name[len(inner):], lm, ctx.ep.rank, num_local,",
          "canon = canonical_name(name[len(inner):], lm, ctx.ep.size - 1 - ctx.ep.rank, num_local,"),),
         (WORLD_EP2,), "qwen3_moe"),
-    Mutation("vocab-padding-rows", "mcore2hf/layouts.py", (  # padding rows put first, and read as vocabulary
+    Mutation("vocab-padding-rows", "mcore2hf/layouts/ops.py", (  # padding rows put first, and read as vocabulary
         ("return torch.cat([real, pad], dim=0)", "return torch.cat([pad, real], dim=0)"),
         ("out.append(StridedCopy(0, (keep * rest,), (1,), (1,), dst_offset=i * rows * rest, src_shards=i))",
          "out.append(StridedCopy(0, (keep * rest,), (1,), (1,), dst_offset=i * rows * rest, src_shards=i, "
          "src_offset=(rows - keep) * rest))")),
         ("test_layouts.py", WORLD_TP1), "qwen3"),
-    Mutation("fp8-scale-divisor", "mcore2hf/quantize.py", (
+    Mutation("fp8-scale-divisor", "mcore2hf/quantize/fp8.py", (
         ("FP8_MAX = 448.0", "FP8_MAX = 440.0"),),
         ("test_quantize.py", WORLD_FP8), "qwen3_moe"),
-    Mutation("glu-half-order", "mcore2hf/layouts.py", (  # gate and up swapped in fc1, in export and load alike
+    Mutation("glu-half-order", "mcore2hf/layouts/ops.py", (  # gate and up swapped in fc1, in export and load alike
         ("return [StridedCopy(j, (count, block), (block, 1), (S, 1), src_offset=j * block) for j in (0, 1)]",
          "return [StridedCopy(j, (count, block), (block, 1), (S, 1), src_offset=(1 - j) * block) for j in (0, 1)]"),
         ("return torch.cat([take_range(h, 0, index * n, (index + 1) * n) for h in hf], dim=0)",
