@@ -99,15 +99,14 @@ def random_model(arch: str, config: dict, tp: int, device, seed: int = 1234):
     """(HF config, model chunks) of a Megatron model of `arch` with `config`'s shapes, bf16, built on `device` as in
     training (every param carries Megatron's parallel attributes, which mbridge reads), then filled with random
     normal(0, 0.02) values drawn on the device (seed + rank)."""
-    import importlib
-
     import torch
     import torch.distributed as dist
 
     from mcore2hf.arch.hf_config import load_hf_config
+    from mcore2hf.arch.registry import get_model_spec
     from mcore2hf.model_specs.common import build_model, padded_vocab_size
 
-    spec = importlib.import_module(f"mcore2hf.model_specs.{arch}")
+    spec = get_model_spec(arch)
     cfg = load_hf_config(config)
     cpu = device.type == "cpu"
     if not cpu:  # Megatron's initialization draws from the tensor-parallel RNG tracker on the GPU

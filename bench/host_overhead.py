@@ -34,7 +34,7 @@ def job(cfg: dict, rounds: int, profile: bool):
     from mcore2hf.model_specs import qwen3_moe
 
     hf = load_hf_config(cfg)
-    chunks = qwen3_moe.build_model(hf, vocab_size=128, perform_initialization=False)
+    chunks = qwen3_moe.SPEC.build_model(hf, vocab_size=128, perform_initialization=False)
     ex = HFExporter(chunks, hf)
     t = time.perf_counter()
     plan = ex.plan(16 * 2**20)

@@ -34,7 +34,7 @@ def write_checkpoint(hf_cfg: dict, out: str) -> None:
     from mcore2hf.model_specs.common import padded_vocab_size
 
     cfg = load_hf_config(hf_cfg)
-    chunks = qwen3_moe.build_model(cfg, vocab_size=padded_vocab_size(cfg.vocab_size, 1), params_dtype=torch.bfloat16,
+    chunks = qwen3_moe.SPEC.build_model(cfg, vocab_size=padded_vocab_size(cfg.vocab_size, 1), params_dtype=torch.bfloat16,
                                    bf16=True, perform_initialization=False)
     chunks = [c.to(torch.bfloat16) for c in chunks]
     with torch.no_grad():

@@ -9,7 +9,7 @@ from .common import THREE_WORLDS, dense_mlp, embeddings, fp8_policy, mla_attenti
 
 DEEPSEEK_V2 = Converter(
     model_type="deepseek_v2",
-    spec=spec,
+    spec=spec.SPEC,
     rules=embeddings() + mla_attention() + dense_mlp() + moe(shared_experts=True),
     fp8=fp8_policy(source="no published block-FP8 checkpoint: the DeepSeek-V3 table"),
 )

@@ -9,7 +9,7 @@ from .common import SEVEN_WORLDS, dense_mlp, embeddings, fp8_policy, mla_attenti
 
 DEEPSEEK_V3 = Converter(
     model_type="deepseek_v3",
-    spec=spec,
+    spec=spec.SPEC,
     # Kimi-K2's config.json says model_type "kimi_k2" (which transformers does not know) with an auto_map to
     # remote code: it is read as a DeepseekV3Config, never by running that code
     aliases=("kimi_k2",),

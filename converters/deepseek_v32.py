@@ -10,7 +10,7 @@ from .deepseek_v3 import DEEPSEEK_V3
 
 DEEPSEEK_V32 = Converter(
     model_type="deepseek_v32",
-    spec=spec,
+    spec=spec.SPEC,
     rules=DEEPSEEK_V3.rules + dsa_indexer(),
     fp8=fp8_policy(mtp=True, list_not_converted=False, dsa_indexer=True,
                    source="DeepSeek-V3.2 FP8 checkpoints"),

@@ -9,7 +9,7 @@ from .common import SEVEN_WORLDS, dense_mlp, embeddings, fp8_policy, gqa_attenti
 
 GLM4_MOE = Converter(
     model_type="glm4_moe",
-    spec=spec,
+    spec=spec.SPEC,
     rules=embeddings(mtp_copies=True) + gqa_attention() + dense_mlp()
     + moe(shared_experts=True, expert_bias=True) + mtp(),
     fp8=fp8_policy(mtp=True, source="GLM-4.5-FP8's unquantized tensors (that checkpoint is per-channel "

@@ -10,7 +10,7 @@ from .deepseek_v3 import DEEPSEEK_V3
 
 GLM4_MOE_LITE = Converter(
     model_type="glm4_moe_lite",
-    spec=spec,
+    spec=spec.SPEC,
     rules=DEEPSEEK_V3.rules,
     fp8=fp8_policy(mtp=True, source="no published block-FP8 checkpoint: the DeepSeek-V3 table"),
 )

@@ -27,7 +27,7 @@ from .common import (
 
 GLM4V_MOE = Converter(
     model_type="glm4v_moe",
-    spec=spec,
+    spec=spec.SPEC,
     rules=language_model(embeddings() + gqa_attention() + dense_mlp() + moe(shared_experts=True, expert_bias=True))
     + hf_tower("visual", "model.visual"),
     not_held=(r"model\.visual\..*",),

@@ -9,7 +9,7 @@ from .deepseek_v32 import DEEPSEEK_V32
 
 GLM_MOE_DSA = Converter(
     model_type="glm_moe_dsa",
-    spec=spec,
+    spec=spec.SPEC,
     rules=DEEPSEEK_V32.rules,
     fp8=fp8_policy(mtp=True, dsa_indexer=True, source="GLM-5-FP8 checkpoints"),
 )

@@ -16,7 +16,7 @@ _E, _HE = f"{L}.mlp.experts.{{E}}", f"{HL}.mlp.experts"
 
 GPT_OSS = Converter(
     model_type="gpt_oss",
-    spec=spec,
+    spec=spec.SPEC,
     rules=embeddings() + gqa_attention() + [
         Rule(f"{L}.self_attention.linear_proj.bias", f"{HL}.self_attn.o_proj.bias"),
         # the learnable softmax offset per head: split by heads over TP like the query heads

@@ -26,7 +26,7 @@ from .common import (
 
 KIMI_K25 = Converter(
     model_type="kimi_k25",
-    spec=spec,
+    spec=spec.SPEC,
     rules=language_model(embeddings() + mla_attention() + dense_mlp() + moe(shared_experts=True, expert_bias=True),
                          model="language_model.model.", lm_head="language_model.lm_head.weight")
     + hf_tower("vision_tower", "vision_tower") + hf_tower("mm_projector", "mm_projector"),

@@ -6,7 +6,7 @@ from mcore2hf.model_specs import llama as spec
 
 from .common import SEVEN_WORLDS, fp8_policy, llama_like
 
-LLAMA = Converter(model_type="llama", spec=spec, rules=llama_like(),
+LLAMA = Converter(model_type="llama", spec=spec.SPEC, rules=llama_like(),
                            fp8=fp8_policy(source="no published block-FP8 checkpoint: the Qwen3-FP8 table"))
 
 # tied embeddings, as in Llama 3.2 1B/3B

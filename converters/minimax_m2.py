@@ -14,7 +14,7 @@ from .common import SEVEN_WORLDS, block_sparse_moe, embeddings, fp8_policy, gqa_
 
 MINIMAX_M2 = Converter(
     model_type="minimax_m2",
-    spec=spec,
+    spec=spec.SPEC,
     rules=embeddings() + gqa_attention(qk_norm=Column) + block_sparse_moe(expert_bias=True),
     # MiniMax-M2's published config.json: quantization_config fp8, weight_block_size [128, 128],
     # modules_to_not_convert ["gate", "e_score_correction_bias", "lm_head"] (router gates and lm_head stay bf16)

@@ -6,7 +6,7 @@ from mcore2hf.model_specs import mistral as spec
 
 from .common import THREE_WORLDS, fp8_policy, llama_like
 
-MISTRAL = Converter(model_type="mistral", spec=spec, rules=llama_like(),
+MISTRAL = Converter(model_type="mistral", spec=spec.SPEC, rules=llama_like(),
                              fp8=fp8_policy(source="no published block-FP8 checkpoint: the Qwen3-FP8 table"))
 
 # Mistral-7B-v0.3 scaled down: rms_norm_eps 1e-5, rope_theta 1e6, no sliding window

@@ -10,7 +10,7 @@ from .common import THREE_WORLDS, block_sparse_moe, embeddings, fp8_policy, gqa_
 
 MIXTRAL = Converter(
     model_type="mixtral",
-    spec=spec,
+    spec=spec.SPEC,
     rules=embeddings() + gqa_attention() + block_sparse_moe(),
     fp8=fp8_policy(block_sparse_moe=True,
                    source="no published block-FP8 checkpoint: the Qwen3-FP8 table, with Mixtral's router name"),

@@ -10,7 +10,7 @@ from .common import THREE_WORLDS, embeddings, fp8_policy, gqa_attention, moe
 
 OLMOE = Converter(
     model_type="olmoe",
-    spec=spec,
+    spec=spec.SPEC,
     rules=embeddings() + gqa_attention(qk_norm=Column) + moe(),
     fp8=fp8_policy(source="no published block-FP8 checkpoint: the Qwen3-FP8 table (router gates, lm_head bf16)"),
 )

@@ -6,7 +6,7 @@ from mcore2hf.model_specs import qwen2 as spec
 
 from .common import SEVEN_WORLDS, fp8_policy, llama_like
 
-QWEN2 = Converter(model_type="qwen2", spec=spec, rules=llama_like(),
+QWEN2 = Converter(model_type="qwen2", spec=spec.SPEC, rules=llama_like(),
                            fp8=fp8_policy(source="no published block-FP8 checkpoint: the Qwen3-FP8 table"))
 
 TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

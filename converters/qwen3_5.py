@@ -35,7 +35,7 @@ def gated_delta_net() -> list[Rule]:
 
 QWEN3_5 = Converter(
     model_type="qwen3_5",
-    spec=spec,
+    spec=spec.SPEC,
     rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + dense_mlp())
     + native_vision_tower(deepstack=False) + hf_tower("vision_model", "model.visual"),
     not_held=NOT_HELD,

@@ -14,7 +14,7 @@ from .qwen3_5 import NOT_HELD, TINY_TEXT, TINY_VISION, gated_delta_net
 
 QWEN3_5_MOE = Converter(
     model_type="qwen3_5_moe",
-    spec=spec,
+    spec=spec.SPEC,
     rules=language_model(embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe()
                          + qwen3_next.gated_shared_expert())
           + native_vision_tower(deepstack=False) + hf_tower("vision_model", "model.visual"),

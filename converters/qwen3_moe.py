@@ -8,7 +8,7 @@ from .common import SEVEN_WORLDS, dense_mlp, embeddings, fp8_policy, gqa_attenti
 
 QWEN3_MOE = Converter(
     model_type="qwen3_moe",
-    spec=spec,
+    spec=spec.SPEC,
     # dense_mlp: layers listed in mlp_only_layers / skipped by decoder_sparse_step
     rules=embeddings() + gqa_attention() + moe() + dense_mlp(),
     fp8=fp8_policy(source="Qwen3-*-FP8 checkpoints (modules_to_not_convert: lm_head, router gates)"),

@@ -38,7 +38,7 @@ def gated_shared_expert() -> list[Rule]:
 
 QWEN3_NEXT = Converter(
     model_type="qwen3_next",
-    spec=spec,
+    spec=spec.SPEC,
     # dense_mlp: layers listed in mlp_only_layers / skipped by decoder_sparse_step
     rules=embeddings() + gqa_attention(qkv=GatedQKV) + gated_delta_net() + moe() + gated_shared_expert()
     + dense_mlp(),

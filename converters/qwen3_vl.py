@@ -35,7 +35,7 @@ VISUAL = (r"model\.visual\..*",)
 
 QWEN3_VL = Converter(
     model_type="qwen3_vl",
-    spec=spec,
+    spec=spec.SPEC,
     rules=language_model(llama_like()) + native_vision_tower() + hf_tower("vision_model", "model.visual"),
     not_held=VISUAL,
     fp8=fp8_policy(source=VLM_FP8_SOURCE, tower=("model.visual.",)),

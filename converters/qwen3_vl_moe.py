@@ -29,7 +29,7 @@ _E, _HE = f"{L}.mlp.experts.{{E}}", f"{HL}.mlp.experts"
 
 QWEN3_VL_MOE = Converter(
     model_type="qwen3_vl_moe",
-    spec=spec,
+    spec=spec.SPEC,
     rules=language_model(embeddings() + gqa_attention() + [
         Rule(f"{L}.mlp.router.weight", f"{HL}.mlp.gate.weight", Replicated),
         Rule(f"{_E}.linear_fc1.weight", f"{_HE}.gate_up_proj", GatedTransposed, stack="E"),

@@ -192,7 +192,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
     layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
                        mla=dims.kv_lora_rank is not None, dsa=dims.index_head_dim is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
                        transformer_impl=transformer_impl,
-                       non_te=frozenset(getattr(spec, "NON_TE_MODULES", ())),
+                       non_te=frozenset(spec.non_te_modules),
                        vision_tower=vision_tower, vision_depth=_count(resolved, "layers"),
                        vision_deepstack=_count(resolved, "deepstack_merger_list"), vision_stacked=not non_homogeneous)
     sources, keys, objects, problems = [], {}, set(), []
@@ -257,7 +257,7 @@ def _check_vision_tower(converter: Converter, spec, vision_tower: str, model_cla
     """A wrapper's keys need a table whose tower the wrapper holds: a native tower the model spec builds (under
     `vision_model`), or pass-through rules of an embedded transformers tower (`embedded_tower_rules`)."""
     passes = sorted({r.megatron.removesuffix(f"{{{NAME}}}") for r in embedded_tower_rules(converter.rules)})
-    native = hasattr(spec, "native_vision_tower")
+    native = spec.native_vision_tower is not None
     if model_class != "gpt" or (vision_tower == HF_TOWER and not passes) or (vision_tower != HF_TOWER and not native):
         embedded = f"an embedded tower under {', '.join(passes)}" if passes else "no embedded tower"
         raise UsageError(f"vision_tower={vision_tower!r}: {converter.model_type!r} has "

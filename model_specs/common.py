@@ -1,21 +1,27 @@
-"""Shared pieces of the model specs: build a GPTModel (one chunk per virtual-PP stage) from an HF config.
+"""The model specs' base: `ModelSpec`, an architecture's HF config <-> Megatron TransformerConfig and layer spec,
+with the defaults most architectures take; `Fields`, the field table from which a spec's TransformerConfig and
+its structural checks both derive; `Decoder`, the Llama-style decoder (GQA, SwiGLU, RMSNorm, rope) with or without
+MoE that most specs are, each saying only what differs; `TextOf`, a multimodal config's language model.
 
-A model spec module provides:
+A spec is one object (`SPEC` in model_specs/<model_type>.py), registered with its architecture
+(`arch.registry.Architecture`); its methods:
     dims(hf_config) -> ModelDims                      numbers the layout ops need
+    fields(hf_config) -> Fields                       the field table (what transformer_config builds from)
     transformer_config(hf_config, **overrides)        the Megatron TransformerConfig mirroring the HF model
-    structural_fields(hf_config) -> dict              TransformerConfig fields an exported model must match
+    structural_fields(hf_config) -> dict              the fields an exported model must match (plan.checks)
     is_moe_layer(hf_config, layer) -> bool            dense/MoE pattern
     gpt_kwargs(hf_config) -> dict                     GPTModel arguments (rope, tying)
-    layer_spec(config, vp_stage, use_te) (optional)   otherwise the generic decoder block spec is used
-    spec_backend(config, use_te) (optional)           a megatron-core BackendSpecProvider for the MTP block (None:
-                                                      megatron-core's local or TE one)
+    layer_spec(config, hf_config, vp_stage, use_te)   None: megatron-core's generic decoder block spec
+    spec_backend(config, use_te)                      a BackendSpecProvider for the MTP block (None: megatron-core's)
+    layout_problems(hf_config, expert_tp) -> list     what the architecture needs of a layout beyond sizes dividing
+    native_vision_tower                               wraps the chunks with a native Megatron tower (None: none)
+    non_te_modules                                    modules its layer spec builds without Transformer Engine
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -50,21 +56,57 @@ def parallel_fields() -> dict:
     )
 
 
-def llama_like_fields(cfg) -> dict:
-    """TransformerConfig fields shared by Llama-style decoders (RMSNorm, SwiGLU, rope, GQA)."""
-    return dict(
+class Fields(dict):
+    """A spec's field table for one HF config: TransformerConfig field -> value, each set as structural (a model
+    built otherwise is not this architecture: `plan.checks` compares a Megatron model's config with them) or not
+    (how it computes: routing, fusions, epsilons). A spec's TransformerConfig and its structural checks both derive
+    from this one table, in the manner of Megatron-Bridge's `CONFIG_MAPPING` (0.3.1
+    models/conversion/model_bridge.py:244, a list of (HF field, Megatron field) applied to every bridge)."""
+
+    def __init__(self):
+        super().__init__()
+        self.checked: set[str] = set()
+
+    def set(self, structural: bool = False, **values) -> Fields:
+        """Set `values`, structural or not (a later set of a field decides)."""
+        self.update(values)
+        if structural:
+            self.checked.update(values)
+        else:
+            self.checked.difference_update(values)
+        return self
+
+    def add(self, other: Fields) -> Fields:
+        """Every field of `other`, as structural as it is there."""
+        for k, v in other.items():
+            self.set(k in other.checked, **{k: v})
+        return self
+
+    def pop(self, key, *default):
+        self.checked.discard(key)
+        return super().pop(key, *default)
+
+    def structural(self) -> dict:
+        return {k: v for k, v in self.items() if k in self.checked}
+
+
+def llama_like_fields(cfg) -> Fields:
+    """TransformerConfig fields shared by Llama-style decoders (RMSNorm, SwiGLU, rope, GQA): the sizes structural."""
+    return Fields().set(
+        True,
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=get(cfg, "num_key_value_heads", default=cfg.num_attention_heads),
         kv_channels=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads),
         ffn_hidden_size=get(cfg, "intermediate_size"),
+        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+    ).set(
         normalization="RMSNorm",
         layernorm_epsilon=get(cfg, "rms_norm_eps", default=1e-6),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # fusions that need apex / TE / CUDA kernels: off, so the same config builds anywhere
@@ -77,11 +119,12 @@ def llama_like_fields(cfg) -> dict:
     )
 
 
-def moe_fields(cfg, num_experts: int, topk: int, moe_ffn: int, pattern: list[int]) -> dict:
-    return dict(
-        num_moe_experts=num_experts,
+def moe_fields(cfg, num_experts: int, topk: int, moe_ffn: int, pattern: list[int]) -> Fields:
+    """The MoE fields (the expert count and size structural; without experts, `num_moe_experts=None`)."""
+    if not num_experts:
+        return Fields().set(True, num_moe_experts=None)
+    return Fields().set(True, num_moe_experts=num_experts, moe_ffn_hidden_size=moe_ffn).set(
         moe_router_topk=topk,
-        moe_ffn_hidden_size=moe_ffn,
         # Megatron-LM's default --moe-layer-freq is the int 1; a model of MoE layers only built with it saves its
         # layers stacked under one key (transformer_block.py sharded_state_dict), one with a list per layer
         moe_layer_freq=1 if all(pattern) else pattern,
@@ -122,19 +165,18 @@ def stage_ends(vp_stage: int | None) -> tuple[bool, bool]:
                  for fn in (ps.is_pipeline_first_stage, ps.is_pipeline_last_stage))
 
 
-def block_specs(spec: ModuleType, hf_config, config, *, vp_stage: int | None = None, use_te: bool = False):
+def block_specs(spec: ModelSpec, hf_config, config, *, vp_stage: int | None = None, use_te: bool = False):
     """(decoder block spec, MTP block spec or None) of the chunk `vp_stage` of the model `config` describes: the
-    spec module's own `layer_spec` where it has one, else megatron-core's generic decoder block spec."""
+    spec's own `layer_spec` where it gives one, else megatron-core's generic decoder block spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
-    if hasattr(spec, "layer_spec"):
-        block = spec.layer_spec(config, hf_config, vp_stage=vp_stage, use_te=use_te)
-    else:
+    block = spec.layer_spec(config, hf_config, vp_stage=vp_stage, use_te=use_te)
+    if block is None:
         block = get_gpt_decoder_block_spec(**supported_kwargs(
             get_gpt_decoder_block_spec, config=config, use_transformer_engine=use_te,
             normalization="RMSNorm", vp_stage=vp_stage))
     mtp = None
-    backend = spec.spec_backend(config, use_te) if hasattr(spec, "spec_backend") else None
+    backend = spec.spec_backend(config, use_te)
     if getattr(config, "mtp_num_layers", None) and backend is not None:  # the MTP layer's norms from that backend
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
 
@@ -145,7 +187,7 @@ def block_specs(spec: ModuleType, hf_config, config, *, vp_stage: int | None = N
     return block, mtp
 
 
-def build_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
+def build_model(spec: ModelSpec, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
                 **overrides) -> list[torch.nn.Module]:
     """GPTModel chunks (one per virtual-PP stage of this rank) for `hf_config`.
 
@@ -183,14 +225,6 @@ def base_dims(cfg, **extra):
     )
 
 
-def base_structural(cfg, **fields) -> dict:
-    """TransformerConfig fields every GQA decoder must match, plus the architecture's own `fields`."""
-    return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                num_attention_heads=cfg.num_attention_heads,
-                num_query_groups=get(cfg, "num_key_value_heads", default=cfg.num_attention_heads),
-                kv_channels=get(cfg, "head_dim", default=cfg.hidden_size // cfg.num_attention_heads), **fields)
-
-
 def sigmoid_router_fields(cfg, *, num_experts: int, topk: int) -> dict:
     """DeepSeek-style routing: sigmoid scores + expert bias for selection, group-limited top-k, normalized
     weights scaled by routed_scaling_factor. Raises where Megatron cannot compute what transformers computes."""
@@ -212,6 +246,132 @@ def sigmoid_router_fields(cfg, *, num_experts: int, topk: int) -> dict:
     return fields
 
 
+def mtp_fields(cfg) -> dict:
+    n = int(getattr(cfg, "num_nextn_predict_layers", None) or 0)
+    return {"mtp_num_layers": n} if n else {}
+
+
+class ModelSpec:
+    """One architecture's HF config <-> Megatron TransformerConfig and layer spec, with the defaults most take
+    (the module docstring lists the methods). `fields` is the one table: `transformer_config` builds from it (after
+    `check` refused what Megatron cannot compute as transformers does) and `structural_fields` is its structural
+    part, less `ffn_hidden_size` where every layer is MoE (a model of MoE layers only never uses it)."""
+
+    #: the TransformerConfig class ("MLATransformerConfig" for multi-latent attention)
+    config_class: str = "TransformerConfig"
+    #: modules its layer spec builds without Transformer Engine under either spec (checkpoint_keys.KeyLayout)
+    non_te_modules: tuple[str, ...] = ()
+    #: `build_model(..., vision_tower="native")`: wraps the language-model chunks with a native Megatron tower
+    native_vision_tower: Callable | None = None
+
+    def dims(self, cfg):
+        return base_dims(cfg)
+
+    def is_moe_layer(self, cfg, layer: int) -> bool:
+        return False
+
+    def check(self, cfg) -> None:
+        """Refuse (ConfigMismatchError) what a Megatron model cannot compute as transformers does."""
+
+    def fields(self, cfg) -> Fields:
+        raise NotImplementedError(f"{type(self).__name__}.fields")
+
+    def transformer_config(self, cfg, **overrides):
+        from megatron.core.transformer import transformer_config as tc
+
+        self.check(cfg)
+        return make_config(self.fields(cfg), overrides, cls=getattr(tc, self.config_class))
+
+    def structural_fields(self, cfg) -> dict:
+        out = self.fields(cfg).structural()
+        if all(self.is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)):
+            out.pop("ffn_hidden_size", None)
+        return out
+
+    def gpt_kwargs(self, cfg) -> dict:
+        return default_gpt_kwargs(cfg)
+
+    def layer_spec(self, config, cfg, *, vp_stage=None, use_te=False):
+        """The decoder block spec; None: megatron-core's generic one (`block_specs`)."""
+        return None
+
+    def spec_backend(self, config, use_te: bool):
+        """A megatron-core BackendSpecProvider for the MTP block; None: megatron-core's local or TE one."""
+        return None
+
+    def layout_problems(self, cfg, expert_tp: int) -> list[str]:
+        """What this architecture needs of a layout beyond the sizes dividing (checked before any process starts)."""
+        return []
+
+    def hybrid_layer_symbols(self, cfg, layer: int) -> str:
+        """The hybrid-pattern symbols of HF layer `layer` (megatron-core 0.19.2 hybrid_layer_allocation.py
+        `Symbols`): attention ('*', MLA '+') followed by an MLP ('-') or MoE ('E')."""
+        mixer = "+" if getattr(self.dims(cfg), "kv_lora_rank", None) else "*"
+        return mixer + ("E" if self.is_moe_layer(cfg, layer) else "-")
+
+    def build_model(self, cfg, **kwargs) -> list[torch.nn.Module]:
+        """Megatron GPTModel chunks for this rank (see model_specs.common.build_model)."""
+        return build_model(self, cfg, **kwargs)
+
+
+class Decoder(ModelSpec):
+    """A Llama-style decoder (GQA, SwiGLU, RMSNorm, rope), dense or with routed experts: what differs between the
+    architectures are the hooks below (which layers are MoE, the expert count and size, the router, the attention
+    options, shared experts, MTP)."""
+
+    #: whether it has MTP layers (num_nextn_predict_layers)
+    mtp = False
+
+    def experts(self, cfg) -> int:
+        """The routed experts per MoE layer (0: a dense model)."""
+        return 0
+
+    def moe_layer(self, cfg, layer: int) -> bool:
+        """Whether `layer` is MoE, given the model has experts (default: every layer)."""
+        return True
+
+    def moe_ffn(self, cfg) -> int:
+        return cfg.moe_intermediate_size
+
+    def attention(self, cfg) -> dict:
+        """Structural attention fields (qk_layernorm, add_qkv_bias)."""
+        return {}
+
+    def router(self, cfg) -> dict:
+        """The routing fields; default: softmax over all experts, top-k, renormalized iff norm_topk_prob (Megatron:
+        pre-softmax = no renormalization)."""
+        return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not cfg.norm_topk_prob)
+
+    def shared_experts(self, cfg) -> int | None:
+        """The shared experts' FFN size (structural); None: the architecture has none."""
+        return None
+
+    def extra(self, cfg, fields: Fields) -> None:
+        """The architecture's own fields, set on `fields` last."""
+
+    def is_moe_layer(self, cfg, layer: int) -> bool:
+        return self.experts(cfg) > 0 and self.moe_layer(cfg, layer)
+
+    def dims(self, cfg):
+        n = self.experts(cfg)
+        return base_dims(cfg, num_experts=n) if n else base_dims(cfg)
+
+    def fields(self, cfg) -> Fields:
+        fields = llama_like_fields(cfg).set(True, **self.attention(cfg))
+        n = self.experts(cfg)
+        pattern = [int(self.is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)]
+        fields.add(moe_fields(cfg, n, getattr(cfg, "num_experts_per_tok", 0), self.moe_ffn(cfg) if n else 0, pattern))
+        if n:
+            fields.set(**self.router(cfg))
+            shared = self.shared_experts(cfg)
+            if shared is not None:
+                fields.set(True, moe_shared_expert_intermediate_size=shared or None)
+        if self.mtp:
+            fields.set(**mtp_fields(cfg))
+        self.extra(cfg, fields)
+        return fields
+
+
 class TextView:
     """A multimodal config's language model as a text model's spec reads it: the nested `text_config`
     (hf_config.text_config), with the outer config's `tie_word_embeddings` (the one transformers 5.24 ties by:
@@ -231,60 +391,55 @@ class TextView:
         return getattr(self._text, name)
 
 
-def multimodal(text_spec: ModuleType, **fields) -> dict[str, Callable]:
-    """The spec functions (dims, is_moe_layer, transformer_config, structural_fields, gpt_kwargs and, where the
-    text spec has one, layer_spec) of a multimodal config's language model: `text_spec`'s, on TextView(cfg)."""
-    def view(cfg):
-        return TextView(cfg, **fields)
-
-    def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
-        return text_spec.layer_spec(config, view(cfg), vp_stage=vp_stage, use_te=use_te)
-
-    out = dict(dims=lambda cfg: text_spec.dims(view(cfg)),
-               is_moe_layer=lambda cfg, layer: text_spec.is_moe_layer(view(cfg), layer),
-               transformer_config=lambda cfg, **overrides: text_spec.transformer_config(view(cfg), **overrides),
-               structural_fields=lambda cfg: text_spec.structural_fields(view(cfg)),
-               gpt_kwargs=lambda cfg: text_spec.gpt_kwargs(view(cfg)))
-    if hasattr(text_spec, "layer_spec"):
-        out["layer_spec"] = layer_spec
-    return out
 
 
-def mtp_fields(cfg) -> dict:
-    n = int(getattr(cfg, "num_nextn_predict_layers", None) or 0)
-    return {"mtp_num_layers": n} if n else {}
+class TextOf(ModelSpec):
+    """A multimodal config's language model: `text`'s spec on `view(cfg)` (TextView: the nested text_config with
+    the outer config's tying and `fields` laid over it)."""
 
+    def __init__(self, text: ModelSpec, **fields):
+        self.text, self.view_fields = text, fields
 
-def dense_decoder(attention):
-    """The spec functions of a dense Llama-style decoder (is_moe_layer, dims, transformer_config,
-    structural_fields, gpt_kwargs); `attention(cfg)` gives its attention options (qk_layernorm, add_qkv_bias),
-    used both to build the TransformerConfig and to check a model against the HF config."""
+    def text_spec(self, cfg) -> ModelSpec:
+        return self.text
 
-    def is_moe_layer(cfg, layer: int) -> bool:
-        return False
+    def view(self, cfg):
+        return TextView(cfg, **self.view_fields)
 
-    def dims(cfg):
-        return base_dims(cfg)
+    @property
+    def config_class(self) -> str:  # noqa: D102 - as the text spec's
+        return self.text.config_class
 
-    def transformer_config(cfg, **overrides):
-        return make_config({**llama_like_fields(cfg), **attention(cfg)}, overrides)
+    @property
+    def non_te_modules(self) -> tuple[str, ...]:  # noqa: D102
+        return self.text.non_te_modules
 
-    def structural_fields(cfg) -> dict:
-        return dict(base_structural(cfg), ffn_hidden_size=cfg.intermediate_size, num_moe_experts=None,
-                    **attention(cfg))
+    def dims(self, cfg):
+        return self.text_spec(cfg).dims(self.view(cfg))
 
-    return is_moe_layer, dims, transformer_config, structural_fields, default_gpt_kwargs
+    def is_moe_layer(self, cfg, layer: int) -> bool:
+        return self.text_spec(cfg).is_moe_layer(self.view(cfg), layer)
 
+    def check(self, cfg) -> None:
+        self.text_spec(cfg).check(self.view(cfg))
 
-def spec_builder(module_name: str):
-    """`build_model(cfg, **kwargs)` for the spec module `module_name`."""
-    import sys
+    def fields(self, cfg) -> Fields:
+        return self.text_spec(cfg).fields(self.view(cfg))
 
-    def build(cfg, **kwargs):
-        """Megatron GPTModel chunks for this rank (see model_specs.common.build_model)."""
-        return build_model(sys.modules[module_name], cfg, **kwargs)
+    def transformer_config(self, cfg, **overrides):
+        return self.text_spec(cfg).transformer_config(self.view(cfg), **overrides)
 
-    return build
+    def structural_fields(self, cfg) -> dict:
+        return self.text_spec(cfg).structural_fields(self.view(cfg))
+
+    def gpt_kwargs(self, cfg) -> dict:
+        return self.text_spec(cfg).gpt_kwargs(self.view(cfg))
+
+    def layer_spec(self, config, cfg, *, vp_stage=None, use_te=False):
+        return self.text_spec(cfg).layer_spec(config, self.view(cfg), vp_stage=vp_stage, use_te=use_te)
+
+    def spec_backend(self, config, use_te: bool):
+        return self.text.spec_backend(config, use_te)
 
 
 class FullWidthRMSNorm(torch.nn.Module):
@@ -359,24 +514,30 @@ def full_width_layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     return full_width_qk_norm(block, config)
 
 
+class FullWidthQKNorms(Decoder):
+    """An MoE decoder whose q/k norms are full width (MiniMax-M2, OLMoE): FullWidthRMSNorm under either spec,
+    every layer MoE with experts of intermediate_size, no biases."""
+
+    non_te_modules = FULL_WIDTH_QK_NORMS  # no TE `_extra_state` for them (checkpoint_keys.KeyLayout)
+
+    def moe_ffn(self, cfg) -> int:
+        return cfg.intermediate_size
+
+    def attention(self, cfg) -> dict:
+        return dict(qk_layernorm=True, add_qkv_bias=False)  # layer_spec makes the norms full width
+
+    def layer_spec(self, config, cfg, *, vp_stage=None, use_te=False):
+        return full_width_layer_spec(config, cfg, vp_stage=vp_stage, use_te=use_te)
+
+
 # --- hybrid models: megatron-core 0.19's HybridModel (0.16: MambaModel) holding a registered architecture -----------
 
 
-def hybrid_layer_symbols(spec: ModuleType, cfg, layer: int) -> str:
-    """The hybrid-pattern symbols of HF layer `layer` (megatron-core 0.19.2 hybrid_layer_allocation.py `Symbols`):
-    the spec's own `hybrid_layer_symbols(cfg, layer)` where it has one (e.g. linear-attention layers), else
-    attention ('*', MLA '+') followed by an MLP ('-') or MoE ('E')."""
-    if hasattr(spec, "hybrid_layer_symbols"):
-        return spec.hybrid_layer_symbols(cfg, layer)
-    mixer = "+" if getattr(spec.dims(cfg), "kv_lora_rank", None) else "*"
-    return mixer + ("E" if spec.is_moe_layer(cfg, layer) else "-")
-
-
-def hybrid_pattern(spec: ModuleType, cfg, segments: int = 1) -> str:
+def hybrid_pattern(spec: ModelSpec, cfg, segments: int = 1) -> str:
     """The hybrid layer pattern of the HF model, split into `segments` pipeline segments ('|') of whole HF layers."""
     from mcore2hf.errors import ConfigMismatchError
 
-    layers = [hybrid_layer_symbols(spec, cfg, i) for i in range(cfg.num_hidden_layers)]
+    layers = [spec.hybrid_layer_symbols(cfg, i) for i in range(cfg.num_hidden_layers)]
     if len(layers) % segments:
         raise ConfigMismatchError(f"a hybrid pattern of {len(layers)} HF layers cannot be split into {segments} "
                                   "equal pipeline segments")
@@ -384,13 +545,13 @@ def hybrid_pattern(spec: ModuleType, cfg, segments: int = 1) -> str:
     return "|".join("".join(layers[s * n:(s + 1) * n]) for s in range(segments))
 
 
-def hybrid_pattern_problems(layout, spec: ModuleType, cfg) -> list[str]:
+def hybrid_pattern_problems(layout, spec: ModelSpec, cfg) -> list[str]:
     """How a hybrid model's pattern (naming.HybridLayout) differs from what the HF config implies, per HF layer."""
     want = hybrid_pattern(spec, cfg)
     have = layout.hf_layers()
     if layout.pattern == want:
         return []
-    want_layers = [hybrid_layer_symbols(spec, cfg, i) for i in range(cfg.num_hidden_layers)]
+    want_layers = [spec.hybrid_layer_symbols(cfg, i) for i in range(cfg.num_hidden_layers)]
     if len(have) != len(want_layers):
         return [f"hybrid layer pattern: HF config implies {want!r} ({len(want_layers)} layers), the model has "
                 f"{layout.pattern!r} ({len(have)} layers)"]
@@ -465,7 +626,7 @@ def _hybrid_classes():
         return MambaModel, MambaStack, MambaStackSubmodules, "hybrid_override_pattern"
 
 
-def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
+def build_hybrid_model(spec: ModelSpec, hf_config, *, vocab_size: int | None = None, use_te: bool = False,
                        **overrides) -> list[torch.nn.Module]:
     """Hybrid-model chunks (megatron-core 0.19 HybridModel, 0.16 MambaModel; one per virtual-PP stage of this
     rank) for `hf_config`, with the pattern `hybrid_pattern` derives from it: each HF layer is an attention layer
@@ -498,9 +659,8 @@ def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = 
                             pipeline_model_parallel_layout=None).items():
         if hasattr(whole, name):
             setattr(whole, name, value)
-    if hasattr(spec, "layer_spec"):
-        block = spec.layer_spec(whole, hf_config, vp_stage=None, use_te=use_te)
-    else:
+    block = spec.layer_spec(whole, hf_config, vp_stage=None, use_te=use_te)
+    if block is None:
         block = get_gpt_decoder_block_spec(**supported_kwargs(
             get_gpt_decoder_block_spec, config=whole, use_transformer_engine=use_te, normalization="RMSNorm",
             vp_stage=None, pp_rank=0))

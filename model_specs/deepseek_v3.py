@@ -5,45 +5,20 @@ routing with expert bias, MTP layers. HF applies DeepSeek's interleaved rope (ro
 rope dims at run time; Megatron's MLA does the same itself, so weights map one to one and rotary_interleaved
 stays False.
 
-The MLA family (deepseek_v2, glm4_moe_lite) reuses this module: `mla_transformer_config` takes the per-model
-differences (which layers are MoE, the router fields) as data."""
+The MLA family (deepseek_v2, glm4_moe_lite, the DSA models) subclasses `MLA`: which layers are MoE and the router
+are what differs."""
 
 import copy
-from collections.abc import Callable
 
 from mcore2hf.arch.hf_config import rope_parameters, rope_theta
 from mcore2hf.errors import ConfigMismatchError
 
-from .common import (
-    SDPACoreAttention,
-    base_dims,
-    default_gpt_kwargs,
-    llama_like_fields,
-    make_config,
-    moe_fields,
-    mtp_fields,
-    sigmoid_router_fields,
-    spec_builder,
-    supported_kwargs,
-)
-
-HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
+from .common import Decoder, Fields, SDPACoreAttention, base_dims, sigmoid_router_fields, supported_kwargs
 
 # transformers builds MLA's q_a_layernorm / kv_a_layernorm as `DeepseekV3RMSNorm(rank)`, i.e. with the class
 # default eps=1e-6 whatever rms_norm_eps says (transformers 5.23: models/deepseek_v3/modeling_deepseek_v3.py lines
 # 380 and 392; the same in deepseek_v2 lines 321/333 and glm4_moe_lite lines 253/265)
 MLA_LATENT_NORM_EPS = 1e-6
-
-
-def is_moe_layer(cfg, layer: int) -> bool:
-    freq = getattr(cfg, "moe_layer_freq", 1) or 1
-    return bool(cfg.n_routed_experts) and layer >= cfg.first_k_dense_replace and layer % freq == 0
-
-
-def dims(cfg):
-    return base_dims(cfg, num_experts=cfg.n_routed_experts, q_lora_rank=cfg.q_lora_rank,
-                     kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                     qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
 
 
 def _rope_fields(cfg) -> dict:
@@ -57,44 +32,6 @@ def _rope_fields(cfg) -> dict:
                     beta_fast=rope.get("beta_fast", 32), beta_slow=rope.get("beta_slow", 1),
                     mscale=rope.get("mscale", 1.0), mscale_all_dim=rope.get("mscale_all_dim", 0.0))
     raise ConfigMismatchError(f"rope_type {kind!r} is not mapped to Megatron MLA (supported: default, yarn)")
-
-
-def mla_transformer_config(cfg, moe_layer: Callable, router: dict, overrides: dict):
-    """The MLATransformerConfig of an MLA model; `moe_layer(cfg, layer)` and the `router` fields are what
-    differs between the family's members."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    if getattr(cfg, "attention_bias", False):
-        raise ConfigMismatchError("attention_bias=True: Megatron's MLA has no biases on its projections")
-    pattern = [int(moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)]
-    fields = llama_like_fields(cfg)
-    fields.pop("kv_channels")  # MLA has its own head dims
-    fields.update(num_query_groups=cfg.num_attention_heads, multi_latent_attention=True,
-                  q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
-                  qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-                  qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
-                  add_qkv_bias=False, rotary_interleaved=False, **_rope_fields(cfg))
-    fields.update(moe_fields(cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, pattern))
-    fields.update(router)
-    if cfg.n_shared_experts:
-        fields["moe_shared_expert_intermediate_size"] = cfg.n_shared_experts * cfg.moe_intermediate_size
-    fields.update(mtp_fields(cfg))
-    return make_config(fields, overrides, cls=MLATransformerConfig)
-
-
-def transformer_config(cfg, **overrides):
-    router = sigmoid_router_fields(cfg, num_experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok)
-    return mla_transformer_config(cfg, is_moe_layer, router, overrides)
-
-
-def structural_fields(cfg) -> dict:
-    return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                num_attention_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
-                kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
-                qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-                num_moe_experts=cfg.n_routed_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
-                ffn_hidden_size=cfg.intermediate_size,
-                moe_shared_expert_intermediate_size=(cfg.n_shared_experts * cfg.moe_intermediate_size) or None)
 
 
 def with_eps(module, eps: float):
@@ -133,7 +70,7 @@ def megatron_at_least(*version: int) -> bool:
     return tuple(int(x) for x in __version__.split(".")[:2]) >= version
 
 
-def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
+def mla_layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     """The decoder block spec: MLA's latent norms with transformers' eps; without TE, a core attention that
     takes MLA's separate v head dim."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -158,8 +95,48 @@ def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     return block
 
 
-def gpt_kwargs(cfg) -> dict:
-    return default_gpt_kwargs(cfg)
+class MLA(Decoder):
+    """DeepSeek-V3's multi-latent attention decoder: MLATransformerConfig, dense first layers, routed and shared
+    experts, MTP layers; the MLA head dims structural, MLA's own num_query_groups / kv_channels not."""
+
+    hf_architecture = "DeepseekV3ForCausalLM"
+    config_class = "MLATransformerConfig"
+    mtp = True
+
+    def experts(self, cfg) -> int:
+        return cfg.n_routed_experts
+
+    def moe_layer(self, cfg, layer: int) -> bool:
+        freq = getattr(cfg, "moe_layer_freq", 1) or 1
+        return layer >= cfg.first_k_dense_replace and layer % freq == 0
+
+    def router(self, cfg) -> dict:
+        return sigmoid_router_fields(cfg, num_experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok)
+
+    def shared_experts(self, cfg) -> int:
+        return cfg.n_shared_experts * cfg.moe_intermediate_size
+
+    def dims(self, cfg):
+        return base_dims(cfg, num_experts=cfg.n_routed_experts, q_lora_rank=cfg.q_lora_rank,
+                         kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                         qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
+
+    def check(self, cfg) -> None:
+        if getattr(cfg, "attention_bias", False):
+            raise ConfigMismatchError("attention_bias=True: Megatron's MLA has no biases on its projections")
+
+    def fields(self, cfg) -> Fields:
+        fields = super().fields(cfg)
+        fields.pop("kv_channels")  # MLA has its own head dims
+        fields.set(True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
+                   qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
+        fields.set(num_query_groups=cfg.num_attention_heads, multi_latent_attention=True,
+                   qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
+                   add_qkv_bias=False, rotary_interleaved=False, **_rope_fields(cfg))
+        return fields
+
+    def layer_spec(self, config, cfg, *, vp_stage=None, use_te=False):
+        return mla_layer_spec(config, cfg, vp_stage=vp_stage, use_te=use_te)
 
 
-build_model = spec_builder(__name__)
+SPEC = MLA()

@@ -3,28 +3,20 @@ a lightning indexer per layer (`self_attn.indexer.{wq_b, wk, k_norm, weights_pro
 `index_topk` keys. Megatron: MLATransformerConfig with experimental_attention_variant="dsa" (megatron-core >=
 0.16.0, transformer/experimental_attention_variant/dsa.py `DSAttention` / `DSAIndexer`).
 
-The DSA family (glm_moe_dsa) reuses this module: `dsa_fields` and `layer_spec` take the members' differences
-(the indexer's rope, GLM-5.2's IndexShare) from the HF config."""
+The DSA family (glm_moe_dsa) subclasses `DSA`: the indexer's rope is the class's, GLM-5.2's IndexShare comes from
+the HF config."""
 
 import copy
 
 from mcore2hf.errors import ConfigMismatchError
 
-from .common import sigmoid_router_fields, spec_builder
-from .deepseek_v3 import dims as mla_dims
-from .deepseek_v3 import gpt_kwargs, megatron_at_least, mla_transformer_config, with_eps  # noqa: F401
-from .deepseek_v3 import layer_spec as mla_layer_spec
-from .deepseek_v3 import structural_fields as mla_structural_fields
-from .glm4_moe_lite import is_moe_layer  # noqa: F401  (transformers 5.24: MoE iff mlp_layer_types[i] == "sparse")
-
-HF_ARCHITECTURE = "DeepseekV32ForCausalLM"
+from .common import Fields, parallel_fields
+from .deepseek_v3 import megatron_at_least, mla_layer_spec, with_eps
+from .glm4_moe_lite import Glm4MoeLite
 
 # transformers 5.24 modeling_deepseek_v32.py `DeepseekV32Indexer.__init__`: `nn.LayerNorm(head_dim, eps=1e-6)`,
 # whatever rms_norm_eps says; megatron-core 0.16.1 dsa.py builds k_norm with config.layernorm_epsilon
 INDEXER_K_NORM_EPS = 1e-6
-#: whether the HF indexer applies interleaved rope (transformers 5.24: DeepSeek-V3.2 `apply_rotary_pos_emb`,
-#: half-split; GLM-5 `apply_rotary_pos_emb_interleave`)
-INDEXER_ROPE_INTERLEAVED = False
 
 
 def indexer_rope_layout(interleaved_in_hf: bool) -> str:
@@ -104,40 +96,15 @@ def check_indexer_rope(cfg, rope_interleaved: bool) -> None:
                                   f"{'interleaved' if rope_interleaved else 'half-split (non-interleaved)'} rope")
 
 
-def dsa_fields(cfg, rope_interleaved: bool) -> dict:
-    """The MLATransformerConfig fields of the indexer (names a release lacks are dropped by make_config)."""
+def dsa_fields(cfg, rope_interleaved: bool) -> Fields:
+    """The MLATransformerConfig fields of the indexer (names a release lacks are dropped by make_config): its head
+    count and dim structural."""
     check_indexer_rope(cfg, rope_interleaved)
-    return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=cfg.index_n_heads,
-                dsa_indexer_head_dim=cfg.index_head_dim, dsa_indexer_topk=cfg.index_topk,
-                dsa_indexer_loss_coeff=0.0,
-                # megatron-core 0.19.2 transformer_config.py: the indexer's rope and k_norm eps as HF computes them
-                dsa_indexer_rope_interleaved=rope_interleaved, dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
-                **index_share_fields(cfg))
-
-
-def dims(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED):
-    import dataclasses
-
-    check_indexer_rope(cfg, rope_interleaved)
-    return dataclasses.replace(mla_dims(cfg), index_head_dim=cfg.index_head_dim,
-                               indexer_rope=indexer_rope_layout(rope_interleaved))
-
-
-def transformer_config(cfg, rope_interleaved: bool = INDEXER_ROPE_INTERLEAVED, **overrides):
-    router = sigmoid_router_fields(cfg, num_experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok)
-    fields = dsa_fields(cfg, rope_interleaved)
-    if megatron_at_least(0, 19):
-        # 0.19's AbsorbedMLASelfAttention asserts sequence_parallel at TP > 1 (absorbed_mla.py:166-168)
-        from .common import parallel_fields
-
-        tp = overrides.get("tensor_model_parallel_size") or parallel_fields()["tensor_model_parallel_size"]
-        fields["sequence_parallel"] = tp > 1
-    return mla_transformer_config(cfg, is_moe_layer, router, {**fields, **overrides})
-
-
-def structural_fields(cfg) -> dict:
-    return dict(mla_structural_fields(cfg), dsa_indexer_n_heads=cfg.index_n_heads,
-                dsa_indexer_head_dim=cfg.index_head_dim)
+    return Fields().set(True, dsa_indexer_n_heads=cfg.index_n_heads, dsa_indexer_head_dim=cfg.index_head_dim).set(
+        experimental_attention_variant="dsa", dsa_indexer_topk=cfg.index_topk, dsa_indexer_loss_coeff=0.0,
+        # megatron-core 0.19.2 transformer_config.py: the indexer's rope and k_norm eps as HF computes them
+        dsa_indexer_rope_interleaved=rope_interleaved, dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
+        **index_share_fields(cfg))
 
 
 def dsa_core_attention(use_te: bool):
@@ -167,7 +134,7 @@ def dsa_core_attention(use_te: bool):
                                                            linear_weights_proj=linear))))
 
 
-def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
+def dsa_layer_spec(config, cfg, *, vp_stage=None, use_te=False):
     """The decoder block spec: megatron-core >= 0.19's own DSA block (`layer_spec_absorbed`), else the MLA decoder
     block spec (deepseek_v3.layer_spec) with DSAttention as every layer's core attention.
 
@@ -224,12 +191,6 @@ def _local_dsa_backend():
     return LocalDSASpecProvider()
 
 
-def spec_backend(config, use_te: bool):
-    """The backend of the MTP block (model_specs.common.block_specs): on megatron-core >= 0.19 without Transformer
-    Engine the local DSA backend, whose norms allow sequence parallelism; else megatron-core's own."""
-    return _local_dsa_backend() if megatron_at_least(0, 19) and not use_te else None
-
-
 def layer_spec_absorbed(config, cfg, *, vp_stage=None, use_te=False):
     """megatron-core >= 0.19's DSA decoder block: every layer `AbsorbedMLASelfAttention` (unfused q_layernorm /
     kv_layernorm, K/V up projections absorbed at run time; the weights keep MLA's names and layouts) with
@@ -284,4 +245,42 @@ def layer_spec_absorbed(config, cfg, *, vp_stage=None, use_te=False):
                                       layer_norm=backend.layer_norm(rms_norm=True, for_qk=False))
 
 
-build_model = spec_builder(__name__)
+class DSA(Glm4MoeLite):
+    """DeepSeek sparse attention: MLA (MoE layers by `mlp_layer_types`, transformers 5.24) with the lightning
+    indexer; `rope_interleaved`: whether the HF indexer applies interleaved rope (DeepSeek-V3.2
+    `apply_rotary_pos_emb`, half-split; GLM-5 `apply_rotary_pos_emb_interleave`)."""
+
+    hf_architecture = "DeepseekV32ForCausalLM"
+    rope_interleaved = False
+    # GLM-5.2's IndexShare, as the layout checks and the tests ask the spec
+    index_share_sources = staticmethod(index_share_sources)
+    index_share_stage_problems = staticmethod(index_share_stage_problems)
+    local_index_share_problems = staticmethod(local_index_share_problems)
+
+    def dims(self, cfg):
+        import dataclasses
+
+        check_indexer_rope(cfg, self.rope_interleaved)
+        return dataclasses.replace(super().dims(cfg), index_head_dim=cfg.index_head_dim,
+                                   indexer_rope=indexer_rope_layout(self.rope_interleaved))
+
+    def extra(self, cfg, fields: Fields) -> None:
+        fields.add(dsa_fields(cfg, self.rope_interleaved))
+
+    def transformer_config(self, cfg, **overrides):
+        if megatron_at_least(0, 19):
+            # 0.19's AbsorbedMLASelfAttention asserts sequence_parallel at TP > 1 (absorbed_mla.py:166-168)
+            tp = overrides.get("tensor_model_parallel_size") or parallel_fields()["tensor_model_parallel_size"]
+            overrides = {"sequence_parallel": tp > 1, **overrides}
+        return super().transformer_config(cfg, **overrides)
+
+    def layer_spec(self, config, cfg, *, vp_stage=None, use_te=False):
+        return dsa_layer_spec(config, cfg, vp_stage=vp_stage, use_te=use_te)
+
+    def spec_backend(self, config, use_te: bool):
+        """The backend of the MTP block (model_specs.common.block_specs): on megatron-core >= 0.19 without
+        Transformer Engine the local DSA backend, whose norms allow sequence parallelism; else megatron-core's."""
+        return _local_dsa_backend() if megatron_at_least(0, 19) and not use_te else None
+
+
+SPEC = DSA()

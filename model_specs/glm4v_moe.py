@@ -6,11 +6,11 @@ off: it has no use_qk_norm) <-> GLM-4.5's TransformerConfig (model_specs/glm4_mo
 from __future__ import annotations
 
 from . import glm4_moe
-from .common import multimodal, spec_builder
+from .common import TextOf
 
-HF_ARCHITECTURE = "Glm4vMoeForConditionalGeneration"
 
-_TEXT = multimodal(glm4_moe, use_qk_norm=False)
-dims, is_moe_layer, transformer_config = _TEXT["dims"], _TEXT["is_moe_layer"], _TEXT["transformer_config"]
-structural_fields, gpt_kwargs = _TEXT["structural_fields"], _TEXT["gpt_kwargs"]
-build_model = spec_builder(__name__)
+class Glm4vMoe(TextOf):
+    hf_architecture = "Glm4vMoeForConditionalGeneration"
+
+
+SPEC = Glm4vMoe(glm4_moe.SPEC, use_qk_norm=False)

@@ -14,31 +14,9 @@
 from mcore2hf.arch.hf_config import get, rope_parameters
 from mcore2hf.errors import ConfigMismatchError, LayoutError
 
-from .common import (
-    base_dims,
-    base_structural,
-    default_gpt_kwargs,
-    llama_like_fields,
-    make_config,
-    moe_fields,
-    parallel_fields,
-    spec_builder,
-)
+from .common import Decoder, Fields, default_gpt_kwargs, parallel_fields
 
-HF_ARCHITECTURE = "GptOssForCausalLM"
 QUICK_GELU_ALPHA = 1.702  # megatron.core.fusions.fused_bias_geglu.quick_gelu's constant
-
-
-def num_experts(cfg) -> int:
-    return int(get(cfg, "num_local_experts", "num_experts"))
-
-
-def is_moe_layer(cfg, layer: int) -> bool:
-    return True
-
-
-def dims(cfg):
-    return base_dims(cfg, num_experts=num_experts(cfg))
 
 
 def _window_fields(cfg) -> dict:
@@ -65,60 +43,64 @@ def _yarn(cfg) -> dict:
     )
 
 
-def _checks(cfg) -> None:
-    alpha = float(getattr(cfg, "swiglu_alpha", QUICK_GELU_ALPHA))
-    if alpha != QUICK_GELU_ALPHA:
-        raise ConfigMismatchError(f"gpt_oss swiglu_alpha: Megatron's quick_gelu computes x * sigmoid(1.702 x), "
-                                  f"expected {QUICK_GELU_ALPHA}, the config has {alpha}")
-    if not getattr(cfg, "attention_bias", True):
-        raise ConfigMismatchError("gpt_oss attention_bias: expected True (Megatron's add_bias_linear gives q/k/v, "
-                                  "o, router and expert biases together), the config has False")
-
-
-def layout_problems(cfg, expert_tp: int) -> list[str]:
-    """What this architecture needs of a layout beyond the sizes dividing (checked before any process starts)."""
-    if expert_tp != 1:  # megatron-core asserts "Bias in Moe is only supported when ETP==1"
-        return [f"gpt_oss has expert biases, which megatron-core supports only at expert-TP 1; expected expert "
-                f"tensor-parallel size 1, got {expert_tp} (pass --etp 1: expert-TP defaults to --tp)"]
-    return []
-
-
-def transformer_config(cfg, **overrides):
-    _checks(cfg)
-    etp = overrides.get("expert_tensor_parallel_size") or parallel_fields()["expert_tensor_parallel_size"]
-    problems = layout_problems(cfg, 1 if etp is None else etp)
-    if problems:
-        raise LayoutError(problems[0])
-    n = cfg.num_hidden_layers
-    fields = llama_like_fields(cfg)
-    fields.update(add_bias_linear=True, add_qkv_bias=True, softmax_type="learnable", **_window_fields(cfg))
-    fields.update(activation_func=_quick_gelu(), glu_linear_offset=1.0,
-                  activation_func_clamp_value=float(cfg.swiglu_limit))
-    fields.update(moe_fields(cfg, num_experts(cfg), cfg.num_experts_per_tok, cfg.intermediate_size, [1] * n))
-    # HF GptOssTopKRouter: top-k of the (biased) logits, softmax over those k
-    fields.update(moe_router_score_function="softmax", moe_router_pre_softmax=False)
-    config = make_config(fields, overrides)
-    for k, v in _yarn(cfg).items():  # read by GPTModel with getattr, not TransformerConfig fields in 0.16.1
-        setattr(config, k, v)
-    return config
-
-
 def _quick_gelu():
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
     return quick_gelu
 
 
-def structural_fields(cfg) -> dict:
-    return base_structural(cfg, num_moe_experts=num_experts(cfg), moe_ffn_hidden_size=cfg.intermediate_size,
-                           add_bias_linear=True, softmax_type="learnable", qk_layernorm=False, **_window_fields(cfg))
+class GptOss(Decoder):
+    hf_architecture = "GptOssForCausalLM"
+
+    def experts(self, cfg) -> int:
+        return int(get(cfg, "num_local_experts", "num_experts"))
+
+    def moe_ffn(self, cfg) -> int:
+        return cfg.intermediate_size
+
+    def attention(self, cfg) -> dict:
+        return dict(qk_layernorm=False)
+
+    def router(self, cfg) -> dict:
+        # HF GptOssTopKRouter: top-k of the (biased) logits, softmax over those k
+        return dict(moe_router_score_function="softmax", moe_router_pre_softmax=False)
+
+    def extra(self, cfg, fields: Fields) -> None:
+        fields.set(True, add_bias_linear=True, softmax_type="learnable", **_window_fields(cfg))
+        fields.set(add_qkv_bias=True, activation_func=_quick_gelu(), glu_linear_offset=1.0,
+                   activation_func_clamp_value=float(cfg.swiglu_limit))
+
+    def check(self, cfg) -> None:
+        alpha = float(getattr(cfg, "swiglu_alpha", QUICK_GELU_ALPHA))
+        if alpha != QUICK_GELU_ALPHA:
+            raise ConfigMismatchError(f"gpt_oss swiglu_alpha: Megatron's quick_gelu computes x * sigmoid(1.702 x), "
+                                      f"expected {QUICK_GELU_ALPHA}, the config has {alpha}")
+        if not getattr(cfg, "attention_bias", True):
+            raise ConfigMismatchError("gpt_oss attention_bias: expected True (Megatron's add_bias_linear gives q/k/v, "
+                                      "o, router and expert biases together), the config has False")
+
+    def layout_problems(self, cfg, expert_tp: int) -> list[str]:
+        if expert_tp != 1:  # megatron-core asserts "Bias in Moe is only supported when ETP==1"
+            return [f"gpt_oss has expert biases, which megatron-core supports only at expert-TP 1; expected expert "
+                    f"tensor-parallel size 1, got {expert_tp} (pass --etp 1: expert-TP defaults to --tp)"]
+        return []
+
+    def transformer_config(self, cfg, **overrides):
+        self.check(cfg)
+        etp = overrides.get("expert_tensor_parallel_size") or parallel_fields()["expert_tensor_parallel_size"]
+        problems = self.layout_problems(cfg, 1 if etp is None else etp)
+        if problems:
+            raise LayoutError(problems[0])
+        config = super().transformer_config(cfg, **overrides)
+        for k, v in _yarn(cfg).items():  # read by GPTModel with getattr, not TransformerConfig fields in 0.16.1
+            setattr(config, k, v)
+        return config
+
+    def gpt_kwargs(self, cfg) -> dict:
+        out = default_gpt_kwargs(cfg)
+        if _yarn(cfg):
+            out["position_embedding_type"] = "yarn"
+        return out
 
 
-def gpt_kwargs(cfg) -> dict:
-    out = default_gpt_kwargs(cfg)
-    if _yarn(cfg):
-        out["position_embedding_type"] = "yarn"
-    return out
-
-
-build_model = spec_builder(__name__)
+SPEC = GptOss()

@@ -5,11 +5,11 @@ MLATransformerConfig (model_specs/deepseek_v3.py)."""
 from __future__ import annotations
 
 from . import deepseek_v3
-from .common import multimodal, spec_builder
+from .common import TextOf
 
-HF_ARCHITECTURE = "Kimi_K25ForConditionalGeneration"
 
-_TEXT = multimodal(deepseek_v3)
-dims, is_moe_layer, transformer_config = _TEXT["dims"], _TEXT["is_moe_layer"], _TEXT["transformer_config"]
-structural_fields, gpt_kwargs, layer_spec = _TEXT["structural_fields"], _TEXT["gpt_kwargs"], _TEXT["layer_spec"]
-build_model = spec_builder(__name__)
+class KimiK25(TextOf):
+    hf_architecture = "Kimi_K25ForConditionalGeneration"
+
+
+SPEC = KimiK25(deepseek_v3.SPEC)

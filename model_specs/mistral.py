@@ -2,16 +2,7 @@
 
 from mcore2hf.errors import ConfigMismatchError
 
-from .common import dense_decoder, spec_builder
-
-HF_ARCHITECTURE = "MistralForCausalLM"
-
-
-def attention(cfg) -> dict:
-    return dict(qk_layernorm=False, add_qkv_bias=False)
-
-
-is_moe_layer, dims, _transformer_config, structural_fields, gpt_kwargs = dense_decoder(attention)
+from .common import Decoder
 
 
 def check_sliding_window(cfg) -> None:
@@ -21,9 +12,14 @@ def check_sliding_window(cfg) -> None:
                                   "to a Megatron TransformerConfig (Mistral 7B v0.2+ and Mixtral use null)")
 
 
-def transformer_config(cfg, **overrides):
-    check_sliding_window(cfg)
-    return _transformer_config(cfg, **overrides)
+class Mistral(Decoder):
+    hf_architecture = "MistralForCausalLM"
+
+    def attention(self, cfg) -> dict:
+        return dict(qk_layernorm=False, add_qkv_bias=False)
+
+    def check(self, cfg) -> None:
+        check_sliding_window(cfg)
 
 
-build_model = spec_builder(__name__)
+SPEC = Mistral()

@@ -18,10 +18,8 @@ import dataclasses
 from mcore2hf.arch.hf_config import text_config
 
 from . import qwen3_next
-from .common import spec_builder
+from .common import TextOf
 from .qwen3_vl_vision import vision_dims, wrap_native
-
-HF_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 
 
 class _MoeTextConfig:
@@ -37,39 +35,23 @@ class _MoeTextConfig:
         return getattr(self._cfg, name)
 
 
-def _text(cfg):
-    text = text_config(cfg)
-    return _MoeTextConfig(text) if qwen3_next.num_experts(text) else text
+class Qwen35(TextOf):
+    """Qwen3-Next's spec on the text config (a Qwen3.5-MoE one as `_MoeTextConfig`), with the vision tower's heads,
+    head dim and merger width in its dims (a native tower's ops need them)."""
+
+    hf_architecture = "Qwen3_5ForConditionalGeneration"
+    #: `build_model(..., vision_tower="native")`: Bridge 0.6.2's Qwen3.5-VL tower (qwen35_vl_provider.py:504-520
+    #: builds the same Qwen3VLVisionModel, without deepstack mergers) around the language model
+    native_vision_tower = staticmethod(wrap_native)
+
+    def view(self, cfg):
+        text = text_config(cfg)
+        return _MoeTextConfig(text) if self.text.experts(text) else text
+
+    def dims(self, cfg):
+        base = super().dims(cfg)
+        vision = getattr(cfg, "vision_config", None)
+        return base if vision is None else dataclasses.replace(base, **vision_dims(vision))
 
 
-def dims(cfg):
-    """Qwen3-Next's, with the vision tower's heads, head dim and merger width (a native tower's ops need them)."""
-    base = qwen3_next.dims(_text(cfg))
-    vision = getattr(cfg, "vision_config", None)
-    return base if vision is None else dataclasses.replace(base, **vision_dims(vision))
-
-
-def is_moe_layer(cfg, layer: int) -> bool:
-    return qwen3_next.is_moe_layer(_text(cfg), layer)
-
-
-def transformer_config(cfg, **overrides):
-    return qwen3_next.transformer_config(_text(cfg), **overrides)
-
-
-def structural_fields(cfg) -> dict:
-    return qwen3_next.structural_fields(_text(cfg))
-
-
-def gpt_kwargs(cfg) -> dict:
-    return qwen3_next.gpt_kwargs(_text(cfg))
-
-
-def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
-    return qwen3_next.layer_spec(config, _text(cfg), vp_stage=vp_stage, use_te=use_te)
-
-
-build_model = spec_builder(__name__)
-#: `build_model(..., vision_tower="native")`: Bridge 0.6.2's Qwen3.5-VL tower (qwen35_vl_provider.py:504-520 builds
-#: the same Qwen3VLVisionModel, without deepstack mergers) around the language model
-native_vision_tower = wrap_native
+SPEC = Qwen35(qwen3_next.SPEC)

@@ -25,18 +25,7 @@ import torch
 from mcore2hf.arch.hf_config import get
 from mcore2hf.errors import ConfigMismatchError
 
-from .common import (
-    base_dims,
-    base_structural,
-    default_gpt_kwargs,
-    llama_like_fields,
-    make_config,
-    moe_fields,
-    spec_builder,
-    supported_kwargs,
-)
-
-HF_ARCHITECTURE = "Qwen3NextForCausalLM"
+from .common import Decoder, Fields, base_dims, supported_kwargs
 
 #: fp32 logit parity bound with transformers (the demo's, tests/test_qwen3_next.py's). Measured on the tiny model
 #: (|logits| <= 17): transformers' own fp32 forward is 1.24e-4 from its fp64 forward with 3 of 4 layers gated
@@ -149,77 +138,51 @@ def gdn_fields(cfg) -> dict:
                 linear_num_value_heads=cfg.linear_num_value_heads)
 
 
-def num_experts(cfg) -> int:
-    return int(get(cfg, "num_experts", default=0) or 0)
-
-
-def is_moe_layer(cfg, layer: int) -> bool:
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return (num_experts(cfg) > 0 and layer not in (getattr(cfg, "mlp_only_layers", None) or [])
-            and (layer + 1) % step == 0)
-
-
 def gdn_dims(cfg) -> dict:
     """ModelDims fields of the gated DeltaNet layout ops."""
     return dict(linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
                 linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim)
 
 
-def dims(cfg):
-    return base_dims(cfg, num_experts=num_experts(cfg), **gdn_dims(cfg))
+class Qwen3Next(Decoder):
+    """Gated DeltaNet and gated attention layers (zero-centred norms), MoE with a gated shared expert: softmax
+    top-k (renormalized iff norm_topk_prob)."""
+
+    hf_architecture = "Qwen3NextForCausalLM"
+
+    def experts(self, cfg) -> int:
+        return int(get(cfg, "num_experts", default=0) or 0)
+
+    def moe_layer(self, cfg, layer: int) -> bool:
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        return layer not in (getattr(cfg, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+
+    def attention(self, cfg) -> dict:
+        return dict(qk_layernorm=True, add_qkv_bias=False, layernorm_zero_centered_gamma=True,
+                    attention_output_gate=True, **gdn_fields(cfg))
+
+    def shared_experts(self, cfg) -> int:
+        return int(cfg.shared_expert_intermediate_size)
+
+    def extra(self, cfg, fields: Fields) -> None:
+        if self.experts(cfg):
+            fields.set(moe_shared_expert_gate=True)
+
+    def dims(self, cfg):
+        return base_dims(cfg, num_experts=self.experts(cfg), **gdn_dims(cfg))
+
+    def check(self, cfg) -> None:
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ConfigMismatchError(f"{cfg.model_type} hidden_act: expected silu (GatedDeltaNet's conv activation "
+                                      f"and output gate are the config's activation), got {cfg.hidden_act}")
+        if getattr(cfg, "attention_bias", False):
+            raise ConfigMismatchError(f"{cfg.model_type} attention_bias: expected False, got True")
+        if self.experts(cfg) and not int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0):
+            raise ConfigMismatchError(f"{cfg.model_type} shared_expert_intermediate_size: transformers always builds a "
+                                      "gated shared expert; expected > 0, got 0")
+
+    def layer_spec(self, config, cfg, *, vp_stage=None, use_te=False):
+        return hybrid_block_spec(config, vp_stage=vp_stage, use_te=use_te)
 
 
-def _checks(cfg) -> None:
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ConfigMismatchError(f"{cfg.model_type} hidden_act: expected silu (GatedDeltaNet's conv activation and "
-                                  f"output gate are the config's activation), got {cfg.hidden_act}")
-    if getattr(cfg, "attention_bias", False):
-        raise ConfigMismatchError(f"{cfg.model_type} attention_bias: expected False, got True")
-    if num_experts(cfg) and not int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0):
-        raise ConfigMismatchError(f"{cfg.model_type} shared_expert_intermediate_size: transformers always builds a "
-                                  "gated shared expert; expected > 0, got 0")
-
-
-def moe_part(cfg) -> dict:
-    """MoE fields: softmax top-k, the gated shared expert."""
-    n = num_experts(cfg)
-    if not n:
-        return {}
-    pattern = [int(is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)]
-    fields = moe_fields(cfg, n, cfg.num_experts_per_tok, cfg.moe_intermediate_size, pattern)
-    fields.update(moe_router_score_function="softmax", moe_router_pre_softmax=not cfg.norm_topk_prob,
-                  moe_shared_expert_intermediate_size=int(cfg.shared_expert_intermediate_size),
-                  moe_shared_expert_gate=True)
-    return fields
-
-
-def transformer_config(cfg, **overrides):
-    _checks(cfg)
-    fields = llama_like_fields(cfg)
-    fields.update(qk_layernorm=True, layernorm_zero_centered_gamma=True, attention_output_gate=True)
-    fields.update(gdn_fields(cfg))
-    fields.update(moe_part(cfg))
-    return make_config(fields, overrides)
-
-
-def structural_fields(cfg) -> dict:
-    out = base_structural(cfg, qk_layernorm=True, add_qkv_bias=False, layernorm_zero_centered_gamma=True,
-                          attention_output_gate=True, **gdn_fields(cfg))
-    out.update(num_moe_experts=num_experts(cfg) or None)
-    if num_experts(cfg):
-        out.update(moe_ffn_hidden_size=cfg.moe_intermediate_size,
-                   moe_shared_expert_intermediate_size=int(cfg.shared_expert_intermediate_size))
-    if not all(is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)):
-        out["ffn_hidden_size"] = cfg.intermediate_size
-    return out
-
-
-def gpt_kwargs(cfg) -> dict:
-    return default_gpt_kwargs(cfg)
-
-
-def layer_spec(config, cfg, *, vp_stage=None, use_te=False):
-    return hybrid_block_spec(config, vp_stage=vp_stage, use_te=use_te)
-
-
-build_model = spec_builder(__name__)
+SPEC = Qwen3Next()

@@ -17,41 +17,30 @@ from __future__ import annotations
 import dataclasses
 
 from . import qwen3, qwen3_moe
-from .common import multimodal, spec_builder
+from .common import ModelSpec, TextOf, TextView
 from .qwen3_vl_vision import vision_dims, wrap_native
 
-HF_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 
-_DENSE, _MOE = multimodal(qwen3), multimodal(qwen3_moe, norm_topk_prob=True)
+class Qwen3VL(TextOf):
+    """Qwen3's spec (Qwen3-VL-MoE: Qwen3-MoE's, read with norm_topk_prob=True) on the text config, with the vision
+    tower's heads, head dim and merger width in its dims (its layout ops need them)."""
 
+    hf_architecture = "Qwen3VLForConditionalGeneration"
+    #: `build_model(..., vision_tower="native")`: the language-model chunks wrapped with the native Megatron tower
+    native_vision_tower = staticmethod(wrap_native)
 
-def _spec(cfg) -> dict:
-    return _MOE if cfg.model_type == "qwen3_vl_moe" else _DENSE
+    def text_spec(self, cfg) -> ModelSpec:
+        return qwen3_moe.SPEC if cfg.model_type == "qwen3_vl_moe" else qwen3.SPEC
 
+    def view(self, cfg):
+        if cfg.model_type == "qwen3_vl_moe":
+            return TextView(cfg, norm_topk_prob=True)
+        return super().view(cfg)
 
-def dims(cfg):
-    """The language model's, with the vision tower's heads, head dim and merger width (its layout ops need them)."""
-    base = _spec(cfg)["dims"](cfg)
-    vision = getattr(cfg, "vision_config", None)
-    return base if vision is None else dataclasses.replace(base, **vision_dims(vision))
-
-
-def is_moe_layer(cfg, layer: int) -> bool:
-    return _spec(cfg)["is_moe_layer"](cfg, layer)
-
-
-def transformer_config(cfg, **overrides):
-    return _spec(cfg)["transformer_config"](cfg, **overrides)
-
-
-def structural_fields(cfg) -> dict:
-    return _spec(cfg)["structural_fields"](cfg)
+    def dims(self, cfg):
+        base = super().dims(cfg)
+        vision = getattr(cfg, "vision_config", None)
+        return base if vision is None else dataclasses.replace(base, **vision_dims(vision))
 
 
-def gpt_kwargs(cfg) -> dict:
-    return _spec(cfg)["gpt_kwargs"](cfg)
-
-
-build_model = spec_builder(__name__)
-#: `build_model(..., vision_tower="native")`: the language-model chunks wrapped with the native Megatron tower
-native_vision_tower = wrap_native
+SPEC = Qwen3VL(qwen3.SPEC)

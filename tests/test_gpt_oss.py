@@ -36,7 +36,7 @@ def test_cli_plan_shows_stacked_experts_from_both_ep_ranks():
 
 def test_expert_tp_above_1_is_refused_before_megatron_asserts():
     with pytest.raises(LayoutError, match=r"expert-TP 1; expected expert tensor-parallel size 1, got 2 \(pass --etp 1"):
-        gpt_oss.transformer_config(tiny_config("gpt_oss"), expert_tensor_parallel_size=2)
+        gpt_oss.SPEC.transformer_config(tiny_config("gpt_oss"), expert_tensor_parallel_size=2)
 
 
 def test_fp8_export_is_refused(tmp_path, ckpts):

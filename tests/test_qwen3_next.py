@@ -140,4 +140,4 @@ def test_what_megatron_cannot_express_is_refused(field, value, match):
     from mcore2hf.model_specs import qwen3_next
 
     with pytest.raises(ConfigMismatchError, match=match):
-        qwen3_next.transformer_config(tiny_config("qwen3_next", **{field: value}))
+        qwen3_next.SPEC.transformer_config(tiny_config("qwen3_next", **{field: value}))

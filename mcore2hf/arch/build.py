@@ -47,10 +47,10 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
         use_te = transformer_engine_available()
     vocab = padded_vocab_size(text_config(cfg).vocab_size, ps.get_tensor_model_parallel_world_size(),
                               make_vocab_size_divisible_by)
-    if vision_tower not in (None, "native") or (vision_tower and not hasattr(spec, "native_vision_tower")):
+    if vision_tower not in (None, "native") or (vision_tower and spec.native_vision_tower is None):
         raise UsageError(f"vision_tower={vision_tower!r}: expected None or 'native' (model types with a native "
                          f"Megatron vision tower), {cfg.model_type!r} has "
-                         f"{'one' if hasattr(spec, 'native_vision_tower') else 'none'}")
+                         f"{'none' if spec.native_vision_tower is None else 'one'}")
     if model_class == "hybrid":
         from ..model_specs.common import build_hybrid_model
 

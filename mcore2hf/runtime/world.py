@@ -92,9 +92,7 @@ class Layout:
                 problems.append("--vpp needs --pp >= 2")
             elif not uneven and layers % self.pp == 0 and (layers // self.pp) % self.vpp:
                 problems.append(f"--vpp {self.vpp} does not divide the {layers // self.pp} layers of each stage")
-        check_arch = getattr(get_model_spec(hf_config.model_type), "layout_problems", None)
-        if check_arch is not None:
-            problems += check_arch(hf_config, self.expert_tp)
+        problems += get_model_spec(hf_config.model_type).layout_problems(hf_config, self.expert_tp)
         if processes and self.size > 64:
             problems.append(f"the layout needs {self.size} worker processes; at most 64 run on one machine")
         if problems:
