@@ -79,9 +79,99 @@ from ..arch.mapping import ModelDims
 from ..errors import EngineShardError
 from ..layouts.pieces import Piece
 
-ENGINES = ("sglang", "vllm")
-
 Region = tuple[tuple[int, int, int], ...]
+
+
+class EngineRules:
+    """How one engine's weight loaders differ where the two engines differ: vocab padding, expert placement when
+    E % ep != 0, stacked experts under EP, the vision tower's position table, its expert-parallel layouts. One
+    object per engine (`ENGINE_RULES`), so nothing branches on an engine's name."""
+
+    name = ""
+
+    def check(self, p: EnginePlacement) -> None:
+        """Refuse a placement the engine cannot run."""
+
+    def vocab_padding(self, padded: int, tp_size: int, padding: int) -> int:
+        """The padding multiple of the engine's vocab (both: DEFAULT_VOCAB_PADDING_SIZE 64)."""
+        return padding
+
+    def expert_owner_range(self, num_experts: int, ep_size: int, ep_rank: int) -> range:
+        raise NotImplementedError
+
+    def stacked_experts_under_ep(self, hf_name: str, shape: tuple[int, ...], p: EnginePlacement) -> list[Region]:
+        """gpt-oss's stacked experts when the engine runs expert parallelism."""
+        raise NotImplementedError
+
+    def check_intermediate(self, hf_name: str, inter: int, p: EnginePlacement) -> None:
+        """The stacked experts' intermediate size against expert TP (no check: the engine cuts cdiv pieces)."""
+
+    def position_rows(self, shape: tuple[int, ...], p: EnginePlacement) -> list[Region]:
+        """The vision tower's position embedding table."""
+        raise NotImplementedError
+
+
+class SGLangRules(EngineRules):
+    """sglang 0.5.23 (the module docstring's files)."""
+
+    name = "sglang"
+
+    def vocab_padding(self, padded: int, tp_size: int, padding: int) -> int:
+        # vocab_parallel_embedding.py pad_vocab_size: padding_size *= tp when the padded vocab does not divide
+        return padding * tp_size if padded % tp_size else padding
+
+    def expert_owner_range(self, num_experts: int, ep_size: int, ep_rank: int) -> range:
+        if num_experts % ep_size:
+            raise EngineShardError(f"experts: expected num_experts {num_experts} divisible by ep_size {ep_size} "
+                                   "(sglang FusedMoE asserts it)")
+        n = num_experts // ep_size
+        return range(ep_rank * n, (ep_rank + 1) * n)
+
+    def stacked_experts_under_ep(self, hf_name: str, shape: tuple[int, ...], p: EnginePlacement) -> list[Region]:
+        raise EngineShardError(f"{hf_name}: not declared for sglang with ep_size {p.ep_size}: sglang 0.5.23's "
+                               "FusedMoE.weight_loader_fused loads stacked bf16 experts without expert narrowing")
+
+    def check_intermediate(self, hf_name: str, inter: int, p: EnginePlacement) -> None:
+        if inter % p.tp_size:
+            raise EngineShardError(f"{hf_name}: expected the intermediate size {inter} divisible by expert TP "
+                                   f"{p.tp_size} (sglang FusedMoE asserts it)")
+
+    def position_rows(self, shape: tuple[int, ...], p: EnginePlacement) -> list[Region]:
+        # a VocabParallelEmbedding of num_position_embeddings rows: its padded table over TP, real rows only
+        per = padded_vocab(shape[0], p) // p.tp_size
+        start, stop = p.tp_rank * per, min((p.tp_rank + 1) * per, shape[0])
+        return [((0, start, stop - start),)] if stop > start else []
+
+
+class VLLMRules(EngineRules):
+    """vllm 0.33.0 (the module docstring's files)."""
+
+    name = "vllm"
+
+    def check(self, p: EnginePlacement) -> None:
+        if p.ep_size not in (1, p.tp_size):
+            # vllm 0.33.0 fused_moe/config.py FusedMoEParallelConfig.make: EP spans all of TP x DP, expert TP 1
+            raise EngineShardError(f"vllm expert parallelism: expected ep_size 1 or tp_size={p.tp_size}, "
+                                   f"found {p.ep_size}")
+
+    def expert_owner_range(self, num_experts: int, ep_size: int, ep_rank: int) -> range:
+        # fused_moe/expert_map_manager.py determine_expert_map, "linear": the first E % ep ranks own one more
+        base, rem = divmod(num_experts, ep_size)
+        start = ep_rank * base + min(ep_rank, rem)
+        return range(start, start + base + (ep_rank < rem))
+
+    def stacked_experts_under_ep(self, hf_name: str, shape: tuple[int, ...], p: EnginePlacement) -> list[Region]:
+        # models/gpt_oss.py _load_weights_other: EP takes whole experts [ep*E/ep, ...)
+        n = shape[0] // p.ep_size
+        return [((0, p.ep_rank * n, n),)]
+
+    def position_rows(self, shape: tuple[int, ...], p: EnginePlacement) -> list[Region]:
+        return [()]  # an nn.Embedding, whole
+
+
+#: the engines mcore2hf shards for, one rules object each
+ENGINE_RULES: dict[str, EngineRules] = {r.name: r for r in (SGLangRules(), VLLMRules())}
+ENGINES = tuple(ENGINE_RULES)
 
 
 @dataclass(frozen=True)
@@ -103,7 +193,7 @@ class EnginePlacement:
     replicated_shared_experts: bool = False
 
     def __post_init__(self):
-        if self.engine not in ENGINES:
+        if self.engine not in ENGINE_RULES:
             raise EngineShardError(f"engine: expected one of {ENGINES}, found {self.engine!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise EngineShardError(f"tp_rank: expected 0 <= tp_rank < tp_size={self.tp_size}, found {self.tp_rank}")
@@ -114,10 +204,11 @@ class EnginePlacement:
         if self.moe_tp * self.ep_size != self.tp_size:
             raise EngineShardError(f"moe_tp: expected tp_size / ep_size = {self.tp_size // self.ep_size} "
                                    f"(no expert data parallelism), found {self.moe_tp}")
-        if self.engine == "vllm" and self.ep_size not in (1, self.tp_size):
-            # vllm 0.33.0 fused_moe/config.py FusedMoEParallelConfig.make: EP spans all of TP x DP, expert TP 1
-            raise EngineShardError(f"vllm expert parallelism: expected ep_size 1 or tp_size={self.tp_size}, "
-                                   f"found {self.ep_size}")
+        self.rules.check(self)
+
+    @property
+    def rules(self) -> EngineRules:
+        return ENGINE_RULES[self.engine]
 
     @property
     def ep_rank(self) -> int:
@@ -283,8 +374,7 @@ def padded_vocab(vocab_size: int, placement: EnginePlacement, padding: int = 64)
     """The engine's padded vocabulary (DEFAULT_VOCAB_PADDING_SIZE 64 in both; SGLang multiplies the padding by
     tp_size when the padded vocab does not divide over TP, vLLM asserts it divides)."""
     pad = lambda v, p: (v + p - 1) // p * p  # noqa: E731
-    if placement.engine == "sglang" and pad(vocab_size, padding) % placement.tp_size:
-        padding *= placement.tp_size
+    padding = placement.rules.vocab_padding(pad(vocab_size, padding), placement.tp_size, padding)
     padded = pad(vocab_size, padding)
     if padded % placement.tp_size:
         raise EngineShardError(f"vocab: expected the padded vocab {padded} divisible by tp_size "
@@ -295,16 +385,7 @@ def padded_vocab(vocab_size: int, placement: EnginePlacement, padding: int = 64)
 def expert_owner_range(num_experts: int, placement: EnginePlacement) -> range:
     """The routed experts this rank's EP rank owns (sglang: E / ep each, E must divide; vllm "linear": the first
     E % ep ranks own one more)."""
-    ep, r = placement.ep_size, placement.ep_rank
-    if placement.engine == "sglang":
-        if num_experts % ep:
-            raise EngineShardError(f"experts: expected num_experts {num_experts} divisible by ep_size {ep} "
-                                   "(sglang FusedMoE asserts it)")
-        n = num_experts // ep
-        return range(r * n, (r + 1) * n)
-    base, rem = divmod(num_experts, ep)
-    start = r * base + min(r, rem)
-    return range(start, start + base + (r < rem))
+    return placement.rules.expert_owner_range(num_experts, placement.ep_size, placement.ep_rank)
 
 
 def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placement: EnginePlacement,
@@ -345,11 +426,7 @@ def engine_regions(hf_name: str, shape: Sequence[int], dims: ModelDims, placemen
     if kind == VISION_QKV:
         return _vision_qkv(hf_name, shape, dims, p)
     if kind == POSITION_ROWS:  # sglang's VocabParallelEmbedding of num_position_embeddings rows, vllm's whole table
-        if p.engine == "vllm":
-            return [()]
-        per = padded_vocab(shape[0], p) // tp
-        start, stop = r * per, min((r + 1) * per, shape[0])
-        return [((0, start, stop - start),)] if stop > start else []
+        return p.rules.position_rows(shape, p)
     if kind in (EXPERT_COLUMN, EXPERT_ROW):
         if expert not in expert_owner_range(dims.num_experts, p):
             return []
@@ -404,17 +481,11 @@ def _stacked(kind: str, hf_name: str, shape: tuple[int, ...], dims: ModelDims, p
     # sglang 0.5.23 models/gpt_oss.py _load_normal_weights -> FusedMoE.weight_loader_fused -> _load_w13/_load_w2:
     # the same cut with I / moe_tp exact, and no expert narrowing at all (so no EP for bf16 stacked experts)
     if p.ep_size > 1:
-        if p.engine == "sglang":
-            raise EngineShardError(f"{hf_name}: not declared for sglang with ep_size {p.ep_size}: sglang 0.5.23's "
-                                   "FusedMoE.weight_loader_fused loads stacked bf16 experts without expert narrowing")
-        n = shape[0] // p.ep_size
-        return [((0, p.ep_rank * n, n),)]
+        return p.rules.stacked_experts_under_ep(hf_name, shape, p)
     if kind == STACKED_DOWN_BIAS:  # rank 0 loads it whole, the others zero what they were given
         return [()] if p.tp_rank == 0 else []
     inter = shape[1] if kind == STACKED_DOWN else shape[-1] // 2
-    if p.engine == "sglang" and inter % p.tp_size:
-        raise EngineShardError(f"{hf_name}: expected the intermediate size {inter} divisible by expert TP "
-                               f"{p.tp_size} (sglang FusedMoE asserts it)")
+    p.rules.check_intermediate(hf_name, inter, p)
     per = math.ceil(inter / p.tp_size)
     start, stop = p.tp_rank * per, min((p.tp_rank + 1) * per, inter)
     if stop <= start:
