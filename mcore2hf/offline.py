@@ -47,10 +47,11 @@ from .errors import (
 from .formats import CheckpointReader, open_checkpoint, resolve_iteration_dir
 from .formats.checkpoint_keys import CkptSource
 from .formats.safetensors import SafetensorsWriter, TensorInfo, check_target
+from .layouts.geometry import align, nbytes
 from .layouts.ops import full_shape_of_shard
 from .layouts.stacked import Stacked
 from .plan.checks import check, checked_dims
-from .plan.export import align, pack_tight, stack_units
+from .plan.export import pack_tight, stack_units
 from .plan.options import ExportOptions
 from .plan.planner import fp8_policy
 from .quantize.fp8 import quantize_flat, quantized_tensors
@@ -320,7 +321,7 @@ def _groups(sources: Sequence[CkptSource], budget: int, out_dtype):
     of a stacked HF tensor, e.g. gpt-oss's experts.gate_up_proj, go into one group, which may exceed it)."""
     group, size = [], 0
     for unit in stack_units(list(sources), lambda s: (s.op, tuple(n for n, _ in s.hf[:s.n_out]), s.key)):
-        n = sum(align(_nbytes(shape[1:] if isinstance(s.op, Stacked) else shape, out_dtype(s)))
+        n = sum(align(nbytes(shape[1:] if isinstance(s.op, Stacked) else shape, out_dtype(s)))
                 for s in unit for _, shape in s.hf)
         if group and size + n > budget:
             yield group
@@ -329,13 +330,6 @@ def _groups(sources: Sequence[CkptSource], budget: int, out_dtype):
         size += n
     if group:
         yield group
-
-
-def _nbytes(shape, dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 def _convert(reader: CheckpointReader, group: list[CkptSource], out_dtype, index: int) -> Bucket:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HFDirectoryError
-from ..plan.export import HFEntry, align
+from ..layouts.geometry import align, numel
+from ..plan.export import HFEntry
 from ..transfer.buckets import Bucket
 
 INDEX = "model.safetensors.index.json"
@@ -65,13 +66,6 @@ def has_weights(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(root, INDEX)) or os.path.isfile(os.path.join(root, SINGLE))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def read_header(path: str) -> tuple[dict, int]:
     """(header without `__metadata__`, byte offset of the data) of one safetensors file, checked as safetensors
     0.8 checks it; every problem an HFDirectoryError naming the file."""
@@ -107,7 +101,7 @@ def read_header(path: str) -> tuple[dict, int]:
             raise HFDirectoryError(path, f"{path}: tensor {name} has dtype {h.get('dtype')!r}, expected one of "
                                          f"{sorted(TORCH_DTYPES)}")
         b, e = h["data_offsets"]
-        want = _numel(tuple(h["shape"])) * TORCH_DTYPES[h["dtype"]].itemsize
+        want = numel(tuple(h["shape"])) * TORCH_DTYPES[h["dtype"]].itemsize
         if e - b != want:
             raise HFDirectoryError(path, f"{path}: tensor {name} ({h['dtype']} {h['shape']}) needs {want} bytes, "
                                          f"its data_offsets {h['data_offsets']} give {e - b}")
@@ -286,14 +280,14 @@ class HFDirectory:
     def read_region(self, t: StoredTensor, offset: int, shape: tuple[int, ...], ranges: list[range]) -> torch.Tensor:
         """The sub-block `ranges` (one contiguous range per dim) of the C-order array `shape` at `offset`."""
         item = t.dtype.itemsize
-        inner = _numel(shape[1:])
+        inner = numel(shape[1:])
         r0 = ranges[0]
         if all(len(r) == d for r, d in zip(ranges[1:], shape[1:], strict=True)):  # whole rows: one read
             raw = self.read_bytes(t, offset + r0.start * inner * item, len(r0) * inner * item)
             return raw.view(t.dtype).view(len(r0), *shape[1:])
         out = torch.empty([len(r) for r in ranges], dtype=t.dtype)
         row = inner * item
-        below = _numel(shape[2:]) * item  # bytes of one index of dim 1
+        below = numel(shape[2:]) * item  # bytes of one index of dim 1
         run = len(ranges[1]) * below
         if all(len(r) == d for r, d in zip(ranges[2:], shape[2:], strict=True)) and run >= RUN_BYTES:
             # each row's selection is one contiguous run worth its own read: straight into the result

@@ -22,6 +22,7 @@ import torch
 from ..arch.hf_config import ConfigSource, output_config
 from ..arch.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from ..errors import Mcore2HFError, Problem, ShapeMismatchError, problem_list
+from ..layouts.geometry import nbytes
 from ..sizes import parse_size
 from ..transfer.buckets import Bucket
 from .hf_dir import SAFETENSORS_DTYPES, HFDirectory, StoredTensor
@@ -64,10 +65,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes(self.shape, self.dtype)
 
 
 BaseTensor = StoredTensor  # a base checkpoint's tensor, located by byte range in its file (hf_dir)

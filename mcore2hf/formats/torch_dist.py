@@ -27,6 +27,7 @@ import torch
 
 from ..arch.naming import HybridLayout
 from ..errors import CheckpointError, ImportTargetError
+from ..layouts.geometry import row_strides
 from .checkpoint_keys import PARTS, CkptSource, canonical_parts
 from .paths import OutputKind
 
@@ -121,7 +122,7 @@ class DistCheckpointReader:
             if tuple(size) != tuple(chunk.sizes):
                 raise CheckpointError(f"{where} is corrupt: tensor shape {list(size)}, metadata says {list(chunk.sizes)}")
             rest, rest_stride = size[len(sub):], stride[len(sub):]
-            if tuple(rest_stride) != _contiguous_strides(rest):
+            if tuple(rest_stride) != row_strides(rest):
                 window.seek(0)
                 return torch.load(io.BytesIO(window.read(length)), map_location="cpu", weights_only=True)[sub]
             first = storage_offset + sum(i * st for i, st in zip(sub, stride))
@@ -192,14 +193,6 @@ class _Window(io.RawIOBase):
         data = self.read(len(b))
         b[:len(data)] = data
         return len(data)
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(list(shape)):
-        strides.append(acc)
-        acc *= d
-    return tuple(reversed(strides))
 
 
 class _LayoutUnpickler(pickle.Unpickler):

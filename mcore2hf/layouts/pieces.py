@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ShapeMismatchError
+from .geometry import row_strides
 from .ops import LayoutOp, S, Shape
 
 
@@ -42,15 +43,6 @@ class Piece:
     def src_view(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """(sizes, strides, offset) of the piece in its (contiguous) shard."""
         return self.count, self.src_strides, self.src_offset
-
-
-def row_strides(shape: Shape) -> tuple[int, ...]:
-    """Element strides of a contiguous tensor of `shape`."""
-    out, s = [], 1
-    for d in reversed(shape):
-        out.append(s)
-        s *= d
-    return tuple(reversed(out))
 
 
 def _refine(size: int, dst: int, src, shape: Shape, h: tuple[int, ...]) -> list[tuple[int, int, object, int]]:

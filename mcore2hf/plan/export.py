@@ -22,15 +22,10 @@ import torch.distributed as dist
 from ..arch.mapping import Converter, ModelDims, Resolved
 from ..arch.naming import LocalTensor, filter_outputs
 from ..errors import LayoutError, ShapeMismatchError, UnknownParametersError
+from ..layouts.geometry import align, nbytes
 from ..layouts.stacked import Stacked
 from ..parallel import ParallelContext
 from ..quantize.fp8 import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
-
-ALIGN = 64  # byte alignment of every tensor inside flat buffers (dtype views and vectorized copies need it)
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def natural_key(name: str) -> tuple:
@@ -81,10 +76,7 @@ class Source:
 
     @cached_property  # read per rank and bucket when many ranks' programs are built (the dry run)
     def shard_nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shard_shape:
-            n *= s
-        return n
+        return nbytes(self.shard_shape, self.dtype)
 
     @cached_property
     def stacked_nbytes(self) -> int:
@@ -105,10 +97,7 @@ class Source:
         op = self.resolved.op
         shapes = op.item_shapes(self.full_shape) if isinstance(op, Stacked) else self.out_shapes()
         for shape in shapes:
-            n = self.dtype.itemsize
-            for s in shape:
-                n *= s
-            total += align(n)
+            total += align(nbytes(shape, self.dtype))
         return total
 
 
@@ -529,9 +518,7 @@ def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> 
     tensor aligned for its dtype view, since each size is a multiple of its element size."""
     entries, offset = [], 0
     for name, shape, dtype, source in sorted(tensors, key=lambda t: -t[2].itemsize):
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
+        n = nbytes(shape, dtype)
         entries.append(HFEntry(name, tuple(shape), dtype, offset, n, source))
         offset += n
     return entries

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 
+from ..layouts.geometry import nbytes
 from .process_group import broadcast, destroy_group, join_weight_update_group
 
 
@@ -19,9 +20,7 @@ def tight_views(flat: torch.Tensor, names, dtypes, shapes) -> list[tuple[str, to
     out, offset = [], 0
     for name, dtype, shape in zip(names, dtypes, shapes):
         dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
-        n = dt.itemsize
-        for d in shape:
-            n *= d
+        n = nbytes(shape, dt)
         out.append((name, flat[offset:offset + n].view(dt).view(tuple(shape))))
         offset += n
     if offset != flat.numel():
@@ -33,10 +32,7 @@ def packed_nbytes(dtypes, shapes) -> int:
     total = 0
     for dtype, shape in zip(dtypes, shapes):
         dt = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
-        n = dt.itemsize
-        for d in shape:
-            n *= d
-        total += n
+        total += nbytes(shape, dt)
     return total
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..layouts.geometry import align
 from ..parallel import Axis, ParallelContext
 from ..plan.engine import EngineShardPlan
-from ..plan.export import BucketPlan, ExportPlan, Source, align
+from ..plan.export import BucketPlan, ExportPlan, Source
 from ..plan.routes import receiver_routes
 from .program import LOCAL, OUT, EngineProgram, Item, Loc, P2PRound, Program, Stage
 

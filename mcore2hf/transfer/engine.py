@@ -10,11 +10,11 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..arch.naming import LocalTensor
-from ..layouts.pieces import Piece, row_strides
+from ..layouts.geometry import align, row_strides
+from ..layouts.pieces import Piece
 from ..parallel import ParallelContext
 from ..plan.engine import EngineShardPlan
 from ..plan.engine_shards import EngineShardError, EngineSlice, region_slices
-from ..plan.export import align
 from .buckets import Bucket
 from .builders import engine_program
 from .executor import CBucket, Copy, Core, CRound

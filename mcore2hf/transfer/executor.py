@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..arch.naming import LocalTensor
-from ..layouts.pieces import row_strides
+from ..layouts.geometry import nbytes, row_strides
 from ..quantize.fp8 import (
     FP8Into,
     FP8RowSlices,
@@ -93,10 +93,7 @@ class Copy:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.sizes:
-            n *= d
-        return n
+        return nbytes(self.sizes, self.dtype)
 
 
 @dataclass

@@ -34,9 +34,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..arch.naming import LocalTensor
+from ..layouts.geometry import align
 from ..layouts.stacked import Stacked
 from ..parallel import ParallelContext
-from ..plan.export import BucketPlan, ExportPlan, Source, align
+from ..plan.export import BucketPlan, ExportPlan, Source
 from ..quantize.fp8 import BLOCK, FP8RowSlices, quantize_flat
 from .buckets import Bucket
 from .builders import bucket_program, memory_estimate, stage_bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..arch.lora import Merge, merge_weights
-from ..plan.export import align
+from ..layouts.geometry import align
 from .sources import Arena, Pack, Sources
 
 
