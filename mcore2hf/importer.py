@@ -33,12 +33,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import regex
 import torch
 
 from .arch.hf_config import HFConfigLike, config_source
 from .arch.mapping import NAME, Converter, ModelDims, compile_pattern, match_fields
-from .arch.naming import HybridLayout
+from .arch.naming import HybridLayout, parse_name
 from .arch.registry import get_converter
 from .dtypes import parse_dtype
 from .errors import (
@@ -77,8 +76,6 @@ from .formats.torch_dist import TORCH_DIST_OUTPUT, DistcpWriter, iteration_dir
 from .layouts.ops import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
 from .plan.checks import check
 from .sizes import parse_size, peak_rss
-
-_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
 @dataclass
@@ -184,11 +181,10 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
                                                             for n in unexplained])
     padded = dims.vocab_size if tp is None else padded_vocab_size(dims.vocab_size, tp, divisible_by)
     # gated DeltaNet layers (those with in_proj) save their input norm under in_proj
-    gdn = frozenset(int(m.group(1)) for m in map(_LAYER.fullmatch, resolved)
-                    if m is not None and m.group(2) == "self_attention.in_proj.weight")
+    names = [parse_name(n) for n in resolved]
+    gdn = frozenset(p.layer for p in names if p.stack == "decoder" and p.rest == "self_attention.in_proj.weight")
     # MoE layers (those with a router; MTP's inner layers too) keep TE's separate pre-MLP norm
-    moe = frozenset(int(m.group(1)) for m in map(_LAYER.fullmatch, resolved)
-                    if m is not None and m.group(2) == "mlp.router.weight")
+    moe = frozenset(p.layer for p in names if p.stack == "decoder" and p.rest == "mlp.router.weight")
     layout = KeyLayout(dims.num_layers, dims.num_experts, stacked=stacked, singleton=singleton,
                        mla=dims.kv_lora_rank is not None, dsa=dims.index_head_dim is not None, gdn_layers=gdn, hybrid=hybrid, moe_layers=moe,
                        transformer_impl=transformer_impl,
@@ -269,8 +265,7 @@ def _check_vision_tower(converter: Converter, spec, vision_tower: str, model_cla
 
 def _count(resolved: dict, part: str) -> int:
     """How many native tower blocks (`layers`) or deepstack mergers the import writes."""
-    found = {int(m.group(1)) for m in (regex.match(rf"vision_model\.decoder\.{part}\.(\d+)\.", n) for n in resolved) if m}
-    return len(found)
+    return len({p.layer for p in map(parse_name, resolved) if p.stack == part})
 
 
 #: Megatron's GLU linear_fc1 (weight and bias: [gate; up]) under every layout op that converts one

@@ -30,11 +30,7 @@ from .arch.lora import (
     merged_whole,
     peft_config,
 )
-from .arch.naming import (
-    HYBRID_FINAL_NORM,
-    checkpoint_hybrid_layout,
-    filter_outputs,
-)
+from .arch.naming import HYBRID_FINAL_NORM, checkpoint_hybrid_layout, filter_outputs, parse_name
 from .arch.registry import get_converter
 from .dtypes import parse_dtype
 from .errors import (
@@ -192,7 +188,7 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
         raise UsageError(f"lora={lora!r}: a checkpoint does not hold LoRA's alpha; pass lora_alpha (--lora-alpha), "
                          "the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the model was trained with")
 
-    ckpt_mtp = len({s.name.split(".")[2] for s in sources if s.name.startswith("mtp.layers.")})
+    ckpt_mtp = len({p.layer for p in (parse_name(s.name) for s in sources) if p.stack == "mtp"})
     what = f"the checkpoint {it_dir}"
     dims = checked_dims(spec, cfg, ckpt_mtp, what)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -419,18 +420,54 @@ def local_tensors(chunks: list[torch.nn.Module], ctx: ParallelContext) -> list[L
     return out
 
 
-_CANONICAL_EXPERT = regex.compile(r"((?:decoder|mtp)\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)")
+#: a canonical name's parts: a decoder / MTP layer (decoder.layers.L / mtp.layers.M) or a native vision tower's
+#: block / deepstack merger, then a routed expert (mlp.experts.E), then the rest
+_CANONICAL = regex.compile(r"(?:(?P<stack>decoder|mtp)\.layers\.(?P<layer>\d+)\."
+                           r"|vision_model\.decoder\.(?P<part>layers|deepstack_merger_list)\.(?P<block>\d+)\.)?"
+                           r"(?P<rest>(?:mlp\.experts\.(?P<expert>\d+)\.)?.+)")
+
+
+@dataclass(frozen=True)
+class CanonicalName:
+    """A canonical Megatron name taken apart, by the one parser of them (`parse_name`): the structure checks, the
+    import, the checkpoint key scheme, the offline export and the dry run read names through it.
+
+    `stack`: "decoder" or "mtp" (a decoder layer, MTP layers' inner layers included, or an MTP layer: index in
+    `layer`), "layers" or "deepstack_merger_list" (a native vision tower's block or deepstack merger: index in
+    `layer`), None (the model's own tensors: embedding, final norm, output layer, tower stems). `rest`: what follows
+    the layer prefix (the whole name without one); `expert`: a routed expert's index (rest = mlp.experts.E...)."""
+
+    name: str
+    stack: str | None
+    layer: int | None
+    rest: str
+    expert: int | None
+
+    def with_expert(self, expert: int) -> str:
+        """The same name for routed expert `expert`."""
+        head = self.name[:len(self.name) - len(self.rest)]
+        return head + self.rest.replace(f"mlp.experts.{self.expert}.", f"mlp.experts.{expert}.", 1)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def parse_name(name: str) -> CanonicalName:
+    m = _CANONICAL.fullmatch(name)
+    stack = m.group("stack") or m.group("part")
+    index = m.group("layer") or m.group("block")
+    expert = m.group("expert")
+    return CanonicalName(name, stack, None if index is None else int(index), m.group("rest"),
+                         None if expert is None else int(expert))
 
 
 def shift_experts(local: list[LocalTensor], offset: int) -> list[LocalTensor]:
     """`local` (one rank's tensors) as a rank that differs only in its EP rank names them: the routed experts'
     global indices moved by `offset` (EP rank difference x local experts), everything else as it is. The dry run
-    (planning.py) names the ranks of a stage from one model."""
+    names the ranks of a stage from one model."""
     out = []
     for t in local:
-        m = _CANONICAL_EXPERT.fullmatch(t.name) if t.is_expert else None
-        out.append(t if m is None else
-                   dataclasses.replace(t, name=f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"))
+        p = parse_name(t.name) if t.is_expert else None
+        out.append(t if p is None or p.expert is None else
+                   dataclasses.replace(t, name=p.with_expert(p.expert + offset)))
     return out
 
 

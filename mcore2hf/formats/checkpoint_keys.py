@@ -51,7 +51,14 @@ import regex
 import torch
 
 from ..arch.mapping import NAME, ModelDims
-from ..arch.naming import FINAL_NORM, HYBRID_FINAL_NORM, HybridLayout, canonical_layer_name, mtp_inner
+from ..arch.naming import (
+    FINAL_NORM,
+    HYBRID_FINAL_NORM,
+    HybridLayout,
+    canonical_layer_name,
+    mtp_inner,
+    parse_name,
+)
 from ..errors import ConfigMismatchError, UsageError
 from ..layouts.gdn import GDN_PARTS
 from ..plan.export import natural_key
@@ -81,7 +88,6 @@ def embedded_tower_rules(rules: Iterable) -> list:
 
 
 #: a native tower's blocks and deepstack mergers, canonical (per index) and as keys (stacked: no index)
-_VISION_PART = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(\d+)\.(.+)")
 _VISION_KEY = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(?:(\d+)\.)?(.+)")
 #: a ViT block holds attention and a dense MLP: under Transformer Engine's ViT spec (megatron-core 0.16.1
 #: models/vision/vit_layer_specs.py get_vit_layer_with_transformer_engine_spec, Bridge model.py:305) its norms are
@@ -154,7 +160,6 @@ _PARAM = r"(?:adapter\.linear_(?:in|out)\.)?(?:weight|bias)"
 _EXPERT = regex.compile(rf"mlp\.experts\.(\d+)\.(linear_fc[12]\.{_PARAM})")
 _STACKED_EXPERTS = regex.compile(rf"mlp\.experts\.experts\.(linear_fc[12]\.{_PARAM})")
 _SINGLETON_EXPERT = regex.compile(rf"mlp\.experts\.(?:experts\.)?(\d+)\.(linear_fc[12]\.{_PARAM})")
-_CANONICAL_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 #: key suffixes of the parts one tensor is saved as, in the order that concatenates them into the tensor: whole,
 #: GLU gate `_w` and up `_v`, gated DeltaNet components `.query` ... `.alpha`
@@ -263,8 +268,8 @@ class KeyLayout:
         found = extra_state_key(name, key, lead, glob)
         if found is not None or self.transformer_impl != TRANSFORMER_ENGINE:
             return found
-        m = _CANONICAL_LAYER.fullmatch(name)
-        if m is not None and m.group(2).rsplit(".", 1)[0] in self.non_te:
+        p = parse_name(name)
+        if p.stack == "decoder" and p.rest.rsplit(".", 1)[0] in self.non_te:
             return None
         return extra_state_key(key, key, lead, glob, TE_STATE_MODULES)
 
@@ -276,17 +281,17 @@ class KeyLayout:
                 return self._vision_key(name)
             key, lead, glob = replace(self, vision_tower=None).key(name)
             return WRAPPED_LANGUAGE_MODEL + key, lead, glob
-        m = _CANONICAL_LAYER.fullmatch(name)
-        if m is None:
+        p = parse_name(name)
+        if p.stack != "decoder":
             if self.hybrid is not None and name == FINAL_NORM:
                 return HYBRID_FINAL_NORM, (), ()
             return name, (), ()
-        layer, rest = int(m.group(1)), m.group(2)
+        layer = p.layer
         mtp = layer >= self.num_layers
-        rest = rename_to_key(rest, layer_kinds(self.mla, layer in self.gdn_layers, layer in self.moe_layers, self.dsa),
+        rest = rename_to_key(p.rest, layer_kinds(self.mla, layer in self.gdn_layers, layer in self.moe_layers, self.dsa),
                              self.transformer_impl)
         if self.hybrid is not None and not mtp:
-            layer = self.hybrid.megatron_layer(layer, m.group(2))
+            layer = self.hybrid.megatron_layer(layer, p.rest)
         lead, glob = (), ()
         e = _EXPERT.fullmatch(rest)
         if e is not None:
@@ -304,10 +309,10 @@ class KeyLayout:
     def _vision_key(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """A tower tensor's key: a native tower's blocks (norms renamed as TE's ViT spec fuses them) and deepstack
         mergers stacked or per index; anything else under its own name."""
-        m = _VISION_PART.fullmatch(name)
-        if m is None or self.vision_tower != NATIVE:
+        p = parse_name(name)
+        if p.stack not in ("layers", "deepstack_merger_list") or self.vision_tower != NATIVE:
             return name, (), ()
-        part, index, rest = m.group(1), int(m.group(2)), m.group(3)
+        part, index, rest = p.stack, p.layer, p.rest
         if part == "layers" and self.transformer_impl == TRANSFORMER_ENGINE:
             rest = rename_to_key(rest, VISION_LAYER_KINDS, TRANSFORMER_ENGINE)
         if not self.vision_stacked:

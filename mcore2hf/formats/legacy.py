@@ -36,14 +36,13 @@ import regex
 import torch
 from torch import _weights_only_unpickler
 
-from ..arch.naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner
+from ..arch.naming import HYBRID_FINAL_NORM, canonical_layer_name, mtp_inner, parse_name
 from ..errors import ConfigMismatchError, LegacyFormatError, Problem, problem_list
 from .checkpoint_keys import LAYER_KEY, MODEL_PREFIXES, CkptSource
 
 FILE = "model_optim_rng.pt"
 RANK_DIR = regex.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LOCAL_EXPERT = regex.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.(?:weight|bias)(\d+)$)")
-_EXPERT = regex.compile(r"(?:^|\.)mlp\.experts\.\d+\.")
 
 
 class Placeholder:
@@ -294,13 +293,13 @@ class LegacyCheckpointReader:
                 ignored.append(key)  # the last (or MTP) stage's copy of the tied embedding
                 continue
             rank = tp
-            if _EXPERT.search(canon):
+            if parse_name(canon).expert is not None:
                 rank = tp % self.etp
             shards[canon].setdefault(rank, (key, t))  # the first of replicas (dense shards in several EP files)
 
         out = []
         for canon, by_rank in shards.items():
-            count = self.etp if _EXPERT.search(canon) else self.tp
+            count = self.etp if parse_name(canon).expert is not None else self.tp
             missing = sorted(set(range(count)) - set(by_rank))
             if missing:
                 raise LegacyFormatError(f"{self.path}: {canon} lacks the shard(s) of rank(s) {missing} of {count}")

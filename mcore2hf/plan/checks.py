@@ -13,15 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-import regex
-
 from ..arch.hf_config import hf_tensor_shapes, shape_problems
 from ..arch.mapping import ModelDims
+from ..arch.naming import parse_name
 from ..errors import ConfigMismatchError, Problem, ShapeMismatchError, problem_list
-
-_DECODER_LAYER = regex.compile(r"decoder\.layers\.(\d+)\.")
-#: a native vision tower's blocks and deepstack mergers (canonical names, naming.wrapper_part_name)
-_VISION_PART = regex.compile(r"vision_model\.decoder\.(layers|deepstack_merger_list)\.(\d+)\.")
 
 
 def checked_dims(spec, hf_config, mtp_layers: int, what: str) -> ModelDims:
@@ -75,21 +70,21 @@ def structure_problems(names: list[str], spec, hf_config, dims: ModelDims, what:
     """What the per-tensor ops cannot see: the layer set, the dense/MoE pattern, experts, tied embeddings and a
     native vision tower, from the canonical names of every tensor."""
     problems = []
-    layers: dict[int, set[str]] = {}
+    layers: dict[int, set] = {}
     for name in names:
-        m = _DECODER_LAYER.match(name)
-        if m:
-            layers.setdefault(int(m.group(1)), set()).add(name[m.end():])
+        p = parse_name(name)
+        if p.stack == "decoder":
+            layers.setdefault(p.layer, set()).add(p)
     want = set(range(dims.num_layers + dims.num_mtp_layers))
     if set(layers) != want:
         problems.append(f"decoder layers: HF config implies {dims.num_layers} (+{dims.num_mtp_layers} MTP), "
                         f"{what} has layers {sorted(layers)}")
     for layer, found in sorted(layers.items()):
-        has_router = "mlp.router.weight" in found
+        has_router = any(p.rest == "mlp.router.weight" for p in found)
         if layer < dims.num_layers and has_router != spec.is_moe_layer(hf_config, layer):
             problems.append(f"layer {layer}: HF config says {'MoE' if not has_router else 'dense'}, "
                             f"{what} has {'MoE' if has_router else 'dense'}")
-        experts = {int(n.split(".")[2]) for n in found if n.startswith("mlp.experts.")}
+        experts = {p.expert for p in found if p.expert is not None}
         if has_router and experts != set(range(dims.num_experts)):
             problems.append(f"layer {layer}: HF config has {dims.num_experts} experts, {what} has experts "
                             f"{sorted(experts)[:8]}{'...' if len(experts) > 8 else ''} ({len(experts)})")
@@ -107,9 +102,9 @@ def vision_tower_problems(names, hf_config, what: str = "the model") -> list[str
     mergers one per `deepstack_visual_indexes` entry (the ops check each tensor's shape, not how many there are)."""
     found: dict[str, set[int]] = {"layers": set(), "deepstack_merger_list": set()}
     for name in names:
-        m = _VISION_PART.match(name)
-        if m:
-            found[m.group(1)].add(int(m.group(2)))
+        p = parse_name(name)
+        if p.stack in found and name.startswith("vision_model."):
+            found[p.stack].add(p.layer)
     vision = getattr(hf_config, "vision_config", None)
     if not found["layers"] or vision is None:
         return []
