@@ -389,7 +389,7 @@ class HFExporter:
         quantization = None
         if scheme is not None:
             unquantized = self.planner.plan(opts.unquantized)
-            quantization = self.fp8_policy().config(scheme, [(e.name, e.shape) for e in unquantized.hf_entries()])
+            quantization = scheme.config(self.fp8_policy(), [(e.name, e.shape) for e in unquantized.hf_entries()])
         writer = None
         error = None
         src = self.config_source

@@ -50,7 +50,7 @@ from .plan.checks import check, checked_dims
 from .plan.export import pack_tight, stack_units
 from .plan.options import ExportOptions
 from .plan.planner import fp8_policy
-from .quantize.fp8 import quantize_flat, quantized_tensors
+from .quantize.scheme import quantize_flat, quantized_tensors
 from .sizes import parse_size, peak_rss
 from .transfer.buckets import Bucket
 
@@ -116,8 +116,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     tensors = list({name: (name, shape, out_dtype(s)) for s in sources for name, shape in s.hf}.values())
     quantization = None
     if scheme is not None:
-        quantization = policy.config(scheme, [(name, shape) for name, shape, _ in tensors])
-        tensors = quantized_tensors(tensors, policy)
+        quantization = scheme.config(policy, [(name, shape) for name, shape, _ in tensors])
+        tensors = quantized_tensors(tensors, policy, scheme)
     infos = [TensorInfo(name, shape, dt) for name, shape, dt in tensors]
     if lora == "adapter":  # r from the factors' shapes (checked equal), alpha as given
         r = next(shape[0] for name, shape, _ in tensors if ".lora_A." in name)
@@ -142,7 +142,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
             bucket = _convert(reader, group, out_dtype, index)
             if scheme is not None:
                 entries = pack_tight(quantized_tensors([(e.name, e.shape, e.dtype, e.source) for e in bucket.entries],
-                                                       policy))
+                                                       policy, scheme))
                 bucket = Bucket(index, quantize_flat(bucket.flat, bucket.entries, entries, scheme), entries)
             writer.send(bucket)
             n = sum(e.nbytes for e in bucket.entries)

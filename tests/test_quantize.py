@@ -5,17 +5,8 @@ import oracle
 import pytest
 import torch
 
-from mcore2hf.quantize.fp8 import (
-    SCHEMES,
-    FP8Policy,
-    ceil_to_ue8m0,
-    dequantize_fp8,
-    get_scheme,
-    per_block_cast_to_fp8,
-    quantize_flat,
-    quantized_tensors,
-    scale_shape,
-)
+from mcore2hf.quantize.fp8 import FP8Policy, ceil_to_ue8m0, dequantize_fp8, per_block_cast_to_fp8, scale_shape
+from mcore2hf.quantize.scheme import SCHEMES, get_scheme, quantize_flat, quantized_tensors
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +93,7 @@ def test_policy_quantized_tensors_and_config():
                ("model.layers.0.self_attn.q_proj.weight", (300, 200), torch.bfloat16, "c"),
                ("model.layers.0.self_attn.q_proj.bias", (300,), torch.bfloat16, "c"),
                ("model.norm.weight", (64,), torch.bfloat16, "d")]
-    out = quantized_tensors(tensors, policy)
+    out = quantized_tensors(tensors, policy, SCHEMES["fp8"])
     assert [(n, s, d) for n, s, d, _ in out] == [
         ("model.embed_tokens.weight", (300, 64), torch.bfloat16),
         ("model.layers.0.mlp.gate.weight", (8, 64), torch.bfloat16),
@@ -111,11 +102,11 @@ def test_policy_quantized_tensors_and_config():
         ("model.layers.0.self_attn.q_proj.bias", (300,), torch.bfloat16),
         ("model.norm.weight", (64,), torch.bfloat16)]
     names = [(n, s) for n, s, _, _ in tensors]
-    assert policy.config(SCHEMES["fp8"], names) == {
+    assert SCHEMES["fp8"].config(policy, names) == {
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
         "modules_to_not_convert": ["model.embed_tokens", "model.layers.0.mlp.gate", "model.norm"]}
-    assert policy.config(SCHEMES["fp8-ue8m0"], names)["scale_fmt"] == "ue8m0"
-    assert "modules_to_not_convert" not in FP8Policy(keep=(), list_not_converted=False).config(SCHEMES["fp8"], names)
+    assert SCHEMES["fp8-ue8m0"].config(policy, names)["scale_fmt"] == "ue8m0"
+    assert "modules_to_not_convert" not in SCHEMES["fp8"].config(FP8Policy(keep=(), list_not_converted=False), names)
     for bad in ("fp4", "FP8", 8):
         with pytest.raises(ValueError, match=r"quantize must be one of \['fp8', 'fp8-ue8m0'\] or None"):
             get_scheme(bad)
@@ -133,9 +124,9 @@ def test_policy_with_a_tower_lists_its_modules_and_prefixes():
              ("language_model.model.layers.0.self_attn.o_proj.weight", (30, 30))]
     policy = fp8_policy(list_not_converted=False, tower=("vision_tower.", "mm_projector."))
     assert not any(policy.quantized(n, s) for n, s in names[:3]) and policy.quantized(*names[4])
-    assert policy.config(SCHEMES["fp8"], names)["modules_to_not_convert"] == [
+    assert SCHEMES["fp8"].config(policy, names)["modules_to_not_convert"] == [
         "mm_projector", "mm_projector.proj.0", "vision_tower", "vision_tower.encoder.blocks.0.wqkv"]
-    listed = fp8_policy(tower=("model.visual.",)).config(SCHEMES["fp8"], [
+    listed = SCHEMES["fp8"].config(fp8_policy(tower=("model.visual.",)), [
         ("model.visual.blocks.0.attn.qkv.weight", (9, 3)), ("model.language_model.layers.0.mlp.gate.weight", (8, 3)),
         ("lm_head.weight", (5, 3))])["modules_to_not_convert"]
     assert listed == ["lm_head", "model.language_model.layers.0.mlp.gate", "model.visual",
@@ -154,7 +145,7 @@ def test_quantize_flat_bucket_300x200_matches_per_tensor_quantization():
     for e, t in zip(entries, [norm, a, b] if entries[0].name == "n.weight" else [a, b, norm]):
         flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape).copy_(t)
     src = {e.name: flat[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in entries}
-    out_entries = pack_tight(quantized_tensors(tensors, policy))
+    out_entries = pack_tight(quantized_tensors(tensors, policy, SCHEMES["fp8-ue8m0"]))
     out = quantize_flat(flat, entries, out_entries, SCHEMES["fp8-ue8m0"])
     got = {e.name: out[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape) for e in out_entries}
     for name in ("x.weight", "y.weight"):
@@ -177,7 +168,7 @@ def test_batched_3x300x200_equals_one_by_one(deepgemm, ue8m0):
 
 
 def test_batches_are_bounded_by_elements():
-    from mcore2hf.quantize.fp8 import chunks
+    from mcore2hf.quantize.scheme import chunks
 
     assert chunks(list(range(5)), 300 * 200, limit=2 * 300 * 200) == [[0, 1], [2, 3], [4]]
     assert chunks(list(range(2)), 10**9, limit=10) == [[0], [1]]  # a tensor over the limit goes alone

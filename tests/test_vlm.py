@@ -180,13 +180,13 @@ def test_vllm_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
     names = {mt: sorted(hf_tensor_shapes(tiny_config(mt))) for mt in ("qwen3_vl", "qwen3_5")}
     names["qwen3_5"].append("mtp.fc.weight")  # published Qwen3.5 checkpoints carry MTP weights (declared not held)
     from mcore2hf.arch.registry import get_converter
-    from mcore2hf.quantize.fp8 import SCHEMES
+    from mcore2hf.quantize.scheme import SCHEMES
 
     names["fp8"] = {}
     for mt, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"), ("glm4v_moe", "Glm4vMoeForConditionalGeneration"),
                     ("kimi_k25", "KimiK25ForConditionalGeneration")):
         shapes = hf_tensor_shapes(tiny_config(mt))
-        qc = get_converter(mt).fp8.config(SCHEMES["fp8"], list(shapes.items()))  # what an FP8 export writes
+        qc = SCHEMES["fp8"].config(get_converter(mt).fp8, list(shapes.items()))  # what an FP8 export writes
         names["fp8"][mt] = [cls, sorted(n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")), qc]
     # vLLM's own classes, built on CPU, load each checkpoint (the names and tensors an export sends)
     names["load"] = {}
@@ -347,7 +347,7 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         cases[mt] = [_engine_config_view(mt, ckpt, arch, tmp_path), str(ckpt)]
     # FP8 exports keep the tower unquantized: SGLang, given an export's quantization_config, must build it so
     from mcore2hf.arch.registry import get_converter
-    from mcore2hf.quantize.fp8 import SCHEMES
+    from mcore2hf.quantize.scheme import SCHEMES
 
     for mt, arch in (("qwen3_vl", ENGINE_ARCHS["qwen3_vl"]), ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
         cfg = tiny_config(mt)
@@ -357,7 +357,7 @@ def test_sglang_loads_the_names_we_send_for_qwen3_vl_and_qwen3_5(tmp_path):
         raw["architectures"] = [arch]
         (view / "config.json").write_text(json.dumps(raw))
         # what save_pretrained(quantize="fp8") writes (exporter.py: the policy's config over the export's names)
-        qc = get_converter(mt).fp8.config(SCHEMES["fp8"], list(hf_tensor_shapes(cfg).items()))
+        qc = SCHEMES["fp8"].config(get_converter(mt).fp8, list(hf_tensor_shapes(cfg).items()))
         cases[f"fp8:{mt}"] = [str(view), qc]
         if mt == "glm4v_moe":  # without the tower's prefix entry SGLang quantizes the tower's fused qkv_proj
             per_module = [m for m in qc["modules_to_not_convert"] if m != "model.visual"]

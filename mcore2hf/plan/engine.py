@@ -76,8 +76,8 @@ class EngineShardPlan:
 def plan_engine_shards(export: ExportPlan, ranks: list[EngineRank], dims: ModelDims) -> EngineShardPlan:
     """Routes from holders to engine ranks, per bucket of `export` (same buckets, same order): every element an
     engine rank loads comes exactly once, from itself where it holds it, else from the least loaded holder."""
-    if export.quantize:
-        raise EngineShardError(f"engine-sharded export of a quantized ({export.quantize}) plan: not supported yet "
+    if export.quantize is not None:
+        raise EngineShardError(f"engine-sharded export of a quantized ({export.quantize.name}) plan: not supported yet "
                                "(FP8 blocks need 128-aligned regions); export unquantized or to all ranks")
     if len({er.rank for er in ranks}) != len(ranks):
         raise EngineShardError(f"engine ranks: expected one engine rank per training rank, found "

@@ -25,7 +25,8 @@ from ..errors import LayoutError, ShapeMismatchError, UnknownParametersError
 from ..layouts.geometry import align, nbytes
 from ..layouts.stacked import Stacked
 from ..parallel import ParallelContext
-from ..quantize.fp8 import FP8Policy, FP8RowSlices, FP8Scheme, quantized_tensors, row_pieces, scale_name
+from ..quantize.fp8 import FP8Policy, FP8RowSlices, row_pieces
+from ..quantize.scheme import QuantScheme, quantized_tensors
 
 
 def natural_key(name: str) -> tuple:
@@ -146,7 +147,7 @@ class ExportPlan:
     bucket_bytes: int
     records: list[RankRecord]
     world_size: int
-    quantize: str | None = None  # FP8 scheme name ("fp8", "fp8-ue8m0") of a quantized export
+    quantize: QuantScheme | None = None  # the scheme of a quantized export (quantize/scheme.py)
 
     @property
     def num_tensors(self) -> int:
@@ -161,11 +162,16 @@ class ExportPlan:
         return [e for b in self.buckets for e in b.output]
 
     def quantized_names(self) -> list[str]:
-        return [e.name for e in self.hf_entries() if e.dtype == torch.float8_e4m3fn]
+        if self.quantize is None:
+            return []
+        return [e.name for e in self.hf_entries() if e.dtype == self.quantize.weight_dtype]
 
     def prequantized_names(self) -> list[str]:
-        """FP8 weights quantized where they are held, before the collectives."""
-        return [e.name for e in self.hf_entries() if e.dtype == torch.float8_e4m3fn and self.sources[e.source].prequant]
+        """Weights quantized where they are held, before the collectives."""
+        if self.quantize is None:
+            return []
+        return [e.name for e in self.hf_entries()
+                if e.dtype == self.quantize.weight_dtype and self.sources[e.source].prequant]
 
     def to_dict(self) -> dict:
         """The plan as plain data (the JSON of `mcore2hf plan --json`)."""
@@ -182,7 +188,8 @@ class ExportPlan:
                    buckets=[dict(index=b.index, bytes=b.out_nbytes, tensors=len(b.output)) for b in self.buckets],
                    tensors=tensors)
         if self.quantize:
-            out["quantize"] = self.quantize
+            out["quantize"] = self.quantize.name
+            out["quantize_block"] = list(self.quantize.block)
             out["quantized"] = self.quantized_names()
             out["quantized_on_shards"] = self.prequantized_names()
         return out
@@ -524,7 +531,7 @@ def pack_tight(tensors: list[tuple[str, tuple[int, ...], torch.dtype, str]]) -> 
     return entries
 
 
-def prequantized_source(src: Source, policy: FP8Policy, probes: dict) -> Source | None:
+def prequantized_source(src: Source, policy: FP8Policy, scheme: QuantScheme, probes: dict) -> Source | None:
     """`src` quantized where it is held (each TP / expert-TP shard on its own), before the collectives, when that
     is bit-identical to quantizing its full HF tensors: a 2-D tensor whose HF outputs are all quantized and are
     made of runs of whole shard rows, or of whole shard columns (row-parallel), on 128 block boundaries (no
@@ -543,15 +550,15 @@ def prequantized_source(src: Source, policy: FP8Policy, probes: dict) -> Source 
         return None
     rows, cols = src.shard_shape
     op = FP8RowSlices(rows, cols, *found)
-    names = tuple(x for n in r.hf_names for x in (n, scale_name(n)))
+    names = tuple(x for n in r.hf_names for x in (n, scheme.scale_name(n)))
     blob = FP8RowSlices.blob_nbytes(rows, cols)
     return replace(src, resolved=replace(r, hf_names=names, op=op), dtype=torch.uint8, shard_shape=(blob,),
                    full_shape=(src.count * blob,), hf_shapes=op.hf_shapes(src.full_shape), prequant=True)
 
 
-def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme, on_shards: bool = True) -> ExportPlan:
-    """The same plan (buckets, holders) delivering FP8: the weights the architecture's policy quantizes become
-    float8_e4m3fn followed by their float32 weight_scale_inv, packed tight (larger element sizes first, so every
+def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: QuantScheme, on_shards: bool = True) -> ExportPlan:
+    """The same plan (buckets, holders) delivering `scheme`'s format: the weights the architecture's policy
+    quantizes become the scheme's weights followed by their scales, packed tight (larger element sizes first, so every
     entry stays aligned for its dtype). With `on_shards`, tensors that allow it are quantized where they are held,
     before the collectives (`prequantized_source`); the others are quantized after the gather, as full HF tensors
     (the bucket's `out_entries`; None when the gather already delivers everything quantized)."""
@@ -562,17 +569,17 @@ def quantized_plan(plan: ExportPlan, policy: FP8Policy, scheme: FP8Scheme, on_sh
     for b in plan.buckets:
         srcs, gathered = [], []
         for s in b.sources:
-            pre = prequantized_source(s, policy, probes) if on_shards else None
+            pre = prequantized_source(s, policy, scheme, probes) if on_shards and scheme.on_shards else None
             if pre is not None:
                 s = sources[s.name] = pre
-                gathered += [(n, shape, torch.float8_e4m3fn if i % 2 == 0 else torch.float32, s.name)
+                gathered += [(n, shape, scheme.weight_dtype if i % 2 == 0 else scheme.scale_dtype, s.name)
                              for i, (n, shape) in enumerate(zip(s.hf_names, s.out_shapes()))]
             else:
                 gathered += [(n, shape, s.dtype, s.name) for n, shape in zip(s.hf_names, s.out_shapes())]
             srcs.append(s)
         entries, direct = direct_layout(gathered, gather_members(srcs, pp_size, ep_size))
-        final = quantized_tensors(gathered, policy)
+        final = quantized_tensors(gathered, policy, scheme)
         out = None if [t[:3] for t in final] == [t[:3] for t in gathered] else pack_tight(final)
         buckets.append(replace(b, sources=srcs, entries=entries, nbytes=sum(e.nbytes for e in entries),
                                out_entries=out, direct=direct))
-    return replace(plan, sources=sources, buckets=buckets, quantize=scheme.name)
+    return replace(plan, sources=sources, buckets=buckets, quantize=scheme)

@@ -8,12 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..quantize.fp8 import FP8Scheme, get_scheme
+from ..quantize.scheme import QuantScheme, get_scheme
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # slime's measured sweet spot between memory and per-bucket overhead
 Receivers = str | int | Sequence[int] | None
 NameFilterLike = Callable[[str], bool] | None  # e.g. naming.NameFilter(exclude=(r"^model\.layers\.48\.",))
-Quantize = str | FP8Scheme | None  # "fp8" / "fp8-ue8m0": block-FP8 output (see mcore2hf.quantize)
+Quantize = str | QuantScheme | None  # a scheme's name ("fp8", "fp8-ue8m0": block FP8) or the scheme
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,11 @@ def render(report: dict, limit: int | None = None) -> str:
         lines += memory_lines(mem)
     if report.get("quantize"):
         q, pre = report["quantized"], report["quantized_on_shards"]
-        lines.append(f"quantized ({report['quantize']}, 128x128 blocks): {len(q)} weights -> float8_e4m3fn + float32 "
-                     f"weight_scale_inv (listed below), {len(pre)} of them on the shards before the collectives "
-                     f"(op FP8RowSlices), {len(q) - len(pre)} after the gather; the other tensors keep their dtype")
+        rows, cols = report.get("quantize_block", (128, 128))
+        lines.append(f"quantized ({report['quantize']}, {rows}x{cols} blocks): {len(q)} weights become quantized "
+                     f"weights + their scales (listed with their shapes), {len(pre)} of them on the shards before "
+                     f"the collectives (op FP8RowSlices), {len(q) - len(pre)} after the gather; the other tensors "
+                     "keep their dtype")
     lines.append(f"{'bucket':>6}  {'HF tensor':<60} {'shape':<18} {'dtype':<9} source [op, shards x where]")
     tensors = report["tensors"]
     for t in tensors[:limit]:

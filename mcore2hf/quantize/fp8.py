@@ -25,31 +25,11 @@ import regex
 import torch
 
 from ..layouts.ops import LayoutOp, StridedCopy
+from .scheme import register
 
 BLOCK = 128  # weight_block_size of every published block-FP8 checkpoint
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
-
-
-@dataclass(frozen=True)
-class FP8Scheme:
-    """An export option: `fp8` (float32 scales as amax / 448) or `fp8-ue8m0` (scales rounded up to powers of
-    two, for DeepGEMM's UE8M0 kernels on Blackwell; still stored as float32 tensors)."""
-
-    name: str
-    ue8m0: bool
-
-
-SCHEMES = {"fp8": FP8Scheme("fp8", False), "fp8-ue8m0": FP8Scheme("fp8-ue8m0", True)}
-
-
-def get_scheme(quantize: str | FP8Scheme | None) -> FP8Scheme | None:
-    """The scheme for an export's `quantize=` argument (None: no quantization); a clear error otherwise."""
-    if quantize is None or isinstance(quantize, FP8Scheme):
-        return quantize
-    if isinstance(quantize, str) and quantize in SCHEMES:
-        return SCHEMES[quantize]
-    raise ValueError(f"quantize must be one of {sorted(SCHEMES)} or None, got {quantize!r}")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -164,16 +144,6 @@ class FP8Into:
             s.copy_(sf)
 
 
-BATCH_ELEMENTS = 1 << 25  # a batched quantization's input (its fp32 temporaries are ~8 bytes per element)
-
-
-def chunks(items: list, numel: int, limit: int = BATCH_ELEMENTS) -> list[list]:
-    """`items` (each of `numel` elements) in runs of at most `limit` elements (at least one item per run), so the
-    temporaries of a batched quantization stay bounded whatever the bucket size."""
-    per = max(1, limit // max(numel, 1))
-    return [items[i:i + per] for i in range(0, len(items), per)]
-
-
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                    block: int = BLOCK) -> torch.Tensor:
     """fp8 weight x its block's scale_inv, as engines and transformers dequantize (edge blocks partial)."""
@@ -218,19 +188,15 @@ class FP8Policy:
     def quantized(self, name: str, shape: Sequence[int]) -> bool:
         return len(shape) == 2 and name.endswith(".weight") and not any(p.fullmatch(name) for p in self._keep)
 
-    def config(self, scheme: FP8Scheme, tensors: Sequence[tuple[str, Sequence[int]]]) -> dict:
-        """config.json's `quantization_config` for an export of `tensors` ((HF name, shape), before quantization)."""
-        out: dict = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                     "weight_block_size": [BLOCK, BLOCK]}
-        if scheme.ue8m0:
-            out["scale_fmt"] = "ue8m0"
-        if self.list_not_converted or self.tower:
-            out["modules_to_not_convert"] = sorted(
-                {name.removesuffix(".weight") for name, shape in tensors
-                 if name.endswith(".weight") and not self.quantized(name, shape)
-                 and (self.list_not_converted or name.startswith(self.tower))}
-                | {t.rstrip(".") for t in self.tower}, key=_natural)
-        return out
+    def not_converted(self, tensors: Sequence[tuple[str, Sequence[int]]]) -> list[str] | None:
+        """config.json's `modules_to_not_convert` for an export of `tensors` ((HF name, shape), before
+        quantization); None where the published checkpoints list none."""
+        if not (self.list_not_converted or self.tower):
+            return None
+        return sorted({name.removesuffix(".weight") for name, shape in tensors
+                       if name.endswith(".weight") and not self.quantized(name, shape)
+                       and (self.list_not_converted or name.startswith(self.tower))}
+                      | {t.rstrip(".") for t in self.tower}, key=_natural)
 
 
 def _natural(name: str) -> tuple:
@@ -239,49 +205,6 @@ def _natural(name: str) -> tuple:
 
 def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
-
-
-def quantized_tensors(tensors: Sequence[tuple], policy: FP8Policy) -> list[tuple]:
-    """The output tensors of an export: (name, shape, dtype, *rest) with each weight the policy quantizes turned
-    into float8_e4m3fn and followed by its float32 weight_scale_inv (same *rest)."""
-    out = []
-    for name, shape, dtype, *rest in tensors:
-        if dtype != torch.float8_e4m3fn and policy.quantized(name, shape):  # (already fp8: quantized on the shard)
-            out.append((name, tuple(shape), torch.float8_e4m3fn, *rest))
-            out.append((scale_name(name), scale_shape(shape), torch.float32, *rest))
-        else:
-            out.append((name, tuple(shape), dtype, *rest))
-    return out
-
-
-def quantize_flat(flat: torch.Tensor, entries: Sequence, out_entries: Sequence, scheme: FP8Scheme) -> torch.Tensor:
-    """A flat bucket (uint8, `entries`: objects with name, shape, dtype, start, nbytes) rewritten as the flat
-    buffer of `out_entries`: fp8 entries quantized from the same-named source tensor (their scale written to its
-    weight_scale_inv entry), every other entry copied byte for byte."""
-    src = {e.name: e for e in entries}
-    dst = {e.name: e for e in out_entries}
-    total = max((e.start + e.nbytes for e in out_entries), default=0)
-    out = torch.empty(total, dtype=torch.uint8, device=flat.device)
-
-    def view(buf, e):
-        return buf[e.start:e.start + e.nbytes].view(e.dtype).view(e.shape)
-
-    groups: dict[tuple, list] = {}  # same shape and dtype: quantized together (bit-identical, fewer kernels)
-    for e in out_entries:
-        s = src.get(e.name)
-        if s is None:  # a scale: written with its weight
-            continue
-        if e.dtype == s.dtype:
-            out[e.start:e.start + e.nbytes].copy_(flat[s.start:s.start + s.nbytes])
-        else:
-            groups.setdefault((tuple(s.shape), s.dtype), []).append((s, e))
-    for (shape, _), group in groups.items():
-        for items in chunks(group, shape[0] * shape[1]):
-            q, sf = per_block_cast_to_fp8_batched(torch.stack([view(flat, s) for s, _ in items]), scheme.ue8m0)
-            for k, (_, e) in enumerate(items):
-                view(out, e).copy_(q[k])
-                view(out, dst[scale_name(e.name)]).copy_(sf[k])
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -409,3 +332,52 @@ def _pieces(op: LayoutOp, shape: tuple[int, int], count: int, axis: int):
         outputs.append(tuple(pieces))
         out_sizes.append(n)
     return tuple(outputs), tuple(out_sizes)
+
+
+@dataclass(frozen=True)
+class FP8Scheme:
+    """Block FP8 as a `QuantScheme` (quantize/scheme.py): `fp8` (float32 scales as amax / 448) or `fp8-ue8m0`
+    (scales rounded up to powers of two, for DeepGEMM's UE8M0 kernels on Blackwell; still stored as float32
+    tensors). 128x128 blocks, float8_e4m3fn weights, float32 `weight_scale_inv`, DeepGEMM's reference quantizer
+    (the fused CUDA kernel, quantize_cuda, where the weight is on a GPU)."""
+
+    name: str
+    ue8m0: bool
+    block: tuple[int, int] = (BLOCK, BLOCK)
+    weight_dtype: torch.dtype = torch.float8_e4m3fn
+    scale_dtype: torch.dtype = torch.float32
+    on_shards: bool = True
+
+    def scale_name(self, weight_name: str) -> str:
+        return scale_name(weight_name)
+
+    def scale_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        return scale_shape(shape)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_block_cast_to_fp8(weight, self.ue8m0)
+
+    def quantize_batched(self, stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_block_cast_to_fp8_batched(stack, self.ue8m0)
+
+    def quantize_into(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> FP8Into:
+        return FP8Into(items, self.ue8m0)
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        return dequantize_fp8(weight, scale, dtype)
+
+    def config(self, keep: FP8Policy, tensors: Sequence[tuple[str, Sequence[int]]]) -> dict:
+        """The published block-FP8 checkpoints' quantization_config (module docstring), with the modules `keep`
+        leaves unquantized where the policy lists them (FP8Policy.not_converted)."""
+        out: dict = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                     "weight_block_size": list(self.block)}
+        if self.ue8m0:
+            out["scale_fmt"] = "ue8m0"
+        listed = keep.not_converted(tensors)
+        if listed is not None:
+            out["modules_to_not_convert"] = listed
+        return out
+
+
+register(FP8Scheme("fp8", False))
+register(FP8Scheme("fp8-ue8m0", True))

@@ -33,14 +33,8 @@ import torch.distributed as dist
 
 from ..arch.naming import LocalTensor
 from ..layouts.geometry import nbytes, row_strides
-from ..quantize.fp8 import (
-    FP8Into,
-    FP8RowSlices,
-    chunks,
-    get_scheme,
-    per_block_cast_to_fp8,
-    per_block_cast_to_fp8_batched,
-)
+from ..quantize.fp8 import FP8RowSlices
+from ..quantize.scheme import QuantInto, QuantScheme, chunks
 from .lora_merges import LoRAMerges
 from .sources import Arena, OutputPool, Pack, Sources
 
@@ -106,7 +100,7 @@ class Prepared:
     dynamic: list[tuple[torch.Tensor, Copy]] = field(default_factory=list)
     adds: list[tuple[torch.Tensor, float]] = field(default_factory=list)
     dups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    quant: FP8Into | None = None  # weights quantized into their fp8 and scale entries
+    quant: QuantInto | None = None  # weights quantized into their entries and scales (the scheme's)
     graph: object = None  # the static launches captured as a CUDA graph (False: capture failed, run eagerly)
 
 
@@ -177,13 +171,14 @@ class Core:
     one outside the default world: on CUDA batch_isend_irecv where torch.distributed knows the group, else (a bare
     backend, or CPU tensors) the group's own send/recv, whose ranks are taken directly: `post`)."""
 
-    def __init__(self, local: dict[str, LocalTensor], device: torch.device, group=None, quantize: str | None = None):
+    def __init__(self, local: dict[str, LocalTensor], device: torch.device, group=None,
+                 quantize: QuantScheme | None = None):
         self.device = device
         self.sources = Sources(local)
         self.group = group
         # the default world, or a group registered with torch.distributed (new_group, join_weight_update_group)
         self.batched = group is None or group in dist.distributed_c10d._world.pg_group_ranks
-        self.scheme = get_scheme(quantize)
+        self.scheme = quantize
         self._blobs: dict[str, torch.Tensor] = {}  # this export's shards quantized before the collectives
         self.arenas: list[Arena] = []
         self.timing = False
@@ -266,7 +261,7 @@ class Core:
             b = self._blobs.get(name)
             if b is None:  # not quantized in a batch (a round's piece): on its own
                 p = self.sources.tensor(name)
-                q, sf = per_block_cast_to_fp8(p, self.scheme.ue8m0)
+                q, sf = self.scheme.quantize(p)
                 b = torch.empty(n, dtype=torch.uint8, device=p.device)
                 b[:data].copy_(q.view(torch.uint8).view(-1))
                 b[soff:].copy_(sf.view(torch.uint8).view(-1))
@@ -373,7 +368,7 @@ class Core:
                 fast[dt] = Core._cat_runs(*fast[dt], typed[dt], prep.cats)
         prep.lists = [lists for lists in (*fast.values(), slow) if lists[0]]
         if quant:
-            prep.quant = FP8Into(quant, self.scheme.ue8m0)
+            prep.quant = self.scheme.quantize_into(quant)
         return prep
 
     @staticmethod
@@ -458,7 +453,7 @@ class Core:
                 if not todo:
                     continue
                 x = torch.stack([self.sources.tensor(n) for n in todo])
-                q, sf = per_block_cast_to_fp8_batched(x, self.scheme.ue8m0)
+                q, sf = self.scheme.quantize_batched(x)
                 del x
                 n, data, soff = len(todo), op.rows * op.cols, op.scale_offset
                 blobs = torch.empty((n, FP8RowSlices.blob_nbytes(op.rows, op.cols)), dtype=torch.uint8,

@@ -38,7 +38,8 @@ from ..layouts.geometry import align
 from ..layouts.stacked import Stacked
 from ..parallel import ParallelContext
 from ..plan.export import BucketPlan, ExportPlan, Source
-from ..quantize.fp8 import BLOCK, FP8RowSlices, quantize_flat
+from ..quantize.fp8 import BLOCK, FP8RowSlices
+from ..quantize.scheme import quantize_flat
 from .buckets import Bucket
 from .builders import bucket_program, memory_estimate, stage_bytes
 from .executor import CBucket, Copy, Core, CRound, CStage, copy_bytes
