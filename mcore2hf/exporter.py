@@ -15,10 +15,7 @@ from .arch.lora import (
     LORA_MODES,
     LoraInfo,
     Merger,
-    check_mode,
     gather_adapters,
-    is_adapter,
-    lora_converter,
     peft_config,
 )
 from .arch.mapping import Converter
@@ -132,14 +129,9 @@ class HFExporter:
             check(self.spec, self.hf_config, self.dims, what=MODEL, model_config=model_config(self.chunks))
             local = local_tensors(self.chunks, self.ctx)
             self._local = {t.name: t for t in local}
-            records = gather_records(local, self.ctx)
-            adapters = [t[0] for rec in records for t in rec.tensors if is_adapter(t[0])]
-            check_mode(self.lora, bool(adapters), adapters[0] if adapters else None)
-            base = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if not is_adapter(t[0])))
-                    for rec in records]
-            planner = Planner(base, self.hf_config, self.converter, self.dims, self.ctx.tp.size, self.ctx.etp.size,
-                              verbose=self.ctx.rank == 0)
-            planner.sources  # noqa: B018 - the base model checked against the HF config in every mode
+            planner = Planner.of(gather_records(local, self.ctx), self.hf_config, self.converter, self.dims,
+                                 self.ctx.tp.size, self.ctx.etp.size, lora=self.lora, lora_experts=self.lora_experts,
+                                 verbose=self.ctx.rank == 0)
             if self.lora in ("adapter", "merged"):
                 self.lora_info, mine = gather_adapters(self.chunks, local, self.converter, self.dims,
                                                        self.ctx.world_size)
@@ -148,13 +140,7 @@ class HFExporter:
                                 "expert-TP > 1 is not LoRA (Megatron-Bridge issue 5634); the export is W + alpha/r "
                                 "B A of the trained factors, which is not what that forward computed (docs/lora.md)",
                                 self.ctx.etp.size)
-            if self.lora == "adapter":  # the adapters alone, through the table derived from the architecture's
-                only = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if is_adapter(t[0])))
-                        for rec in records]
-                planner = Planner(only, self.hf_config, lora_converter(self.converter, self.lora_experts), self.dims,
-                                  self.ctx.tp.size,
-                                  self.ctx.etp.size, verbose=self.ctx.rank == 0, structure=False)
-            elif self.lora == "merged":
+            if self.lora == "merged":
                 self._merger = Merger(mine, self._local, self.lora_info, self.ctx.tp, self.ctx.etp)
                 self._local = self._merger.merged_local()
             self._planner = planner

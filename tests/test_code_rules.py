@@ -45,3 +45,22 @@ def test_every_package_is_in_the_wheel():
              (ROOT / "mcore2hf").rglob("__init__.py")} | {"mcore2hf.converters", "mcore2hf.model_specs"}
     assert found == listed, (sorted(found - listed), sorted(listed - found))
 
+
+
+def test_imports_follow_the_layer_order():
+    """The layer order of tests/guards.py LAYERS (architecture tables -> plan -> transfer -> formats and senders,
+    entry points and front ends on top) holds for every import of the package (pure AST, no model built), and the
+    check itself finds an import against it: a plan module importing the transfer layer, an entry point importing
+    the facade, the facade importing a sender."""
+    from guards import analyse, layer_problems, modules
+
+    mods = modules()
+    graph, _ = analyse(mods)
+    assert not layer_problems(graph, mods)
+    planted = {"mcore2hf.plan.export": {"mcore2hf.transfer.buckets"}, "mcore2hf.loader": {"mcore2hf.exporter"},
+               "mcore2hf.exporter": {"mcore2hf.senders.sync"}}
+    found = layer_problems({**graph, **{m: graph[m] | extra for m, extra in planted.items()}}, mods)
+    assert [p.split(": ", 1)[1] for p in found] == [
+        "entry module mcore2hf.exporter imports mcore2hf.senders.sync (senders)",
+        "entry module mcore2hf.loader imports mcore2hf.exporter (entry)",
+        "plan module mcore2hf.plan.export imports mcore2hf.transfer.buckets (transfer)"], found

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
+from ..arch.lora import check_mode, is_adapter, lora_converter
 from ..arch.mapping import Converter
 from ..sizes import format_size
 from .checks import check
@@ -39,6 +41,24 @@ class Planner:
         self.structure = structure  # check the sources against the HF config (not for a LoRA adapter table)
         self._sources: dict[str, Source] | None = None
         self._plans: dict[ExportOptions, ExportPlan] = {}
+
+    @classmethod
+    def of(cls, records: Sequence[RankRecord], hf_config, converter: Converter, dims, tp_size: int, etp_size: int, *,
+           lora: str | None = None, lora_experts: str = "per_expert", verbose: bool = False) -> Planner:
+        """The planner of a model that may hold Megatron-Bridge LoRA adapters (docs/lora.md): its base weights'
+        sources are checked against the HF config in every mode; `lora="adapter"` plans the adapters alone,
+        through the table derived from the architecture's, any other mode the base weights."""
+        adapters = [t[0] for rec in records for t in rec.tensors if is_adapter(t[0])]
+        check_mode(lora, bool(adapters), adapters[0] if adapters else None)
+        base = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if not is_adapter(t[0])))
+                for rec in records]
+        planner = cls(base, hf_config, converter, dims, tp_size, etp_size, verbose=verbose)
+        planner.sources  # noqa: B018 - the base model checked against the HF config in every mode
+        if lora != "adapter":
+            return planner
+        only = [dataclasses.replace(rec, tensors=tuple(t for t in rec.tensors if is_adapter(t[0]))) for rec in records]
+        return cls(only, hf_config, lora_converter(converter, lora_experts), dims, tp_size, etp_size, verbose=verbose,
+                   structure=False)
 
     @property
     def sources(self) -> dict[str, Source]:
