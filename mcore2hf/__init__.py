@@ -18,7 +18,7 @@ _LAZY = {
     "Mcore2HFError": "errors", "ConfigMismatchError": "errors", "LayoutError": "errors",
     "MissingWeightsError": "errors", "ParallelStateError": "errors", "ShapeMismatchError": "errors",
     "UnknownParametersError": "errors", "UnsupportedArchitectureError": "errors", "HFDirectoryError": "errors",
-    "HFDirectory": "formats.hf_dir",
+    "HFDirectory": "formats.hf_dir", "ExportOptions": "plan.options",
 }
 
 __all__ = [*_LAZY, "__version__"]

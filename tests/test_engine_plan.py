@@ -248,9 +248,11 @@ def test_engine_plan_refusals_quantized_plan_and_bad_colocated_groups():
     from mcore2hf.plan.engine import plan_engine_shards
     from mcore2hf.plan.engine_shards import colocated_ranks
     from mcore2hf.plan.export import ExportPlan
+    from mcore2hf.quantize.scheme import get_scheme
 
     with pytest.raises(EngineShardError, match=r"quantized \(fp8\) plan: not supported"):
-        plan_engine_shards(ExportPlan("qwen3", {}, [], 1, [], 4, quantize="fp8"), colocated_ranks(4, "vllm", 2), None)
+        plan_engine_shards(ExportPlan("qwen3", {}, [], 1, [], 4, quantize=get_scheme("fp8")), colocated_ranks(4, "vllm", 2),
+                           None)
     with pytest.raises(EngineShardError, match="engine TP 4 to divide the world size 6"):
         colocated_ranks(6, "sglang", 4)
     with pytest.raises(EngineShardError, match="groups of 2 distinct ranks"):
