@@ -611,7 +611,7 @@ def job(a):
         consume(ex.buckets(bb, overlap=True))
         two = [timed(lambda: consume(ex.buckets(bb, overlap=True)), device) for _ in range(a.repeat)]
         rows["mcore2hf (all ranks, overlap)"] = (min(t for t, _ in two), max(p for _, p in two))
-        ex._executors.pop((bb, None, True, None, None))  # free its two arenas before the other methods run
+        ex._executors.pop(ex.export_options(bucket_bytes=bb, overlap=True))  # free its two arenas before the rest
     all_wire = wire_bytes(ex, bb)
     engines = engine_rows(ex, bb, a, device, rows) if parse_placements(a) else {}
 
@@ -633,7 +633,7 @@ def job(a):
                       wire=wire_bytes(ex, bb, q), need=fp8_floor_need(ex, bb, q), issue=q_issue,
                       cuda_cpu=fp8_cuda_equals_cpu(ex, bb, q),  # collective: every rank runs it
                       every=fp8_every_tensor(ex, bb, q))
-        for key in [k for k in ex._executors if k[-1] is not None]:
+        for key in [k for k in ex._executors if k.quantize is not None]:
             ex._executors.pop(key)
 
     # host issue time of a later export: the CPU is done issuing before the GPU is done
