@@ -4,7 +4,7 @@ Nothing heavy (torch, transformers, megatron-core) is imported until a command r
 and argument errors answer at once. Every error this library raises on purpose, and every bad argument, is one
 line on stderr of at most MAX_ERROR characters (exit 2 for usage errors, 1 otherwise; lists of problems arrive
 grouped, `errors.problem_list`); `--debug` prints the traceback and the whole message instead. What the output
-directories' guard removed (`mcore2hf.paths`: a killed run's staging directory) is one line on stderr too.
+directories' guard removed (`mcore2hf.formats.paths`: a killed run's staging directory) is one line on stderr too.
 """
 
 from __future__ import annotations

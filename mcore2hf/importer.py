@@ -8,7 +8,7 @@ gives it. Only one Megatron tensor is in memory at a time; the HF side is read s
 
 Keys, global shapes and chunk offsets are the ones megatron-core 0.16.1's sharded state dict uses; the key scheme
 (stacked or per-layer decoder layers, key renames, experts, MTP, hybrid stacks, parts, `_extra_state` objects) is
-`mcore2hf.checkpoint_keys`, which the offline export reads back. Written here (mlp.py `apply_swiglu_sharded_factory`,
+`mcore2hf.formats.checkpoint_keys`, which the offline export reads back. Written here (mlp.py `apply_swiglu_sharded_factory`,
 dist_checkpointing/mapping.py `ShardedObject.unique_key`, strategies/torch.py `_mcore_to_torch_sharded_object`,
 strategies/common.py `common.pt`, core.py `metadata.json`; tests/test_import.py compares them with a checkpoint
 Megatron itself saved):
@@ -275,7 +275,7 @@ GLU_FC1 = (GatedColumn, GatedInterleaved, GatedTransposed)
 def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: list[str]) -> None:
     """Refuse, before anything is written, an output that overlaps an input, a file, a directory that is not a
     Megatron checkpoint directory, or an existing iteration (with `overwrite`, only a torch_dist iteration
-    directory is written over). What killed imports left (`mcore2hf.paths`) is removed first."""
+    directory is written over). What killed imports left (`mcore2hf.formats.paths`) is removed first."""
     target = iteration_dir(ckpt_dir, iteration)
     tracker = os.path.join(ckpt_dir, TRACKER)
     for inp in inputs:

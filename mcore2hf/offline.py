@@ -89,7 +89,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     A checkpoint of a Megatron-Bridge LoRA model: `lora="adapter"` writes a PEFT adapter directory,
     `lora="merged"` the HF directory of W + lora_alpha/r B A, `lora="base"` the base weights (docs/lora.md)."""
     t0 = time.perf_counter()
-    if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.legacy)
+    if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.formats.legacy)
         from .formats.legacy import missing_hf_config
 
         raise UsageError(missing_hf_config(resolve_iteration_dir(ckpt_dir, iteration)))

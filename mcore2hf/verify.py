@@ -11,7 +11,7 @@ What counts as equal:
 * exact (default): same dtype and the same values (-0.0 == 0.0, NaN == NaN where both hold one);
 * `atol`: values within `atol` in fp32 (fp64 where a side is fp64), whatever the dtypes (bf16 against fp32);
   integer tensors stay exact; the dtype pairs compared are reported;
-* FP8 (a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`, quantize.py's block format) against an
+* FP8 (a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`, quantize/fp8.py's block format) against an
   unquantized `X.weight`, with `fp8="reference"` (default): the unquantized side, cast to the FP8 side's dtype
   for unquantized tensors (config.json's dtype: what the export quantized), quantized by our reference quantizer
   (DeepGEMM's, quantize.per_block_cast_to_fp8; UE8M0 scales where quantization_config says scale_fmt ue8m0) must
@@ -295,7 +295,7 @@ def _compare(r: Comparison, name: str, a: Side, b: Side, scheme: tuple) -> None:
 
 
 def _fp8_weights(d: HFDirectory) -> dict[str, str]:
-    """{fp8 weight: its scale_inv} of an HF directory (quantize.py's format)."""
+    """{fp8 weight: its scale_inv} of an HF directory (quantize/fp8.py's format)."""
     from .quantize.fp8 import scale_name
 
     return {n: scale_name(n) for n in d.names()

@@ -66,6 +66,7 @@ class Fields(dict):
     def __init__(self):
         super().__init__()
         self.checked: set[str] = set()
+        self.deferred: list[Callable[[], dict]] = []
 
     def set(self, structural: bool = False, **values) -> Fields:
         """Set `values`, structural or not (a later set of a field decides)."""
@@ -76,11 +77,26 @@ class Fields(dict):
             self.checked.difference_update(values)
         return self
 
+    def later(self, fields: Callable[[], dict]) -> Fields:
+        """Fields that only building a model needs (routing, rope, kernels), computed when the TransformerConfig is
+        built: where they cannot be (what Megatron cannot compute as transformers does), building refuses, while
+        the structural check of a model built otherwise (e.g. by Megatron-Bridge) still runs."""
+        self.deferred.append(fields)
+        return self
+
     def add(self, other: Fields) -> Fields:
         """Every field of `other`, as structural as it is there."""
         for k, v in other.items():
             self.set(k in other.checked, **{k: v})
+        self.deferred += other.deferred
         return self
+
+    def resolved(self) -> dict:
+        """Every field, the deferred ones computed (later ones win, as `set` does)."""
+        out = dict(self)
+        for fields in self.deferred:
+            out.update(fields())
+        return out
 
     def pop(self, key, *default):
         self.checked.discard(key)
@@ -280,7 +296,7 @@ class ModelSpec:
         from megatron.core.transformer import transformer_config as tc
 
         self.check(cfg)
-        return make_config(self.fields(cfg), overrides, cls=getattr(tc, self.config_class))
+        return make_config(self.fields(cfg).resolved(), overrides, cls=getattr(tc, self.config_class))
 
     def structural_fields(self, cfg) -> dict:
         out = self.fields(cfg).structural()
@@ -362,7 +378,7 @@ class Decoder(ModelSpec):
         pattern = [int(self.is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)]
         fields.add(moe_fields(cfg, n, getattr(cfg, "num_experts_per_tok", 0), self.moe_ffn(cfg) if n else 0, pattern))
         if n:
-            fields.set(**self.router(cfg))
+            fields.later(lambda: self.router(cfg))
             shared = self.shared_experts(cfg)
             if shared is not None:
                 fields.set(True, moe_shared_expert_intermediate_size=shared or None)

@@ -132,8 +132,8 @@ class MLA(Decoder):
                    qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
         fields.set(num_query_groups=cfg.num_attention_heads, multi_latent_attention=True,
                    qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
-                   add_qkv_bias=False, rotary_interleaved=False, **_rope_fields(cfg))
-        return fields
+                   add_qkv_bias=False, rotary_interleaved=False)
+        return fields.later(lambda: _rope_fields(cfg))
 
     def layer_spec(self, config, cfg, *, vp_stage=None, use_te=False):
         return mla_layer_spec(config, cfg, vp_stage=vp_stage, use_te=use_te)

@@ -98,13 +98,17 @@ def check_indexer_rope(cfg, rope_interleaved: bool) -> None:
 
 def dsa_fields(cfg, rope_interleaved: bool) -> Fields:
     """The MLATransformerConfig fields of the indexer (names a release lacks are dropped by make_config): its head
-    count and dim structural."""
-    check_indexer_rope(cfg, rope_interleaved)
+    count and dim structural; its rope (checked against transformers') and IndexShare only for building."""
+
+    def building() -> dict:
+        check_indexer_rope(cfg, rope_interleaved)
+        return dict(index_share_fields(cfg),
+                    # megatron-core 0.19.2 transformer_config.py: the indexer's rope and k_norm eps as HF computes them
+                    dsa_indexer_rope_interleaved=rope_interleaved, dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS)
+
     return Fields().set(True, dsa_indexer_n_heads=cfg.index_n_heads, dsa_indexer_head_dim=cfg.index_head_dim).set(
         experimental_attention_variant="dsa", dsa_indexer_topk=cfg.index_topk, dsa_indexer_loss_coeff=0.0,
-        # megatron-core 0.19.2 transformer_config.py: the indexer's rope and k_norm eps as HF computes them
-        dsa_indexer_rope_interleaved=rope_interleaved, dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
-        **index_share_fields(cfg))
+    ).later(building)
 
 
 def dsa_core_attention(use_te: bool):

@@ -67,8 +67,8 @@ class GptOss(Decoder):
 
     def extra(self, cfg, fields: Fields) -> None:
         fields.set(True, add_bias_linear=True, softmax_type="learnable", **_window_fields(cfg))
-        fields.set(add_qkv_bias=True, activation_func=_quick_gelu(), glu_linear_offset=1.0,
-                   activation_func_clamp_value=float(cfg.swiglu_limit))
+        fields.set(add_qkv_bias=True, glu_linear_offset=1.0, activation_func_clamp_value=float(cfg.swiglu_limit))
+        fields.later(lambda: dict(activation_func=_quick_gelu()))
 
     def check(self, cfg) -> None:
         alpha = float(getattr(cfg, "swiglu_alpha", QUICK_GELU_ALPHA))

@@ -136,7 +136,7 @@ def test_output_directory_honours_the_umask(tmp_path):
     assert (tmp_path / "out" / "config.json").stat().st_mode & 0o777 == 0o644
 
 
-_STAGE = ("import sys, time\nfrom mcore2hf.paths import Staging\nfrom mcore2hf.senders.safetensors import HF_OUTPUT\n"
+_STAGE = ("import sys, time\nfrom mcore2hf.formats.paths import Staging\nfrom mcore2hf.formats.safetensors import HF_OUTPUT\n"
           "s = Staging(sys.argv[1], HF_OUTPUT)\nopen(s.path + '/model-00001-of-00001.safetensors', 'wb').write(b'x')\n"
           "print(s.path, flush=True)\ntime.sleep(600)\n")
 

@@ -37,7 +37,7 @@ itself saved; tests/test_checkpoint_keys.py checks the two directions are invers
 Reading accepts both impls' keys (a key names one canonical name, whatever the impl), and what other writers spell
 differently: Transformer Engine's other fused-norm names (`naming.TE_RENAMES`), per-expert keys without
 `experts.`, 0.19's `mtp_model_layer.`.
-Megatron-LM's legacy `torch` format has per-rank local names instead (mcore2hf.legacy), read into the same
+Megatron-LM's legacy `torch` format has per-rank local names instead (mcore2hf.formats.legacy), read into the same
 `CkptSource`s.
 """
 

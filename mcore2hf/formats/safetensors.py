@@ -3,7 +3,7 @@
 All names, shapes and dtypes are known from the plan before the first byte arrives, so every file's header is
 written up front and each tensor is written at its final offset as its bucket arrives: memory stays at one
 bucket (no shard is assembled in RAM), and tensors may arrive in any order. The directory is staged and moved
-into place as `mcore2hf.paths` does it for every output: the index and config.json last.
+into place as `mcore2hf.formats.paths` does it for every output: the index and config.json last.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class SafetensorsWriter:
 
     `hf_config` is a `ConfigSource` (config.json written as the user's file has it), a `PretrainedConfig`
     (written as transformers writes it) or None (no config.json). `inputs` are paths the output must not overlap.
-    The output is staged and moved into place by `mcore2hf.paths` (an existing directory is written into, never
+    The output is staged and moved into place by `mcore2hf.formats.paths` (an existing directory is written into, never
     replaced; with `overwrite` only an earlier checkpoint's files are replaced, the user's other files are kept
     and named in `notes`). New files and directories get the permissions the umask allows.
 

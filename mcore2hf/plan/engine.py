@@ -86,7 +86,7 @@ def plan_engine_shards(export: ExportPlan, ranks: list[EngineRank], dims: ModelD
                       if not has_sharding_kind(n, export.model_type)})
     if unknown:  # e.g. GLM-4.5V's / Kimi-K2.5's vision tower: not in the table; every such tensor named
         raise EngineShardError(f"engine-sharded export: {len(unknown)} HF tensor(s) have no engine sharding rule "
-                               f"(mcore2hf.engine_shards.KINDS / ARCH_KINDS; of the vision towers only Qwen3-VL's and "
+                               f"(mcore2hf.plan.engine_shards.KINDS / ARCH_KINDS; of the vision towers only Qwen3-VL's and "
                                f"Qwen3.5's are covered: export the others with buckets() or exclude them with a name "
                                f"filter): " + problem_list(unknown, groups=8))
     piece_cache: dict = {}

@@ -353,12 +353,12 @@ def sharding_kind(hf_name: str, model_type: str | None = None) -> tuple[str, int
         m = pattern.fullmatch(hf_name)
         if m is not None and kind is None:  # declared not covered (ARCH_KINDS)
             raise EngineShardError(f"{hf_name}: not declared for {model_type}: the engines' loaders of this tensor "
-                                   "are not in the engine sharding table (mcore2hf.engine_shards.ARCH_KINDS)")
+                                   "are not in the engine sharding table (mcore2hf.plan.engine_shards.ARCH_KINDS)")
         if m is not None:
             e = m.groupdict().get("E")
             return kind, None if e is None else int(e)
     raise EngineShardError(f"{hf_name}: expected an HF tensor name of the engine sharding table "
-                           f"(mcore2hf.engine_shards.KINDS), found none that matches")
+                           f"(mcore2hf.plan.engine_shards.KINDS), found none that matches")
 
 
 # ------------------------------------------------------------------------------------------------- regions
