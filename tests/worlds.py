@@ -2166,3 +2166,40 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
             raise AssertionError("a failed adapter load did not fail the sync")
         d.close()
     return out if first else {}
+
+
+def collective_schedule(model_type: str, layout: Layout, bucket_bytes: list[int]) -> dict:
+    """Every rank's all-ranks programs of a tiny model at `layout` (one-process dry run), as the collectives each
+    issues: per bucket (and round) and group (its ranks), when the rank issues it (when the bucket starts, or when
+    it completes; also with overlap=True) and its slot. Returns the number of collectives checked, and every group
+    whose members disagree or miss one: NCCL matches a group's collectives by the order they are issued in, so
+    members must issue each at the same point of the bucket loop (a consumer may run collectives between buckets)."""
+    from mcore2hf.planning import dry_run, rank_contexts
+    from mcore2hf.runtime.tiny import tiny_config
+    from mcore2hf.transfer.builders import bucket_program
+
+    contexts = rank_contexts(layout)
+    checked, bad = 0, []
+    for bb in bucket_bytes:
+        plan, _ = dry_run(tiny_config(model_type), layout, bucket_bytes=bb, dtype="float32")
+        for b in plan.buckets:
+            seen: dict[tuple, dict[int, tuple]] = {}
+            for ctx in contexts:
+                prog = bucket_program(b, ctx, None)
+                for r, p in enumerate(prog.rounds or [prog]):
+                    waits = overlap_waits = False
+                    for st in p.stages:
+                        waits = waits or st.depends
+                        overlap_waits = overlap_waits or st.depends or not st.striped
+                        when = ("complete" if waits else "start", "complete" if overlap_waits else "start")
+                        seen.setdefault((r, st.axis.ranks), {})[ctx.rank] = (when, st.slot, st.direct)
+            for (r, ranks), by_rank in seen.items():
+                checked += 1
+                if set(by_rank) != set(ranks) or len(set(by_rank.values())) > 1:
+                    bad.append(dict(bucket_bytes=bb, bucket=b.index, round=r, group=ranks, members=by_rank))
+    return {"checked": checked, "bad": bad}
+
+
+def collective_schedules(cases: list[tuple[str, Layout]], bucket_bytes: list[int]) -> list[dict]:
+    """`collective_schedule` of each (model type, layout), in one process."""
+    return [collective_schedule(mt, layout, bucket_bytes) for mt, layout in cases]
