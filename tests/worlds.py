@@ -473,6 +473,30 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     assert fp8_before.keys() == fp8_after.keys() and all(
         torch.equal(fp8_before[n].view(torch.uint8), fp8_after[n].view(torch.uint8)) for n in fp8_before)
 
+    # two exports iterated in step: with other settings they interleave (each has its own arena), with the same
+    # settings the second is refused before anything moves (they would share one staging arena and buffers)
+    import itertools
+
+    from mcore2hf.errors import UsageError
+
+    got: list[dict] = [{}, {}]
+    for step in itertools.zip_longest(ex.buckets(bucket_bytes=8192), ex.buckets(bucket_bytes=4096)):
+        for into, b in zip(got, step):
+            if b is not None:
+                into.update({n: t.clone() for n, t in b})
+    for into in got:
+        assert_same(into, ref, f"{layout} two exports zipped")
+    first = ex.buckets(bucket_bytes=8192)
+    next(first)
+    try:
+        next(ex.buckets(bucket_bytes=8192))
+        raise AssertionError("a second export with the same settings ran beside the first")
+    except UsageError as e:
+        assert "still being iterated" in str(e), e
+    for b in first:
+        del b
+    assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=8192) for n, t in b}, ref, f"{layout} after a refusal")
+
     # interleaving stages and EP ranks keeps the padded PP collective close to the real bytes
     plan = ex.plan(256 * 1024)  # ~20 tensors per bucket (an expert's fc1 is 16 KiB here)
     pp = layout.pp
@@ -1109,9 +1133,8 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
 
 def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int) -> dict:
     """Per architecture: the all-ranks export with its last all-gather landing in the output (BucketPlan.direct)
-    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves; and the
-    earlier CPU transport (gloo's all-gather, MCORE2HF_CPU_P2P=0, no pool) bit-identical too, with the transfers
-    each scheme posts."""
+    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves and the
+    transfers each posts."""
     from dataclasses import replace
 
     from mcore2hf.transfer.export import Executor
@@ -1126,15 +1149,14 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
         plan = ex.plan(bucket_bytes)
         staged = replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets])
         stats = {}
-        for what, p in (("direct", plan), ("staged", staged), ("earlier", plan)):
+        for what, p in (("direct", plan), ("staged", staged)):
             runner = Executor(p, ex.ctx, ex._local, None, ex.device)
-            if what == "earlier":
-                runner.core.cpu_p2p = runner.core.replay = False
             for k in range(2):  # plan once, run twice: the second run reuses the compiled copies and buffers
                 got = {n: t.clone() for b in runner.run() for n, t in b}
                 assert_same(got, ref, f"{mt} {layout} {what} export {k}")
             stats[what] = {k: v // 2 for k, v in runner.stats.items() if k.endswith("_bytes")}
             stats[what].update({k: v // 2 for k, v in runner.core.counts.items()})
+            stats[what]["gathers"] = sum(len(r.stages) for cb in runner._compiled for r in cb.rounds or [cb])
             if what == "direct":  # slots filled by one concatenation (whole-shard layout ops), not per-tensor copies
                 stats["cat_slots"] = sum(st.cat is not None for cb in runner._compiled for st in cb.stages)
         # sync() on the same exporter (its executor's byte counters must survive sync's per-sync phase times)
