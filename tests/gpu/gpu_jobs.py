@@ -201,3 +201,73 @@ def suite_checkpoint(model_type: str, out_dir: str, **overrides) -> str:
     if os.path.isdir(out_dir):
         return out_dir
     return make_hf_checkpoint(tiny_config(model_type, **overrides), out_dir, seed=3, dtype=torch.bfloat16)
+
+
+def same_or_one_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal, or (bf16 / fp16) at most one unit in the last place apart per element: a merged weight rounded once
+    from fp32 products that a GPU and a CPU sum in different orders (never more than one rounding step)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if got.dtype not in (torch.bfloat16, torch.float16):
+        return torch.equal(got, want)
+    a, b = got.view(torch.int16).int(), want.view(torch.int16).int()
+    return bool(((a - b).abs() <= 1).all())  # same sign: adjacent patterns; a sign change is 0 <-> -0 only here
+
+
+def lora_export(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
+                bucket_bytes: int) -> dict:
+    """A bf16 model wrapped by Megatron-Bridge's own LoRA, base and adapters loaded from HF/PEFT sources written by
+    transformers and the test: the adapter-only export equal to the adapter file (three in a row, then held, then
+    with consumer collectives between buckets), and the merged export within one bf16 rounding of W + alpha/r B A
+    computed on the CPU in fp32 (three in a row). Returns this rank's problems."""
+    faulthandler.dump_traceback_later(JOB_TIMEOUT, exit=True)
+    try:
+        from harness.bridge_lora import apply_lora
+        from safetensors.torch import load_file
+        from worlds import LORA_ALPHA, LORA_R
+
+        from mcore2hf.lora import peft_name
+
+        device = this_device()
+        cfg = load_hf_config(ckpt)
+        with torch.device(device):
+            chunks = build_model(ckpt, use_te=False, params_dtype=torch.bfloat16, bf16=True,
+                                 use_cpu_initialization=not torch.cuda.is_available(), mtp_num_layers=None,
+                                 **layout.config_overrides())
+        chunks = [c.to(torch.bfloat16) for c in chunks]
+        apply_lora(bridge, chunks, list(targets), LORA_R, LORA_ALPHA)
+        load_hf_weights(chunks, ckpt, strict=False)  # the base into the wrapped model (adapters left alone)
+        load_hf_weights(chunks, adapter_dir, ckpt, lora=True)
+        adapters_cpu = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+        adapters = {n: t.to(device) for n, t in adapters_cpu.items()}
+        problems: list[str] = []
+        ex = HFExporter(chunks, cfg, lora="adapter")
+        for i in range(3):
+            problems += differ(collect(ex.buckets(bucket_bytes)), adapters, f"lora adapter export {i + 1} of 3")
+        problems += differ(collect(ex.buckets(bucket_bytes), hold=True), adapters, "lora adapter, buckets held")
+        scratch = torch.ones(8, device=device)
+
+        def consumer_collectives():
+            dist.all_reduce(scratch)
+
+        problems += differ(collect(ex.buckets(bucket_bytes), between=consumer_collectives), adapters,
+                           "lora adapter, consumer collectives between buckets")
+        base = read_hf_checkpoint(ckpt)
+        scale = LORA_ALPHA / LORA_R
+        merging = HFExporter(chunks, cfg, lora="merged")
+        for i in range(3):
+            got = collect(merging.buckets(bucket_bytes))
+            bad = []
+            for n, w in base.items():
+                a, b = peft_name(n, "A"), peft_name(n, "B")
+                want = w if a not in adapters_cpu else \
+                    (w.float() + scale * adapters_cpu[b].float() @ adapters_cpu[a].float()).to(w.dtype)
+                if n not in got or not same_or_one_ulp(got[n].cpu(), want):
+                    bad.append(n)
+            if bad:
+                problems.append(f"lora merged export {i + 1} of 3: {len(bad)} tensors not within one bf16 rounding "
+                                f"of W + s B A, e.g. {bad[:4]}")
+        dist.barrier()
+        return dict(problems=problems, adapters=len(adapters))
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -93,6 +93,31 @@ def test_the_matrix_reaches_every_bucket_kind():
     assert want <= reached, (sorted(want - reached), KINDS)
 
 
+def test_lora_adapter_and_merged_export(suite_ckpts, tmp_path):
+    """Megatron-Bridge's own LoRA (0.6.2 on megatron-core 0.19, 0.3.1 on 0.16) around the grown qwen3_moe at TP2 x
+    PP2 x EP2 (expert-TP 1), adapters on attention and every expert: the adapter-only and merged exports
+    (gpu_jobs.lora_export). Bridge's files: the wheel cache (bench/gpu_ipc.py --pack puts 0.6.2 there)."""
+    layout = Layout(tp=2, pp=2, ep=2, etp=1)
+    if layout.size > GPUS:
+        pytest.skip(f"needs {layout.size} GPUs, found {GPUS}")
+    from gpu_jobs import lora_export
+    from harness.bridge_lora import BRIDGE_062, BRIDGE_VERSION, bridge_root
+    from safetensors.torch import load_file, save_file
+    from test_lora import TARGETS, expert_adapter
+
+    from mcore2hf.model_specs.deepseek_v3 import megatron_at_least
+
+    adapter = expert_adapter(suite_ckpts["qwen3_moe"], str(tmp_path / "adapter"), TARGETS["qwen3_moe"])
+    path = os.path.join(adapter, "adapter_model.safetensors")
+    save_file({n: t.to(torch.bfloat16) for n, t in load_file(path).items()}, path)  # the model's dtype: exact
+    bridge = bridge_root(BRIDGE_062 if megatron_at_least(0, 19) else BRIDGE_VERSION)
+    res = run_world(lora_export, layout, suite_ckpts["qwen3_moe"], layout, adapter, bridge, TARGETS["qwen3_moe"],
+                    BUCKET, backend="nccl", timeout=300)
+    problems = {r: x["problems"] for r, x in enumerate(res) if x["problems"]}
+    assert not problems, problems
+    assert res[0]["adapters"] > 100
+
+
 def _script(args: list[str], timeout: int) -> str:
     out = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     text = out.stdout + out.stderr[-4000:]
