@@ -243,6 +243,34 @@ def published_layout(model_type: str, name: str, value):
     return name, value
 
 
+def as_published(reader, cfg: PretrainedConfig):
+    """`reader` (hf_dir.open_tensors) seen in the published layout: a checkpoint transformers itself saved (its
+    names and packed-expert layout, PUBLISHED_LAYOUT) reads as the published one, as transformers reads both
+    (conversion_mapping.py: "qwen3_vl_moe" transposes on load only where the stored shape is not the model's,
+    `Transpose(1, 2, check_dims=True)`; "kimi_k25" renames either form). A transposed tensor is told by its shape
+    against the published one; a square one (hidden == 2 x ffn) reads as published. Unchanged where nothing
+    differs."""
+    import re
+
+    import torch
+
+    from .hf_dir import PublishedView
+
+    rules = PUBLISHED_LAYOUT.get(cfg.model_type, ())
+    names = reader.names()
+    if not any(re.search(p, n) for p, _ in rules for n in names):
+        return reader
+    want = hf_tensor_shapes(cfg) if any(a == "transpose" for _, a in rules) else {}
+    stored: dict[str, tuple[str, bool]] = {}
+    for n in names:
+        x = reader.slice(n)
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x.get_shape())
+        published, pshape = published_layout(cfg.model_type, n, shape)
+        transposed = pshape != shape and want.get(published) == pshape and want.get(published) != shape
+        stored[published] = (n, transposed)
+    return PublishedView(reader, stored)
+
+
 def hf_tensor_shapes(cfg: PretrainedConfig, num_mtp_layers: int = 0,
                      not_held: Callable[[str], bool] | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of `cfg` holds, with its shape, as transformers itself defines it: the model

@@ -401,3 +401,53 @@ def read_all(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory, as saved (small checkpoints: tests, the demo)."""
     with HFDirectory(path) as d:
         return {n: d.read(n) for n in d.names()}
+
+
+class _Transposed:
+    """A 3-D tensor (or lazily read one) seen with dims 1 and 2 swapped; indexing reads only what it selects."""
+
+    def __init__(self, base):
+        self.base = base
+        shape = tuple(base.shape) if isinstance(base, torch.Tensor) else tuple(base.get_shape())
+        self.shape = (shape[0], shape[2], shape[1], *shape[3:])
+        self.dtype = base.dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (len(self.shape) - len(key))
+        out = self.base[(key[0], key[2], key[1], *key[3:])]
+        if not isinstance(key[1], int) and not isinstance(key[2], int):  # both survive: swap them back
+            first = 0 if isinstance(key[0], int) else 1
+            out = out.transpose(first, first + 1)
+        return out.contiguous()
+
+
+class PublishedView:
+    """An HF source (HFDirectory or StateDictTensors) seen in the published checkpoints' layout: tensors stored as
+    transformers' own `save_pretrained` writes them (hf_config.PUBLISHED_LAYOUT) under their published names and
+    shapes, the others as they are (hf_config.as_published builds it). Same names() / `in` / slice() / read() /
+    close() / path as the source."""
+
+    def __init__(self, reader, stored: dict[str, tuple[str, bool]]):
+        self.reader, self.path = reader, reader.path
+        self._stored = stored  # published name -> (stored name, transposed)
+
+    def names(self) -> list[str]:
+        return list(self._stored)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored
+
+    def slice(self, name: str):
+        stored, transposed = self._stored[name]
+        x = self.reader.slice(stored)
+        return _Transposed(x) if transposed else x
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.slice(name)[:]
+
+    def close(self) -> None:
+        self.reader.close()

@@ -65,7 +65,7 @@ from .errors import (
     UsageError,
     problem_list,
 )
-from .hf_config import HFConfigLike, config_source, hf_tensor_shapes, shape_problems
+from .hf_config import HFConfigLike, as_published, config_source, hf_tensor_shapes, shape_problems
 from .hf_dir import HFDirectory
 from .layouts import GatedColumn, GatedInterleaved, GatedTransposed, VocabRows, shape_of
 from .mapping import NAME, Converter, ModelDims, compile_pattern, match_fields
@@ -466,6 +466,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                               non_homogeneous=non_homogeneous_layers, hybrid=hybrid is not None)
     reader = HFDirectory(hf_dir)
     try:
+        reader = as_published(reader, cfg)  # transformers' own save reads as the published layout
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
                                              divisible_by=make_vocab_size_divisible_by, stacked=stacked,
                                              hybrid=hybrid, transformer_impl=transformer_impl,

@@ -19,7 +19,7 @@ from .errors import (
     problem_list,
 )
 from .exporter import check_model_config, model_dims
-from .hf_config import HFConfigLike, load_hf_config
+from .hf_config import HFConfigLike, as_published, load_hf_config
 from .hf_dir import open_tensors
 from .layouts import shape_of
 from .lora import expert_form, is_adapter, lora_converter
@@ -61,7 +61,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
 
     converter = converter or get_converter(cfg.model_type)
     spec = import_module(converter.spec)
-    reader = open_tensors(source)
+    reader = as_published(open_tensors(source), cfg)  # transformers' own save reads as the published layout
     if lora:  # per-expert or PEFT's stacked 3-D expert factors, as the source holds them
         converter = lora_converter(converter, expert_form(reader.names()))
     ctx = ParallelContext.from_megatron()

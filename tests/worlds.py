@@ -2225,3 +2225,21 @@ def collective_schedule(model_type: str, layout: Layout, bucket_bytes: list[int]
 def collective_schedules(cases: list[tuple[str, Layout]], bucket_bytes: list[int]) -> list[dict]:
     """`collective_schedule` of each (model type, layout), in one process."""
     return [collective_schedule(mt, layout, bucket_bytes) for mt, layout in cases]
+
+
+def load_transformers_saved(ckpts: dict[str, tuple[str, str]], layout: Layout) -> dict:
+    """load_hf_weights from a checkpoint as transformers' own save_pretrained writes it (packed experts
+    transposed, renamed layers: hf_config.PUBLISHED_LAYOUT), per architecture {model_type: (its dir, the published
+    dir of the same weights)}: the model holds what loading the published one gives, every export equal to the
+    published tensors bit for bit."""
+    from mcore2hf.registry import get_converter
+
+    out = {}
+    for mt, (own, published) in ckpts.items():
+        cfg, chunks = build(published, layout)
+        load_hf_weights(chunks, own)
+        conv = get_converter(cfg.model_type)
+        ref = {n: t for n, t in read_hf_checkpoint(published).items() if not conv.not_held_by_model(n)}
+        assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{mt} {layout} loaded from transformers' own save")
+        out[mt] = len(ref)
+    return out
