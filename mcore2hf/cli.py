@@ -16,7 +16,7 @@ import sys
 
 from . import __version__
 from .dtypes import DTYPE_NAMES as DTYPES
-from .errors import Mcore2HFError, UsageError
+from .errors import SPELLING, Mcore2HFError, UsageError
 from .sizes import parse_size
 
 
@@ -387,12 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     paths_log = logging.getLogger("mcore2hf.paths")
     handler = _StderrLine(prog)
     paths_log.addHandler(handler)
+    spelling = SPELLING.set("cli")  # errors name --flags, not Python keywords
     try:
         _quiet_libraries()
         return a.fn(a)
     except BaseException as e:  # noqa: BLE001 - every outcome is one line on stderr (the traceback with --debug)
         return _report(a, prog, e, _interrupted(e, seen))
     finally:
+        SPELLING.reset(spelling)
         paths_log.removeHandler(handler)
         signal.signal(signal.SIGINT, previous)
         paths.interrupt_requested.clear()

@@ -63,6 +63,7 @@ from .errors import (
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
+    option,
     problem_list,
 )
 from .hf_config import HFConfigLike, as_published, config_source, hf_tensor_shapes, shape_problems
@@ -257,7 +258,7 @@ def _check_vision_tower(converter: Converter, spec, vision_tower: str, model_cla
     native = hasattr(spec, "native_vision_tower")
     if model_class != "gpt" or (vision_tower == HF_TOWER and not passes) or (vision_tower != HF_TOWER and not native):
         embedded = f"an embedded tower under {', '.join(passes)}" if passes else "no embedded tower"
-        raise UsageError(f"vision_tower={vision_tower!r}: {converter.model_type!r} has "
+        raise UsageError(f"{option('vision_tower', vision_tower)}: {converter.model_type!r} has "
                          f"{'a native Megatron tower' if native else 'no native Megatron tower'} and {embedded} "
                          "(native: Megatron-Bridge 0.6.2's Qwen3VLModel, qwen3_vl, qwen3_vl_moe, qwen3_5, "
                          "qwen3_5_moe; hf: Bridge 0.3.1's Qwen3VLModel for those, its GLM45VModel (glm4v_moe), "
@@ -396,7 +397,7 @@ def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: 
         raise ImportTargetError(f"output directory {ckpt_dir} is not empty and not a Megatron checkpoint "
                                 f"directory (no {TRACKER}): refusing to write into it")
     if os.path.lexists(target) and not overwrite:
-        raise ImportTargetError(f"{target} exists (pass overwrite=True / --overwrite to replace it)")
+        raise ImportTargetError(f"{target} exists (pass {option('overwrite')} to replace it)")
     check_output_dir(target, overwrite, TORCH_DIST_OUTPUT)
 
 
@@ -457,8 +458,9 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         from .model_specs.common import hybrid_pattern
 
         if dims.num_mtp_layers:  # build_model refuses them too: nothing could load such keys
-            raise LayoutError(f"model_class='hybrid' with {dims.num_mtp_layers} MTP layer(s) in the HF config: hybrid "
-                              "models with MTP are not supported (import as model_class='gpt')")
+            raise LayoutError(f"{option('model_class', 'hybrid')} with {dims.num_mtp_layers} MTP layer(s) in the HF "
+                              f"config: hybrid models with MTP are not supported (import as "
+                              f"{option('model_class', 'gpt')})")
         hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
     if vision_tower is not None:
         _check_vision_tower(converter, spec, vision_tower, model_class)

@@ -37,6 +37,7 @@ from .errors import (
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
+    option,
     problem_list,
 )
 from .exporter import structure_problems
@@ -391,7 +392,8 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)
     check_target(out_dir, overwrite, [it_dir])  # e.g. a symlinked iter_* directory elsewhere
     if lora == "adapter" and (quantize is not None or base is not None):
-        raise UsageError("a LoRA adapter export is neither quantized nor completed from a base: drop quantize / base")
+        raise UsageError(f"a LoRA adapter export is neither quantized nor completed from a base: drop "
+                         f"{option('quantize', None)} / {option('base', None)}")
     reader, sources, ignored = prepare_sources(it_dir, source.config, make_vocab_size_divisible_by, name_filter,
                                                lora, lora_alpha)
 
@@ -479,8 +481,9 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
     sources = [s for s in sources if not is_adapter(s.name)]
     check_mode(lora, bool(adapters), adapters[0].key if adapters else None)
     if lora in ("adapter", "merged") and lora_alpha is None:
-        raise UsageError(f"lora={lora!r}: a checkpoint does not hold LoRA's alpha; pass lora_alpha (--lora-alpha), "
-                         "the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the model was trained with")
+        raise UsageError(f"{option('lora', lora)}: a checkpoint does not hold LoRA's alpha; pass "
+                         f"{option('lora_alpha', None)}, the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the "
+                         "model was trained with")
 
     ckpt_mtp = len({s.name.split(".")[2] for s in sources if s.name.startswith("mtp.layers.")})
     if ckpt_mtp > dims.num_mtp_layers:
@@ -554,8 +557,9 @@ def _attach_merges(sources: list[CkptSource], adapters: list[CkptSource], alpha:
     """lora="merged": each adapted base weight gets its (A, B) sources and alpha / r."""
     split = sorted({s.name.split(ADAPTER)[0] for s in adapters if ".adapter.adapter_" in s.name})
     if split:
-        raise UsageError(f"lora='merged' offline: canonical LoRA (adapter.adapter_q/k/v, adapter_gate/up) is not "
-                         f"merged from checkpoints yet ({split[:3]}); export lora='adapter', or merge live")
+        raise UsageError(f"{option('lora', 'merged')} offline: canonical LoRA (adapter.adapter_q/k/v, "
+                         f"adapter_gate/up) is not merged from checkpoints yet ({split[:3]}); export "
+                         f"{option('lora', 'adapter')}, or merge live")
     by_name = {s.name: s for s in adapters}
     for s in sources:
         module = s.name.removesuffix(".weight")

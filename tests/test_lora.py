@@ -312,7 +312,8 @@ def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None
         with contextlib.redirect_stderr(err):
             code = main(["export", dist_dir, os.path.join(out, "refused"), "--hf-config", ckpt, "--quiet"])
         lines = err.getvalue().strip().splitlines()
-        assert code == 2 and len(lines) == 1 and "lora='adapter'" in lines[0], lines
+        # the command line names its own flags, not the Python keywords
+        assert code == 2 and len(lines) == 1 and "--lora adapter" in lines[0] and "lora=" not in lines[0], lines
         assert not os.path.exists(os.path.join(out, "refused"))
 
 
