@@ -91,20 +91,32 @@ def _name_filter(a):
     return NameFilter.of(include=a.include, exclude=a.exclude)
 
 
-def cmd_list(_a) -> int:
-    from .hf_config import architecture_classes
-    from .registry import get_converter, list_architectures, verified
+def cmd_list(a) -> int:
+    """The catalog (registry.CATALOG: no converter, torch or transformers import, so it answers at once), a line
+    per architecture cut to the terminal's width; with a model_type, what is verified for it in full."""
+    import shutil
+    import textwrap
 
-    print(f"{'model_type':<13} {'HF class':<34} {'FP8':<4} verified (docs/architectures.md)")
-    for name in list_architectures():
-        conv = get_converter(name)
-        classes = architecture_classes(conv.model_type)
-        cls = next((c for suffix in ("ForConditionalGeneration", "ForCausalLM") for c in sorted(classes)
-                    if c.endswith(suffix)), "")
-        if conv.model_type != name:
-            print(f"{name:<13} {cls:<34} {'yes' if conv.fp8 else 'no':<4} as {conv.model_type} (the same format)")
-            continue
-        print(f"{name:<13} {cls:<34} {'yes' if conv.fp8 else 'no':<4} {verified(name)}")
+    from .registry import CATALOG, verified
+
+    width = shutil.get_terminal_size().columns
+    if a.model_type is not None:
+        listed = CATALOG.get(a.model_type)
+        if listed is None:
+            raise UsageError(f"model_type must be one of {', '.join(CATALOG)}, got {a.model_type!r}")
+        print(f"{a.model_type}: {listed.hf_class}, FP8 export {'yes' if listed.fp8 else 'no'}"
+              + (f", the format of {listed.format_of}" if listed.format_of else ""))
+        print(textwrap.fill(f"verified (docs/architectures.md): {verified(a.model_type)}", width=min(width, 100),
+                            subsequent_indent="  "))
+        return 0
+
+    def fit(line: str) -> str:
+        return line if len(line) <= width else line[:width - 3] + "..."
+
+    print(fit(f"{'model_type':<13} {'HF class':<34} {'FP8':<3}  verified (mcore2hf list MODEL_TYPE: in full)"))
+    for name, listed in CATALOG.items():
+        what = f"as {listed.format_of} (the same format)" if listed.format_of else verified(name)
+        print(fit(f"{name:<13} {listed.hf_class:<34} {'yes' if listed.fp8 else 'no':<3}  {what}"))
     return 0
 
 
@@ -210,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     ls = sub.add_parser("list", help="registered architectures (HF model_type)")
+    ls.add_argument("model_type", nargs="?", default=None, help="one of them: what is verified for it, in full")
     ls.set_defaults(fn=cmd_list)
 
     pl = sub.add_parser("plan", help="dry run: every HF tensor with shape, dtype, Megatron source and bucket, "

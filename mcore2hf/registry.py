@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import UnsupportedArchitectureError
-from .mapping import Converter
+
+if TYPE_CHECKING:  # the converters import torch; `mcore2hf list` reads only the catalog below
+    from .mapping import Converter
 
 _CONVERTERS: dict[str, Converter] = {}
 _loaded = False
@@ -87,7 +90,45 @@ for _mt, _layouts in (("qwen3_vl", "TP2 x PP2, TP2, PP2, TP1, PP2 x VPP2"), ("qw
                                                                if _mt == "qwen3_vl" else ""))
 
 
+class Listed(NamedTuple):
+    """What `mcore2hf list` shows of a registered model_type, without importing a converter (they import torch)."""
+
+    hf_class: str  # the model class transformers registers for it (the checkpoints' `architectures`)
+    fp8: bool  # its converter has an FP8 policy
+    format_of: str | None = None  # an alias: the registered model_type whose format it is
+
+
+#: every registered model_type (converters/*.py registers them: tests/test_cli.py checks this table against the
+#: registry and transformers 5.24's auto mappings, so it cannot drift)
+CATALOG: dict[str, Listed] = {
+    "deepseek_v2": Listed("DeepseekV2ForCausalLM", True),
+    "deepseek_v3": Listed("DeepseekV3ForCausalLM", True),
+    "deepseek_v32": Listed("DeepseekV32ForCausalLM", True),
+    "glm4_moe": Listed("Glm4MoeForCausalLM", True),
+    "glm4_moe_lite": Listed("Glm4MoeLiteForCausalLM", True),
+    "glm4v_moe": Listed("Glm4vMoeForConditionalGeneration", True),
+    "glm_moe_dsa": Listed("GlmMoeDsaForCausalLM", True),
+    "gpt_oss": Listed("GptOssForCausalLM", False),
+    "kimi_k2": Listed("DeepseekV3ForCausalLM", True, "deepseek_v3"),
+    "kimi_k25": Listed("Kimi_K25ForConditionalGeneration", True),
+    "llama": Listed("LlamaForCausalLM", True),
+    "minimax_m2": Listed("MiniMaxM2ForCausalLM", True),
+    "mistral": Listed("MistralForCausalLM", True),
+    "mixtral": Listed("MixtralForCausalLM", True),
+    "olmoe": Listed("OlmoeForCausalLM", True),
+    "qwen2": Listed("Qwen2ForCausalLM", True),
+    "qwen3": Listed("Qwen3ForCausalLM", True),
+    "qwen3_5": Listed("Qwen3_5ForConditionalGeneration", False),
+    "qwen3_5_moe": Listed("Qwen3_5MoeForConditionalGeneration", False),
+    "qwen3_moe": Listed("Qwen3MoeForCausalLM", True),
+    "qwen3_next": Listed("Qwen3NextForCausalLM", False),
+    "qwen3_vl": Listed("Qwen3VLForConditionalGeneration", True),
+    "qwen3_vl_moe": Listed("Qwen3VLMoeForConditionalGeneration", False),
+}
+
+
 def verified(model_type: str) -> str:
     """What the test suite verifies for `model_type` (an alias: its format's)."""
-    return VERIFIED[canonical_model_type(model_type)]
+    listed = CATALOG.get(model_type)
+    return VERIFIED[(listed.format_of or model_type) if listed else canonical_model_type(model_type)]
 

@@ -532,3 +532,30 @@ def test_many_problems_of_one_cause_are_one_bounded_line_naming_the_file(megatro
                           "model.layers.{0-3}.mlp.experts.{0-7}.gate_proj.weight: HF config implies shape [32, 96], "
                           "the checkpoint gives [32, 64]", limit=2000)
     assert sorted(os.listdir(tmp_path)) == ["sharded", "wide"], line
+
+
+# -- list ----------------------------------------------------------------------------------------------------------------
+
+def test_list_is_the_registry_at_once_in_lines_that_fit():
+    """`mcore2hf list` reads the catalog only (no converter, torch or transformers import: it answers at once, not
+    in 6 s), its lines fit the terminal (80 columns in a pipe); the catalog is the registry's converters (names,
+    aliases, FP8 policies) and the classes transformers registers for each model_type."""
+    from mcore2hf.hf_config import architecture_classes
+    from mcore2hf.registry import CATALOG, get_converter, list_architectures
+
+    assert sorted(CATALOG) == list_architectures()
+    for name, listed in CATALOG.items():
+        conv = get_converter(name)
+        assert listed.fp8 == (conv.fp8 is not None), name
+        assert listed.format_of == (conv.model_type if conv.model_type != name else None), name
+        assert listed.hf_class in architecture_classes(conv.model_type), (name, architecture_classes(conv.model_type))
+    code = ("import sys; from mcore2hf.cli import main; main(['list']); "
+            "print('IMPORTED', [m for m in ('torch', 'transformers', 'mcore2hf.mapping') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "IMPORTED []", r.stdout[-500:] + r.stderr
+    lines = r.stdout.strip().splitlines()[:-1]
+    assert len(lines) == len(CATALOG) + 1 and max(map(len, lines)) <= 80, max(lines, key=len)
+    r = run("list", "qwen3_vl")
+    assert r.returncode == 0 and "Bridge 0.3.1's Qwen3VLModel" in r.stdout and max(map(len, r.stdout.splitlines())) <= 100
+    one_error_line(run("list", "qwen3-vl"), 2, "model_type must be one of", "'qwen3-vl'")
