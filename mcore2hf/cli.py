@@ -164,9 +164,29 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def _kinds(*paths: str) -> list[str | None]:
+    """Each path as "hf" (an HF directory), "megatron" (a Megatron checkpoint) or None (neither, or absent)."""
+    from .hf_dir import has_weights
+    from .verify import is_megatron_checkpoint
+
+    return ["megatron" if os.path.isdir(p) and is_megatron_checkpoint(p) else "hf" if has_weights(p) else None
+            for p in paths]
+
+
+def _swapped(what: str, path: str, is_: str, order: str) -> UsageError:
+    """A positional argument that is the other kind of directory: most likely the two were given in the other
+    command's order, so the error says the order that works."""
+    return UsageError(f"{what} {path} is {is_}: were the arguments swapped? {order}")
+
+
 def cmd_export(a) -> int:
     from .offline import export_checkpoint
     from .sizes import format_size
+
+    if _kinds(a.ckpt_dir) == ["hf"]:
+        raise _swapped("CKPT_DIR", a.ckpt_dir, "an HF directory, not a Megatron checkpoint",
+                       "`mcore2hf export CKPT_DIR OUT_DIR --hf-config HF_DIR` writes an HF directory from a Megatron "
+                       "checkpoint; `mcore2hf import HF_DIR CKPT_DIR` writes a Megatron checkpoint from an HF directory")
 
     r = export_checkpoint(a.ckpt_dir, a.out_dir, a.hf_config, iteration=a.iteration, dtype=a.dtype,
                           max_shard_size=a.shard_size, bucket_bytes=a.bucket_size, overwrite=a.overwrite,
@@ -186,6 +206,14 @@ def cmd_import(a) -> int:
     from .importer import import_checkpoint
     from .sizes import format_size
 
+    source, target = _kinds(a.hf_dir, a.ckpt_dir)
+    if source == "megatron" or (target == "hf" and source != "hf"):
+        path, is_ = (a.hf_dir, "a Megatron checkpoint, not an HF directory") if source == "megatron" else (
+            a.ckpt_dir, "an HF directory (the output must be a Megatron checkpoint directory)")
+        raise _swapped("HF_DIR" if path == a.hf_dir else "CKPT_DIR", path, is_,
+                       "`mcore2hf import HF_DIR CKPT_DIR` writes a Megatron checkpoint from an HF directory; "
+                       "`mcore2hf export CKPT_DIR OUT_DIR --hf-config HF_DIR` the other way")
+
     r = import_checkpoint(a.hf_dir, a.ckpt_dir, iteration=a.iteration, dtype=a.dtype, tp=a.tp,
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
                           singleton_local_shards=a.singleton_local_shards, moe_layer_freq=a.moe_layer_freq,
@@ -203,29 +231,67 @@ def cmd_import(a) -> int:
 def cmd_verify(a) -> int:
     from .verify import compare, format_table
 
+    if _kinds(a.a, a.b) == ["megatron", "hf"]:
+        raise _swapped("A", a.a, "a Megatron checkpoint", f"verify takes the HF directory first: "
+                       f"`mcore2hf verify {a.b} {a.a}`")
+
     result = compare(a.a, a.b, hf_config=a.hf_config, iteration=a.iteration, atol=a.atol, fp8=a.fp8)
     print(format_table(result, a.limit))
     return 0 if result.identical else 1
 
 
+#: `mcore2hf COMMAND --help` ends with these (shown as written)
+EXAMPLES = {
+    "demo": """\
+  mcore2hf demo                                      # qwen3_moe at TP2 x EP4: 4 gloo processes on CPU
+  mcore2hf demo --model-type deepseek_v3 --tp 1 --pp 2 --ep 2
+  mcore2hf demo --out exported/                      # keep the exported HF directory""",
+    "list": """\
+  mcore2hf list
+  mcore2hf list qwen3_vl                             # what is verified for one, in full""",
+    "plan": """\
+  mcore2hf plan --hf-config path/to/hf_dir --tp 8 --pp 4 --ep 8 --limit 20
+  mcore2hf plan --hf-config tiny:qwen3_moe --tp 2 --ep 2 --json""",
+    "export": """\
+  mcore2hf export /ckpts/run1 out_hf/ --hf-config path/to/hf_dir
+  mcore2hf export /ckpts/run1 out_hf/ --hf-config path/to/hf_dir --iteration 2000 --dtype bf16
+  mcore2hf export /ckpts/lora out_adapter/ --hf-config path/to/hf_dir --lora adapter --lora-alpha 32
+  mcore2hf export /ckpts/lora out_merged/ --hf-config path/to/hf_dir --lora merged --lora-alpha 32 \\
+      --base path/to/hf_dir                          # an adapter-only checkpoint: the base from here""",
+    "import": """\
+  mcore2hf import path/to/hf_dir /ckpts/start
+  mcore2hf import path/to/hf_dir /ckpts/start --dtype bf16 --transformer-impl local""",
+    "verify": """\
+  mcore2hf verify out_hf/ path/to/hf_dir
+  mcore2hf verify out_hf/ /ckpts/run1 --hf-config path/to/hf_dir
+  mcore2hf verify bf16_hf/ fp32_hf/ --atol 4e-3""",
+}
+
+
+def _command(sub, name: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, epilog="examples:\n" + EXAMPLES[name],
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, import, verify, demo.")
+    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, import, verify, demo.",
+                epilog="start with `mcore2hf demo`; `mcore2hf COMMAND --help` shows examples")
     p.add_argument("--version", action="version", version=f"mcore2hf {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="export a built-in tiny model at a multi-rank layout and verify it end to end")
+    d = _command(sub, "demo", help="export a built-in tiny model at a multi-rank layout and verify it end to end")
     d.add_argument("--model-type", default="qwen3_moe", help="a registered architecture (see `mcore2hf list`)")
     d.add_argument("--out", default=None, help="keep the exported HF directory here (default: nothing is kept)")
     d.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     _layout_args(d, tp=2, ep=4, etp=1)
     d.set_defaults(fn=cmd_demo)
 
-    ls = sub.add_parser("list", help="registered architectures (HF model_type)")
+    ls = _command(sub, "list", help="registered architectures (HF model_type)")
     ls.add_argument("model_type", nargs="?", default=None, help="one of them: what is verified for it, in full")
     ls.set_defaults(fn=cmd_list)
 
-    pl = sub.add_parser("plan", help="dry run: every HF tensor with shape, dtype, Megatron source and bucket, "
+    pl = _command(sub, "plan", help="dry run: every HF tensor with shape, dtype, Megatron source and bucket, "
                                      "and each rank's extra memory")
     pl.add_argument("--hf-config", required=True, help="config.json, an HF directory, or tiny:<model_type>")
     pl.add_argument("--bucket-size", type=_size("--bucket-size"), default="512MiB",
@@ -246,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
 
-    ex = sub.add_parser("export", help="Megatron checkpoint (torch_dist, or legacy torch: mp_rank_*/model_optim_rng.pt) "
+    ex = _command(sub, "export", help="Megatron checkpoint (torch_dist, or legacy torch: mp_rank_*/model_optim_rng.pt) "
                                        "-> HF directory, offline (CPU, bounded memory)")
     ex.add_argument("ckpt_dir", help="checkpoint directory (with latest_checkpointed_iteration.txt) or an iter_* dir")
     ex.add_argument("out_dir", help="the HF directory to write (must not overlap the inputs)")
@@ -276,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _filters(ex)
     ex.set_defaults(fn=cmd_export)
 
-    im = sub.add_parser("import", help="HF directory -> Megatron torch_dist checkpoint, offline (CPU, bounded memory)")
+    im = _command(sub, "import", help="HF directory -> Megatron torch_dist checkpoint, offline (CPU, bounded memory)")
     im.add_argument("hf_dir", help="an HF directory (config.json + safetensors)")
     im.add_argument("ckpt_dir", help="Megatron checkpoint directory: iter_NNNNNNN/ and latest_checkpointed_iteration.txt "
                                      "are written in it")
@@ -318,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     im.set_defaults(fn=cmd_import)
 
-    ve = sub.add_parser("verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
+    ve = _command(sub, "verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
                                        "tensor by tensor (exit 1 on any difference)")
     ve.add_argument("a", help="an HF directory")
     ve.add_argument("b", help="an HF directory or a Megatron checkpoint (torch_dist or legacy torch)")

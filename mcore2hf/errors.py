@@ -110,13 +110,14 @@ class Mcore2HFError(Exception):
 
 
 class UnknownParametersError(Mcore2HFError):
-    """Megatron parameters that no rule of the converter maps, all found at once (`names`), the first few shown."""
+    """Megatron parameters that no rule of the converter maps, all found at once (`names`), the first few shown;
+    `first`: what to say before them (e.g. which architecture they are)."""
 
-    def __init__(self, model_type: str, names: list[str]):
+    def __init__(self, model_type: str, names: list[str], first: str = ""):
         self.names = sorted(names)
         shown = problem_list(self.names, groups=2 * GROUPS)
         super().__init__(
-            f"{len(self.names)} Megatron parameter(s) have no mapping in the {model_type!r} converter:\n  {shown}"
+            f"{first}{len(self.names)} Megatron parameter(s) have no mapping in the {model_type!r} converter:\n  {shown}"
         )
 
 

@@ -485,16 +485,17 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
                          f"{option('lora_alpha', None)}, the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the "
                          "model was trained with")
 
+    unknown = [s for s in sources if not converter.maps(s.name)]
+    if unknown:  # before any count: a checkpoint of another architecture is that, not a wrong number of layers
+        raise UnknownParametersError(converter.model_type, [s.name if s.name == s.key else f"{s.name} (checkpoint "
+                                                            f"key {s.key})" for s in unknown],
+                                     first=_architecture_mismatch([s.name for s in sources], cfg.model_type))
     ckpt_mtp = len({s.name.split(".")[2] for s in sources if s.name.startswith("mtp.layers.")})
     if ckpt_mtp > dims.num_mtp_layers:
         raise ConfigMismatchError(f"the checkpoint has {ckpt_mtp} MTP layer(s), the HF config has "
                                   f"num_nextn_predict_layers={dims.num_mtp_layers}")
     dims = replace(dims, num_mtp_layers=ckpt_mtp)
 
-    unknown = [s.name for s in sources if converter.resolve(s.name, dims) is None]
-    if unknown:
-        raise UnknownParametersError(converter.model_type, [f"{n}  (checkpoint key {next(s.key for s in sources if s.name == n)})"
-                                                            for n in unknown])
     for s in sources:
         r = converter.resolve(s.name, dims)
         s.op, s.n_out, s.keep_dtype = r.op, r.op.n_out, r.rule.keep_dtype
@@ -527,6 +528,18 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
     if name_filter is not None:
         sources = _filtered(sources, name_filter)
     return reader, sources, ignored
+
+
+def _architecture_mismatch(names: list[str], model_type: str) -> str:
+    """The architectures whose tables map every tensor of a checkpoint that `model_type`'s does not (the start of
+    the error), or "" where none does (tensors no table knows)."""
+    from .registry import formats_mapping
+
+    fits = formats_mapping(names)
+    if not fits:
+        return ""
+    return (f"the checkpoint holds another architecture than the HF config's model_type {model_type!r}: every "
+            f"tensor of it maps as {', '.join(fits)}; pass that model's HF config (--hf-config). ")
 
 
 def _adapter_sources(adapters: list[CkptSource], converter, dims, cfg, ckpt_mtp: int, it_dir: str) -> list[CkptSource]:

@@ -51,6 +51,14 @@ def canonical_model_type(model_type: str) -> str:
     return converter.model_type if converter is not None else model_type
 
 
+def formats_mapping(names) -> list[str]:
+    """The registered formats (model_types, aliases left out) whose table maps every canonical Megatron name in
+    `names`: which architecture a checkpoint holds, when it is not the one its HF config says."""
+    _load_builtin()
+    names = list(names)
+    return sorted({c.model_type for c in _CONVERTERS.values() if all(c.maps(n) for n in names)})
+
+
 def get_model_spec(model_type: str) -> ModuleType:
     return importlib.import_module(get_converter(model_type).spec)
 
