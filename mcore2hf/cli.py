@@ -121,16 +121,15 @@ def cmd_list(a) -> int:
 
 
 def _check_model_type(model_type: str) -> None:
-    from .registry import list_architectures
+    from .registry import CATALOG  # the registered model types, without importing the converters
 
-    if model_type not in list_architectures():
-        raise UsageError(f"--model-type must be one of {', '.join(list_architectures())}, got {model_type!r}")
+    if model_type not in CATALOG:
+        raise UsageError(f"--model-type must be one of {', '.join(CATALOG)}, got {model_type!r}")
 
 
 def cmd_demo(a) -> int:
-    from .demo import format_report, run_demo
-
     _check_model_type(a.model_type)
+    print(f"mcore2hf demo: {a.model_type}; a line as each stage ends, the report last", flush=True)
     layout = _layout(a)
     from .runtime.tiny import tiny_config
 
@@ -139,7 +138,10 @@ def cmd_demo(a) -> int:
         from .senders.safetensors import check_target
 
         check_target(a.out, a.overwrite)
-    report, ok = format_report(run_demo(a.model_type, layout, a.out, a.overwrite))
+    from .demo import format_report, run_demo
+
+    report, ok = format_report(run_demo(a.model_type, layout, a.out, a.overwrite, progress=True))
+    print()
     print(report)
     return 0 if ok else 1
 

@@ -152,6 +152,7 @@ def _serve(rank: int, size: int, port: int, backend: str, jobs, out) -> None:
             dist.init_process_group(backend, store=dist.PrefixStore(f"job{job_id}", store), rank=rank,
                                     world_size=size)
             init_megatron(Layout(**layout))
+            out.put((job_id, rank, None, None))  # ready: imports done, parallel state initialized (World.run)
             out.put((job_id, rank, True, fn(*args)))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             out.put((job_id, rank, False, (traceback.format_exc(), _portable_error(e))))
@@ -200,15 +201,18 @@ class World:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def run(self, fn: Callable, layout: Layout, args: tuple, timeout: float) -> list:
+    def run(self, fn: Callable, layout: Layout, args: tuple, timeout: float,
+            on_ready: Callable[[int, int], None] | None = None) -> list:
         """fn(*args) on every rank with Megatron at `layout`; the per-rank results. Raises WorldError (the world is
-        then unusable: close it) if a rank fails, dies or the job outlasts `timeout` seconds."""
+        then unusable: close it) if a rank fails, dies or the job outlasts `timeout` seconds. `on_ready(rank,
+        ready)` is called as each rank has Megatron initialized and starts fn (`ready`: how many have)."""
         job, self._next = self._next, self._next + 1
         for q in self._jobs:
             q.put((job, asdict(layout), fn, args))
         results: dict[int, object] = {}
         errors: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
+        ready = 0
         while len(results) + len(errors) < self.size and not errors:  # after a failure the others may be blocked
             try:
                 job_id, rank, ok, value = self._out.get(timeout=1.0)
@@ -222,7 +226,11 @@ class World:
                     raise WorldError(f"world {layout} timed out after {timeout}s; finished ranks: "
                                      f"{sorted(results)}") from None
                 continue
-            if job_id == job:
+            if job_id == job and ok is None:
+                ready += 1
+                if on_ready is not None:
+                    on_ready(rank, ready)
+            elif job_id == job:
                 (results if ok else errors)[rank] = value
         if errors:
             rank = min(errors)
@@ -307,14 +315,15 @@ def close_pool() -> None:
         _pool = None
 
 
-def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo") -> list:
+def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo",
+              on_ready: Callable[[int, int], None] | None = None) -> list:
     """fn(*args) on every rank of a world with `layout`; returns the per-rank results.
 
     backend "gloo" (CPU) or "nccl" (one GPU per rank). Without a pool (use_pool) the world is started for this
-    call and closed after it."""
+    call and closed after it. `on_ready(rank, ready)`: as each rank starts fn (World.run)."""
     world = _pool.world(layout.size, backend) if _pool is not None else World(layout.size, backend)
     try:
-        results = world.run(fn, layout, args, timeout)
+        results = world.run(fn, layout, args, timeout, on_ready)
     except BaseException:
         if _pool is not None:
             _pool.discard(world)
