@@ -169,9 +169,9 @@ def cmd_plan(a) -> int:
 def _kinds(*paths: str) -> list[str | None]:
     """Each path as "hf" (an HF directory), "megatron" (a Megatron checkpoint) or None (neither, or absent)."""
     from .hf_dir import has_weights
-    from .verify import is_megatron_checkpoint
+    from .offline import is_megatron_checkpoint
 
-    return ["megatron" if os.path.isdir(p) and is_megatron_checkpoint(p) else "hf" if has_weights(p) else None
+    return ["megatron" if is_megatron_checkpoint(p) else "hf" if has_weights(p) else None
             for p in paths]
 
 

@@ -49,6 +49,7 @@ from .checkpoint_keys import (
     TOWER_PREFIXES,
     VISION_MODEL,
     VISION_TOWERS,
+    CkptSource,
     KeyLayout,
     check_transformer_impl,
     embedded_tower_rules,
@@ -399,6 +400,52 @@ def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: 
     if os.path.lexists(target) and not overwrite:
         raise ImportTargetError(f"{target} exists (pass {option('overwrite')} to replace it)")
     check_output_dir(target, overwrite, TORCH_DIST_OUTPUT)
+
+
+class HFBaseReader:
+    """An HF directory read as the Megatron tensors an import would write from it (one TP-1 shard each, keyed by
+    canonical name), through the offline export's reader interface (offline.DistCheckpointReader's): the base
+    weights of a Megatron-Bridge adapter-only checkpoint, given as the HF directory it was trained from
+    (offline.CombinedReader). Each tensor is rebuilt by its layout op's inverse when read, as the import does."""
+
+    def __init__(self, hf_dir: str | os.PathLike, cfg, converter: Converter, dims: ModelDims):
+        self.path = os.fspath(hf_dir)
+        self.dir = as_published(HFDirectory(hf_dir, role="base checkpoint"), cfg)
+        held = {n for n in self.dir.names() if not converter.not_held_by_model(n)}
+        resolved, unexplained = megatron_names(converter, dims, held)
+        if unexplained:
+            raise UnknownParametersError(converter.model_type, [f"{n} (a tensor of the base {self.path} no rule of "
+                                                                f"the {converter.model_type} table produces)"
+                                                                for n in unexplained])
+        self._resolved, self.tensors, self.bytes_read = resolved, {}, 0
+        for name, r in resolved.items():
+            hf = [self.dir.slice(n) for n in r.hf_names]
+            self.tensors[name] = (_full_shape(r.op, [shape_of(x) for x in hf], dims.vocab_size), hf[0].dtype)
+
+    def sources(self, num_layers: int, tied: bool, hybrid=None) -> tuple[list[CkptSource], list[str]]:
+        return [CkptSource(n, n, [[(n, ())]], shape, dtype) for n, (shape, dtype) in self.tensors.items()], []
+
+    def read(self, key: str, lead: tuple[int, ...] = ()) -> torch.Tensor:
+        r = self._resolved[key]
+        t = r.op.shard_from_hf([self.dir.slice(n) for n in r.hf_names], 0, 1, self.tensors[key][0])
+        self.bytes_read += t.nbytes
+        return t[lead] if lead else t
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors[key][0]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key][1]
+
+    def check_files(self, keys) -> None:
+        pass  # the directory was validated when it was opened
+
+    def tp_of(self, source) -> int:
+        return 1  # exactly vocab_size rows, as the import writes them
+
+    def checkpoint_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path)
+                   if f.endswith(".safetensors"))
 
 
 def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,

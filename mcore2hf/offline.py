@@ -368,7 +368,10 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy. `base` (an HF
     directory) completes the output with the base tensors the checkpoint does not produce (`SafetensorsWriter`).
     A checkpoint of a Megatron-Bridge LoRA model: `lora="adapter"` writes a PEFT adapter directory,
-    `lora="merged"` the HF directory of W + lora_alpha/r B A, `lora="base"` the base weights (docs/lora.md)."""
+    `lora="merged"` the HF directory of W + lora_alpha/r B A, `lora="base"` the base weights (docs/lora.md). An
+    adapter-only checkpoint (Megatron-Bridge's PEFT training saves its adapters alone) takes its base weights for
+    "merged" / "base" from `base`: the base model's HF directory (which also completes the output) or Megatron
+    checkpoint."""
     t0 = time.perf_counter()
     if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.legacy)
         from .legacy import missing_hf_config
@@ -387,7 +390,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
         if policy is None:
             raise ValueError(f"FP8 export is not supported for model_type {source.config.model_type!r}: its "
                              "converter has no fp8 policy")
-    inputs = [ckpt_dir] + ([source.directory] if source.directory else [])
+    inputs = [ckpt_dir] + ([source.directory] if source.directory else []) + ([base] if base is not None else [])
     check_target(out_dir, overwrite, inputs)
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)
     check_target(out_dir, overwrite, [it_dir])  # e.g. a symlinked iter_* directory elsewhere
@@ -395,7 +398,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
         raise UsageError(f"a LoRA adapter export is neither quantized nor completed from a base: drop "
                          f"{option('quantize', None)} / {option('base', None)}")
     reader, sources, ignored = prepare_sources(it_dir, source.config, make_vocab_size_divisible_by, name_filter,
-                                               lora, lora_alpha)
+                                               lora, lora_alpha, base_weights=base)
+    if base is not None and is_megatron_checkpoint(base):
+        base = None  # it gave the base weights (an adapter-only checkpoint's); only an HF directory completes
 
     def out_dtype(s: CkptSource) -> torch.dtype:
         return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
@@ -458,22 +463,32 @@ def open_checkpoint(it_dir: str):
 
 
 def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, name_filter=None,
-                    lora: str | None = None, lora_alpha: float | None = None
+                    lora: str | None = None, lora_alpha: float | None = None,
+                    base_weights: str | os.PathLike | None = None
                     ) -> tuple[DistCheckpointReader, list[CkptSource], list[str]]:
     """The checkpoint's model tensors, resolved to HF names and shapes and checked against the HF config (every
     problem at once); also the keys that are not model weights. A checkpoint of a Megatron-Bridge LoRA model:
     `lora` says what is exported, as for HFExporter (docs/lora.md); the checkpoint does not hold alpha, so
-    "adapter" and "merged" need `lora_alpha`."""
+    "adapter" and "merged" need `lora_alpha`. An adapter-only checkpoint (what Megatron-Bridge's PEFT training
+    saves: its adapters, no base weights) exports as "adapter" alone, or as "merged" / "base" with
+    `base_weights`: the base model's HF directory or Megatron checkpoint, read with it (CombinedReader)."""
     converter = get_converter(cfg.model_type)
     spec = import_module(converter.spec)
     dims = spec.dims(cfg)
     reader = open_checkpoint(it_dir)
-    hybrid = None
-    if HYBRID_FINAL_NORM in reader.tensors:  # a hybrid model's: its pattern from the HF config
-        from .model_specs.common import hybrid_pattern
-
-        hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
-    sources, ignored = reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)), hybrid)
+    sources, ignored = _checkpoint_sources(reader, spec, cfg, dims)
+    adapter_only = bool(sources) and all(is_adapter(s.name) for s in sources)
+    if base_weights is not None and not adapter_only and is_megatron_checkpoint(base_weights):
+        raise UsageError(f"{option('base', base_weights)}: a Megatron checkpoint gives the base weights of an "
+                         f"adapter-only checkpoint, and {it_dir} holds its own base weights (pass an HF directory "
+                         "to complete the output from)")
+    if adapter_only and lora in ("merged", "base"):
+        if base_weights is None:
+            raise UsageError(f"{it_dir} holds LoRA adapters only (Megatron-Bridge's PEFT checkpoints save no base "
+                             f"weights): {option('lora', lora)} needs {option('base', None)}, the base model's HF "
+                             "directory or Megatron checkpoint")
+        reader = CombinedReader([reader, _base_reader(base_weights, cfg, converter, dims)])
+        sources, ignored = _checkpoint_sources(reader, spec, cfg, dims)
     reader.check_files({key for s in sources for shard in s.reads for key, _ in shard})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
@@ -484,6 +499,9 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
         raise UsageError(f"{option('lora', lora)}: a checkpoint does not hold LoRA's alpha; pass "
                          f"{option('lora_alpha', None)}, the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the "
                          "model was trained with")
+    if not sources:  # adapters only, exported alone: checked against the config's model (its MTP layers too)
+        sources = _adapter_sources(adapters, converter, dims, cfg, dims.num_mtp_layers, it_dir)
+        return reader, (_filtered(sources, name_filter) if name_filter is not None else sources), ignored
 
     unknown = [s for s in sources if not converter.maps(s.name)]
     if unknown:  # before any count: a checkpoint of another architecture is that, not a wrong number of layers
@@ -528,6 +546,83 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
     if name_filter is not None:
         sources = _filtered(sources, name_filter)
     return reader, sources, ignored
+
+
+def _checkpoint_sources(reader, spec, cfg, dims) -> tuple[list[CkptSource], list[str]]:
+    hybrid = None
+    if HYBRID_FINAL_NORM in reader.tensors:  # a hybrid model's: its pattern from the HF config
+        from .model_specs.common import hybrid_pattern
+
+        hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
+    return reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)), hybrid)
+
+
+def is_megatron_checkpoint(path: str | os.PathLike) -> bool:
+    """A Megatron checkpoint directory (its root or an iteration): torch_dist or legacy torch."""
+    from .legacy import is_legacy_dir
+
+    path = os.fspath(path)
+    return os.path.isdir(path) and (any(os.path.exists(os.path.join(path, f)) for f in
+                                        ("latest_checkpointed_iteration.txt", ".metadata")) or is_legacy_dir(path))
+
+
+def _base_reader(base: str | os.PathLike, cfg, converter, dims):
+    """The base weights of an adapter-only checkpoint: a Megatron checkpoint (its latest iteration) or an HF
+    directory (importer.HFBaseReader: its tensors as the import would write them)."""
+    if is_megatron_checkpoint(base):
+        return open_checkpoint(resolve_iteration_dir(base))
+    from .importer import HFBaseReader
+
+    return HFBaseReader(base, cfg, converter, dims)
+
+
+class CombinedReader:
+    """Several checkpoints read as one: an adapter-only checkpoint and the base weights it was trained on (a
+    Megatron checkpoint's reader, or importer.HFBaseReader). Their sources together; each key read from the
+    reader holding it (no key may be in two)."""
+
+    def __init__(self, readers: list):
+        self.readers, self.path = readers, readers[0].path
+        self.tensors, self._owner = {}, {}
+        for r in readers:
+            twice = sorted(set(r.tensors) & set(self.tensors))
+            if twice:
+                raise CheckpointError(f"{r.path} and {self._owner[twice[0]].path} both hold {twice[:3]}: not an "
+                                      "adapter-only checkpoint and its base")
+            self.tensors.update(r.tensors)
+            self._owner.update(dict.fromkeys(r.tensors, r))
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.readers)
+
+    def sources(self, num_layers: int, tied: bool, hybrid=None) -> tuple[list[CkptSource], list[str]]:
+        found, ignored = [], []
+        for r in self.readers:
+            s, i = r.sources(num_layers, tied, hybrid)
+            found += s
+            ignored += i
+        return found, ignored
+
+    def read(self, key: str, lead: tuple[int, ...] = ()) -> torch.Tensor:
+        return self._owner[key].read(key, lead)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._owner[key].shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._owner[key].dtype(key)
+
+    def check_files(self, keys) -> None:
+        keys = set(keys)
+        for r in self.readers:
+            r.check_files({k for k in keys if self._owner.get(k) is r})
+
+    def tp_of(self, source: CkptSource) -> int:
+        return self._owner[source.key].tp_of(source)
+
+    def checkpoint_bytes(self) -> int:
+        return sum(r.checkpoint_bytes() for r in self.readers)
 
 
 def _architecture_mismatch(names: list[str], model_type: str) -> str:

@@ -35,6 +35,7 @@ import torch
 
 from .errors import UsageError
 from .hf_dir import HFDirectory
+from .offline import checkpoint_tensors, is_megatron_checkpoint
 
 CHUNK_ELEMENTS = 1 << 21  # elements per side compared at a time (fp32 temporaries: 8 MiB each)
 #: a Megatron checkpoint's tensors are converted in buckets of this size (a larger tensor is a bucket alone), so
@@ -67,13 +68,6 @@ class Comparison:
     @property
     def identical(self) -> bool:
         return not (self.missing or self.unexpected or self.rows)
-
-
-def is_megatron_checkpoint(path: str) -> bool:
-    from .legacy import is_legacy_dir
-
-    return (any(os.path.exists(os.path.join(path, f)) for f in ("latest_checkpointed_iteration.txt", ".metadata"))
-            or is_legacy_dir(path))
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -326,8 +320,6 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, hf_config=None, itera
     with HFDirectory(a) as left:
         fp8_a = _fp8_weights(left)
         if is_megatron_checkpoint(b):
-            from .offline import checkpoint_tensors
-
             scheme = _fp8_scheme(left)
             seen = set()
             for name, tb in checkpoint_tensors(b, hf_config or a, iteration=iteration, bucket_bytes=CKPT_BUCKET):

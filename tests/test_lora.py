@@ -17,7 +17,7 @@ import os
 import peft
 import pytest
 import torch
-from harness.bridge_lora import BRIDGE_062, BRIDGE_VERSION, bridge_root
+from harness.bridge_lora import BRIDGE_062, BRIDGE_VERSION, bridge_root, checkpointing_root
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
@@ -205,8 +205,10 @@ def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Lay
     first = None
     for i, layout in enumerate(layouts):
         out = tmp_path / str(layout)
+        # the first layout also saves Bridge 0.3.1's own adapter-only PEFT checkpoint (its training checkpointing)
+        peft_ckpt = checkpointing_root() if i == 0 and version == BRIDGE_VERSION else None
         res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(version), TARGETS[model_type], str(out),
-                        i == 0)[0]
+                        i == 0, False, peft_ckpt)[0]
         _check_structure(model_type, layout, res["structure"], version)
         if res["bridge_merge"] is not None:
             print(f"\nLoRA {model_type} {layout}: |merged export - Bridge {version}'s LoRALinear.weight| "
@@ -216,6 +218,8 @@ def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Lay
             assert version == BRIDGE_VERSION  # 0.3.1's LoRALinear has no effective-weight property
         if i == 0:
             _offline(ckpt, str(out), res, reference, cli=model_type == "qwen3")
+            if peft_ckpt is not None:
+                _offline_adapter_only(ckpt, str(out), res, cli=model_type == "qwen3")
         if res.get("stacked"):
             _stacked_oracle(ckpt, want, res)
         if res.get("grouped"):
@@ -314,6 +318,63 @@ def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None
         lines = err.getvalue().strip().splitlines()
         # the command line names its own flags, not the Python keywords
         assert code == 2 and len(lines) == 1 and "--lora adapter" in lines[0] and "lora=" not in lines[0], lines
+        assert not os.path.exists(os.path.join(out, "refused"))
+
+
+def _offline_adapter_only(ckpt: str, out: str, res: dict, cli: bool) -> None:
+    """The checkpoint Megatron-Bridge 0.3.1's own training checkpointing writes for a PEFT run (its save_checkpoint's
+    calls with its functions, harness.bridge_lora.save_peft_checkpoint: the adapters alone, no base weights):
+    `--lora adapter` is the live PEFT directory (tensors and adapter_config.json); `--lora merged` with `--base`
+    the HF source, and with `--base` a Megatron checkpoint of the base (`mcore2hf import` of the source), are the
+    offline merged export of the whole checkpoint (_offline) bit for bit (with the base's MTP layers, which the
+    LoRA model is built without: the source's bytes); `--lora base` with a base is the source; without a base
+    merged / base are refused by name and nothing is written. With `cli`, the same through the command line."""
+    from mcore2hf.errors import UsageError
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.offline import DistCheckpointReader, export_checkpoint, resolve_iteration_dir
+
+    peft_ckpt = os.path.join(out, "peft_ckpt")
+    saved = DistCheckpointReader(resolve_iteration_dir(peft_ckpt)).tensors
+    assert saved and all(".adapter." in k for k in saved), sorted(saved)[:5]  # what Bridge's filter kept
+    export_checkpoint(peft_ckpt, os.path.join(out, "ao-adapter"), ckpt, lora="adapter", lora_alpha=LORA_ALPHA,
+                      progress=False)
+    live = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))
+    got = load_file(os.path.join(out, "ao-adapter", "adapter_model.safetensors"))
+    assert sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in live)
+    with open(os.path.join(res["dir"], "adapter_config.json")) as a, \
+            open(os.path.join(out, "ao-adapter", "adapter_config.json")) as b:
+        assert json.load(a) == json.load(b)
+    whole, src = read_hf_checkpoint(os.path.join(out, "off-merged")), read_hf_checkpoint(ckpt)
+    base_ckpt = os.path.join(out, "base-ckpt")
+    import_checkpoint(ckpt, base_ckpt, progress=False)
+    for name, base in (("ao-merged-hf", ckpt), ("ao-merged-ckpt", base_ckpt)):
+        export_checkpoint(peft_ckpt, os.path.join(out, name), ckpt, lora="merged", lora_alpha=LORA_ALPHA, base=base,
+                          progress=False)
+        merged = read_hf_checkpoint(os.path.join(out, name))
+        assert set(whole) <= set(merged) and all(torch.equal(merged[n], whole[n]) for n in whole), name
+        assert all(torch.equal(merged[n], src[n]) for n in set(merged) - set(whole)), name
+    export_checkpoint(peft_ckpt, os.path.join(out, "ao-base"), ckpt, lora="base", base=base_ckpt, progress=False)
+    base = read_hf_checkpoint(os.path.join(out, "ao-base"))
+    assert set(base) == set(src) and all(torch.equal(base[n], src[n]) for n in src)
+    for lora in ("merged", "base"):
+        with pytest.raises(UsageError, match="LoRA adapters only .* needs base"):
+            export_checkpoint(peft_ckpt, os.path.join(out, "refused"), ckpt, lora=lora, lora_alpha=LORA_ALPHA,
+                              progress=False)
+        assert not os.path.exists(os.path.join(out, "refused"))
+    if cli:
+        from mcore2hf.cli import main
+
+        cli_out = os.path.join(out, "ao-cli")
+        assert main(["export", peft_ckpt, cli_out, "--hf-config", ckpt, "--lora", "merged", "--lora-alpha",
+                     str(LORA_ALPHA), "--base", ckpt, "--quiet"]) == 0
+        merged = read_hf_checkpoint(cli_out)
+        assert set(whole) <= set(merged) and all(torch.equal(merged[n], whole[n]) for n in whole)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["export", peft_ckpt, os.path.join(out, "refused"), "--hf-config", ckpt, "--lora", "merged",
+                         "--lora-alpha", str(LORA_ALPHA), "--quiet"])
+        lines = err.getvalue().strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "--lora merged needs --base" in lines[0], lines
         assert not os.path.exists(os.path.join(out, "refused"))
 
 
