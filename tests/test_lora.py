@@ -47,9 +47,10 @@ MERGED_TOL = 1e-6
 LOGIT_TOL = 1e-4
 #: the layout matrix: every parallel dimension the base export covers (uneven PP, virtual PP, EP with expert-TP
 #: != TP, expert-TP > TP: expert adapters split over expert-TP), spread over the three architectures
-#: The first layout of each also saves a torch_dist checkpoint for the offline export: at EP 1, because Bridge
-#: 0.3.1's expert adapters cannot be saved at EP > 1 (peft/utils.py:684-696 rewrites their replica_id to the EP rank,
-#: so no rank saves the other EP ranks' experts: megatron-core refuses the access pattern)
+#: The first layout of each also saves a torch_dist checkpoint for the offline export: at EP 1 and expert-TP 1,
+#: because Bridge 0.3.1's expert adapters cannot be saved at EP > 1 (peft/utils.py:684-696 rewrites their replica_id
+#: to the EP rank, so no rank saves the other EP ranks' experts: megatron-core refuses the access pattern) nor at
+#: expert-TP 2 (both expert-TP ranks save their _extra_state under one key: docs/lora.md)
 MATRIX = {
     "qwen3": [Layout(tp=2), Layout(pp=2, vpp=2), Layout(pp=2, first_stage_layers=1)],
     "qwen3_moe": [Layout(tp=2, etp=1), Layout(tp=2, ep=2, etp=1), Layout(pp=2, vpp=2, ep=2, etp=1),
@@ -222,6 +223,7 @@ def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Lay
                 _offline_adapter_only(ckpt, str(out), res, cli=model_type == "qwen3")
         if res.get("stacked"):
             _stacked_oracle(ckpt, want, res)
+            _peft_per_expert(ckpt, res, model_type)
         if res.get("grouped"):
             _grouped_oracle(ckpt, want, res, layout)
             if i == 0:
@@ -497,6 +499,31 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict, engines:
     assert diff < min(LOGIT_TOL, logit_tolerance(cfg.model_type))
     if cfg.model_type == "qwen3_moe" and engines:
         _vllm_moe3d_slices(ckpt, src, res["stacked"], cfg)
+
+
+def _peft_per_expert(ckpt: str, res: dict, model_type: str) -> None:
+    """peft 0.21.2 on the default, per-expert form (`mlp.experts.E.gate_proj.lora_A.weight`, the PEFT directory of
+    the adapter export): its transformers-v4 weight conversion folds the experts' adapters into ParamWrappers on
+    transformers 5's fused experts. qwen3_moe: no missing or unexpected adapter key, and peft's logits equal
+    Megatron's with the adapters active (measured 1.5e-5 by hand against transformers on W + s B A). deepseek_v3:
+    the same conversion takes its dense MLP's and shared experts' gate / up / down adapters (PEFT_V4_RENAMED) for
+    routed experts' and drops them as unexpected keys: the stacked form (_stacked_oracle) is the one peft loads
+    there. A peft that loads them fails here, to update docs/lora.md."""
+    got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))
+    assert any(".experts.0." in n for n in got)  # the per-expert form
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), res["dir"])
+    result = peft.set_peft_model_state_dict(model, got)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if model_type == "qwen3_moe":
+        assert not missing and not result.unexpected_keys, (missing[:3], result.unexpected_keys[:3])
+        with torch.no_grad():
+            diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
+        print(f"\nLoRA {model_type} per-expert form in peft: |Megatron with adapters - peft| logits {diff:.2e}")
+        assert diff < min(LOGIT_TOL, logit_tolerance(model_type))
+        return
+    dropped = result.unexpected_keys
+    assert dropped and all(".experts." not in k and k.rsplit(".lora_", 1)[0].rsplit(".", 1)[1] in PEFT_V4_RENAMED
+                           for k in dropped), dropped[:5]
 
 
 def _vllm_moe3d_slices(ckpt: str, src: dict[str, torch.Tensor], stacked_dir: str, cfg) -> None:
