@@ -331,9 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="write a block-FP8 checkpoint (DeepSeek-V3 / Qwen3-FP8 format: float8_e4m3fn weights + "
                          "float32 weight_scale_inv per 128x128 block; fp8-ue8m0: power-of-two scales)")
-    ex.add_argument("--base", default=None, metavar="HF_DIR",
+    ex.add_argument("--base", default=None, metavar="DIR",
                     help="complete the output from this HF directory: copy every tensor the checkpoint does not "
-                         "produce (e.g. the vision tower of a text-only model) and its tokenizer/preprocessor files")
+                         "produce (e.g. the vision tower of a text-only model) and its tokenizer/preprocessor files; "
+                         "for --lora merged / base of an adapter-only checkpoint (Megatron-Bridge's PEFT training "
+                         "saves its adapters alone): the base weights, an HF directory or a Megatron checkpoint")
     ex.add_argument("--lora", choices=["adapter", "merged", "base"], default=None,
                     help="a checkpoint of a Megatron-Bridge LoRA model: write a PEFT adapter directory (adapter), "
                          "the HF directory of W + alpha/r B A (merged) or of the base weights (base)")
