@@ -507,7 +507,7 @@ def test_import_killed_with_sigkill_then_run_again(hf_source, tmp_path):
     r = run("import", hf_source, str(ckpt), "--quiet")  # the earlier iteration is intact: --overwrite is needed
     assert r.returncode == 1 and r.stderr.splitlines() == [
         f"mcore2hf import: removed {stage}, left by an earlier run that was killed",
-        f"mcore2hf import: error: {ckpt / 'iter_0000000'} exists (pass overwrite=True / --overwrite to replace it)"]
+        f"mcore2hf import: error: {ckpt / 'iter_0000000'} exists (pass --overwrite to replace it)"]
     r = run("import", hf_source, str(ckpt), "--overwrite", "--quiet")
     assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
     assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
