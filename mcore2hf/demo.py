@@ -96,9 +96,8 @@ def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_di
         _say(since, f"starting {layout.size} gloo worker processes at {layout} (each imports torch and "
                     "megatron-core first: the slow part)")
         t0 = time.perf_counter()
-        ranks = run_world(_rank_job, layout, ckpt, layout, exported, tokens, overwrite, since, on_ready=lambda rank, n:
-                          _say(since, f"rank {rank} up (torch and megatron-core imported, parallel state "
-                                      f"initialized): {n}/{layout.size}"))
+        ranks = run_world(_rank_job, layout, ckpt, layout, exported, tokens, overwrite, since,
+                          on_progress=lambda stage, rank, n: _say(since, f"rank {rank}: {stage} ({n}/{layout.size})"))
         world_s = time.perf_counter() - t0
         _say(since, "world done; transformers loads the exported directory and runs the same tokens")
 

@@ -30,7 +30,8 @@ def test_demo_end_to_end(tmp_path):
     assert "RESULT: all checks passed" in out
     assert "bit-identical to the source         PASS on 4/4 ranks" in out
     stages = ["a line as each stage ends", "transformers wrote a random tiny qwen3_moe checkpoint",
-              "starting 4 gloo worker processes", "up (torch and megatron-core imported", "4/4",
+              "starting 4 gloo worker processes", "torch imported (1/4)", "megatron-core imported (4/4)",
+              "parallel state initialized (4/4)",
               "built on every rank and loaded", "bit-identical to the source: PASS on 4/4 ranks",
               "save_pretrained wrote the HF directory", "world done", "from_pretrained: PASS; logits",
               "RESULT: all checks passed"]
