@@ -16,7 +16,7 @@ import sys
 
 from . import __version__
 from .dtypes import DTYPE_NAMES as DTYPES
-from .errors import Mcore2HFError, UsageError
+from .errors import SPELLING, Mcore2HFError, UsageError
 from .sizes import parse_size
 
 
@@ -91,34 +91,46 @@ def _name_filter(a):
     return NameFilter.of(include=a.include, exclude=a.exclude)
 
 
-def cmd_list(_a) -> int:
-    from .arch.hf_config import architecture_classes
-    from .arch.registry import get_converter, list_architectures, verified
+def cmd_list(a) -> int:
+    """The catalog (arch.catalog, the registry's snapshot: no converter, torch or transformers import, so it answers
+    at once), a line per architecture cut to the terminal's width; with a model_type, what is verified in full."""
+    import shutil
+    import textwrap
 
-    print(f"{'model_type':<13} {'HF class':<34} {'FP8':<4} verified (docs/architectures.md)")
-    for name in list_architectures():
-        conv = get_converter(name)
-        classes = architecture_classes(conv.model_type)
-        cls = next((c for suffix in ("ForConditionalGeneration", "ForCausalLM") for c in sorted(classes)
-                    if c.endswith(suffix)), "")
-        if conv.model_type != name:
-            print(f"{name:<13} {cls:<34} {'yes' if conv.fp8 else 'no':<4} as {conv.model_type} (the same format)")
-            continue
-        print(f"{name:<13} {cls:<34} {'yes' if conv.fp8 else 'no':<4} {verified(name)}")
+    from .arch.catalog import catalog
+
+    listing = catalog()
+    width = shutil.get_terminal_size().columns
+    if a.model_type is not None:
+        listed = listing.get(a.model_type)
+        if listed is None:
+            raise UsageError(f"model_type must be one of {', '.join(listing)}, got {a.model_type!r}")
+        print(f"{a.model_type}: {listed.hf_class}, FP8 export {'yes' if listed.fp8 else 'no'}"
+              + (f", the format of {listed.format_of}" if listed.format_of else ""))
+        print(textwrap.fill(f"verified (docs/architectures.md): {listed.verified}", width=min(width, 100),
+                            subsequent_indent="  "))
+        return 0
+
+    def fit(line: str) -> str:
+        return line if len(line) <= width else line[:width - 3] + "..."
+
+    print(fit(f"{'model_type':<13} {'HF class':<34} {'FP8':<3}  verified (mcore2hf list MODEL_TYPE: in full)"))
+    for name, listed in listing.items():
+        what = f"as {listed.format_of} (the same format)" if listed.format_of else listed.verified
+        print(fit(f"{name:<13} {listed.hf_class:<34} {'yes' if listed.fp8 else 'no':<3}  {what}"))
     return 0
 
 
 def _check_model_type(model_type: str) -> None:
-    from .arch.registry import list_architectures
+    from .arch.catalog import catalog  # the registered model types, without importing the converters
 
-    if model_type not in list_architectures():
-        raise UsageError(f"--model-type must be one of {', '.join(list_architectures())}, got {model_type!r}")
+    if model_type not in catalog():
+        raise UsageError(f"--model-type must be one of {', '.join(catalog())}, got {model_type!r}")
 
 
 def cmd_demo(a) -> int:
-    from .demo import format_report, run_demo
-
     _check_model_type(a.model_type)
+    print(f"mcore2hf demo: {a.model_type}; a line as each stage ends, the report last", flush=True)
     layout = _layout(a)
     from .runtime.tiny import tiny_config
 
@@ -127,7 +139,10 @@ def cmd_demo(a) -> int:
         from .formats.safetensors import check_target
 
         check_target(a.out, a.overwrite)
-    report, ok = format_report(run_demo(a.model_type, layout, a.out, a.overwrite))
+    from .demo import format_report, run_demo
+
+    report, ok = format_report(run_demo(a.model_type, layout, a.out, a.overwrite, progress=True))
+    print()
     print(report)
     return 0 if ok else 1
 
@@ -153,9 +168,29 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def _kinds(*paths: str) -> list[str | None]:
+    """Each path as "hf" (an HF directory), "megatron" (a Megatron checkpoint) or None (neither, or absent)."""
+    from .formats import is_megatron_checkpoint
+    from .formats.hf_dir import has_weights
+
+    return ["megatron" if is_megatron_checkpoint(p) else "hf" if has_weights(p) else None
+            for p in paths]
+
+
+def _swapped(what: str, path: str, is_: str, order: str) -> UsageError:
+    """A positional argument that is the other kind of directory: most likely the two were given in the other
+    command's order, so the error says the order that works."""
+    return UsageError(f"{what} {path} is {is_}: were the arguments swapped? {order}")
+
+
 def cmd_export(a) -> int:
     from .offline import export_checkpoint
     from .sizes import format_size
+
+    if _kinds(a.ckpt_dir) == ["hf"]:
+        raise _swapped("CKPT_DIR", a.ckpt_dir, "an HF directory, not a Megatron checkpoint",
+                       "`mcore2hf export CKPT_DIR OUT_DIR --hf-config HF_DIR` writes an HF directory from a Megatron "
+                       "checkpoint; `mcore2hf import HF_DIR CKPT_DIR` writes a Megatron checkpoint from an HF directory")
 
     r = export_checkpoint(a.ckpt_dir, a.out_dir, a.hf_config, iteration=a.iteration, dtype=a.dtype,
                           max_shard_size=a.shard_size, bucket_bytes=a.bucket_size, overwrite=a.overwrite,
@@ -175,6 +210,14 @@ def cmd_import(a) -> int:
     from .importer import import_checkpoint
     from .sizes import format_size
 
+    source, target = _kinds(a.hf_dir, a.ckpt_dir)
+    if source == "megatron" or (target == "hf" and source != "hf"):
+        path, is_ = (a.hf_dir, "a Megatron checkpoint, not an HF directory") if source == "megatron" else (
+            a.ckpt_dir, "an HF directory (the output must be a Megatron checkpoint directory)")
+        raise _swapped("HF_DIR" if path == a.hf_dir else "CKPT_DIR", path, is_,
+                       "`mcore2hf import HF_DIR CKPT_DIR` writes a Megatron checkpoint from an HF directory; "
+                       "`mcore2hf export CKPT_DIR OUT_DIR --hf-config HF_DIR` the other way")
+
     r = import_checkpoint(a.hf_dir, a.ckpt_dir, iteration=a.iteration, dtype=a.dtype, tp=a.tp,
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
                           singleton_local_shards=a.singleton_local_shards, moe_layer_freq=a.moe_layer_freq,
@@ -192,28 +235,67 @@ def cmd_import(a) -> int:
 def cmd_verify(a) -> int:
     from .verify import compare, format_table
 
+    if _kinds(a.a, a.b) == ["megatron", "hf"]:
+        raise _swapped("A", a.a, "a Megatron checkpoint", f"verify takes the HF directory first: "
+                       f"`mcore2hf verify {a.b} {a.a}`")
+
     result = compare(a.a, a.b, hf_config=a.hf_config, iteration=a.iteration, atol=a.atol, fp8=a.fp8)
     print(format_table(result, a.limit))
     return 0 if result.identical else 1
 
 
+#: `mcore2hf COMMAND --help` ends with these (shown as written)
+EXAMPLES = {
+    "demo": """\
+  mcore2hf demo                                      # qwen3_moe at TP2 x EP4: 4 gloo processes on CPU
+  mcore2hf demo --model-type deepseek_v3 --tp 1 --pp 2 --ep 2
+  mcore2hf demo --out exported/                      # keep the exported HF directory""",
+    "list": """\
+  mcore2hf list
+  mcore2hf list qwen3_vl                             # what is verified for one, in full""",
+    "plan": """\
+  mcore2hf plan --hf-config path/to/hf_dir --tp 8 --pp 4 --ep 8 --limit 20
+  mcore2hf plan --hf-config tiny:qwen3_moe --tp 2 --ep 2 --json""",
+    "export": """\
+  mcore2hf export /ckpts/run1 out_hf/ --hf-config path/to/hf_dir
+  mcore2hf export /ckpts/run1 out_hf/ --hf-config path/to/hf_dir --iteration 2000 --dtype bf16
+  mcore2hf export /ckpts/lora out_adapter/ --hf-config path/to/hf_dir --lora adapter --lora-alpha 32
+  mcore2hf export /ckpts/lora out_merged/ --hf-config path/to/hf_dir --lora merged --lora-alpha 32 \\
+      --base path/to/hf_dir                          # an adapter-only checkpoint: the base from here""",
+    "import": """\
+  mcore2hf import path/to/hf_dir /ckpts/start
+  mcore2hf import path/to/hf_dir /ckpts/start --dtype bf16 --transformer-impl local""",
+    "verify": """\
+  mcore2hf verify out_hf/ path/to/hf_dir
+  mcore2hf verify out_hf/ /ckpts/run1 --hf-config path/to/hf_dir
+  mcore2hf verify bf16_hf/ fp32_hf/ --atol 4e-3""",
+}
+
+
+def _command(sub, name: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, epilog="examples:\n" + EXAMPLES[name],
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, import, verify, demo.")
+    p = _Parser(prog="mcore2hf", description="Megatron-Core weights as Hugging Face tensors: export, import, verify, demo.",
+                epilog="start with `mcore2hf demo`; `mcore2hf COMMAND --help` shows examples")
     p.add_argument("--version", action="version", version=f"mcore2hf {__version__}")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="export a built-in tiny model at a multi-rank layout and verify it end to end")
+    d = _command(sub, "demo", help="export a built-in tiny model at a multi-rank layout and verify it end to end")
     d.add_argument("--model-type", default="qwen3_moe", help="a registered architecture (see `mcore2hf list`)")
     d.add_argument("--out", default=None, help="keep the exported HF directory here (default: nothing is kept)")
     d.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     _layout_args(d, tp=2, ep=4, etp=1)
     d.set_defaults(fn=cmd_demo)
 
-    ls = sub.add_parser("list", help="registered architectures (HF model_type)")
+    ls = _command(sub, "list", help="registered architectures (HF model_type)")
+    ls.add_argument("model_type", nargs="?", default=None, help="one of them: what is verified for it, in full")
     ls.set_defaults(fn=cmd_list)
 
-    pl = sub.add_parser("plan", help="dry run: every HF tensor with shape, dtype, Megatron source and bucket, "
+    pl = _command(sub, "plan", help="dry run: every HF tensor with shape, dtype, Megatron source and bucket, "
                                      "and each rank's extra memory")
     pl.add_argument("--hf-config", required=True, help="config.json, an HF directory, or tiny:<model_type>")
     pl.add_argument("--bucket-size", type=_size("--bucket-size"), default="512MiB",
@@ -234,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)
 
-    ex = sub.add_parser("export", help="Megatron checkpoint (torch_dist, or legacy torch: mp_rank_*/model_optim_rng.pt) "
+    ex = _command(sub, "export", help="Megatron checkpoint (torch_dist, or legacy torch: mp_rank_*/model_optim_rng.pt) "
                                        "-> HF directory, offline (CPU, bounded memory)")
     ex.add_argument("ckpt_dir", help="checkpoint directory (with latest_checkpointed_iteration.txt) or an iter_* dir")
     ex.add_argument("out_dir", help="the HF directory to write (must not overlap the inputs)")
@@ -251,9 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--quantize", choices=["fp8", "fp8-ue8m0"], default=None,
                     help="write a block-FP8 checkpoint (DeepSeek-V3 / Qwen3-FP8 format: float8_e4m3fn weights + "
                          "float32 weight_scale_inv per 128x128 block; fp8-ue8m0: power-of-two scales)")
-    ex.add_argument("--base", default=None, metavar="HF_DIR",
+    ex.add_argument("--base", default=None, metavar="DIR",
                     help="complete the output from this HF directory: copy every tensor the checkpoint does not "
-                         "produce (e.g. the vision tower of a text-only model) and its tokenizer/preprocessor files")
+                         "produce (e.g. the vision tower of a text-only model) and its tokenizer/preprocessor files; "
+                         "for --lora merged / base of an adapter-only checkpoint (Megatron-Bridge's PEFT training "
+                         "saves its adapters alone): the base weights, an HF directory or a Megatron checkpoint")
     ex.add_argument("--lora", choices=["adapter", "merged", "base"], default=None,
                     help="a checkpoint of a Megatron-Bridge LoRA model: write a PEFT adapter directory (adapter), "
                          "the HF directory of W + alpha/r B A (merged) or of the base weights (base)")
@@ -264,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     _filters(ex)
     ex.set_defaults(fn=cmd_export)
 
-    im = sub.add_parser("import", help="HF directory -> Megatron torch_dist checkpoint, offline (CPU, bounded memory)")
+    im = _command(sub, "import", help="HF directory -> Megatron torch_dist checkpoint, offline (CPU, bounded memory)")
     im.add_argument("hf_dir", help="an HF directory (config.json + safetensors)")
     im.add_argument("ckpt_dir", help="Megatron checkpoint directory: iter_NNNNNNN/ and latest_checkpointed_iteration.txt "
                                      "are written in it")
@@ -306,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     im.set_defaults(fn=cmd_import)
 
-    ve = sub.add_parser("verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
+    ve = _command(sub, "verify", help="compare two HF directories, or an HF directory and a Megatron checkpoint, "
                                        "tensor by tensor (exit 1 on any difference)")
     ve.add_argument("a", help="an HF directory")
     ve.add_argument("b", help="an HF directory or a Megatron checkpoint (torch_dist or legacy torch)")
@@ -388,12 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     paths_log = logging.getLogger("mcore2hf.paths")
     handler = _StderrLine(prog)
     paths_log.addHandler(handler)
+    spelling = SPELLING.set("cli")  # errors name --flags, not Python keywords
     try:
         _quiet_libraries()
         return a.fn(a)
     except BaseException as e:  # noqa: BLE001 - every outcome is one line on stderr (the traceback with --debug)
         return _report(a, prog, e, _interrupted(e, seen))
     finally:
+        SPELLING.reset(spelling)
         paths_log.removeHandler(handler)
         signal.signal(signal.SIGINT, previous)
         paths.interrupt_requested.clear()

@@ -21,7 +21,14 @@ from .runtime.world import Layout, run_world
 DEMO_LAYOUT = Layout(tp=2, ep=4, etp=1)
 
 
-def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, overwrite: bool = False) -> dict:
+def _say(since: float | None, text: str) -> None:
+    """A progress line (`since`: the demo's start, wall clock, the same in every process; None: silent)."""
+    if since is not None:
+        print(f"  [{time.time() - since:5.1f} s] {text}", flush=True)
+
+
+def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, overwrite: bool = False,
+              since: float | None = None) -> dict:
     import torch.distributed as dist
 
     from . import HFExporter, build_model, load_hf_weights
@@ -30,9 +37,12 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, ove
     from .runtime.forward import megatron_logits
     from .runtime.tiny import read_hf_checkpoint
 
+    talk = since if dist.get_rank() == 0 else None  # rank 0 speaks for the world (its stdout is the demo's)
+    _say(talk, "building the Megatron model from the HF config on every rank")
     cfg = load_hf_config(ckpt)
     chunks = build_model(cfg, use_te=False, **layout.config_overrides())  # CPU gloo workers: the local spec
-    load_hf_weights(chunks, ckpt)
+    load_hf_weights(chunks, ckpt)  # collective: every rank has loaded when it returns
+    _say(talk, "built on every rank and loaded from the checkpoint (load_hf_weights)")
     # what the Megatron model holds (a multimodal source's vision tower is not: the saved directory gets it from
     # the source, `base`)
     not_held = get_converter(cfg.model_type).not_held_by_model
@@ -51,8 +61,15 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, ove
         pass
     second = time.perf_counter() - t0
     identical = set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    passed = torch.tensor([int(identical)])
+    dist.all_reduce(passed)
+    _say(talk, f"export: {len(got)} HF tensors in {len(plan.buckets)} buckets to every rank, first "
+               f"{first * 1e3:.0f} ms (plans), second {second * 1e3:.0f} ms; bit-identical to the source: "
+               f"{'PASS' if int(passed) == dist.get_world_size() else 'FAIL'} on {int(passed)}/"
+               f"{dist.get_world_size()} ranks")
     ex.save_pretrained(out_dir, bucket_bytes=256 * 1024, overwrite=overwrite,
                        base=ckpt if len(ref) < len(read_hf_checkpoint(ckpt)) else None)
+    _say(talk, "save_pretrained wrote the HF directory; next the Megatron forward of 2 x 16 tokens")
 
     logits = megatron_logits(chunks, tokens, text_config(cfg).vocab_size)  # every stage in order, at any layout
     return dict(rank=dist.get_rank(), identical=identical, tensors=len(got), bytes=nbytes,
@@ -60,22 +77,29 @@ def _rank_job(ckpt: str, layout: Layout, out_dir: str, tokens: torch.Tensor, ove
 
 
 def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_dir: str | None = None,
-             overwrite: bool = False) -> dict:
+             overwrite: bool = False, progress: bool = False) -> dict:
     """Run the demo; returns the verification results (also printed by the CLI). `out_dir` keeps the exported
-    directory (`overwrite`: replace an earlier export there)."""
+    directory (`overwrite`: replace an earlier export there). `progress`: a line on stdout as each stage ends
+    (the world's from its rank 0)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from .arch.hf_config import text_config
     from .runtime.tiny import make_hf_checkpoint, tiny_config
 
+    since = time.time() if progress else None
     with tempfile.TemporaryDirectory(prefix="mcore2hf-demo-") as work:  # nothing is left behind but `out_dir`
         config = tiny_config(model_type)
         ckpt = make_hf_checkpoint(config, os.path.join(work, "source"))
+        _say(since, f"transformers wrote a random tiny {model_type} checkpoint (the source of truth)")
         exported = out_dir or os.path.join(work, "exported")
         tokens = torch.randint(0, text_config(config).vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        _say(since, f"starting {layout.size} gloo worker processes at {layout} (each imports torch and "
+                    "megatron-core first: the slow part)")
         t0 = time.perf_counter()
-        ranks = run_world(_rank_job, layout, ckpt, layout, exported, tokens, overwrite)
+        ranks = run_world(_rank_job, layout, ckpt, layout, exported, tokens, overwrite, since,
+                          on_progress=lambda stage, rank, n: _say(since, f"rank {rank}: {stage} ({n}/{layout.size})"))
         world_s = time.perf_counter() - t0
+        _say(since, "world done; transformers loads the exported directory and runs the same tokens")
 
         # a multimodal model (Qwen3.5) loads whole, its vision tower completed from the source; its text forward
         auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
@@ -92,6 +116,8 @@ def run_demo(model_type: str = "qwen3_moe", layout: Layout = DEMO_LAYOUT, out_di
             with torch.no_grad():
                 ref = hf.eval()(input_ids=tokens).logits
             diff = (ranks[0]["logits"] - ref).abs().max().item()
+        _say(since, f"from_pretrained: {'PASS' if clean else 'FAIL'}"
+                    + ("" if diff is None else f"; logits max |diff| to Megatron's {diff:.2e}"))
     return dict(model_type=model_type, layout=str(layout), ranks=ranks, world_s=world_s, out_dir=out_dir,
                 loading_info=info, clean_load=clean, logit_diff=diff)
 

@@ -127,12 +127,12 @@ def _embedded_tower(chunk, hf_config):
     from .arch.hf_config import hf_tensor_shapes
     from .arch.mapping import NAME
     from .arch.registry import get_converter
-    from .errors import UsageError
+    from .errors import UsageError, option
     from .formats.checkpoint_keys import TOWER_PREFIXES, embedded_tower_rules
 
     rules = embedded_tower_rules(get_converter(hf_config.model_type).rules)
     if not rules:
-        raise UsageError(f"vision_tower='hf': {hf_config.model_type!r} has no embedded tower under "
+        raise UsageError(f"{option('vision_tower', 'hf')}: {hf_config.model_type!r} has no embedded tower under "
                          f"{', '.join(TOWER_PREFIXES)} (Megatron-Bridge's Qwen3VLModel: qwen3_vl, qwen3_vl_moe, "
                          "qwen3_5, qwen3_5_moe; GLM45VModel: glm4v_moe; KimiK25VLModel: kimi_k25)")
     wrapper = torch.nn.Module()

@@ -3,6 +3,7 @@ found at once are grouped by cause and bounded (`problem_list`)."""
 
 from __future__ import annotations
 
+import contextvars
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,18 +89,35 @@ def problem_list(problems: Iterable[Problem | str], shown: int = SHOWN, groups: 
     return "\n  ".join(lines)
 
 
+#: how an error names an option the user passes: "python" (`overwrite=True`) or "cli" (`--overwrite`); the command
+#: line sets "cli" for the command it runs (cli.main), so its one-line errors name its own flags
+SPELLING: contextvars.ContextVar[str] = contextvars.ContextVar("mcore2hf_option_spelling", default="python")
+#: keyword arguments whose command-line flag is not their name with dashes
+_FLAGS = {"max_shard_size": "--shard-size", "bucket_bytes": "--bucket-size"}
+
+
+def option(name: str, value: object = True) -> str:
+    """Option `name` as the user writes it: `--name value` (`--name` for True, `value` None: the flag alone) on
+    the command line, `name=value` (`value` None: the name alone) in Python."""
+    if SPELLING.get() == "cli":
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        return flag if value is True or value is None else f"{flag} {value}"
+    return name if value is None else f"{name}={value!r}"
+
+
 class Mcore2HFError(Exception):
     """Base class of every error this library raises on purpose."""
 
 
 class UnknownParametersError(Mcore2HFError):
-    """Megatron parameters that no rule of the converter maps, all found at once (`names`), the first few shown."""
+    """Megatron parameters that no rule of the converter maps, all found at once (`names`), the first few shown;
+    `first`: what to say before them (e.g. which architecture they are)."""
 
-    def __init__(self, model_type: str, names: list[str]):
+    def __init__(self, model_type: str, names: list[str], first: str = ""):
         self.names = sorted(names)
         shown = problem_list(self.names, groups=2 * GROUPS)
         super().__init__(
-            f"{len(self.names)} Megatron parameter(s) have no mapping in the {model_type!r} converter:\n  {shown}"
+            f"{first}{len(self.names)} Megatron parameter(s) have no mapping in the {model_type!r} converter:\n  {shown}"
         )
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arch.hf_config import HFConfigLike, config_source
-from .arch.mapping import NAME, Converter, ModelDims, compile_pattern, match_fields
+from .arch.mapping import NAME, Converter, ModelDims
 from .arch.naming import HybridLayout, parse_name
 from .arch.registry import get_converter
 from .dtypes import parse_dtype
@@ -47,6 +47,7 @@ from .errors import (
     ShapeMismatchError,
     UnknownParametersError,
     UsageError,
+    option,
 )
 from .formats import TRACKER
 from .formats.checkpoint_keys import (
@@ -55,7 +56,6 @@ from .formats.checkpoint_keys import (
     HYBRID_OUTPUT_EXTRA_STATE,
     MEGATRON_LM_TRANSFORMER_IMPL,
     TOWER_PREFIXES,
-    VISION_MODEL,
     VISION_TOWERS,
     KeyLayout,
     check_transformer_impl,
@@ -63,7 +63,8 @@ from .formats.checkpoint_keys import (
     layer_keys,
     part_key,
 )
-from .formats.hf_dir import HFDirectory
+from .formats.hf_as_megatron import full_shape, megatron_names
+from .formats.hf_dir import HFDirectory, as_published
 from .formats.paths import (
     Staging,
     check_output_dir,
@@ -116,48 +117,6 @@ class ImportReport:
     transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL  # the layer spec whose norm keys were written
 
 
-def megatron_names(converter: Converter, dims: ModelDims, hf_names: set[str], vision_tower: str | None = None
-                   ) -> tuple[dict[str, object], list[str]]:
-    """{canonical Megatron name: Resolved} for the HF tensors, by reading each rule's first HF template back
-    (placeholders become numbers; MTP rules' {L} is num_layers + M); also the HF names no rule explains.
-    `vision_tower`: which of a vision-language table's tower rules are read back, "hf" the pass-through ones
-    (`{NAME}`: an embedded transformers tower), "native" the others (a native Megatron tower)."""
-    rules = [r for r in converter.rules if vision_tower is None
-             or (f"{{{NAME}}}" in r.megatron) == (vision_tower == HF_TOWER)
-             or not r.megatron.startswith(VISION_MODEL)]
-    templates = [(compile_pattern(rule.hf[0]), rule) for rule in rules]
-    found: dict[str, object] = {}
-    used: set[str] = set()
-    for hf_name in sorted(hf_names):
-        for pattern, rule in templates:
-            m = pattern.fullmatch(hf_name)
-            if m is None:
-                continue
-            fields = match_fields(m)
-            if "{M}" in rule.megatron:
-                fields["M"] = fields.get("L", -1) - dims.num_layers
-                if fields["M"] < 0:
-                    continue
-            # a stacked HF tensor (gpt-oss's experts.gate_up_proj [E, ...]) holds one Megatron tensor per item
-            items = [{}] if rule.stack is None else [{rule.stack: e} for e in range(dims.num_experts)]
-            rs = [(n, converter.resolve(n, dims)) for n in (rule.megatron.format(**fields, **i) for i in items)]
-            if any(r is None or r.hf_names[0] != hf_name for _, r in rs):
-                continue  # an earlier rule owns this Megatron name: not this one's inverse
-            for name, r in rs:
-                found[name] = r
-                used.update(r.hf_names)
-            break
-    unexplained = sorted(n for n in hf_names - used if not converter.ignored_on_load(n, dims))
-    return found, unexplained
-
-
-def _full_shape(op, hf_shapes: list[tuple[int, ...]], padded_vocab: int) -> tuple[int, ...]:
-    """The Megatron tensor's shape from its HF tensors' shapes (the op's inverse), with the vocab padding chosen."""
-    if isinstance(op, VocabRows):
-        return (padded_vocab, *hf_shapes[0][1:])
-    return op.full_shape(hf_shapes)
-
-
 def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims, *, tp: int | None, divisible_by: int,
                 singleton: bool, stacked: bool, hybrid: HybridLayout | None = None,
                 transformer_impl: str = MEGATRON_LM_TRANSFORMER_IMPL, vision_tower: str | None = None,
@@ -199,7 +158,7 @@ def plan_import(reader: HFDirectory, cfg, converter: Converter, dims: ModelDims,
             continue
         hf = [reader.slice(n) for n in r.hf_names]  # the directory was validated when it was opened
         have = [shape_of(x) for x in hf]
-        full = _full_shape(r.op, have, padded)
+        full = full_shape(r.op, have, padded)
         try:
             want = [tuple(s) for s in r.op.hf_shapes(full)]
         except ShapeMismatchError as e:
@@ -256,7 +215,7 @@ def _check_vision_tower(converter: Converter, spec, vision_tower: str, model_cla
     native = spec.native_vision_tower is not None
     if model_class != "gpt" or (vision_tower == HF_TOWER and not passes) or (vision_tower != HF_TOWER and not native):
         embedded = f"an embedded tower under {', '.join(passes)}" if passes else "no embedded tower"
-        raise UsageError(f"vision_tower={vision_tower!r}: {converter.model_type!r} has "
+        raise UsageError(f"{option('vision_tower', vision_tower)}: {converter.model_type!r} has "
                          f"{'a native Megatron tower' if native else 'no native Megatron tower'} and {embedded} "
                          "(native: Megatron-Bridge 0.6.2's Qwen3VLModel, qwen3_vl, qwen3_vl_moe, qwen3_5, "
                          "qwen3_5_moe; hf: Bridge 0.3.1's Qwen3VLModel for those, its GLM45VModel (glm4v_moe), "
@@ -294,7 +253,7 @@ def check_import_target(ckpt_dir: str, iteration: int, overwrite: bool, inputs: 
         raise ImportTargetError(f"output directory {ckpt_dir} is not empty and not a Megatron checkpoint "
                                 f"directory (no {TRACKER}): refusing to write into it")
     if os.path.lexists(target) and not overwrite:
-        raise ImportTargetError(f"{target} exists (pass overwrite=True / --overwrite to replace it)")
+        raise ImportTargetError(f"{target} exists (pass {option('overwrite')} to replace it)")
     check_output_dir(target, overwrite, TORCH_DIST_OUTPUT)
 
 
@@ -355,8 +314,9 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
         from .model_specs.common import hybrid_pattern
 
         if dims.num_mtp_layers:  # build_model refuses them too: nothing could load such keys
-            raise LayoutError(f"model_class='hybrid' with {dims.num_mtp_layers} MTP layer(s) in the HF config: hybrid "
-                              "models with MTP are not supported (import as model_class='gpt')")
+            raise LayoutError(f"{option('model_class', 'hybrid')} with {dims.num_mtp_layers} MTP layer(s) in the HF "
+                              f"config: hybrid models with MTP are not supported (import as "
+                              f"{option('model_class', 'gpt')})")
         hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
     if vision_tower is not None:
         _check_vision_tower(converter, spec, vision_tower, model_class)
@@ -364,6 +324,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
                               non_homogeneous=non_homogeneous_layers, hybrid=hybrid is not None)
     reader = HFDirectory(hf_dir)
     try:
+        reader = as_published(reader, cfg)  # transformers' own save reads as the published layout
         sources, keys, objects = plan_import(reader, cfg, converter, dims, tp=tp, singleton=singleton_local_shards,
                                              divisible_by=make_vocab_size_divisible_by, stacked=stacked,
                                              hybrid=hybrid, transformer_impl=transformer_impl,

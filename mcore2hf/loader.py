@@ -21,7 +21,7 @@ from .errors import (
     UnknownParametersError,
     problem_list,
 )
-from .formats.hf_dir import open_tensors
+from .formats.hf_dir import as_published, open_tensors
 from .layouts.ops import shape_of
 from .parallel import ParallelContext
 from .plan.checks import check, checked_dims
@@ -60,7 +60,7 @@ def load_hf_weights(model, source: str | os.PathLike | Mapping[str, torch.Tensor
 
     converter = converter or get_converter(cfg.model_type)
     spec = converter.spec
-    reader = open_tensors(source)
+    reader = as_published(open_tensors(source), cfg)  # transformers' own save reads as the published layout
     if lora:  # per-expert or PEFT's stacked 3-D expert factors, as the source holds them
         converter = lora_converter(converter, expert_form(reader.names()))
     ctx = ParallelContext.from_megatron()

@@ -37,16 +37,22 @@ from .errors import (
     CheckpointError,
     Problem,
     ShapeMismatchError,
-    UnknownParametersError,
     UsageError,
+    option,
 )
-from .formats import CheckpointReader, open_checkpoint, resolve_iteration_dir
+from .formats import (
+    CheckpointReader,
+    CombinedReader,
+    is_megatron_checkpoint,
+    open_checkpoint,
+    resolve_iteration_dir,
+)
 from .formats.checkpoint_keys import CkptSource
 from .formats.safetensors import SafetensorsWriter, TensorInfo, check_target
 from .layouts.geometry import align, nbytes
 from .layouts.ops import full_shape_of_shard
 from .layouts.stacked import Stacked
-from .plan.checks import check, checked_dims
+from .plan.checks import check, check_mapped, checked_dims
 from .plan.export import pack_tight, stack_units
 from .plan.options import ExportOptions
 from .plan.planner import fp8_policy
@@ -87,7 +93,10 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     bucket is quantized after it is read, so memory stays about one bucket plus its quantized copy. `base` (an HF
     directory) completes the output with the base tensors the checkpoint does not produce (`SafetensorsWriter`).
     A checkpoint of a Megatron-Bridge LoRA model: `lora="adapter"` writes a PEFT adapter directory,
-    `lora="merged"` the HF directory of W + lora_alpha/r B A, `lora="base"` the base weights (docs/lora.md)."""
+    `lora="merged"` the HF directory of W + lora_alpha/r B A, `lora="base"` the base weights (docs/lora.md). An
+    adapter-only checkpoint (Megatron-Bridge's PEFT training saves its adapters alone) takes its base weights for
+    "merged" / "base" from `base`: the base model's HF directory (which also completes the output) or Megatron
+    checkpoint."""
     t0 = time.perf_counter()
     if hf_config is None:  # Megatron's args cannot say which HF architecture this is (mcore2hf.formats.legacy)
         from .formats.legacy import missing_hf_config
@@ -101,14 +110,17 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
     source = config_source(hf_config)
     converter = get_converter(source.config.model_type)
     policy = None if scheme is None else fp8_policy(converter)
-    inputs = [ckpt_dir] + ([source.directory] if source.directory else [])
+    inputs = [ckpt_dir] + ([source.directory] if source.directory else []) + ([base] if base is not None else [])
     check_target(out_dir, overwrite, inputs)
     it_dir = resolve_iteration_dir(ckpt_dir, iteration)
     check_target(out_dir, overwrite, [it_dir])  # e.g. a symlinked iter_* directory elsewhere
     if lora == "adapter" and (quantize is not None or base is not None):
-        raise UsageError("a LoRA adapter export is neither quantized nor completed from a base: drop quantize / base")
+        raise UsageError(f"a LoRA adapter export is neither quantized nor completed from a base: drop "
+                         f"{option('quantize', None)} / {option('base', None)}")
     reader, sources, ignored = prepare_sources(it_dir, source.config, make_vocab_size_divisible_by, name_filter,
-                                               lora, lora_alpha)
+                                               lora, lora_alpha, base_weights=base)
+    if base is not None and is_megatron_checkpoint(base):
+        base = None  # it gave the base weights (an adapter-only checkpoint's); only an HF directory completes
 
     def out_dtype(s: CkptSource) -> torch.dtype:
         return cast if cast is not None and s.dtype.is_floating_point and not s.keep_dtype else s.dtype
@@ -162,22 +174,32 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, h
 
 
 def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, name_filter=None,
-                    lora: str | None = None, lora_alpha: float | None = None
+                    lora: str | None = None, lora_alpha: float | None = None,
+                    base_weights: str | os.PathLike | None = None
                     ) -> tuple[CheckpointReader, list[CkptSource], list[str]]:
     """The checkpoint's model tensors, resolved to HF names and shapes and checked against the HF config (every
     problem at once); also the keys that are not model weights. A checkpoint of a Megatron-Bridge LoRA model:
     `lora` says what is exported, as for HFExporter (docs/lora.md); the checkpoint does not hold alpha, so
-    "adapter" and "merged" need `lora_alpha`."""
+    "adapter" and "merged" need `lora_alpha`. An adapter-only checkpoint (what Megatron-Bridge's PEFT training
+    saves: its adapters, no base weights) exports as "adapter" alone, or as "merged" / "base" with
+    `base_weights`: the base model's HF directory or Megatron checkpoint, read with it (CombinedReader)."""
     converter = get_converter(cfg.model_type)
     spec = converter.spec
     dims = spec.dims(cfg)
     reader = open_checkpoint(it_dir)
-    hybrid = None
-    if HYBRID_FINAL_NORM in reader.tensors:  # a hybrid model's: its pattern from the HF config
-        from .model_specs.common import hybrid_pattern
-
-        hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
-    sources, ignored = reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)), hybrid)
+    sources, ignored = _checkpoint_sources(reader, spec, cfg, dims)
+    adapter_only = bool(sources) and all(is_adapter(s.name) for s in sources)
+    if base_weights is not None and not adapter_only and is_megatron_checkpoint(base_weights):
+        raise UsageError(f"{option('base', base_weights)}: a Megatron checkpoint gives the base weights of an "
+                         f"adapter-only checkpoint, and {it_dir} holds its own base weights (pass an HF directory "
+                         "to complete the output from)")
+    if adapter_only and lora in ("merged", "base"):
+        if base_weights is None:
+            raise UsageError(f"{it_dir} holds LoRA adapters only (Megatron-Bridge's PEFT checkpoints save no base "
+                             f"weights): {option('lora', lora)} needs {option('base', None)}, the base model's HF "
+                             "directory or Megatron checkpoint")
+        reader = CombinedReader([reader, open_checkpoint(base_weights, hf_config=cfg)])
+        sources, ignored = _checkpoint_sources(reader, spec, cfg, dims)
     reader.check_files({key for s in sources for shard in s.reads for key, _ in shard})
     if not sources:
         raise CheckpointError(f"{it_dir} holds no model weights (keys: {sorted(reader.tensors)[:5]}...)")
@@ -185,17 +207,19 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
     sources = [s for s in sources if not is_adapter(s.name)]
     check_mode(lora, bool(adapters), adapters[0].key if adapters else None)
     if lora in ("adapter", "merged") and lora_alpha is None:
-        raise UsageError(f"lora={lora!r}: a checkpoint does not hold LoRA's alpha; pass lora_alpha (--lora-alpha), "
-                         "the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the model was trained with")
+        raise UsageError(f"{option('lora', lora)}: a checkpoint does not hold LoRA's alpha; pass "
+                         f"{option('lora_alpha', None)}, the alpha of Megatron-Bridge's LoRA(dim=..., alpha=...) the "
+                         "model was trained with")
+    if not sources:  # adapters only, exported alone: checked against the config's model (its MTP layers too)
+        sources = _adapter_sources(adapters, converter, dims, cfg, dims.num_mtp_layers, it_dir)
+        return reader, (_filtered(sources, name_filter) if name_filter is not None else sources), ignored
 
-    ckpt_mtp = len({p.layer for p in (parse_name(s.name) for s in sources) if p.stack == "mtp"})
     what = f"the checkpoint {it_dir}"
+    check_mapped(converter, {s.name: s.name if s.name == s.key else f"{s.name} (checkpoint key {s.key})"
+                             for s in sources}, what)  # first: another architecture is that, not a layer count
+    ckpt_mtp = len({p.layer for p in (parse_name(s.name) for s in sources) if p.stack == "mtp"})
     dims = checked_dims(spec, cfg, ckpt_mtp, what)
 
-    unknown = [s.name for s in sources if converter.resolve(s.name, dims) is None]
-    if unknown:
-        raise UnknownParametersError(converter.model_type, [f"{n}  (checkpoint key {next(s.key for s in sources if s.name == n)})"
-                                                            for n in unknown])
     for s in sources:
         r = converter.resolve(s.name, dims)
         s.op, s.n_out, s.keep_dtype = r.op, r.op.n_out, r.rule.keep_dtype
@@ -226,6 +250,15 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
     return reader, sources, ignored
 
 
+def _checkpoint_sources(reader, spec, cfg, dims) -> tuple[list[CkptSource], list[str]]:
+    hybrid = None
+    if HYBRID_FINAL_NORM in reader.tensors:  # a hybrid model's: its pattern from the HF config
+        from .model_specs.common import hybrid_pattern
+
+        hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
+    return reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)), hybrid)
+
+
 def _adapter_sources(adapters: list[CkptSource], converter, dims, cfg, ckpt_mtp: int, it_dir: str) -> list[CkptSource]:
     """The adapter factors resolved through the derived LoRA table, their shapes checked against the base weights."""
     derived = lora_converter(converter)
@@ -254,8 +287,9 @@ def _attach_merges(sources: list[CkptSource], adapters: list[CkptSource], alpha:
     """lora="merged": each adapted base weight gets its (A, B) sources and alpha / r."""
     split = sorted({s.name.split(ADAPTER)[0] for s in adapters if ".adapter.adapter_" in s.name})
     if split:
-        raise UsageError(f"lora='merged' offline: canonical LoRA (adapter.adapter_q/k/v, adapter_gate/up) is not "
-                         f"merged from checkpoints yet ({split[:3]}); export lora='adapter', or merge live")
+        raise UsageError(f"{option('lora', 'merged')} offline: canonical LoRA (adapter.adapter_q/k/v, "
+                         f"adapter_gate/up) is not merged from checkpoints yet ({split[:3]}); export "
+                         f"{option('lora', 'adapter')}, or merge live")
     by_name = {s.name: s for s in adapters}
     for s in sources:
         module = s.name.removesuffix(".weight")

@@ -36,6 +36,7 @@ import torch
 from .errors import UsageError
 from .formats import is_megatron_checkpoint
 from .formats.hf_dir import HFDirectory
+from .offline import checkpoint_tensors
 
 CHUNK_ELEMENTS = 1 << 21  # elements per side compared at a time (fp32 temporaries: 8 MiB each)
 #: a Megatron checkpoint's tensors are converted in buckets of this size (a larger tensor is a bucket alone), so
@@ -56,6 +57,9 @@ class Comparison:
     unexpected: list[str] = field(default_factory=list)  # in B, not in A
     rows: list[tuple[str, str, str]] = field(default_factory=list)  # (name, kind, detail)
     max_abs_diff: float = 0.0  # of the values compared as values
+    valued: int = 0  # tensors compared value by value (the others differed in shape, or are FP8)
+    #: the model_type each side's HF config says (None: none found), to name two different models as such
+    model_types: tuple[str | None, str | None] = (None, None)
     #: dequantized FP8 weights against their unquantized counterparts (fp8="bound"; "reference" computes it only
     #: where the bytes differ, for the report)
     fp8_max_abs_diff: float = 0.0
@@ -159,6 +163,7 @@ def _compare_values(r: Comparison, name: str, a: Side, b: Side) -> None:
     if exact and a.dtype != b.dtype:
         r.rows.append((name, "dtype", f"{_short(a.dtype)} vs {_short(b.dtype)}"))
     r.pairs[(_short(a.dtype), _short(b.dtype), "exactly" if exact else f"in {_short(dtype)}")] += 1
+    r.valued += 1
     worst, count, first = 0.0, 0, None
     for r0, r1 in _row_runs(a.shape):
         x, y = a.rows(r0, r1), b.rows(r0, r1)
@@ -312,11 +317,10 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, hf_config=None, itera
         raise UsageError(f"atol must be >= 0, got {atol}")
     a, b = os.fspath(a), os.fspath(b)
     result = Comparison(a, b, atol=atol, fp8_mode=fp8)
+    result.model_types = (_model_type(a), _model_type(hf_config or a) if is_megatron_checkpoint(b) else _model_type(b))
     with HFDirectory(a) as left:
         fp8_a = _fp8_weights(left)
         if is_megatron_checkpoint(b):
-            from .offline import checkpoint_tensors
-
             scheme = _fp8_scheme(left)
             seen = set()
             for name, tb in checkpoint_tensors(b, hf_config or a, iteration=iteration, bucket_bytes=CKPT_BUCKET):
@@ -332,6 +336,21 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, hf_config=None, itera
                 _compare_directories(result, left, right, fp8_a)
     result.unexpected.sort()
     return result
+
+
+def _model_type(config) -> str | None:
+    """The model_type of an HF config (a directory, config.json, dict or PretrainedConfig), read without
+    transformers; None where there is none."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+    value = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return value if isinstance(value, str) else None
 
 
 def _compare_directories(r: Comparison, left: HFDirectory, right: HFDirectory, fp8_a: dict[str, str]) -> None:
@@ -359,8 +378,15 @@ def format_table(r: Comparison, limit: int = 10) -> str:
         groups.setdefault(kind, []).append((name, detail))
     counts = ", ".join(f"{len(v)} {k}" for k, v in groups.items())
     how = "exact" if r.atol == 0 else f"atol {r.atol:g}"
-    lines = [f"A: {r.a}", f"B: {r.b}",
-             f"{r.compared} tensors compared ({how}): {counts} difference(s); max |diff| {r.max_abs_diff:.3e}"
+    kinds = [f" ({t})" if t else "" for t in r.model_types]
+    lines = [f"A: {r.a}{kinds[0]}", f"B: {r.b}{kinds[1]}"]
+    if None not in r.model_types and r.model_types[0] != r.model_types[1]:
+        lines.append(f"different models: A is {r.model_types[0]}, B is {r.model_types[1]}")
+    shapes = sum(kind == "shape" for _, kind, _ in r.rows)
+    values = (f"max |diff| {r.max_abs_diff:.3e} over the {r.valued} compared by value" if r.valued else
+              "no values compared: the tensors of the same name differ in shape" if r.compared and shapes == r.compared
+              else "")
+    lines += [f"{r.compared} tensors compared ({how}): {counts} difference(s)" + (f"; {values}" if values else "")
              + (f"; FP8 dequantized vs unquantized max |diff| {r.fp8_max_abs_diff:.3e}"
                 if any("FP8 step" in w for *_, w in r.pairs) else "")]
     for (da, db, way), n in sorted(r.pairs.items(), key=lambda x: -x[1]):

@@ -72,7 +72,8 @@ def test_demo_refuses_a_non_empty_out_before_it_runs_and_overwrites_when_asked(t
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     t = time.perf_counter()
-    one_error_line(run("demo", "--out", str(out), "--tp", "1", "--ep", "1"), 1, str(out), "--overwrite")
+    line = one_error_line(run("demo", "--out", str(out), "--tp", "1", "--ep", "1"), 1, str(out), "--overwrite")
+    assert "overwrite=" not in line  # the command line's flag, not the Python keyword
     assert time.perf_counter() - t < 60 and os.listdir(out) == ["keep.txt"]
     assert "--overwrite" in run("demo", "--help").stdout
 
@@ -506,7 +507,7 @@ def test_import_killed_with_sigkill_then_run_again(hf_source, tmp_path):
     r = run("import", hf_source, str(ckpt), "--quiet")  # the earlier iteration is intact: --overwrite is needed
     assert r.returncode == 1 and r.stderr.splitlines() == [
         f"mcore2hf import: removed {stage}, left by an earlier run that was killed",
-        f"mcore2hf import: error: {ckpt / 'iter_0000000'} exists (pass overwrite=True / --overwrite to replace it)"]
+        f"mcore2hf import: error: {ckpt / 'iter_0000000'} exists (pass --overwrite to replace it)"]
     r = run("import", hf_source, str(ckpt), "--overwrite", "--quiet")
     assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
     assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
@@ -532,3 +533,72 @@ def test_many_problems_of_one_cause_are_one_bounded_line_naming_the_file(megatro
                           "model.layers.{0-3}.mlp.experts.{0-7}.gate_proj.weight: HF config implies shape [32, 96], "
                           "the checkpoint gives [32, 64]", limit=2000)
     assert sorted(os.listdir(tmp_path)) == ["sharded", "wide"], line
+
+
+# -- list ----------------------------------------------------------------------------------------------------------------
+
+def test_list_is_the_registry_at_once_in_lines_that_fit():
+    """`mcore2hf list` reads the catalog only (no converter, torch or transformers import: it answers at once, not
+    in 6 s), its lines fit the terminal (80 columns in a pipe); the catalog is the registry's snapshot
+    (tests/test_registry_coverage.py checks that the two agree)."""
+    from mcore2hf.arch.catalog import catalog
+
+    listing = catalog()
+    code = ("import sys; from mcore2hf.cli import main; main(['list']); "
+            "print('IMPORTED', [m for m in ('torch', 'transformers', 'mcore2hf.arch.mapping', 'mcore2hf.arch.registry') "
+            "if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "IMPORTED []", r.stdout[-500:] + r.stderr
+    lines = r.stdout.strip().splitlines()[:-1]
+    assert len(lines) == len(listing) + 1 and max(map(len, lines)) <= 80, max(lines, key=len)
+    r = run("list", "qwen3_vl")
+    assert r.returncode == 0 and "Bridge 0.3.1's Qwen3VLModel" in r.stdout and max(map(len, r.stdout.splitlines())) <= 100
+    one_error_line(run("list", "qwen3-vl"), 2, "model_type must be one of", "'qwen3-vl'")
+
+
+# -- what a new user gets wrong: another model's config, swapped arguments, two different models -----------------------
+
+def test_a_checkpoint_of_another_architecture_is_named_as_such(hf_source, tmp_path):
+    """A glm4_moe checkpoint exported with a qwen3_moe config: the error says the checkpoint is another
+    architecture and which one its tensors map as (not that it has an MTP layer the config lacks), in one line."""
+    glm = make_hf_checkpoint(tiny_config("glm4_moe"), tmp_path / "glm4_moe")
+    assert run("import", glm, str(tmp_path / "ckpt"), "--quiet").returncode == 0
+    line = one_error_line(run("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf-config", hf_source), 1,
+                          "another architecture than the HF config's model_type 'qwen3_moe'", "maps as glm4_moe",
+                          limit=2000)
+    assert "MTP" not in line.split("Megatron parameter(s)")[0] and not (tmp_path / "out").exists()
+
+
+def test_swapped_arguments_get_the_order_that_works(hf_source, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert run("import", hf_source, str(ckpt), "--quiet").returncode == 0
+    for args, must in ((("export", hf_source, str(tmp_path / "out"), "--hf-config", hf_source),
+                        ["CKPT_DIR", "is an HF directory", "swapped", "mcore2hf import HF_DIR CKPT_DIR"]),
+                       (("import", str(ckpt), str(tmp_path / "out")),
+                        ["HF_DIR", "is a Megatron checkpoint", "swapped", "mcore2hf export CKPT_DIR OUT_DIR"]),
+                       (("verify", str(ckpt), hf_source), ["swapped", f"mcore2hf verify {hf_source} {ckpt}"])):
+        one_error_line(run(*args), 2, *must)
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_names_two_different_models(tmp_path):
+    """Two models of different types: the report names both types; where no tensor could be compared by value
+    (every common name differs in shape) it says so instead of a max |diff| of 0."""
+    import torch
+    from safetensors.torch import save_file
+
+    for name, model_type, n in (("a", "qwen3", 2), ("b", "llama", 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": model_type}))
+        save_file({"model.norm.weight": torch.ones(n)}, str(tmp_path / name / "model.safetensors"))
+    r = run("verify", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert r.returncode == 1 and "different models: A is qwen3, B is llama" in r.stdout, r.stdout
+    assert "max |diff|" not in r.stdout and "no values compared" in r.stdout, r.stdout
+
+
+def test_every_command_help_shows_examples():
+    for cmd in ("demo", "list", "plan", "export", "import", "verify"):
+        text = run(cmd, "--help").stdout
+        assert "examples:\n" in text and f"\n  mcore2hf {cmd}" in text, (cmd, text[-500:])
+    assert "COMMAND --help" in run("--help").stdout

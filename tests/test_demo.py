@@ -14,13 +14,31 @@ from mcore2hf.runtime.world import Layout
 
 
 def test_demo_end_to_end(tmp_path):
+    """`mcore2hf demo` as the README runs it: every check passes, nothing is left behind but --out, and it talks
+    as it goes (a line as each stage ends, the workers' start one per rank, the world's from its rank 0), not
+    silence until the report: each line arrives while the demo still runs."""
+    import time
+
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
     os.makedirs(env["TMPDIR"])
-    out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "demo", "--out", str(tmp_path / "exported")],
-                         capture_output=True, text=True, timeout=900, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "RESULT: all checks passed" in out.stdout
-    assert "bit-identical to the source         PASS on 4/4 ranks" in out.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "mcore2hf.cli", "demo", "--out", str(tmp_path / "exported")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    arrived = [(time.monotonic(), line.rstrip("\n")) for line in proc.stdout]  # each line as it is printed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=900) == 0, "\n".join(line for _, line in arrived) + err
+    out = "\n".join(line for _, line in arrived)
+    assert "RESULT: all checks passed" in out
+    assert "bit-identical to the source         PASS on 4/4 ranks" in out
+    stages = ["a line as each stage ends", "transformers wrote a random tiny qwen3_moe checkpoint",
+              "starting 4 gloo worker processes", "torch imported (1/4)", "megatron-core imported (4/4)",
+              "parallel state initialized (4/4)",
+              "built on every rank and loaded", "bit-identical to the source: PASS on 4/4 ranks",
+              "save_pretrained wrote the HF directory", "world done", "from_pretrained: PASS; logits",
+              "RESULT: all checks passed"]
+    at = [next(i for i, (_, line) in enumerate(arrived) if stage in line) for stage in stages]
+    assert at == sorted(at), list(zip(stages, at))
+    end = arrived[at[-1]][0]
+    assert end - arrived[at[3]][0] > 1.0, "the workers' start was not shown while the demo ran"
     assert (tmp_path / "exported" / "model.safetensors.index.json").is_file()
     assert not [f for f in os.listdir(env["TMPDIR"]) if f.startswith("mcore2hf")], os.listdir(env["TMPDIR"])
 

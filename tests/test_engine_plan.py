@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mcore2hf.errors import ShapeMismatchError
-from mcore2hf.importer import _full_shape, megatron_names
+from mcore2hf.formats.hf_as_megatron import full_shape, megatron_names
 from mcore2hf.layouts.ops import QKV, Column, GatedInterleaved, RowTransposed, VocabRows
 from mcore2hf.layouts.pieces import Piece, pieces
 from mcore2hf.layouts.stacked import Stacked
@@ -36,7 +36,7 @@ def _model(model_type: str):
     ops, seen = [], set()
     for r in found.values():
         hf_shapes = [tuple(shapes[n]) for n in r.hf_names]
-        full = _full_shape(r.op, hf_shapes, -(-dims.vocab_size // 128) * 128)
+        full = full_shape(r.op, hf_shapes, -(-dims.vocab_size // 128) * 128)
         key = (id(r.op), full)
         if key not in seen:
             seen.add(key)

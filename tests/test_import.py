@@ -441,7 +441,7 @@ def test_transformer_engine_import_has_the_keys_of_megatron_cores_te_spec(all_ck
     objects are exactly those of the model megatron-core's own TE spec builds (harness.te_spec: which norms are
     fused, which are TENorm), keyed by megatron-core's stacking rules (hybrid stacks: not checked here)."""
     from mcore2hf.formats.checkpoint_keys import split_part
-    from mcore2hf.importer import megatron_names
+    from mcore2hf.formats.hf_as_megatron import megatron_names
 
     for mt, ckpt in all_ckpts.items():
         cfg = load_hf_config(ckpt)

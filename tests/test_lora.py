@@ -17,7 +17,7 @@ import os
 import peft
 import pytest
 import torch
-from harness.bridge_lora import BRIDGE_062, BRIDGE_VERSION, bridge_root
+from harness.bridge_lora import BRIDGE_062, BRIDGE_VERSION, bridge_root, checkpointing_root
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from worlds import LORA_ALPHA, LORA_R, LORA_TARGETS, TOKENS, lora_matrix, lora_refusals, lora_sync
@@ -47,9 +47,10 @@ MERGED_TOL = 1e-6
 LOGIT_TOL = 1e-4
 #: the layout matrix: every parallel dimension the base export covers (uneven PP, virtual PP, EP with expert-TP
 #: != TP, expert-TP > TP: expert adapters split over expert-TP), spread over the three architectures
-#: The first layout of each also saves a torch_dist checkpoint for the offline export: at EP 1, because Bridge
-#: 0.3.1's expert adapters cannot be saved at EP > 1 (peft/utils.py:684-696 rewrites their replica_id to the EP rank,
-#: so no rank saves the other EP ranks' experts: megatron-core refuses the access pattern)
+#: The first layout of each also saves a torch_dist checkpoint for the offline export: at EP 1 and expert-TP 1,
+#: because Bridge 0.3.1's expert adapters cannot be saved at EP > 1 (peft/utils.py:684-696 rewrites their replica_id
+#: to the EP rank, so no rank saves the other EP ranks' experts: megatron-core refuses the access pattern) nor at
+#: expert-TP 2 (both expert-TP ranks save their _extra_state under one key: docs/lora.md)
 MATRIX = {
     "qwen3": [Layout(tp=2), Layout(pp=2, vpp=2), Layout(pp=2, first_stage_layers=1)],
     "qwen3_moe": [Layout(tp=2, etp=1), Layout(tp=2, ep=2, etp=1), Layout(pp=2, vpp=2, ep=2, etp=1),
@@ -205,8 +206,10 @@ def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Lay
     first = None
     for i, layout in enumerate(layouts):
         out = tmp_path / str(layout)
+        # the first layout also saves Bridge 0.3.1's own adapter-only PEFT checkpoint (its training checkpointing)
+        peft_ckpt = checkpointing_root() if i == 0 and version == BRIDGE_VERSION else None
         res = run_world(lora_matrix, layout, ckpt, layout, src, bridge_root(version), TARGETS[model_type], str(out),
-                        i == 0)[0]
+                        i == 0, False, peft_ckpt)[0]
         _check_structure(model_type, layout, res["structure"], version)
         if res["bridge_merge"] is not None:
             print(f"\nLoRA {model_type} {layout}: |merged export - Bridge {version}'s LoRALinear.weight| "
@@ -216,8 +219,11 @@ def _layout_matrix(ckpts, adapters, model_type: str, tmp_path, layouts: list[Lay
             assert version == BRIDGE_VERSION  # 0.3.1's LoRALinear has no effective-weight property
         if i == 0:
             _offline(ckpt, str(out), res, reference, cli=model_type == "qwen3")
+            if peft_ckpt is not None:
+                _offline_adapter_only(ckpt, str(out), res, cli=model_type == "qwen3")
         if res.get("stacked"):
             _stacked_oracle(ckpt, want, res)
+            _peft_per_expert(ckpt, res, model_type)
         if res.get("grouped"):
             _grouped_oracle(ckpt, want, res, layout)
             if i == 0:
@@ -312,7 +318,67 @@ def _offline(ckpt: str, out: str, res: dict, reference: dict, cli: bool) -> None
         with contextlib.redirect_stderr(err):
             code = main(["export", dist_dir, os.path.join(out, "refused"), "--hf-config", ckpt, "--quiet"])
         lines = err.getvalue().strip().splitlines()
-        assert code == 2 and len(lines) == 1 and "lora='adapter'" in lines[0], lines
+        # the command line names its own flags, not the Python keywords
+        assert code == 2 and len(lines) == 1 and "--lora adapter" in lines[0] and "lora=" not in lines[0], lines
+        assert not os.path.exists(os.path.join(out, "refused"))
+
+
+def _offline_adapter_only(ckpt: str, out: str, res: dict, cli: bool) -> None:
+    """The checkpoint Megatron-Bridge 0.3.1's own training checkpointing writes for a PEFT run (its save_checkpoint's
+    calls with its functions, harness.bridge_lora.save_peft_checkpoint: the adapters alone, no base weights):
+    `--lora adapter` is the live PEFT directory (tensors and adapter_config.json); `--lora merged` with `--base`
+    the HF source, and with `--base` a Megatron checkpoint of the base (`mcore2hf import` of the source), are the
+    offline merged export of the whole checkpoint (_offline) bit for bit (with the base's MTP layers, which the
+    LoRA model is built without: the source's bytes); `--lora base` with a base is the source; without a base
+    merged / base are refused by name and nothing is written. With `cli`, the same through the command line."""
+    from mcore2hf.errors import UsageError
+    from mcore2hf.formats import resolve_iteration_dir
+    from mcore2hf.formats.torch_dist import DistCheckpointReader
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.offline import export_checkpoint
+
+    peft_ckpt = os.path.join(out, "peft_ckpt")
+    saved = DistCheckpointReader(resolve_iteration_dir(peft_ckpt)).tensors
+    assert saved and all(".adapter." in k for k in saved), sorted(saved)[:5]  # what Bridge's filter kept
+    export_checkpoint(peft_ckpt, os.path.join(out, "ao-adapter"), ckpt, lora="adapter", lora_alpha=LORA_ALPHA,
+                      progress=False)
+    live = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))
+    got = load_file(os.path.join(out, "ao-adapter", "adapter_model.safetensors"))
+    assert sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in live)
+    with open(os.path.join(res["dir"], "adapter_config.json")) as a, \
+            open(os.path.join(out, "ao-adapter", "adapter_config.json")) as b:
+        assert json.load(a) == json.load(b)
+    whole, src = read_hf_checkpoint(os.path.join(out, "off-merged")), read_hf_checkpoint(ckpt)
+    base_ckpt = os.path.join(out, "base-ckpt")
+    import_checkpoint(ckpt, base_ckpt, progress=False)
+    for name, base in (("ao-merged-hf", ckpt), ("ao-merged-ckpt", base_ckpt)):
+        export_checkpoint(peft_ckpt, os.path.join(out, name), ckpt, lora="merged", lora_alpha=LORA_ALPHA, base=base,
+                          progress=False)
+        merged = read_hf_checkpoint(os.path.join(out, name))
+        assert set(whole) <= set(merged) and all(torch.equal(merged[n], whole[n]) for n in whole), name
+        assert all(torch.equal(merged[n], src[n]) for n in set(merged) - set(whole)), name
+    export_checkpoint(peft_ckpt, os.path.join(out, "ao-base"), ckpt, lora="base", base=base_ckpt, progress=False)
+    base = read_hf_checkpoint(os.path.join(out, "ao-base"))
+    assert set(base) == set(src) and all(torch.equal(base[n], src[n]) for n in src)
+    for lora in ("merged", "base"):
+        with pytest.raises(UsageError, match="LoRA adapters only .* needs base"):
+            export_checkpoint(peft_ckpt, os.path.join(out, "refused"), ckpt, lora=lora, lora_alpha=LORA_ALPHA,
+                              progress=False)
+        assert not os.path.exists(os.path.join(out, "refused"))
+    if cli:
+        from mcore2hf.cli import main
+
+        cli_out = os.path.join(out, "ao-cli")
+        assert main(["export", peft_ckpt, cli_out, "--hf-config", ckpt, "--lora", "merged", "--lora-alpha",
+                     str(LORA_ALPHA), "--base", ckpt, "--quiet"]) == 0
+        merged = read_hf_checkpoint(cli_out)
+        assert set(whole) <= set(merged) and all(torch.equal(merged[n], whole[n]) for n in whole)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["export", peft_ckpt, os.path.join(out, "refused"), "--hf-config", ckpt, "--lora", "merged",
+                         "--lora-alpha", str(LORA_ALPHA), "--quiet"])
+        lines = err.getvalue().strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "--lora merged needs --base" in lines[0], lines
         assert not os.path.exists(os.path.join(out, "refused"))
 
 
@@ -435,6 +501,31 @@ def _stacked_oracle(ckpt: str, src: dict[str, torch.Tensor], res: dict, engines:
     assert diff < min(LOGIT_TOL, logit_tolerance(cfg.model_type))
     if cfg.model_type == "qwen3_moe" and engines:
         _vllm_moe3d_slices(ckpt, src, res["stacked"], cfg)
+
+
+def _peft_per_expert(ckpt: str, res: dict, model_type: str) -> None:
+    """peft 0.21.2 on the default, per-expert form (`mlp.experts.E.gate_proj.lora_A.weight`, the PEFT directory of
+    the adapter export): its transformers-v4 weight conversion folds the experts' adapters into ParamWrappers on
+    transformers 5's fused experts. qwen3_moe: no missing or unexpected adapter key, and peft's logits equal
+    Megatron's with the adapters active (measured 1.5e-5 by hand against transformers on W + s B A). deepseek_v3:
+    the same conversion takes its dense MLP's and shared experts' gate / up / down adapters (PEFT_V4_RENAMED) for
+    routed experts' and drops them as unexpected keys: the stacked form (_stacked_oracle) is the one peft loads
+    there. A peft that loads them fails here, to update docs/lora.md."""
+    got = load_file(os.path.join(res["dir"], "adapter_model.safetensors"))
+    assert any(".experts.0." in n for n in got)  # the per-expert form
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), res["dir"])
+    result = peft.set_peft_model_state_dict(model, got)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if model_type == "qwen3_moe":
+        assert not missing and not result.unexpected_keys, (missing[:3], result.unexpected_keys[:3])
+        with torch.no_grad():
+            diff = (model(TOKENS).logits.float() - res["logits"]).abs().max().item()
+        print(f"\nLoRA {model_type} per-expert form in peft: |Megatron with adapters - peft| logits {diff:.2e}")
+        assert diff < min(LOGIT_TOL, logit_tolerance(model_type))
+        return
+    dropped = result.unexpected_keys
+    assert dropped and all(".experts." not in k and k.rsplit(".lora_", 1)[0].rsplit(".", 1)[1] in PEFT_V4_RENAMED
+                           for k in dropped), dropped[:5]
 
 
 def _vllm_moe3d_slices(ckpt: str, src: dict[str, torch.Tensor], stacked_dir: str, cfg) -> None:

@@ -15,7 +15,7 @@ import pytest
 from mcore2hf.arch.hf_config import hf_tensor_shapes
 from mcore2hf.arch.naming import canonical_layer_name
 from mcore2hf.arch.registry import get_converter, get_model_spec
-from mcore2hf.importer import megatron_names
+from mcore2hf.formats.hf_as_megatron import megatron_names
 from mcore2hf.quantize.fp8 import scale_shape
 from mcore2hf.runtime.tiny import tiny_config
 

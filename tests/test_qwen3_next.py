@@ -1,6 +1,6 @@
 """Qwen3-Next (gated DeltaNet + gated attention hybrid, MoE with a gated shared expert) on real megatron-core
 models in gloo worlds on CPU (the local spec of model_specs/qwen3_next.py, GatedDeltaNet without fla through
-mcore2hf.runtime.cpu), against transformers' Qwen3NextForCausalLM.
+mcore2hf.arch.cpu_shims), against transformers' Qwen3NextForCausalLM.
 
 The layouts and names were read in megatron-core 0.16.1 (ssm/gated_delta_net.py, transformer/attention.py,
 experimental_attention_variant_module_specs.py) and transformers 5.23 (models/qwen3_next, unchanged in its weights

@@ -437,3 +437,43 @@ def test_import_vision_tower_refusals(vlm_ckpts, tmp_path):
     lines = err.getvalue().strip().splitlines()
     assert code == 2 and len(lines) == 1 and "no native Megatron tower" in lines[0], lines
     assert not (tmp_path / "cli").exists()
+
+
+#: the architectures whose published checkpoints differ from what transformers 5.24's own save_pretrained writes
+#: (those registered with a `published_layout`, all of them: the test checks): Qwen3-VL-MoE's packed experts
+#: transposed ([E, 2I, H] / [E, H, I] instead of [E, H, 2I] / [E, I, H]), Kimi-K2.5's language-model layers under
+#: `blocks` and its projector under `model.`
+OWN_SAVE = ("qwen3_vl_moe", "kimi_k25")
+
+
+def test_checkpoints_as_transformers_saves_them_load_and_import(tmp_path):
+    """A checkpoint written by transformers' own save_pretrained (a user who fine-tuned with transformers) is the
+    same model to transformers as the published one (its loader reads both: conversion_mapping.py "qwen3_vl_moe"
+    `Transpose(1, 2, check_dims=True)`, "kimi_k25"'s renames), and to mcore2hf: load_hf_weights at TP2 x EP2
+    (sliced reads of the transposed experts) and `import` give the published tensors bit for bit, and the
+    import's export is the published directory."""
+    from transformers import AutoModelForImageTextToText
+
+    from mcore2hf.arch.registry import architectures
+    from mcore2hf.importer import import_checkpoint
+    from mcore2hf.offline import export_checkpoint
+
+    assert set(OWN_SAVE) == {mt for mt, a in architectures().items() if a.published_layout}
+    dirs = {}
+    for mt in OWN_SAVE:
+        published = make_hf_checkpoint(tiny_config(mt), tmp_path / f"{mt}-published")
+        own = make_hf_checkpoint(tiny_config(mt), tmp_path / f"{mt}-own", published=False)
+        stored, want = read_hf_checkpoint(own), read_hf_checkpoint(published)
+        differ = set(stored) ^ set(want) or {n for n in want if stored[n].shape != want[n].shape}
+        assert differ, f"{mt}: transformers now saves the published layout: drop its published_layout"
+        a = AutoModelForImageTextToText.from_pretrained(own).state_dict()
+        b = AutoModelForImageTextToText.from_pretrained(published).state_dict()
+        assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in b), f"{mt}: transformers reads them apart"
+        dirs[mt] = (own, published)
+        import_checkpoint(own, tmp_path / f"{mt}-ckpt", progress=False)
+        export_checkpoint(tmp_path / f"{mt}-ckpt", tmp_path / f"{mt}-export", published, base=published,
+                          progress=False)
+        got = read_hf_checkpoint(tmp_path / f"{mt}-export")
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), mt
+    loaded = run_world(worlds.load_transformers_saved, Layout(tp=2, ep=2, etp=1), dirs, Layout(tp=2, ep=2, etp=1))
+    assert all(r == loaded[0] and set(r) == set(OWN_SAVE) for r in loaded)

@@ -1426,14 +1426,17 @@ LORA_R, LORA_ALPHA = 8, 16
 
 
 def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets: tuple[str, ...],
-                out_root: str, save_dist: bool = False, canonical: bool = False) -> dict:
+                out_root: str, save_dist: bool = False, canonical: bool = False,
+                peft_checkpointing: str | None = None) -> dict:
     """A model of `ckpt` at `layout` wrapped by Megatron-Bridge's own LoRA (`targets`), its adapters loaded from the
     PEFT directory `adapter_dir`: the adapter-only export bit-identical to that source (every rank receiving; one
     receiver at 1 KiB buckets), the refusal without lora=, lora="base" equal to the HF source, no parameter
     modified by any export. Rank 0 returns the PEFT directory and the merged HF directory written under `out_root`
     and the Megatron forward with the adapters active; with `save_dist`, also a torch_dist checkpoint of the
     wrapped model written by megatron-core's dist_checkpointing from Bridge's own sharded_state_dict
-    (out_root/dist, for the offline export)."""
+    (out_root/dist, for the offline export); with `peft_checkpointing` (Bridge 0.3.1's training checkpointing,
+    harness.bridge_lora.checkpointing_root) also the adapter-only checkpoint Bridge's own save_checkpoint writes
+    for a PEFT run (out_root/peft_ckpt)."""
     from harness.bridge_lora import apply_lora
     from safetensors.torch import load_file
 
@@ -1530,12 +1533,34 @@ def lora_matrix(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, target
 
         md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         save_megatron(model_state(chunks, lambda c: c.sharded_state_dict(metadata=md)), os.path.join(out_root, "dist"))
+        if peft_checkpointing is not None:
+            save_bridge_peft_checkpoint(chunks, bridge, peft_checkpointing, targets, os.path.join(out_root, "peft_ckpt"))
     grouped = None
     if cfg.model_type == "qwen3_moe":  # (one MoE architecture, for CI time)
         grouped = grouped_lora(ckpt, chunks, cfg, layout, adapter_ref, merged_sd, full if stacked else None, out_root,
                                save_dist)
     return {"logits": logits, "merged": merged, "dir": out, "stacked": stacked, "structure": structure,
             "bridge_merge": bridge_merge, "grouped": grouped} if dist.get_rank() == 0 else {}
+
+
+def save_bridge_peft_checkpoint(chunks: list, bridge: str, checkpointing: str, targets: tuple[str, ...],
+                                save_dir: str) -> None:
+    """The adapter-only checkpoint Megatron-Bridge 0.3.1 writes when PEFT training saves (harness.bridge_lora
+    .save_peft_checkpoint): its PEFT object's `set_params_to_save` on the model as its training leaves it (the
+    adapters trainable, training/setup.py:442-443 after PEFT.__call__(training=True)), then its save path."""
+    from harness.bridge_lora import import_bridge_peft, save_peft_checkpoint
+
+    peft = import_bridge_peft(bridge).LoRA(target_modules=list(targets), dim=LORA_R, alpha=LORA_ALPHA)
+    adapters = [p for c in chunks for n, p in c.named_parameters() if ".adapter." in n]
+    for p in adapters:
+        p.requires_grad_(True)
+    try:
+        peft.set_params_to_save(chunks)
+        assert peft.params_to_save and all(".adapter." in n for n in peft.params_to_save), sorted(peft.params_to_save)[:3]
+        save_peft_checkpoint(checkpointing, chunks, peft, save_dir, 5)
+    finally:
+        for p in adapters:
+            p.requires_grad_(False)
 
 
 def grouped_lora(ckpt: str, chunks, cfg, layout: Layout, adapter_ref: dict, merged_sd: dict, stacked_sd: dict | None,
@@ -2221,3 +2246,21 @@ def collective_schedule(model_type: str, layout: Layout, bucket_bytes: list[int]
 def collective_schedules(cases: list[tuple[str, Layout]], bucket_bytes: list[int]) -> list[dict]:
     """`collective_schedule` of each (model type, layout), in one process."""
     return [collective_schedule(mt, layout, bucket_bytes) for mt, layout in cases]
+
+
+def load_transformers_saved(ckpts: dict[str, tuple[str, str]], layout: Layout) -> dict:
+    """load_hf_weights from a checkpoint as transformers' own save_pretrained writes it (packed experts
+    transposed, renamed layers: the registered published_layout), per architecture {model_type: (its dir, the published
+    dir of the same weights)}: the model holds what loading the published one gives, every export equal to the
+    published tensors bit for bit."""
+    from mcore2hf.arch.registry import get_converter
+
+    out = {}
+    for mt, (own, published) in ckpts.items():
+        cfg, chunks = build(published, layout)
+        load_hf_weights(chunks, own)
+        conv = get_converter(cfg.model_type)
+        ref = {n: t for n, t in read_hf_checkpoint(published).items() if not conv.not_held_by_model(n)}
+        assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{mt} {layout} loaded from transformers' own save")
+        out[mt] = len(ref)
+    return out

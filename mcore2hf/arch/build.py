@@ -25,7 +25,9 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
     HFExporter accepts (PretrainedConfig, dict, config.json or an HF directory). `overrides`: TransformerConfig
     fields (e.g. params_dtype=torch.bfloat16, bf16=True, mtp_num_layers=None). The layer spec is the one the
     architecture needs: Transformer Engine's when it is installed (`use_te=None`), the local spec otherwise.
-    The vocabulary is padded as Megatron pads it (a multiple of make_vocab_size_divisible_by x TP).
+    The vocabulary is padded as Megatron pads it (a multiple of make_vocab_size_divisible_by x TP). On a torch
+    without CUDA it first applies `arch.cpu_shims.apply_cpu_shims()` (megatron-core builds and runs on CPU only with
+    them: e.g. MoE routers put their expert bias on `torch.cuda.current_device()`).
 
     `vision_tower="native"` (vision-language architectures that have one, e.g. qwen3_vl): each chunk wraps the
     language model with a vision tower built natively in Megatron (`vision_model`, on the first pipeline stage,
@@ -39,6 +41,10 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
     if not ps.model_parallel_is_initialized():
         raise ParallelStateError("build_model needs Megatron's parallel state: call "
                                  "megatron.core.parallel_state.initialize_model_parallel(...) first")
+    if not torch.cuda.is_available():  # a CPU-only torch: megatron-core assumes CUDA in places (cpu_shims.py)
+        from .cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
     if model_class not in ("gpt", "hybrid"):
         raise UsageError(f"model_class must be 'gpt' or 'hybrid', got {model_class!r}")
     cfg = load_hf_config(hf_config)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigMismatchError, UsageError
+from ..errors import ConfigMismatchError, UsageError, option
 from ..layouts.ops import QKV, Column, GatedColumn, LatentDown, Row
 from ..layouts.stacked import Fused
 from .mapping import Converter, ModelDims, Rule
@@ -567,8 +567,9 @@ def check_mode(mode: str | None, has_adapters: bool, example: str | None) -> Non
     if mode is not None and mode not in LORA_MODES:
         raise UsageError(f"lora must be one of {LORA_MODES} or None, got {mode!r}")
     if has_adapters and mode is None:
-        raise UsageError(f"the model holds LoRA adapters (e.g. {example}): pass lora='adapter' (the adapters alone, "
-                         "HF/PEFT form), lora='merged' (W + alpha/r B A) or lora='base' (the frozen base weights)")
+        raise UsageError(f"the model holds LoRA adapters (e.g. {example}): pass {option('lora', 'adapter')} (the "
+                         f"adapters alone, HF/PEFT form), {option('lora', 'merged')} (W + alpha/r B A) or "
+                         f"{option('lora', 'base')} (the frozen base weights)")
     if mode is not None and not has_adapters:
-        raise UsageError(f"lora={mode!r}, but the model holds no LoRA adapter (Megatron-Bridge's "
+        raise UsageError(f"{option('lora', mode)}, but the model holds no LoRA adapter (Megatron-Bridge's "
                          "<module>.adapter.linear_in / linear_out)")

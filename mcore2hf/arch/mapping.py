@@ -154,6 +154,10 @@ class Converter:
         self._ignored = [compile_pattern(t) for t in templates]
         self._not_held = [regex.compile(p) for p in self.not_held]
 
+    def maps(self, megatron_name: str) -> bool:
+        """A rule of this table takes the canonical Megatron name (whatever the model's sizes)."""
+        return any(rule._regex.fullmatch(megatron_name) for rule in self.rules)
+
     def ignored_on_load(self, hf_name: str, dims: ModelDims) -> bool:
         """HF tensors that have no Megatron counterpart to load into (copies the export writes, etc.)."""
         return any(p.fullmatch(hf_name) for p in self._ignored)

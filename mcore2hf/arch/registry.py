@@ -1,10 +1,11 @@
 """Registry of architectures: HF model_type (and its aliases) -> the one `Architecture` object registered for it
 (converters/<model_type>.py): its rule table, its model spec, its tiny config, what the suite verifies and the
-published checkpoints' layout."""
+published checkpoints' layout. `catalog` holds a snapshot of what `mcore2hf list` shows of them, derived from here."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import UnsupportedArchitectureError
@@ -86,6 +87,13 @@ def canonical_model_type(model_type: str) -> str:
     _load_builtin()
     found = _ARCHITECTURES.get(model_type)
     return found.model_type if found is not None else model_type
+
+
+def formats_mapping(names: Iterable[str]) -> list[str]:
+    """The registered architectures (own model_types, aliases left out) whose rule tables map every canonical
+    Megatron name in `names`: which architecture a checkpoint holds when it is not the one its HF config says."""
+    names = list(names)
+    return [mt for mt, a in architectures().items() if all(a.converter.maps(n) for n in names)]
 
 
 def verified(model_type: str) -> str:

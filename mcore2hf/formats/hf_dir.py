@@ -430,3 +430,80 @@ def stored_buckets(directory: str | os.PathLike, groups: Sequence[Sequence[Store
             for e in entries:
                 d.read_into(e.name, flat[e.start:e.start + e.nbytes])
             yield Bucket(first_index + k, flat if device.type == "cpu" else flat.to(device), entries)
+
+
+class _Transposed:
+    """A 3-D tensor (or lazily read one) seen with dims 1 and 2 swapped; indexing reads only what it selects."""
+
+    def __init__(self, base):
+        self.base = base
+        shape = tuple(base.shape) if isinstance(base, torch.Tensor) else tuple(base.get_shape())
+        self.shape = (shape[0], shape[2], shape[1], *shape[3:])
+        self.dtype = base.dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (len(self.shape) - len(key))
+        out = self.base[(key[0], key[2], key[1], *key[3:])]
+        if not isinstance(key[1], int) and not isinstance(key[2], int):  # both survive: swap them back
+            first = 0 if isinstance(key[0], int) else 1
+            out = out.transpose(first, first + 1)
+        return out.contiguous()
+
+
+class PublishedView:
+    """An HF source (HFDirectory or StateDictTensors) seen in the published checkpoints' layout: tensors stored as
+    transformers' own `save_pretrained` writes them (the architecture's registered `published_layout`) under their
+    published names and shapes, the others as they are (`as_published` builds it). Same names() / `in` / slice() /
+    read() / close() / path as the source."""
+
+    def __init__(self, reader, stored: dict[str, tuple[str, bool]]):
+        self.reader, self.path = reader, reader.path
+        self._stored = stored  # published name -> (stored name, transposed)
+
+    def names(self) -> list[str]:
+        return list(self._stored)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored
+
+    def slice(self, name: str):
+        stored, transposed = self._stored[name]
+        x = self.reader.slice(stored)
+        return _Transposed(x) if transposed else x
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.slice(name)[:]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def as_published(reader, cfg):
+    """`reader` (`open_tensors`) seen in the published layout: a checkpoint transformers itself saved (its names
+    and packed-expert layout, the architecture's registered `published_layout`) reads as the published one, as
+    transformers reads both (conversion_mapping.py: "qwen3_vl_moe" transposes on load only where the stored shape
+    is not the model's, `Transpose(1, 2, check_dims=True)`; "kimi_k25" renames either form). A transposed tensor is told by its shape
+    against the published one; a square one (hidden == 2 x ffn) reads as published. Unchanged where nothing
+    differs."""
+    import re
+
+    from ..arch.hf_config import hf_tensor_shapes, published_layout
+    from ..arch.registry import published_layout as registered
+
+    rules = registered(cfg.model_type)
+    names = reader.names()
+    if not any(re.search(p, n) for p, _ in rules for n in names):
+        return reader
+    want = hf_tensor_shapes(cfg) if any(a == "transpose" for _, a in rules) else {}
+    stored: dict[str, tuple[str, bool]] = {}
+    for n in names:
+        x = reader.slice(n)
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x.get_shape())
+        published, pshape = published_layout(cfg.model_type, n, shape)
+        transposed = pshape != shape and want.get(published) == pshape and want.get(published) != shape
+        stored[published] = (n, transposed)
+    return PublishedView(reader, stored)

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..errors import OutputError
+from ..errors import OutputError, option
 
 log = logging.getLogger("mcore2hf.paths")
 #: set by a front end's SIGINT handler (mcore2hf.cli): an interrupt that code swallowed on its way (a
@@ -93,7 +93,7 @@ def _check_entries(out: str, overwrite: bool, kind: OutputKind) -> None:
     if not os.path.isdir(out) or not user_entries(out):
         return
     if not overwrite:
-        raise kind.error(f"output directory {out} exists and is not empty (pass overwrite=True / --overwrite)")
+        raise kind.error(f"output directory {out} exists and is not empty (pass {option('overwrite')})")
     if not kind.owned(out):
         raise kind.error(f"output directory {out} is not empty and not {kind.what}: refusing to write into it, "
                          "even with overwrite")

@@ -3,7 +3,8 @@ the loader (the model's TransformerConfig, every rank's tensors), the offline ex
 import (an HF checkpoint's tensors) and the dry run (meta models). Each kind of mismatch has one message, naming
 `what` was checked ("the Megatron model", "the checkpoint DIR", ...); every mismatch found is reported at once.
 
-Kinds: the TransformerConfig fields the spec derives from the HF config (`model_config`), a hybrid model's layer
+Kinds: the architecture itself (`check_mapped`: every tensor has a rule of the config's table; checked first, so a
+checkpoint of another architecture is named as such), the TransformerConfig fields the spec derives from the HF config (`model_config`), a hybrid model's layer
 pattern, MTP layers (`checked_dims`), the decoder layers, the dense/MoE pattern, routed experts, tied embeddings,
 a native vision tower's blocks and deepstack mergers (`names`), and every HF tensor's shape against the model
 transformers builds from the config (`shapes`)."""
@@ -11,12 +12,35 @@ transformers builds from the config (`shapes`)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from ..arch.hf_config import hf_tensor_shapes, shape_problems
-from ..arch.mapping import ModelDims
+from ..arch.mapping import Converter, ModelDims
 from ..arch.naming import parse_name
-from ..errors import ConfigMismatchError, Problem, ShapeMismatchError, problem_list
+from ..arch.registry import formats_mapping
+from ..errors import (
+    ConfigMismatchError,
+    Problem,
+    ShapeMismatchError,
+    UnknownParametersError,
+    option,
+    problem_list,
+)
+
+
+def check_mapped(converter: Converter, names: Mapping[str, str], what: str) -> None:
+    """Every canonical Megatron name (`names`: name -> how an error shows it, e.g. with its checkpoint key) has a rule
+    of the HF config's table (UnknownParametersError). Checked before any count: a checkpoint of another
+    architecture is that, not a wrong number of layers, so the error starts with the registered architectures
+    whose tables map all of `what`."""
+    unknown = [shown for name, shown in names.items() if not converter.maps(name)]
+    if not unknown:
+        return
+    fits = formats_mapping(names)
+    first = (f"{what} holds another architecture than the HF config's model_type {converter.model_type!r}: every "
+             f"tensor of it maps as {', '.join(fits)}; pass that model's HF config ({option('hf_config', None)}). "
+             if fits else "")
+    raise UnknownParametersError(converter.model_type, unknown, first=first)
 
 
 def checked_dims(spec, hf_config, mtp_layers: int, what: str) -> ModelDims:

@@ -88,11 +88,13 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def make_hf_checkpoint(cfg: PretrainedConfig, out_dir: str | os.PathLike, *, seed: int = 0,
-                       dtype: torch.dtype = torch.float32) -> str:
+                       dtype: torch.dtype = torch.float32, published: bool = True) -> str:
     """An HF checkpoint directory of `cfg` with random weights, saved by transformers.
 
     transformers builds no MTP layers, so for configs with `num_nextn_predict_layers` the MTP tensors are added
-    in the published layout (decoder layer, enorm, hnorm, eh_proj, shared_head, embedding/head copies)."""
+    in the published layout (decoder layer, enorm, hnorm, eh_proj, shared_head, embedding/head copies). Where
+    transformers saves another layout than the published checkpoints (its registered `published_layout`) the directory
+    is rewritten into the published one, unless `published=False` (what a user's own save_pretrained writes)."""
     torch.manual_seed(seed)
     # a multimodal config (Qwen3.5) is saved as its published checkpoints are: the whole model, vision tower too
     auto = AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None else AutoModelForCausalLM
@@ -105,7 +107,7 @@ def make_hf_checkpoint(cfg: PretrainedConfig, out_dir: str | os.PathLike, *, see
         _add_mtp_tensors(cfg, out, seed)
     from ..arch.registry import published_layout
 
-    if published_layout(cfg.model_type):  # where transformers saves another layout than the published one
+    if published and published_layout(cfg.model_type):  # where transformers saves another layout than the published one
         _to_published_layout(out, cfg.model_type)
     return out
 

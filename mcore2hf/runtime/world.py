@@ -109,6 +109,11 @@ class Layout:
 
 
 
+#: what a worker reports as it prepares a job (World.run's on_progress): torch imported (it is, when the job
+#: arrives), megatron-core imported, Megatron's parallel state initialized (after the world's rendezvous)
+STAGES = ("torch imported", "megatron-core imported", "parallel state initialized")
+
+
 def init_megatron(layout: Layout, gloo_groups: bool = True) -> None:
     """Initialize Megatron's parallel state (and the CPU shims) in an already-initialized gloo world.
     `gloo_groups=False`: no gloo data-parallel groups (a `fake` world, where gloo cannot rendezvous)."""
@@ -116,7 +121,7 @@ def init_megatron(layout: Layout, gloo_groups: bool = True) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as tp_random
 
-    from .cpu import apply_cpu_shims
+    from ..arch.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     ps.initialize_model_parallel(
@@ -146,10 +151,15 @@ def _serve(rank: int, size: int, port: int, backend: str, jobs, out) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's store
     while (job := jobs.get()) is not None:
         job_id, layout, fn, args = job
-        try:
+        try:  # progress (World.run's on_progress): each stage as this rank reaches it, the imports first
+            out.put((job_id, rank, None, STAGES[0]))
+            import megatron.core  # noqa: F401 - before the rendezvous, so its import shows on its own
+
+            out.put((job_id, rank, None, STAGES[1]))
             dist.init_process_group(backend, store=dist.PrefixStore(f"job{job_id}", store), rank=rank,
                                     world_size=size)
             init_megatron(Layout(**layout))
+            out.put((job_id, rank, None, STAGES[2]))
             out.put((job_id, rank, True, fn(*args)))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             out.put((job_id, rank, False, (traceback.format_exc(), _portable_error(e))))
@@ -198,15 +208,18 @@ class World:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def run(self, fn: Callable, layout: Layout, args: tuple, timeout: float) -> list:
+    def run(self, fn: Callable, layout: Layout, args: tuple, timeout: float,
+            on_progress: Callable[[str, int, int], None] | None = None) -> list:
         """fn(*args) on every rank with Megatron at `layout`; the per-rank results. Raises WorldError (the world is
-        then unusable: close it) if a rank fails, dies or the job outlasts `timeout` seconds."""
+        then unusable: close it) if a rank fails, dies or the job outlasts `timeout` seconds. `on_progress(stage,
+        rank, count)` as each rank reaches each of STAGES (`count`: how many ranks have reached it)."""
         job, self._next = self._next, self._next + 1
         for q in self._jobs:
             q.put((job, asdict(layout), fn, args))
         results: dict[int, object] = {}
         errors: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
+        reached: dict[str, int] = {}
         while len(results) + len(errors) < self.size and not errors:  # after a failure the others may be blocked
             try:
                 job_id, rank, ok, value = self._out.get(timeout=1.0)
@@ -220,7 +233,11 @@ class World:
                     raise WorldError(f"world {layout} timed out after {timeout}s; finished ranks: "
                                      f"{sorted(results)}") from None
                 continue
-            if job_id == job:
+            if job_id == job and ok is None:
+                reached[value] = reached.get(value, 0) + 1
+                if on_progress is not None:
+                    on_progress(value, rank, reached[value])
+            elif job_id == job:
                 (results if ok else errors)[rank] = value
         if errors:
             rank = min(errors)
@@ -305,14 +322,15 @@ def close_pool() -> None:
         _pool = None
 
 
-def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo") -> list:
+def run_world(fn: Callable, layout: Layout, *args, timeout: float = 600, backend: str = "gloo",
+              on_progress: Callable[[str, int, int], None] | None = None) -> list:
     """fn(*args) on every rank of a world with `layout`; returns the per-rank results.
 
     backend "gloo" (CPU) or "nccl" (one GPU per rank). Without a pool (use_pool) the world is started for this
-    call and closed after it."""
+    call and closed after it. `on_progress(stage, rank, count)`: as each rank reaches each of STAGES (World.run)."""
     world = _pool.world(layout.size, backend) if _pool is not None else World(layout.size, backend)
     try:
-        results = world.run(fn, layout, args, timeout)
+        results = world.run(fn, layout, args, timeout, on_progress)
     except BaseException:
         if _pool is not None:
             _pool.discard(world)

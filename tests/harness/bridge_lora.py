@@ -46,6 +46,7 @@ stack, bench/device_tests.sh; its tests skip elsewhere) takes the same three, re
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -97,7 +98,7 @@ def import_bridge_peft(root: str) -> types.ModuleType:
     import megatron
     import megatron.core  # noqa: F401 - before the TE stub: megatron-core must see no TE
 
-    from mcore2hf.runtime.cpu import apply_cpu_shims
+    from mcore2hf.arch.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()  # imports megatron.core.extensions.transformer_engine (MagicMock TE classes), also first
     import megatron.core.extensions.transformer_engine  # noqa: F401
@@ -154,3 +155,83 @@ def apply_lora(root: str, chunks: list, target_modules: list[str], dim: int, alp
     else:
         peft = lora.LoRA(target_modules=list(target_modules), dim=dim, alpha=alpha, **kw)
     return peft(chunks, training=False)
+
+
+#: Megatron-Bridge 0.3.1's training checkpointing (what its `save_checkpoint` writes for a PEFT run), unpacked beside
+#: `peft` and `utils` (its own cache directory)
+CHECKPOINTING_FILES = ("megatron/bridge/training/checkpointing.py", "megatron/bridge/training/utils/checkpoint_utils.py")
+#: the functions of those files that save_checkpoint (training/checkpointing.py:463-853) calls to name, build and
+#: filter what it saves, by file
+CHECKPOINTING_FUNCTIONS = {
+    "megatron/bridge/training/checkpointing.py": ("_build_sharded_state_dict_metadata", "_generate_model_state_dict",
+                                                  "generate_state_dict", "apply_peft_adapter_filter_to_state_dict",
+                                                  "_is_model_section"),
+    "megatron/bridge/training/utils/checkpoint_utils.py": ("get_checkpoint_name", "get_checkpoint_tracker_filename"),
+}
+
+
+def checkpointing_root(version: str = BRIDGE_VERSION) -> str:
+    """The unpacked training checkpointing files (download once, cached); call in the test process."""
+    from harness.wheels import unpacked_wheel
+
+    return str(unpacked_wheel("megatron-bridge", version, CHECKPOINTING_FILES))
+
+
+def bridge_checkpointing(root: str) -> types.SimpleNamespace:
+    """CHECKPOINTING_FUNCTIONS compiled from the wheel's own source, with their line numbers. The modules
+    themselves import what these functions do not use and this machine lacks (checkpointing.py:53 modelopt,
+    :60-65 Bridge's training config, state, tokenizers, wandb / mlflow utils; checkpoint_utils.py:27-29 its
+    TrainState and config utils), so the functions are taken out of them; the names their annotations use are
+    stand-ins (`object`), as the annotations are evaluated when a function is defined."""
+    import ast
+    import builtins
+
+    ns: dict = {"torch": torch, "os": os}
+    for rel, names in CHECKPOINTING_FUNCTIONS.items():
+        path = os.path.join(root, rel)
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+        assert sorted(d.name for d in defs) == sorted(names), (path, [d.name for d in defs])
+        for node in ast.walk(ast.Module(body=defs, type_ignores=[])):
+            if isinstance(node, ast.Name) and node.id not in ns and not hasattr(builtins, node.id):
+                ns.setdefault(node.id, object)  # annotations (Optional, Any, MegatronModule, ...); bodies use none
+        exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), ns)
+    return types.SimpleNamespace(**{n: ns[n] for names in CHECKPOINTING_FUNCTIONS.values() for n in names})
+
+
+def save_peft_checkpoint(root: str, chunks: list, peft, save_dir: str, step: int) -> str:
+    """A torch_dist checkpoint as Megatron-Bridge 0.3.1's `save_checkpoint` writes it for a PEFT run (GLOBAL, no
+    distributed optimizer, synchronous), on every rank: its calls in its order, with its functions
+    (bridge_checkpointing). Left out: the optimizer and RNG states (save_optim / save_rng off: `optimizer` None), the
+    dataloader and ModelOpt states, train_state.pt and run_config.yaml (Bridge's TrainState and config); `peft`
+    is the Bridge PEFT object whose `set_params_to_save` ran (training/setup.py:443). Returns the iteration's
+    directory."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    fn = bridge_checkpointing(root)
+    cfg = types.SimpleNamespace(ckpt_format="torch_dist", save_optim=False, save_rng=False,
+                                dist_ckpt_optim_fully_reshardable=False)
+    checkpoint_name = fn.get_checkpoint_name(save_dir, step, release=False)  # :564
+    metadata = fn._build_sharded_state_dict_metadata(False, cfg)  # :593
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)  # :594 pg_collection.dp_cp
+    state_dict = fn.generate_state_dict(cfg, chunks, None, None, None, iteration=step,  # :605-616
+                                        optim_sd_kwargs=dict(metadata=metadata), model_sd_kwargs=dict(metadata=metadata),
+                                        rerun_state=None)
+    state_dict = fn.apply_peft_adapter_filter_to_state_dict(state_dict, peft)  # :619-621 (cfg.peft is not None)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(checkpoint_name, exist_ok=True)  # :624-626 ensure_directory_exists(checkpoint_name)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state_dict, checkpoint_name, get_default_save_sharded_strategy(cfg.ckpt_format),  # :650-672
+                            async_sharded_save=False, validate_access_integrity=True,
+                            preprocess_common_before_consistancy_check=None,
+                            content_metadata=_clean_metadata_for_serialization(metadata))
+    torch.distributed.barrier()  # :726-728
+    if torch.distributed.get_rank() == 0:  # :759-762 the Megatron-LM tracker file
+        with open(fn.get_checkpoint_tracker_filename(save_dir), "w") as f:
+            f.write(str(step))
+    torch.distributed.barrier()
+    return checkpoint_name

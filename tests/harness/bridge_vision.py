@@ -48,7 +48,7 @@ def build_bridge_tower(root: str, hf_config, lm_config):
     import megatron
     import megatron.core  # noqa: F401 - before the TE stub: megatron-core must see no TE
 
-    from mcore2hf.runtime.cpu import apply_cpu_shims
+    from mcore2hf.arch.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     import megatron.core.extensions.transformer_engine  # noqa: F401

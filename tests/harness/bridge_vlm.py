@@ -37,7 +37,7 @@ def import_qwen3_vl_model(root: str):
     import megatron
     import megatron.core  # noqa: F401 - before the TE stub: megatron-core must see no TE
 
-    from mcore2hf.runtime.cpu import apply_cpu_shims
+    from mcore2hf.arch.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     import megatron.core.extensions.transformer_engine  # noqa: F401
@@ -135,7 +135,7 @@ def import_glm45v_model(root: str):
     import megatron
     import megatron.core  # noqa: F401 - before the TE stub: megatron-core must see no TE
 
-    from mcore2hf.runtime.cpu import apply_cpu_shims
+    from mcore2hf.arch.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     import megatron.core.extensions.transformer_engine  # noqa: F401
