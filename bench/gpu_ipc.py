@@ -33,7 +33,6 @@ of the engines' pure-Python and small compiled dependencies (docs/engines.md "Re
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -42,7 +41,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import types
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -222,13 +220,6 @@ def make_sender(kind: str, url: str, packed: bool):
     return VLLMColocatedSender(url, 1, packed=packed, timeout=600)
 
 
-def quantized(ex, quantize: str | None):
-    """The exporter as sync() sees it, delivering block-FP8 when `quantize` is set."""
-    if quantize is None:
-        return ex
-    return types.SimpleNamespace(executor=functools.partial(ex.executor, quantize=quantize))
-
-
 def spec_of(want: dict) -> list:
     return [[n, shape, dtype] for n, (_, dtype, shape) in want.items()]
 
@@ -295,7 +286,7 @@ def cases(a, device, engines: dict) -> list:
                         want = expected(ex, bb, q, fast=False)
                         if kind == "sglang":
                             http(server.url, "/mcore2hf_reset", "POST")
-                        rep = sync(quantized(ex, q), sender, bucket_bytes=bb, progress=False)
+                        rep = sync(ex, sender, bucket_bytes=bb, progress=False, quantize=q)
                         row["syncs"][i] = compare(want, engine_weights(kind, server.url, fast=False)) \
                             or "every byte equal"
                         digests.append(want)

@@ -32,12 +32,14 @@ from .naming import LocalTensor, local_tensors, model_config, unwrap_model
 from .parallel import ParallelContext
 from .plan import (
     ExportPlan,
+    MTPTensors,
     RankRecord,
     Source,
     assign_buckets,
     build_sources,
     filter_sources,
     gather_records,
+    mtp_outputs,
     quantized_plan,
 )
 from .quantize import FP8Scheme, get_scheme
@@ -179,6 +181,14 @@ class HFExporter:
         quantizing each full HF tensor; tensors whose 128x128 blocks never straddle a shard are quantized where
         they are held, before the collectives (half the bytes on the wire), the others after the gather."""
         return self.planner.plan(bucket_bytes, name_filter, quantize)
+
+    def draft_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      name_filter: NameFilterLike = None) -> MTPTensors:
+        """The HF tensors of the model's MTP layers this export sends (collective on first use: the plan): what an
+        engine's MTP draft loads (senders/drafts.py). Empty for a model without MTP layers, or an adapter export."""
+        if self.lora == "adapter" or not self.dims.num_mtp_layers:
+            return MTPTensors(frozenset(), frozenset())
+        return mtp_outputs(self.plan(bucket_bytes, name_filter).sources, self.dims.num_layers)
 
     def fp8_policy(self):
         """The architecture's FP8 table (which HF tensors stay unquantized), from its converter."""

@@ -108,16 +108,21 @@ def test_verify_checksum_diff_and_replicas():
 def test_verify_refused_without_an_engine_checker():
     """verify needs an engine sender (a writer has no checker) and a known mode; proof needs the pause."""
     from mcore2hf.errors import UsageError
-    from mcore2hf.senders import SafetensorsWriter, sync
+    from mcore2hf.senders import SafetensorsWriter, Sender, sync
 
     writer = SafetensorsWriter.__new__(SafetensorsWriter)
     with pytest.raises(UsageError, match="expected an SGLang or vLLM engine sender"):
         sync(None, writer, verify="checksum")
     with pytest.raises(UsageError, match="expected None, 'proof' or 'checksum', found 'all'"):
         sync(None, writer, verify="all")
-    engine = type("E", (), {"set_verify": lambda self, mode: None})()
+    class Engine(Sender):  # a sender that takes verify: proof still needs the pause, refused before prepare
+        def prepare(self, spec):
+            raise AssertionError("refused before the sender is asked")
+
     with pytest.raises(UsageError, match="expected pause=True"):
-        sync(None, engine, verify="proof", pause=False)
+        sync(None, Engine(), verify="proof", pause=False)
+    with pytest.raises(UsageError, match=r"expected a sender \(send\(bucket\) and finish\(\)\), found object"):
+        sync(None, object())
 
 
 def test_verify_refused_on_sglang_releases_without_the_checksum_checker():

@@ -999,7 +999,18 @@ def scenario_engine_sharding_refusals() -> None:
         with pytest.raises(UsageError, match="expected an HFExporter"):
             sync(ListExporter([buckets_of(model_tensors(5))]),
                  VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
-        class Refusing:  # an exporter whose engine-shard plan the rules refuse (e.g. SGLang gpt-oss under EP)
+        from mcore2hf import HFExporter
+        from mcore2hf.plan import MTPTensors
+
+        class Refusing(HFExporter):  # an exporter whose engine-shard plan the rules refuse (e.g. SGLang gpt-oss
+            lora = None  # under EP); no model behind it
+
+            def __init__(self):
+                pass
+
+            def draft_tensors(self, *args, **kwargs):
+                return MTPTensors(frozenset(), frozenset())
+
             def engine_executor(self, *args, **kwargs):
                 raise EngineShardError("refused by the rules")
 
