@@ -86,7 +86,9 @@ def trace(engine_name: str, sent: set[str], draft: set[str] | None = None) -> li
     name = re.sub(r"^(dp\d+:pp\d+:pcp\d+:tp\d+:)", "", name)  # vLLM's per-worker prefix (gpu_worker.py:380)
     if draft and re.fullmatch(_ROLE, rank.rsplit(":", 1)[-1]):
         layer = next((m[1] for s in sorted(draft) if (m := _HF_LAYER.match(s))), "")
-        name, sent = _DRAFT_MODULE.sub(layer, name) if layer else name, draft
+        if name not in draft and layer:  # the draft class's own module names (model.decoder.*, model.enorm)
+            name = _DRAFT_MODULE.sub(layer, name)
+        sent = draft
     if name in sent:
         return [name]
     module, _, leaf = name.rpartition(".")

@@ -25,8 +25,9 @@ one sync, on every engine:
 `selector` (>= 0.5.21): which runners a session, an update and a weight check apply to, "target" / "draft" /
 "all" (the release's default): the target's buckets go with "target", the MTP layers' with "draft", a session
 opens "all" only when the draft is updated, and the checker asks "all" then too (else "target": a proof must not
-reset a draft the sync leaves alone). Releases before selectors load every update into the target only
-(0.5.20 weight_updater.py), and their checker resets and hashes the draft with the target (:299-313).
+reset a draft the sync leaves alone). A server with a draft on a release before selectors is refused (check_server:
+0.5.20's tensor path loads every update into draft and target, its distributed path into the target only, and its
+checker resets the draft with the target, weight_updater.py:160-167, :144-157, :299-313).
 
 An engine is anything with the method names of `SGLangHTTPEngine` (keyword arguments as above): it talks to a
 server, an in-process engine needs a thin adapter with the same methods.
@@ -178,6 +179,14 @@ def check_server(info: dict, where: str, tp_size: int | None = None) -> ServerFa
     if facts.dp_size not in (None, 1):
         raise UnsupportedEngine(f"{where}: sglang {facts.version} runs with dp_size={facts.dp_size}; SGLang's weight "
                                 "updates need dp_size 1 (one server per data-parallel replica)")
+    if facts.draft_kind is not None and not facts.selectors:
+        raise UnsupportedEngine(f"{where}: sglang {facts.version} serves a speculative draft "
+                                f"({facts.speculative}) and has no runner selectors (sglang >= "
+                                f"{'.'.join(map(str, RELEASES['selectors']))}): its tensor path loads every update "
+                                "into the draft worker, which loads it into draft and target alike (0.5.20 "
+                                "scheduler_components/weight_updater.py:160-167, speculative/eagle_worker_v2.py:"
+                                "1682-1702), its distributed path into the target only (:144-157), so a sync can "
+                                "neither update the draft nor leave it alone; use sglang >= 0.5.21")
     if tp_size is not None and facts.tp_size not in (None, tp_size):
         raise UnsupportedEngine(f"{where}: sglang {facts.version} runs with tp_size={facts.tp_size}, the sender was "
                                 f"given {tp_size}")
@@ -339,12 +348,10 @@ class _SGLangMixin:
         return self._engines
 
     def _engine_draft(self, st: _EngineState) -> drafts.EngineDraft:
+        """A server with a draft has selectors (check_server refuses the others)."""
         f = st.facts
-        refusal = None if f.selectors else (
-            f"sglang {f.version} loads every update into the target only (runner selectors came with "
-            f"{'.'.join(map(str, RELEASES['selectors']))})")
         return drafts.EngineDraft(st.where, f.draft_kind, f"speculative_algorithm {f.speculative}, draft "
-                                  f"{f.draft_path or 'the model itself'}", refusal)
+                                  f"{f.draft_path or 'the model itself'}")
 
     def _runners(self, st: _EngineState) -> str:
         """The runners this sync's session and checker calls cover: the draft's too only when it is updated."""
@@ -389,10 +396,6 @@ class _SGLangMixin:
             if st.facts.release < RELEASES["checker"]:
                 return (f"{st.where}: sglang {st.facts.version} cannot verify a sync: verify needs sglang >= {need} "
                         "(/weights_checker with the 'checksum' action; 0.5.6-0.5.10 have no checksum)")
-            if self.verify == "proof" and st.facts.draft_kind and not st.facts.selectors:
-                return (f"{st.where}: sglang {st.facts.version} serves a draft ({st.facts.speculative}), which its "
-                        "checker resets with the target (no runner selector before 0.5.21) and no update reloads: "
-                        "verify='checksum' or a release >= 0.5.21")
         return None
 
     def _checksums(self, st: _EngineState) -> dict[str, dict[str, str]]:
