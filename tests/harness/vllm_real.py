@@ -1271,7 +1271,8 @@ def _draft_trainers(urls: dict, ckpt: str) -> dict:
     ex = HFExporter(chunks, cfg)
     mtp = ex.draft_tensors(DRAFT_BUCKET)
     out["layer"], out["copies"], out["dims"] = sorted(mtp.layer), sorted(mtp.copies), ex.dims
-    out["full"] = {n: t.clone() for n, t in ex.state_dict().items()} if rank == 0 else None
+    full = ex.state_dict()  # collective: every rank
+    out["full"] = full if rank == 0 else None
     col = vllm.VLLMColocatedSender(urls["mtp"] if rank == 0 else urls["plain"], 1, timeout=60)
 
     def report(**kw):
@@ -1292,15 +1293,15 @@ def _draft_trainers(urls: dict, ckpt: str) -> dict:
     except UnsupportedEngine as e:
         out["m2n"] = str(e)
     out["m2n_keep"] = sync(ex, m2n, progress=False, bucket_bytes=DRAFT_BUCKET, draft="keep").draft
+    _, plain = worlds.build(ckpt, Layout(tp=1, ep=2), mtp=False)
+    load_hf_weights(plain, ckpt)
+    rep = sync(HFExporter(plain, cfg), col, progress=False, bucket_bytes=DRAFT_BUCKET)
+    out["no_mtp"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets}
     # engine-sharded: each rank sends only what its engine TP rank loads, the draft's too (its TP is the target's)
     vllm.device_uuid = lambda device: f"GPU-{rank}"  # GPU-only fact stubbed: here each rank has its own GPU
     tp2 = vllm.VLLMColocatedSender(urls["tp2"] if rank == 0 else None, 2, timeout=60, engine_sharding=True)
     rep = sync(ex, tp2, progress=False, bucket_bytes=DRAFT_BUCKET, debug_nan=True)
     out["tp2"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets, "version": tp2.version}
-    _, plain = worlds.build(ckpt, Layout(tp=1, ep=2), mtp=False)
-    load_hf_weights(plain, ckpt)
-    rep = sync(HFExporter(plain, cfg), col, progress=False, bucket_bytes=DRAFT_BUCKET)
-    out["no_mtp"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets}
     return out
 
 
@@ -1343,7 +1344,7 @@ def scenario_mtp_draft() -> None:
             s.stop()
     _DRAFTS.update(res=res, full=full, target=target, draft=draft, tp2=tp2)
     lead = res[0]
-    assert sorted(lead["layer"]) + lead["copies"] == sorted(layer), (lead["layer"], lead["copies"])
+    assert sorted(lead["layer"] + lead["copies"]) == sorted(layer), (lead["layer"], lead["copies"])
     assert lead["copies"] == ["model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight"]
     exported = lead["full"]
     assert set(exported) == set(full) and all(torch.equal(exported[n], full[n]) for n in full)
