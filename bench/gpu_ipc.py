@@ -113,14 +113,20 @@ def engine_env(site: str) -> dict:
 
 
 class VLLMServer:
-    """harness.vllm_real serve mode in its own process: one engine of TP 1 whose parameters are `spec` (zeros)."""
+    """harness.vllm_real serve mode in its own process: one engine of TP 1 whose parameters are `spec` (zeros);
+    with `draft` (a spec too) an MTP draft model beside it (tests/gpu/test_mtp_draft_ipc.py)."""
 
-    def __init__(self, site: str, spec: list, device: str):
-        fd, self.spec = tempfile.mkstemp(suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(spec, f)
+    def __init__(self, site: str, spec: list, device: str, draft: list | None = None):
+        self.specs = []
+        for s in (spec, draft) if draft is not None else (spec,):
+            fd, path = tempfile.mkstemp(suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(s, f)
+            self.specs.append(path)
+        self.spec = self.specs[0]
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.vllm_real", "--serve", self.spec, device],
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.vllm_real", "--serve", self.spec, device,
+                                      *self.specs[1:]],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=engine_env(site), cwd=REPO)
 
@@ -137,7 +143,8 @@ class VLLMServer:
         self.proc.kill()
         self.proc.wait(10)
         self.log.close()
-        os.unlink(self.spec)
+        for path in self.specs:
+            os.unlink(path)
 
 
 def sglang_server(site: str, version: str, device: str):

@@ -154,7 +154,7 @@ class _Session:
     # (docs/engines.md, vLLM points to know)
     _resume_on_failure = False
 
-    draft_copies = True  # vLLM's MTP drafts load the embedding / head copies (models/deepseek_mtp.py:458-470)
+    draft_copies = True  # vLLM's MTP drafts load the embedding / head copies (models/deepseek_mtp.py:359, :541-566)
 
     def _engine_draft(self, engine) -> drafts.EngineDraft:
         """From the engine's config (GET /server_info?config_format=json, or an LLM's vllm_config): its speculative

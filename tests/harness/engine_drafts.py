@@ -179,7 +179,7 @@ def vllm_case(case: dict, out_file: str) -> dict:
 
     model, config = _vllm_model(case["config"])
     tensors = load_file(case["tensors"])
-    # as the IPC and NCCL transfer engines load a chunk (ipc_engine.py:240-245, nccl_engine.py:206-210): without
+    # as the IPC and NCCL transfer engines load a chunk (ipc_engine.py:240-245, nccl_engine.py:206-211): without
     # the MTP completeness check, which a chunk without the MTP layer would fail (deepseek_mtp.py:520-535)
     with set_current_vllm_config(config), disable_mtp_completeness_check():
         res = {"class": f"{type(model).__module__}.{type(model).__name__}", "load": load_contract(model, tensors)}

@@ -253,14 +253,16 @@ def check_model(model, tensors) -> None:
 # ---------------------------------------------------------------- vLLM workers, engine clients, servers
 
 def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, torch.Tensor] | None = None,
-                device: str = "cpu", load: bool = True, draft: dict[str, torch.Tensor] | None = None):
+                device: str = "cpu", load: bool = True, draft: dict[str, torch.Tensor] | None = None,
+                keep_received: bool = True):
     """vLLM's real Worker class (methods unmodified) around a tiny model (or a named_model of `tensors`), with the
     weight-transfer engine vLLM's factory creates for `backend`; nothing of the GPU worker's init runs. On
     `device` "cuda" the named_model's parameters and the transfer engine are on GPU 0 (real CUDA IPC); with
     load=False its parameters start as zeros (no initial load, nothing kept per load). `draft`: a speculative
     draft model too (a named_model of those tensors, zeros, keeping what it receives), which the worker's draft
     sessions (start_draft_weight_update) retarget the transfer engine at, as its model runner holds one
-    (gpu_worker.py:1164 get_draft_model, :1180 _set_draft_weight_update_target)."""
+    (gpu_worker.py:1164 get_draft_model, :1180 _set_draft_weight_update_target); `keep_received=False`: only its
+    parameters hold what it was sent."""
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
@@ -276,7 +278,7 @@ def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, tor
         model.received.clear()
     w = Worker.__new__(Worker)
     w.vllm_config, w.parallel_config, w.rank, w.local_rank = vc, pc, rank, rank  # WorkerBase.__init__ sets both
-    draft_model = None if draft is None else named_model(draft, device)
+    draft_model = None if draft is None else named_model(draft, device, keep_received=keep_received)
     # the draft's ModelConfig fields the reload reads (finalize_layerwise_reload): the target's here
     w.speculative_config = None if draft is None else types.SimpleNamespace(draft_model_config=MODEL_CONFIG)
     w.model_runner = types.SimpleNamespace(reset_lora_state=lambda: None, get_model=lambda: model,
@@ -1310,7 +1312,7 @@ def scenario_mtp_draft() -> None:
     session, then start_draft_weight_update retargets the IPC transfer engine at the draft model): the target
     model loads every tensor but the MTP layer's (its named model has no parameter for them: a stray name fails
     the load), the draft model the MTP layer with its embedding / head copies (what vLLM's MTP drafts load,
-    models/deepseek_mtp.py:458-470), byte for byte; the version is set once, by the draft session's finish. An
+    models/deepseek_mtp.py:359, :541-566), byte for byte; the version is set once, by the draft session's finish. An
     engine without a draft gets the target session only; verify= is refused (vLLM's checker covers the target
     only); draft="keep" opens no draft session; a backend without draft sessions is refused before anything moves
     (then synced with "keep"); a model without MTP layers opens none."""
@@ -1417,13 +1419,14 @@ SCENARIOS = {
 }
 
 
-def serve(spec: str, device: str) -> None:
+def serve(spec: str, device: str, draft_spec: str | None = None) -> None:
     """One vLLM engine of TP 1 with an IPC weight-transfer engine, serving vLLM's RL routes until stdin closes
     (bench/gpu_ipc.py runs it as its own process on the trainer's GPU): its model holds one parameter per entry of
     `spec` (a JSON list of [name, shape, dtype]), zeros on `device` ("cuda": GPU 0, real CUDA IPC rebuilt by
     vLLM's ipc_engine; "cpu": CPU shared memory as in the scenarios). Prints `URL <url> VERSION <v>`. GET
     /mcore2hf_state?digest=sha256|fingerprint: per parameter [digest, dtype, shape], the weight version, the
-    engine calls."""
+    engine calls. `draft_spec`: an MTP draft model too (its parameters in the state's "draft"), which the
+    worker's draft sessions load; /server_info then reports speculative method "mtp" (tests/gpu)."""
     from harness.sglang_real import fingerprint, sha256_digest
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -1439,20 +1442,27 @@ def serve(spec: str, device: str) -> None:
         torch.cuda.set_device(0)
     import vllm
 
-    with open(spec) as f:
-        shapes = {n: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for n, shape, dt in json.load(f)}
-    worker = make_worker("ipc", tensors=shapes, device=device, load=False)
+    def shapes(path: str | None) -> dict | None:
+        if path is None:
+            return None
+        with open(path) as f:
+            return {n: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for n, shape, dt in json.load(f)}
+
+    draft = shapes(draft_spec)
+    worker = make_worker("ipc", tensors=shapes(spec), device=device, load=False, draft=draft, keep_received=False)
     core = EngineCore([worker])
+
+    def digests(model, fn) -> dict:
+        return {n: (fn(p), str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()}
 
     def state(digest: str) -> dict:
         fn = fingerprint if digest == "fingerprint" else sha256_digest
         if device == "cuda":
             torch.cuda.synchronize()
-        params = {n: (fn(p), str(p.dtype).removeprefix("torch."), list(p.shape))
-                  for n, p in worker.model.named_parameters()}
-        return {"weights": params, "version": core.version, "events": list(core.events)}
+        return {"weights": digests(worker.model, fn), "version": core.version, "events": list(core.events),
+                "draft": None if draft is None else digests(worker.draft_model, fn)}
 
-    server = Server(async_client(core), state=state)
+    server = Server(async_client(core), state=state, config=_draft_config("mtp" if draft is not None else None))
     print(f"URL {server.url} VERSION {vllm.__version__}", flush=True)
     sys.stdin.read()  # until the bench closes our stdin (or dies)
     server.stop()
@@ -1478,8 +1488,8 @@ def main(out: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--serve":  # --serve SPEC.json DEVICE
-        serve(sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "--serve":  # --serve SPEC.json DEVICE [DRAFT_SPEC.json]
+        serve(*sys.argv[2:5])
     elif sys.argv[1] == "--serve-lora":  # --serve-lora HF_CONFIG_DIR TP
         serve_lora(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "--moe3d-slices":  # --moe3d-slices ADAPTER_DIR HF_CONFIG_DIR TP,TP,...
