@@ -1299,6 +1299,24 @@ def _draft_trainers(urls: dict, ckpt: str) -> dict:
     load_hf_weights(plain, ckpt)
     rep = sync(HFExporter(plain, cfg), col, progress=False, bucket_bytes=DRAFT_BUCKET)
     out["no_mtp"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets}
+    # distributed (NCCL backend; gloo in PyNccl's place on CPU): every engine's workers join each broadcast inside a
+    # session of the pass, so a group whose engines do not all serve an MTP draft is refused
+    if rank == 0:
+        import vllm.distributed.device_communicators.pynccl as pynccl
+
+        pynccl.PyNcclCommunicator = GlooCommunicator
+    nccl = vllm.VLLMDistributedSender([urls["nccl"]] if rank == 0 else None, timeout=60)
+    rep = sync(ex, nccl, progress=False, bucket_bytes=DRAFT_BUCKET)
+    nccl.close()
+    out["nccl"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets, "version": nccl.version}
+    mixed = vllm.VLLMDistributedSender([urls["nccl"], urls["nccl_plain"]] if rank == 0 else None, timeout=60)
+    try:
+        sync(ex, mixed, progress=False, bucket_bytes=DRAFT_BUCKET)
+        out["nccl_mixed"] = None
+    except UnsupportedEngine as e:
+        out["nccl_mixed"] = str(e)
+    out["nccl_mixed_keep"] = sync(ex, mixed, progress=False, bucket_bytes=DRAFT_BUCKET, draft="keep").draft
+    mixed.close()
     # engine-sharded: each rank sends only what its engine TP rank loads, the draft's too (its TP is the target's)
     vllm.device_uuid = lambda device: f"GPU-{rank}"  # GPU-only fact stubbed: here each rank has its own GPU
     tp2 = vllm.VLLMColocatedSender(urls["tp2"] if rank == 0 else None, 2, timeout=60, engine_sharding=True)
@@ -1327,11 +1345,13 @@ def scenario_mtp_draft() -> None:
     layer = {n for n in full if n.startswith("model.layers.4.")}  # the tiny config's 4 layers, then the MTP layer
     target = {n: t for n, t in full.items() if n not in layer}
     draft = {n: t for n, t in full.items() if n in layer}
-    engines = {"mtp": (target, draft, _draft_config("mtp")), "plain": (target, None, _draft_config(None)),
-               "m2n": (target, draft, _draft_config("mtp", "nccl_m2n"))}
+    engines = {"mtp": ("ipc", target, draft, _draft_config("mtp")), "plain": ("ipc", target, None, _draft_config(None)),
+               "m2n": ("ipc", target, draft, _draft_config("mtp", "nccl_m2n")),
+               "nccl": ("nccl", target, draft, _draft_config("mtp", "nccl")),
+               "nccl_plain": ("nccl", target, None, _draft_config(None, "nccl"))}
     cores, servers = {}, {}
-    for name, (t, d, config) in engines.items():
-        cores[name] = EngineCore([make_worker("ipc", tensors=t, draft=d, load=False)])
+    for name, (backend, t, d, config) in engines.items():
+        cores[name] = EngineCore([make_worker(backend, tensors=t, draft=d, load=False)])
         servers[name] = Server(async_client(cores[name]), config=config)
     tp2 = [make_worker("ipc", r, 2, target, load=False, draft=draft) for r in range(2)]
     for r, w in enumerate(tp2):
@@ -1359,6 +1379,9 @@ def scenario_mtp_draft() -> None:
         assert r["m2n_keep"] == "left alone (draft='keep')"
         assert r["tp2"]["draft"] == "updated on 1 of 1 engine(s)" and r["tp2"]["version"] == 1, r["tp2"]
         assert r["no_mtp"] == {"draft": "target only: the model holds no MTP layers", "draft_buckets": 0}
+        assert r["nccl"]["draft"] == "updated on 1 of 1 engine(s)" and r["nccl"]["version"] == 1, r["nccl"]
+        assert r["nccl_mixed"] and "serves no draft, and the draft's weights reach every engine" in r["nccl_mixed"]
+        assert r["nccl_mixed_keep"] == "left alone (draft='keep')"
     mtp_worker = cores["mtp"].workers[0]
     for name, w in (("mtp", mtp_worker), ("plain", cores["plain"].workers[0])):
         got = dict(w.model.named_parameters())
@@ -1377,6 +1400,11 @@ def scenario_mtp_draft() -> None:
         "start_draft_weight_update" not in cores["m2n"].events
     assert "pause:abort" in cores["m2n"].events and cores["m2n"].events.count("start_weight_update") == 1  # "keep"
     assert cores["mtp"].version == "3" and cores["plain"].version == "3", (cores["mtp"].version, cores["plain"].version)
+    nccl = cores["nccl"].workers[0]  # the distributed sync: the draft session got the MTP layer over the broadcast
+    assert all(torch.equal(t, nccl.draft_model.received[n][0]) for n, t in draft.items())
+    assert sorted(nccl.draft_model.received) == sorted(draft) and all(len(v) == 1 for v in nccl.draft_model.received.values())
+    assert all(torch.equal(dict(nccl.model.named_parameters())[n], t) for n, t in target.items())
+    assert "start_draft_weight_update" not in cores["nccl_plain"].events
 
 
 def scenario_mtp_draft_engine_sharded() -> None:
