@@ -4,11 +4,10 @@ of tests/test_engine_plan.py, real tiny megatron-core models, sglang engine TP 2
     python bench/engine_exec_cpu.py [--models qwen3_moe,deepseek_v3] [--runs 5] [--bucket-kib 64]
 
 Prints, per model and engine placement, rank 0's wall and CPU (process) time per bucket of the first run
-(compiles) and the median of the later runs; against the earlier scheme (MCORE2HF_REPLAY=0 and
-MCORE2HF_CPU_P2P=0: new output buffers, views made per run, torch's batch_isend_irecv), its later runs alternating
-with this version's, and a floor (the same point-to-point rounds, nothing packed or copied), with the messages
-(sends + receives) rank 0 posts per bucket. Runs against whichever mcore2hf is importable (PYTHONPATH=<other
-checkout> compares another version; the `output` argument is used only where it exists)."""
+(compiles) and the median of the later runs, alternating with a floor (the same point-to-point rounds, nothing
+packed or copied), with the messages (sends + receives) rank 0 posts per bucket. Runs against whichever mcore2hf is
+importable (PYTHONPATH=<other checkout> measures another version, e.g. the earlier schemes bench/RESULTS.md compares
+with; the `output` argument is used only where it exists)."""
 
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ def world(ckpts: dict, layout, runs: int, bucket_bytes: int, profile: bool = Fal
             for output in outputs:
                 kw = {"output": output} if len(outputs) > 1 else {}
                 if not hasattr(ex, "engine_executor") or not hasattr(ex.engine_executor(ranks, bucket_bytes, **kw).core,
-                                                                     "cpu_p2p"):
+                                                                     "counts"):
                     # an earlier version (PYTHONPATH=<its checkout>): its default path only
                     times = []
                     for _ in range(runs):
@@ -71,9 +70,8 @@ def _median(times: list) -> tuple[float, float]:
 
 
 def compare(ex, ranks, bucket_bytes: int, output: str, runs: int, prof) -> tuple:
-    """This version's executor (defaults) and the earlier scheme (MCORE2HF_REPLAY=0, MCORE2HF_CPU_P2P=0) on the
-    same plan, later runs alternating between the two (so load from other jobs hits both alike), and a floor:
-    the same point-to-point rounds on the compiled buffers, nothing packed or copied."""
+    """This version's executor and a floor (the same point-to-point rounds on the compiled buffers, nothing packed
+    or copied), later runs alternating between the two (so load from other jobs hits both alike)."""
     import torch
     import torch.distributed as dist
 
@@ -81,8 +79,6 @@ def compare(ex, ranks, bucket_bytes: int, output: str, runs: int, prof) -> tuple
 
     plan = ex.engine_plan(ranks, bucket_bytes)
     new = EngineExecutor(plan, ex.ctx, ex._local, ex.device, output=output)
-    old = EngineExecutor(plan, ex.ctx, ex._local, ex.device, output=output)
-    old.core.replay = old.core.cpu_p2p = False
 
     def once(executor, profile_it=False) -> tuple[float, float, int]:
         dist.barrier()
@@ -97,19 +93,17 @@ def compare(ex, ranks, bucket_bytes: int, output: str, runs: int, prof) -> tuple
         return (time.perf_counter() - w0) / n, (time.process_time() - c0) / n, n
 
     first = once(new)
-    once(old)
     msgs = new.core.counts["messages"] / first[2]
-    times: dict[str, list] = {"new": [], "old": [], "floor": []}
+    times: dict[str, list] = {"new": [], "floor": []}
     for _ in range(runs - 1):
         times["new"].append(once(new, prof is not None)[:2])
-        times["old"].append(once(old)[:2])
         dist.barrier()
         w0, c0 = time.perf_counter(), time.process_time()
         for cb in new._compiled:
             for w in new.core.exchange(cb.p2p, cb.index):
                 w.wait()
         times["floor"].append(((time.perf_counter() - w0) / first[2], (time.process_time() - c0) / first[2]))
-    return first[2], first[:2], _median(times["new"]), (_median(times["old"]), _median(times["floor"]), msgs)
+    return first[2], first[:2], _median(times["new"]), (_median(times["floor"]), msgs)
 
 
 def main() -> None:
@@ -128,14 +122,13 @@ def main() -> None:
         ckpts = {m: str(make_hf_checkpoint(tiny_config(m), os.path.join(tmp, m))) for m in args.models.split(",")}
         rows = run_world(world, layout, ckpts, layout, args.runs, args.bucket_kib * 1024, args.profile)[0]
     print(f"{'model':12} {'engine':16} {'output':7} {'buckets':>7}  first run   later runs (median), wall / CPU ms per bucket")
-    print(f"{'':12} {'':16} {'':7} {'':7}  {'':13}  {'this version':>13}  {'earlier scheme':>14}  {'floor':>13}"
-          f"  {'CPU ratio':>9}  msgs/bucket")
+    print(f"{'':12} {'':16} {'':7} {'':7}  {'':13}  {'this version':>13}  {'floor':>13}  msgs/bucket")
     for m, e, o, n, first, later, rest in rows:
         line = f"{m:12} {e:16} {o:7} {n:7}  {first[0] * 1e3:5.2f} / {first[1] * 1e3:5.2f}  " \
                f"{later[0] * 1e3:5.2f} / {later[1] * 1e3:5.2f}"
         if rest is not None:
-            (ow, oc), (fw, fc), msgs = rest
-            line += f"  {ow * 1e3:6.2f} / {oc * 1e3:5.2f}  {fw * 1e3:5.2f} / {fc * 1e3:5.2f}  {oc / later[1]:8.2f}x  {msgs:11.1f}"
+            (fw, fc), msgs = rest
+            line += f"  {fw * 1e3:5.2f} / {fc * 1e3:5.2f}  {msgs:11.1f}"
         print(line)
 
 

@@ -468,36 +468,6 @@ def issue_time(fn, device) -> float:
     return dt
 
 
-def old_executor(ex, bb, device, quantize=None):
-    """An executor of the same plan on the earlier path (MCORE2HF_REPLAY=0: a new output per bucket, views made
-    at each run, no graphs)."""
-    from mcore2hf.transfer.export import Executor
-
-    e = Executor(ex.plan(bb, quantize=quantize), ex.ctx, ex._local, None, device)
-    e.core.replay = False
-    return e
-
-
-def old_path_row(ex, bb, device, repeat: int, quantize=None) -> tuple:
-    old = old_executor(ex, bb, device, quantize)
-    consume(old.run())
-    runs = [timed(lambda: consume(old.run()), device) for _ in range(repeat)]
-    issue = issue_time(lambda: consume(old.run()), device)
-    return min(t for t, _ in runs), max(p for _, p in runs), issue
-
-
-def same_buckets(new, old) -> str:
-    """Every bucket of two exports of one plan equal byte for byte (compared on the device, bucket by bucket)."""
-    import torch
-
-    n = same = 0
-    for b1, b2 in zip(new, old, strict=True):
-        n += 1
-        same += (b1.flat is None and b2.flat is None) or torch.equal(b1.flat, b2.flat)
-        del b1, b2
-    return f"{same}/{n} buckets byte-identical to the earlier path" + ("" if same == n else " DIFFER")
-
-
 def kept_bytes(executor) -> int:
     """Bytes an executor keeps between exports: staging arena(s) and pooled output buffers."""
     pool = executor.core.pool
@@ -594,10 +564,6 @@ def job(a):
     rows["mcore2hf (all ranks)"] = (min(t for t, _ in later), max(p for _, p in later))
     moved = bytes_moved(ex.executor(bb), 1 + a.repeat)
     kept = kept_bytes(ex.executor(bb))
-    old_same = ""
-    if a.old_path:  # the earlier path (MCORE2HF_REPLAY=0) on the same plan and model, and its output bit for bit
-        rows["mcore2hf (all ranks, MCORE2HF_REPLAY=0)"] = old_path_row(ex, bb, device, a.repeat)
-        old_same = same_buckets(ex.buckets(bb), old_executor(ex, bb, device).run())
     copy = copy_floor(ex, device) if not a.cpu else None
     # the same plan through staging (no collective landing in the output): what the direct layout saves
     staged = staged_executor(ex, bb, device) if not a.skip_receivers else None
@@ -623,8 +589,6 @@ def job(a):
         runs = [timed(lambda q=q: consume(ex.buckets(bb, quantize=q)), device) for _ in range(a.repeat)]
         rows[f"mcore2hf {q} (all ranks)"] = (min(t for t, _ in runs), max(p for _, p in runs))
         q_issue = issue_time(lambda q=q: consume(ex.buckets(bb, quantize=q)), device)
-        if a.old_path:
-            rows[f"mcore2hf {q} (all ranks, MCORE2HF_REPLAY=0)"] = old_path_row(ex, bb, device, a.repeat, q)
         if not a.skip_receivers:
             consume(ex.buckets(bb, receivers=0, quantize=q))
             runs = [timed(lambda q=q: consume(ex.buckets(bb, receivers=0, quantize=q)), device) for _ in range(a.repeat)]
@@ -685,7 +649,7 @@ def job(a):
                 buckets=len(plan.buckets), tensors=plan.num_tensors, mbridge_note=mb, fp8=fp8, moved=moved,
                 moved_staged=moved_staged, staged_same=staged_same,
                 direct=sum(b.direct is not None for b in plan.buckets), all_wire=all_wire, engines=engines, p2p=p2p,
-                kept=kept, old_same=old_same, copy=copy)
+                kept=kept, copy=copy)
 
 
 def main():
@@ -708,8 +672,6 @@ def main():
     ap.add_argument("--quantize", default=None,
                     help="also time block-FP8 exports, fp8 and/or fp8-ue8m0 (comma-separated): bytes, floor of the FP8 "
                          "bytes, every tensor against the torch reference, sampled ones against the CPU")
-    ap.add_argument("--old-path", action="store_true",
-                    help="also time the earlier executor path (MCORE2HF_REPLAY=0) on the same plan, output compared")
     ap.add_argument("--skip-receivers", action="store_true",
                     help="leave out the rank-0-only, overlap and staged rows (shorter runs)")
     ap.add_argument("--engine-placements", default=None,
@@ -794,9 +756,6 @@ def main():
         copy_s, rate = r0["copy"]
         print(f"copy floor: a device copy of the same {gb:.1f} GB (read + write) at {rate / 1e9:.0f} GB/s = {copy_s:.4f} s; "
               + "; ".join(f"{name} {max(x['rows'][name][0] for x in res) / copy_s:.2f}x" for name in r0["rows"]))
-    old = r0["rows"].get("mcore2hf (all ranks, MCORE2HF_REPLAY=0)")
-    if old:
-        print(f"earlier path (MCORE2HF_REPLAY=0): host issue {old[2] * 1e3:.1f} ms; {r0['old_same']}")
     print(f"kept between exports on rank 0 (staging arena + pooled output buffers): {r0['kept'] / 2**30:.2f} GiB")
     if r0["busy"][1]:
         b, span = r0["busy"]

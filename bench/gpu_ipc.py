@@ -99,6 +99,15 @@ def pack(out_dir: str) -> str:
                     if f.endswith(".py") or ".dist-info" in full:
                         tar.add(full, os.path.join(f"{name}-{version}", os.path.relpath(full, site)))
     os.replace(path + ".partial", path)
+    # what the GPU suite reads from the wheel cache (MCORE2HF_WHEEL_CACHE, no registry there): the FP8 oracle
+    # (tests/oracle.py: DeepGEMM's quantizer, one file of its wheel) and Megatron-Bridge 0.6.2's PEFT (its LoRA world)
+    import shutil
+
+    from harness.bridge_lora import BRIDGE_062, bridge_root
+    from oracle import deepgemm
+
+    for src in (os.path.dirname(os.path.dirname(os.path.dirname(deepgemm().__file__))), bridge_root(BRIDGE_062)):
+        shutil.copytree(src, os.path.join(out_dir, "cache", os.path.basename(src)), dirs_exist_ok=True)
     platforms = [x for n in ("2_17", "2_24", "2_26", "2_27", "2_28", "2_31") for x in ("--platform", f"manylinux_{n}_x86_64")]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                     "3.12", "--implementation", "cp", *platforms, "--platform", "manylinux2014_x86_64", "--platform",

@@ -1,6 +1,7 @@
 """SGLang senders on real GPUs, with trainer and engine processes that see different CUDA_VISIBLE_DEVICES.
 
-    python bench/gpu_senders.py        # 2 GPUs
+    python bench/gpu_senders.py             # 2 GPUs, every combination below
+    python bench/gpu_senders.py --hardest   # only CUDA_VISIBLE_DEVICES 1,0 beside engines seeing their own GPU
 
 A 2-rank trainer world (NCCL, TP2 x EP2) holds a real megatron-core model loaded from a random HF checkpoint and
 syncs it twice through each SGLang sender into SGLang 0.5.23's own receive code (harness.sglang_real on the GPU:
@@ -68,9 +69,12 @@ def main() -> None:
     source = read_hf_checkpoint(ckpt)
     ref = {n: (sha256(t), str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in source.items()}
     nbytes = sum(t.numel() * t.element_size() for t in source.values())
-    for trainer_cvd in ("0,1", "1,0"):
+    # --hardest (the GPU suite): only the trainer that sees the GPUs in reverse order beside engines that see their
+    # own GPU only: every device index differs between the processes
+    hardest = "--hardest" in sys.argv[1:]
+    for trainer_cvd in ("1,0",) if hardest else ("0,1", "1,0"):
         phys = [int(g) for g in trainer_cvd.split(",")]  # trainer rank r runs on physical GPU phys[r]
-        for isolated in (False, True):
+        for isolated in (True,) if hardest else (False, True):
             for kind, gpus in (("sglang-colocated", phys), ("sglang-distributed", phys[1:])):
                 engines = []
                 for g in gpus:

@@ -5,11 +5,11 @@ per-tensor work of the exporter rather than data movement.
 
     python bench/host_overhead.py [--layers 48] [--experts 128] [--ep 4] [--profile]
 
-Prints rank 0's wall and process CPU time of a later export with replay (pooled output buffers, precomputed
-views) and all-gathers run as point-to-point rounds (the defaults), with gloo's own all-gather
-(MCORE2HF_CPU_P2P=0), and with the earlier path (MCORE2HF_REPLAY=0 and gloo's all-gather), in the same run,
-with the all-gathers, point-to-point messages and bytes received per export, and a floor: the same rounds on
-buffers of their own, nothing packed or copied. With --ep 1 (one process) there is no collective: the time is the
+Prints rank 0's wall and process CPU time of a later export (pooled output buffers, precomputed views,
+all-gathers run as point-to-point rounds), and of the same plan through staging (no collective landing in the
+output), in the same run, with the all-gathers, point-to-point messages and bytes received per export, and a
+floor: the same rounds on buffers of their own, nothing packed or copied. (The earlier schemes this was measured
+against, gloo's own all-gather and a new output buffer per bucket, are retired: bench/RESULTS.md has their rows.) With --ep 1 (one process) there is no collective: the time is the
 host's issue work alone. The tensors are tiny but many: EP 4 at 24 layers still moves ~60 MiB into each rank.
 """
 
@@ -44,11 +44,8 @@ def job(cfg: dict, rounds: int, profile: bool):
 
     from mcore2hf.transfer.export import Executor
 
-    def prepared(executor, replay: bool, p2p: bool):
-        """An executor after its first export: replay on (pooled outputs, precomputed views) or off (the earlier
-        path: a new output per bucket, its views made at each run); all-gathers as one point-to-point round each
-        (`p2p`) or gloo's all-gather."""
-        executor.core.replay, executor.core.cpu_p2p = replay, p2p and executor.core.cpu_p2p
+    def prepared(executor):
+        """An executor after its first export (compiled)."""
         for _ in executor.run():
             pass
         executor.first = (dict(executor.core.counts), executor.stats["received_bytes"])
@@ -76,13 +73,11 @@ def job(cfg: dict, rounds: int, profile: bool):
         return run
 
     prof = cProfile.Profile() if profile and dist.get_rank() == 0 else None
-    main = prepared(Executor(plan, ex.ctx, ex._local, None, ex.device), True, True)
+    main = prepared(Executor(plan, ex.ctx, ex._local, None, ex.device))
     runs = {"new": main,
-            "gloo": prepared(Executor(plan, ex.ctx, ex._local, None, ex.device), True, False),
-            "old": prepared(Executor(plan, ex.ctx, ex._local, None, ex.device), False, False),
             # the same plan with no collective landing in its output (the staged path), for comparison
             "staged": prepared(Executor(replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets]),
-                                        ex.ctx, ex._local, None, ex.device), True, True)}
+                                        ex.ctx, ex._local, None, ex.device))}
     fns = {k: (lambda p=False, e=e: export(e, p)) for k, e in runs.items()}
     if dist.get_world_size() > 1:
         fns["floor"] = gathers(main)
@@ -123,18 +118,13 @@ def main():
           f"{r['direct']} buckets gathered into their output")
     print(f"{'later export (rank 0, least of ' + str(a.rounds) + ')':44} {'wall ms':>8} {'CPU ms':>8} {'CPU us/tensor':>14}"
           f" {'all-gathers':>11} {'p2p msgs':>8} {'recv MiB':>8}")
-    for key, label in (("new", "replay, all-gathers as p2p rounds"),
-                       ("gloo", "replay, gloo all-gathers (CPU_P2P=0)"),
-                       ("old", "earlier path (REPLAY=0, CPU_P2P=0)"),
-                       ("staged", "replay, staged (no direct landing)")):
+    for key, label in (("new", "this version"), ("staged", "staged (no direct landing)")):
         wall, cpu, counts, received = r[key]
         print(f"{label:44} {wall * 1e3:8.1f} {cpu * 1e3:8.1f} {cpu / r['tensors'] * 1e6:14.2f}"
               f" {counts['collectives']:11} {counts['messages']:8} {received / 2**20:8.1f}")
     if r["floor"] is not None:
         wall, cpu = r["floor"]
         print(f"{'floor: the same p2p rounds, nothing packed':44} {wall * 1e3:8.1f} {cpu * 1e3:8.1f}")
-    print(f"host CPU time per export, earlier path / replay: {r['old'][1] / r['new'][1]:.2f}x "
-          f"(gloo all-gathers / p2p rounds, both replayed: {r['gloo'][1] / r['new'][1]:.2f}x)")
     if "profile" in r:
         print(r["profile"])
 

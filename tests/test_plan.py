@@ -129,3 +129,19 @@ def test_memory_per_rank_class_equals_each_ranks_own_programs():
         shared, own = got[arenas]
         assert len(own) == 32 and shared == own, (arenas, shared, own)
     assert got["classes"] == got[1][0]  # dry_run's own memory is the one-arena estimate
+
+
+def test_members_issue_each_collective_at_the_same_point():
+    """Every member of a group issues each of the export's collectives at the same point of the bucket loop (when
+    the bucket starts, or when it completes), whatever it packs itself: NCCL matches a group's collectives in
+    the order they are issued, and a consumer may run collectives between buckets (or iterate two exports in
+    step). A stage whose member packs only local tensors used to issue it a bucket early, beside a member that
+    waits for its EP all-gather first: on 4 H200s at PP2 x EP2, garbage experts in the last layer of each stage.
+    Checked on every rank's programs (one-process dry run) at layouts with PP, VPP, EP, expert-TP != TP, uneven PP,
+    and gpt-oss's stacked experts gathered in rounds."""
+    cases = [("qwen3_moe", Layout(tp=2, pp=2, ep=2, etp=1)), ("qwen3_moe", Layout(pp=2, vpp=2, ep=2)),
+             ("deepseek_v3", Layout(tp=2, pp=2)), ("gpt_oss", Layout(pp=2, ep=2)),
+             ("deepseek_v3", Layout(pp=4, first_stage_layers=1, last_stage_layers=1))]
+    got = worlds.in_fresh_process(worlds.collective_schedules, cases, [2048])
+    for (model_type, layout), found in zip(cases, got):
+        assert found["checked"] > 100 and not found["bad"], (model_type, str(layout), found["bad"][:3])

@@ -473,6 +473,30 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     assert fp8_before.keys() == fp8_after.keys() and all(
         torch.equal(fp8_before[n].view(torch.uint8), fp8_after[n].view(torch.uint8)) for n in fp8_before)
 
+    # two exports iterated in step: with other settings they interleave (each has its own arena), with the same
+    # settings the second is refused before anything moves (they would share one staging arena and buffers)
+    import itertools
+
+    from mcore2hf.errors import UsageError
+
+    got: list[dict] = [{}, {}]
+    for step in itertools.zip_longest(ex.buckets(bucket_bytes=8192), ex.buckets(bucket_bytes=4096)):
+        for into, b in zip(got, step):
+            if b is not None:
+                into.update({n: t.clone() for n, t in b})
+    for into in got:
+        assert_same(into, ref, f"{layout} two exports zipped")
+    first = ex.buckets(bucket_bytes=8192)
+    next(first)
+    try:
+        next(ex.buckets(bucket_bytes=8192))
+        raise AssertionError("a second export with the same settings ran beside the first")
+    except UsageError as e:
+        assert "still being iterated" in str(e), e
+    for b in first:
+        del b
+    assert_same({n: t.clone() for b in ex.buckets(bucket_bytes=8192) for n, t in b}, ref, f"{layout} after a refusal")
+
     # interleaving stages and EP ranks keeps the padded PP collective close to the real bytes
     plan = ex.plan(256 * 1024)  # ~20 tensors per bucket (an expert's fc1 is 16 KiB here)
     pp = layout.pp
@@ -1109,9 +1133,8 @@ def engine_group_transport(ckpt: str, bucket_bytes: int) -> dict:
 
 def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int) -> dict:
     """Per architecture: the all-ranks export with its last all-gather landing in the output (BucketPlan.direct)
-    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves; and the
-    earlier CPU transport (gloo's all-gather, MCORE2HF_CPU_P2P=0, no pool) bit-identical too, with the transfers
-    each scheme posts."""
+    and the same plan through staging (direct off), both bit-identical to the source; the bytes each moves and the
+    transfers each posts."""
     from dataclasses import replace
 
     from mcore2hf.transfer.export import Executor
@@ -1126,15 +1149,14 @@ def direct_gather_suite(ckpts: dict[str, str], layout: Layout, bucket_bytes: int
         plan = ex.plan(bucket_bytes)
         staged = replace(plan, buckets=[replace(b, direct=None) for b in plan.buckets])
         stats = {}
-        for what, p in (("direct", plan), ("staged", staged), ("earlier", plan)):
+        for what, p in (("direct", plan), ("staged", staged)):
             runner = Executor(p, ex.ctx, ex._local, None, ex.device)
-            if what == "earlier":
-                runner.core.cpu_p2p = runner.core.replay = False
             for k in range(2):  # plan once, run twice: the second run reuses the compiled copies and buffers
                 got = {n: t.clone() for b in runner.run() for n, t in b}
                 assert_same(got, ref, f"{mt} {layout} {what} export {k}")
             stats[what] = {k: v // 2 for k, v in runner.stats.items() if k.endswith("_bytes")}
             stats[what].update({k: v // 2 for k, v in runner.core.counts.items()})
+            stats[what]["gathers"] = sum(len(r.stages) for cb in runner._compiled for r in cb.rounds or [cb])
             if what == "direct":  # slots filled by one concatenation (whole-shard layout ops), not per-tensor copies
                 stats["cat_slots"] = sum(st.cat is not None for cb in runner._compiled for st in cb.stages)
         # sync() on the same exporter (its executor's byte counters must survive sync's per-sync phase times)
@@ -2166,3 +2188,40 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
             raise AssertionError("a failed adapter load did not fail the sync")
         d.close()
     return out if first else {}
+
+
+def collective_schedule(model_type: str, layout: Layout, bucket_bytes: list[int]) -> dict:
+    """Every rank's all-ranks programs of a tiny model at `layout` (one-process dry run), as the collectives each
+    issues: per bucket (and round) and group (its ranks), when the rank issues it (when the bucket starts, or when
+    it completes; also with overlap=True) and its slot. Returns the number of collectives checked, and every group
+    whose members disagree or miss one: NCCL matches a group's collectives by the order they are issued in, so
+    members must issue each at the same point of the bucket loop (a consumer may run collectives between buckets)."""
+    from mcore2hf.planning import dry_run, rank_contexts
+    from mcore2hf.runtime.tiny import tiny_config
+    from mcore2hf.transfer.builders import bucket_program
+
+    contexts = rank_contexts(layout)
+    checked, bad = 0, []
+    for bb in bucket_bytes:
+        plan, _ = dry_run(tiny_config(model_type), layout, bucket_bytes=bb, dtype="float32")
+        for b in plan.buckets:
+            seen: dict[tuple, dict[int, tuple]] = {}
+            for ctx in contexts:
+                prog = bucket_program(b, ctx, None)
+                for r, p in enumerate(prog.rounds or [prog]):
+                    waits = overlap_waits = False
+                    for st in p.stages:
+                        waits = waits or st.depends
+                        overlap_waits = overlap_waits or st.depends or not st.striped
+                        when = ("complete" if waits else "start", "complete" if overlap_waits else "start")
+                        seen.setdefault((r, st.axis.ranks), {})[ctx.rank] = (when, st.slot, st.direct)
+            for (r, ranks), by_rank in seen.items():
+                checked += 1
+                if set(by_rank) != set(ranks) or len(set(by_rank.values())) > 1:
+                    bad.append(dict(bucket_bytes=bb, bucket=b.index, round=r, group=ranks, members=by_rank))
+    return {"checked": checked, "bad": bad}
+
+
+def collective_schedules(cases: list[tuple[str, Layout]], bucket_bytes: list[int]) -> list[dict]:
+    """`collective_schedule` of each (model type, layout), in one process."""
+    return [collective_schedule(mt, layout, bucket_bytes) for mt, layout in cases]

@@ -5,6 +5,7 @@ point-to-point builders take their routes from the planner (`mcore2hf.routes`)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..engine_plan import EngineShardPlan
@@ -43,16 +44,18 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext, shared: dict | None =
         for s, o in packs:  # shard i is in member i's slot
             where[s.name] = Loc(k, tuple(i * slot + o for i in range(s.count)))
 
-    def from_stage(srcs: list[Source]) -> bool:
-        # a source without a location here came out of an earlier stage (only `locations=False` leaves it out)
-        return any(s.name not in where or where[s.name].region != LOCAL for s in srcs)
-
-    def grouped(axis: Axis, members: dict[int, list[Source]], mine: int, last: bool, layouts: dict, slot: int) -> None:
-        # members and layouts: the members that contribute anything (of up to EP 64 x PP 16), by member index
+    def grouped(axis: Axis, members: dict[int, list[Source]], mine: int, last: bool, layouts: dict, slot: int,
+                earlier: Callable[[Source], bool]) -> None:
+        # members and layouts: the members that contribute anything (of up to EP 64 x PP 16), by member index.
+        # `depends` (the stage waits for an earlier stage of this bucket, so it is issued when the bucket completes,
+        # not when it starts) is decided for the whole group, from what any member packs: every member must issue
+        # the collective at the same point. Decided per member, a member packing only its own tensors issued it a
+        # bucket early (before the previous bucket was handed out), and any collective the consumer or a second
+        # export ran on the group in between was matched with the wrong one: garbage at PP x EP on NCCL.
+        depends = any(earlier(s) for srcs in members.values() for s in srcs)
         if last and b.direct is not None:  # the plan laid member m's HF tensors out at [m * slot, (m + 1) * slot)
             srcs = members.get(mine, [])
-            prog.add(Stage(axis, b.direct, [(s, 0) for s in srcs], striped=False, depends=from_stage(srcs),
-                           direct=True))
+            prog.add(Stage(axis, b.direct, [(s, 0) for s in srcs], striped=False, depends=depends, direct=True))
             if locations:
                 for s in (s for srcs in members.values() for s in srcs):
                     where[s.name] = Loc(OUT)
@@ -60,7 +63,7 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext, shared: dict | None =
         if slot == 0:
             return
         srcs, offs = layouts.get(mine, ([], []))
-        k = prog.add(Stage(axis, slot, list(zip(srcs, offs)), striped=False, depends=from_stage(srcs)))
+        k = prog.add(Stage(axis, slot, list(zip(srcs, offs)), striped=False, depends=depends))
         # everything delivered here is read from here afterwards, own part included: one region, constant
         # strides, so same-shaped tensors of every member merge into batched copies
         if locations:
@@ -93,10 +96,12 @@ def all_ranks_program(b: BucketPlan, ctx: ParallelContext, shared: dict | None =
     pp = ctx.pp.rank
     if ctx.ep.size > 1:
         found = members_of((id(b.sources), "ep", pp), lambda s: s.ep if s.is_expert and pp in s.stages else None)
-        grouped(ctx.ep, found[0], ctx.ep.rank, ctx.pp.size == 1, *found[1:])
+        # an expert's holder runs the expert-TP all-gather first
+        grouped(ctx.ep, found[0], ctx.ep.rank, ctx.pp.size == 1, *found[1:], lambda s: s.count > 1)
     if ctx.pp.size > 1:
         found = members_of((id(b.sources), "pp"), lambda s: s.stage)
-        grouped(ctx.pp, found[0], pp, True, *found[1:])
+        # a holder runs the TP / expert-TP all-gather (sharded tensors) and the EP all-gather (experts) first
+        grouped(ctx.pp, found[0], pp, True, *found[1:], lambda s: s.count > 1 or (s.is_expert and ctx.ep.size > 1))
     if locations:
         missing = [s.name for s in b.sources if s.name not in where]
         assert not missing, f"internal error: no route to {missing[:5]}"

@@ -141,16 +141,17 @@ class EngineExecutor:
     # -- running -------------------------------------------------------------------------------------------------
     def run(self) -> Iterator[EngineBucket]:
         """Yield this rank's bucket of every plan bucket in order (collective over the transport group)."""
-        with torch.no_grad():
-            self.compile()
-        for k in range(len(self._compiled)):
+        with self.core.running():
             with torch.no_grad():
-                cb = self._compiled[k]
-                if cb.stale():  # training swapped a shard's storage since compiling: the views follow
-                    cb = self._compiled[k] = self._compile(self.programs[k])
-                bucket = self._run(cb)
-            yield bucket
-            del bucket
+                self.compile()
+            for k in range(len(self._compiled)):
+                with torch.no_grad():
+                    cb = self._compiled[k]
+                    if cb.stale():  # training swapped a shard's storage since compiling: the views follow
+                        cb = self._compiled[k] = self._compile(self.programs[k])
+                    bucket = self._run(cb)
+                yield bucket
+                del bucket
 
     def _run(self, cb: CBucket) -> EngineBucket:
         prog, out = cb.program

@@ -17,15 +17,16 @@ bucket, so only its views are made per run), no per-tensor Python beyond that.
 
 Transport: on CUDA an all-gather is NCCL's (one ring launch) and a round one batch_isend_irecv (one grouped
 launch); on CPU (gloo) both are the group's own sends and receives posted at once (`Core.post`), an all-gather
-as one round straight between the members' buffers (`cpu_p2p_default`; gloo's all-gather gathers into a
-temporary buffer and copies it out, and batch_isend_irecv doubles the wall time of a small round).
+as one round straight between the members' buffers (gloo's all-gather gathers into a temporary buffer and copies
+it out, and batch_isend_irecv doubles the wall time of a small round: bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -45,21 +46,6 @@ from .lora_merges import LoRAMerges
 from .sources import Arena, OutputPool, Pack, Sources
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def cpu_p2p_default() -> bool:
-    """Whether transfers of CPU tensors (gloo) are posted as the process group's own sends and receives: an
-    all-gather as one point-to-point round straight between the members' buffers, a point-to-point round without
-    torch's batch_isend_irecv. MCORE2HF_CPU_P2P=0 selects the earlier scheme, for comparison: gloo's all-gather
-    (it gathers into a temporary buffer of its own and copies every byte out of it) and batch_isend_irecv (on
-    gloo about twice the wall time of the same messages posted directly)."""
-    return os.environ.get("MCORE2HF_CPU_P2P", "1") != "0"
-
-
-def replay_default() -> bool:
-    """Whether executors replay precomputed work on pooled output buffers (`OutputPool`); MCORE2HF_REPLAY=0
-    selects the earlier path (a new output buffer per bucket, its views made at each run), for comparison."""
-    return os.environ.get("MCORE2HF_REPLAY", "1") != "0"
 
 
 def graphs_default() -> bool:
@@ -190,14 +176,32 @@ class Core:
         self._blobs: dict[str, torch.Tensor] = {}  # this export's shards quantized before the collectives
         self.arenas: list[Arena] = []
         self.timing = False
-        self.replay = replay_default()
         # on CUDA, NCCL's all-gather is one ring launch and batch_isend_irecv one grouped launch: kept there
-        self.cpu_p2p = cpu_p2p_default() and device.type == "cpu"
+        self.cpu_p2p = device.type == "cpu"
         #: transport operations issued, summed over runs: collectives (all-gathers) and point-to-point messages
         self.counts = {"collectives": 0, "messages": 0}
         self.graphs = graphs_default()
         self.pool: OutputPool | None = None  # made by the executor's compile (`make_pool`)
         self.lora = LoRAMerges(self.sources, device)  # LoRA-merged weights of a bucket and their stacked factors
+        self._running = False
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """One export at a time on this core: a second one iterated beside it (two loops zipped over the same
+        settings) would write the same staging arena and pooled buffers, so it is refused before anything moves.
+        An export abandoned mid-way (its loop broken, the generator dropped) ends here too."""
+        if self._running:
+            from ..errors import UsageError
+
+            raise UsageError("an export with these settings (bucket size, receivers, overlap, name filter, quantize, "
+                             "engine placement) is still being iterated on this rank: iterate it to the end or drop "
+                             "it before starting another (they share one staging arena and output buffers); exports "
+                             "with other settings may run interleaved")
+        self._running = True
+        try:
+            yield
+        finally:
+            self._running = False
 
     # -- compile helpers -----------------------------------------------------------------------------------------
     def make_arenas(self, sizes: list[int]) -> None:
@@ -205,8 +209,8 @@ class Core:
 
     def make_pool(self, nbytes: int, limit: int = 2) -> None:
         """At most `limit` output buffers of `nbytes` (the largest bucket this rank builds), reused (`OutputPool`);
-        none when replay is off or nothing is built here."""
-        self.pool = OutputPool(nbytes, self.device, limit) if self.replay and nbytes > 0 else None
+        none when nothing is built here."""
+        self.pool = OutputPool(nbytes, self.device, limit) if nbytes > 0 else None
 
     def output(self, nbytes: int) -> torch.Tensor:
         """A bucket's output buffer: pooled where one is free (see OutputPool's lifetime rule), else new."""

@@ -344,6 +344,10 @@ class Executor:
             del bucket
 
     def _run(self, on_bucket: Callable[[int], None] | None, timing: bool) -> Iterator[Bucket]:
+        with self.core.running():
+            yield from self._buckets(on_bucket, timing)
+
+    def _buckets(self, on_bucket: Callable[[int], None] | None, timing: bool) -> Iterator[Bucket]:
         self.core.timing = timing
         self.compile()
         n = len(self.programs)
