@@ -1,4 +1,4 @@
-"""GPU (marked `gpu`, skipped without CUDA): colocated syncs of a model holding an MTP layer over real CUDA IPC into
+"""GPU suite (tests/gpu: marked `gpu`, skipped without CUDA by its conftest): colocated syncs of a model holding an MTP layer over real CUDA IPC into
 the engines' own receive code, the speculative-decoding draft included (issue 37).
 
 The trainer is a one-rank megatron-core world on the GPU (bench/export_speed.py random_model: GLM-4.5-Air's
@@ -17,8 +17,8 @@ bf16 and block FP8 (`sync(quantize="fp8")`), two syncs each with different bytes
 which the draft still holds the previous sync's bytes while the target moved. Hang guard: the world's timeout and a
 faulthandler traceback dump before it.
 
-    bash bench/on_device.sh "python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu"   # carried: .whl, .whl-ipc
-    python3 tests/gpu/test_mtp_draft_ipc.py                                               # the same, without pytest
+    bash bench/gpu_suite.sh -k mtp_draft                   # on a lent GPU machine, carrying .whl/ and .whl-ipc/
+    MCORE2HF_DRAFT_IPC_DEVICE=cpu python tests/gpu/test_mtp_draft_ipc.py   # the same code path on CPU (about 1 min)
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ for path in (os.path.join(REPO, "bench"), os.path.join(REPO, "tests")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
-#: "cpu" runs the same code path on CPU (gloo, CPU shared memory for the handles): MCORE2HF_DRAFT_IPC_DEVICE=cpu
+#: "cpu" runs the same code path on CPU (gloo, CPU shared memory for the handles), as a script only (under pytest
+#: the GPU suite's conftest skips it without a GPU)
 DEVICE = os.environ.get("MCORE2HF_DRAFT_IPC_DEVICE", "cuda")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                                  reason="needs a CUDA GPU")]
 
 SMALL_GLM = dict(num_hidden_layers=2, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, n_routed_experts=8, num_experts_per_tok=2,
