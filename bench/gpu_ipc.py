@@ -33,7 +33,6 @@ of the engines' pure-Python and small compiled dependencies (docs/engines.md "Re
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -42,7 +41,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import types
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -124,14 +122,20 @@ def engine_env(site: str) -> dict:
 
 
 class VLLMServer:
-    """harness.vllm_real serve mode in its own process: one engine of TP 1 whose parameters are `spec` (zeros)."""
+    """harness.vllm_real serve mode in its own process: one engine of TP 1 whose parameters are `spec` (zeros);
+    with `draft` (a spec too) an MTP draft model beside it (tests/gpu/test_mtp_draft_ipc.py)."""
 
-    def __init__(self, site: str, spec: list, device: str):
-        fd, self.spec = tempfile.mkstemp(suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(spec, f)
+    def __init__(self, site: str, spec: list, device: str, draft: list | None = None):
+        self.specs = []
+        for s in (spec, draft) if draft is not None else (spec,):
+            fd, path = tempfile.mkstemp(suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(s, f)
+            self.specs.append(path)
+        self.spec = self.specs[0]
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.vllm_real", "--serve", self.spec, device],
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.vllm_real", "--serve", self.spec, device,
+                                      *self.specs[1:]],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=engine_env(site), cwd=REPO)
 
@@ -148,7 +152,8 @@ class VLLMServer:
         self.proc.kill()
         self.proc.wait(10)
         self.log.close()
-        os.unlink(self.spec)
+        for path in self.specs:
+            os.unlink(path)
 
 
 def sglang_server(site: str, version: str, device: str):
@@ -231,13 +236,6 @@ def make_sender(kind: str, url: str, packed: bool):
     return VLLMColocatedSender(url, 1, packed=packed, timeout=600)
 
 
-def quantized(ex, quantize: str | None):
-    """The exporter as sync() sees it, delivering block-FP8 when `quantize` is set."""
-    if quantize is None:
-        return ex
-    return types.SimpleNamespace(executor=functools.partial(ex.executor, quantize=quantize))
-
-
 def spec_of(want: dict) -> list:
     return [[n, shape, dtype] for n, (_, dtype, shape) in want.items()]
 
@@ -304,7 +302,7 @@ def cases(a, device, engines: dict) -> list:
                         want = expected(ex, bb, q, fast=False)
                         if kind == "sglang":
                             http(server.url, "/mcore2hf_reset", "POST")
-                        rep = sync(quantized(ex, q), sender, bucket_bytes=bb, progress=False)
+                        rep = sync(ex, sender, bucket_bytes=bb, progress=False, quantize=q)
                         row["syncs"][i] = compare(want, engine_weights(kind, server.url, fast=False)) \
                             or "every byte equal"
                         digests.append(want)

@@ -36,7 +36,7 @@ from .parallel import ParallelContext
 from .plan.checks import check, checked_dims
 from .plan.engine import EngineShardPlan, plan_engine_shards
 from .plan.engine_shards import EngineRank, EngineShardError
-from .plan.export import ExportPlan, gather_records
+from .plan.export import ExportPlan, MTPTensors, gather_records, mtp_outputs
 from .plan.options import (
     DEFAULT_BUCKET_BYTES,
     ExportOptions,
@@ -164,6 +164,14 @@ class HFExporter:
         they are held, before the collectives (half the bytes on the wire), the others after the gather."""
         return self.planner.plan(self.export_options(options, bucket_bytes=bucket_bytes, name_filter=name_filter,
                                                      quantize=quantize))
+
+    def draft_tensors(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      name_filter: NameFilterLike = None) -> MTPTensors:
+        """The HF tensors of the model's MTP layers this export sends (collective on first use: the plan): what an
+        engine's MTP draft loads (senders/drafts.py). Empty for a model without MTP layers, or an adapter export."""
+        if self.lora == "adapter" or not self.dims.num_mtp_layers:
+            return MTPTensors(frozenset(), frozenset())
+        return mtp_outputs(self.plan(bucket_bytes, name_filter).sources, self.dims.num_layers)
 
     def fp8_policy(self):
         """The architecture's FP8 table (which HF tensors stay unquantized), from its converter."""

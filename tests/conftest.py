@@ -60,6 +60,7 @@ QUICK = {
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the day-to-day subset (conftest.QUICK)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu: the lead's GPU suite), skipped without")
 
 
 def pytest_collection_modifyitems(config, items):

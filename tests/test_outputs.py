@@ -288,5 +288,10 @@ def test_name_filter_keeps_whole_megatron_tensors():
         filter_outputs(NameFilter(exclude=("^k$",)), outs)
     with pytest.raises(ValueError, match="keeps no HF tensor"):
         filter_outputs(NameFilter(include=("nothing",)), outs)
+    # an MTP draft's pass keeps the embedding's copy alone (not the target's embedding): only with copies_alone
+    copy = NameFilter(include=(r"^model\.layers\.4\.",))
+    with pytest.raises(ValueError, match=r"kept: \[\]"):
+        filter_outputs(copy, outs)
+    assert filter_outputs(copy, outs, copies_alone=True) == {"emb": ("model.layers.4.embed_tokens.weight",)}
     with pytest.raises(ValueError, match="not a regular expression"):
         NameFilter(include=("(",))

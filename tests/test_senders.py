@@ -108,16 +108,21 @@ def test_verify_checksum_diff_and_replicas():
 def test_verify_refused_without_an_engine_checker():
     """verify needs an engine sender (a writer has no checker) and a known mode; proof needs the pause."""
     from mcore2hf.errors import UsageError
-    from mcore2hf.senders import SafetensorsWriter, sync
+    from mcore2hf.senders import SafetensorsWriter, Sender, sync
 
     writer = SafetensorsWriter.__new__(SafetensorsWriter)
     with pytest.raises(UsageError, match="expected an SGLang or vLLM engine sender"):
         sync(None, writer, verify="checksum")
     with pytest.raises(UsageError, match="expected None, 'proof' or 'checksum', found 'all'"):
         sync(None, writer, verify="all")
-    engine = type("E", (), {"set_verify": lambda self, mode: None})()
+    class Engine(Sender):  # a sender that takes verify: proof still needs the pause, refused before prepare
+        def prepare(self, spec):
+            raise AssertionError("refused before the sender is asked")
+
     with pytest.raises(UsageError, match="expected pause=True"):
-        sync(None, engine, verify="proof", pause=False)
+        sync(None, Engine(), verify="proof", pause=False)
+    with pytest.raises(UsageError, match=r"expected a sender \(send\(bucket\) and finish\(\)\), found object"):
+        sync(None, object())
 
 
 def test_verify_refused_on_sglang_releases_without_the_checksum_checker():
@@ -153,3 +158,61 @@ def test_adapter_sync_refused_by_sglang_release_and_flags():
     assert "started without LoRA" in refusal(version="0.5.23", enable_lora=False)
     assert refusal(version="0.5.23", enable_lora=None, lora_paths=["a=/x"]) is None
     assert refusal(version="0.5.20", enable_lora=True) is None and refusal(version="0.5.23") is None
+
+
+def test_draft_decision_from_every_engines_draft():
+    """senders/drafts.py: what one sync does with the engines' speculative-decoding drafts, decided from every
+    engine's report (the same on every rank): the MTP layers go to MTP drafts only; a draft of its own is left
+    alone unless draft='update' insists (refused); a draft that cannot be updated is refused unless draft='keep';
+    an engine that cannot tell is refused with 'auto'; a model without MTP layers or draft='keep' never asks."""
+    from mcore2hf.errors import UnsupportedEngine, UsageError
+    from mcore2hf.senders.drafts import EngineDraft, check_choice, decide, without_draft
+    from mcore2hf.senders.protocol import SyncSpec
+
+    mtp, none = EngineDraft("a", "mtp", "EAGLE"), EngineDraft("b", None)
+    eagle, unknown = EngineDraft("c", "separate", "EAGLE3"), EngineDraft("d", "unknown", "404")
+    stale = EngineDraft("e", "mtp", refusal="no draft sessions")
+    auto, update, keep = (SyncSpec(draft=d, model_draft=True) for d in ("auto", "update", "keep"))
+    assert decide(auto, [mtp, none], copies=True) == decide(auto, [mtp, none], True)
+    p = decide(auto, [mtp, none], copies=True)
+    assert p.roles == ("target", "draft") and p.copies and p.draft == "updated on 1 of 2 engine(s)"
+    assert decide(keep, [mtp], False).roles == ("target",) == without_draft(SyncSpec()).roles
+    assert without_draft(auto) is None and without_draft(SyncSpec()).draft == "target only: the model holds no MTP layers"
+    p = decide(auto, [eagle, none], False)
+    assert p.roles == ("target",) and "c serves a draft of its own (EAGLE3)" in p.draft
+    assert decide(auto, [none], False).draft.startswith("target only: no engine serves a draft")
+    for spec, engines, match in ((update, [eagle], "no engine serves an MTP draft"),
+                                 (auto, [mtp, eagle], "engines of one sync serve different drafts"),
+                                 (auto, [unknown], "cannot tell whether it serves an MTP draft"),
+                                 (auto, [stale], "e: its MTP draft cannot be updated: no draft sessions"),
+                                 (update, [stale], "pass draft='keep'")):
+        with pytest.raises(UnsupportedEngine, match=match):
+            decide(spec, engines, False)
+    with pytest.raises(UnsupportedEngine, match="b serves no draft, and the draft's weights reach every engine"):
+        decide(auto, [mtp, none], False, every_engine=True)
+    assert decide(update, [unknown], False).roles == ("target", "draft")  # "update" tries; the engine refuses
+    with pytest.raises(UsageError, match="expected a model holding MTP layers"):
+        check_choice(SyncSpec(draft="update"))
+    with pytest.raises(UsageError, match=r"expected one of \('auto', 'update', 'keep'\), found 'all'"):
+        check_choice(SyncSpec(draft="all"))
+
+
+def test_draft_checksums_per_role_traced_to_the_draft_tensors():
+    """SGLang's checker prefixes a draft runner's parameters with its role (0.5.23 weight_updater.py:53-68,
+    "draft" / "draft_step_<i>"; 0.5.20 "draft."): split per role, and a draft parameter (the NextN class's own
+    module names) traced to the MTP tensors sent to the draft, not to the target's layer of the same suffix."""
+    from mcore2hf.senders.checker import explain, split_roles, trace
+
+    got = split_roles({"model.layers.0.w": "1", "draft.model.decoder.w": "2", "draft_step_1.model.enorm.weight": "3"})
+    assert got == {"": {"model.layers.0.w": "1"}, "draft": {"model.decoder.w": "2"},
+                   "draft_step_1": {"model.enorm.weight": "3"}}
+    target = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
+    draft = {"model.layers.4.self_attn.q_proj.weight", "model.layers.4.self_attn.k_proj.weight",
+             "model.layers.4.self_attn.v_proj.weight", "model.layers.4.enorm.weight"}
+    assert trace("dp0:pp0:tp0:draft: model.decoder.self_attn.qkv_proj.weight", target, draft) == \
+        sorted(n for n in draft if "proj" in n)
+    assert trace("dp0:pp0:tp0:draft: model.enorm.weight", target, draft) == ["model.layers.4.enorm.weight"]
+    assert trace("dp0:pp0:tp0:draft: model.layers.4.enorm.weight", target, draft) == ["model.layers.4.enorm.weight"]
+    assert trace("dp0:pp0:tp0: model.layers.0.self_attn.qkv_proj.weight", target, draft) == sorted(target)
+    assert "draft: model.enorm.weight <- model.layers.4.enorm.weight" in \
+        explain(["dp0:pp0:tp0:draft: model.enorm.weight"], target, draft=draft)

@@ -693,3 +693,220 @@ def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(capsys, ses
               + " ".join(str(r["all_ranks_wire"]) for r in res) + " | engine-sharded "
               + " | ".join(f"ep{ep}: " + " ".join(str(r[f'ep{ep}']['wire']) for r in res) for ep in (1, 2))
               + " (sync s: " + " ".join(f"{r[f'ep{ep}']['seconds']:.2f}" for ep in (1, 2) for r in res) + ")")
+
+
+# ------------------------------------------------------------------------ speculative-decoding drafts (issue 37)
+
+DRAFT_LAYOUT = Layout(tp=1, ep=2)  # deepseek_v3 tiny with its MTP layer, experts (the MTP layer's too) over EP 2
+DRAFT_BUCKET = 64 * 1024  # bytes: several buckets per pass
+
+
+def _split(state: dict, rank: str = "0") -> tuple[dict, dict | None]:
+    """One engine rank's target and draft records: {name: sha256}."""
+    target = {n: d[0] for n, d in state["weights"][rank].items()}
+    draft = state["draft_weights"][rank]
+    return target, None if draft is None else {n: d[0] for n, d in draft.items()}
+
+
+def draft_trainer(urls: dict, ckpt: str) -> dict:
+    """The draft cases, in one world of 2 ranks (DRAFT_LAYOUT) whose real deepseek_v3 holds an MTP layer, against
+    four servers: "mtp" (0.5.23 with an MTP draft runner), "plain" (0.5.23, no draft), "eagle" (0.5.23, a draft
+    model of its own), "old" (0.5.20 with an MTP draft runner). Colocated senders feed rank 0's engine and rank
+    1's; after each case rank 0 takes the engines' records and clears them."""
+    import torch.distributed as dist
+    import worlds
+
+    from mcore2hf import HFExporter, load_hf_weights
+    from mcore2hf.senders import (
+        EngineError,
+        SGLangColocatedSender,
+        SGLangDistributedSender,
+        UnsupportedEngine,
+        sync,
+    )
+
+    lead = dist.get_rank() == 0
+    cfg, chunks = worlds.build(ckpt, DRAFT_LAYOUT)
+    load_hf_weights(chunks, ckpt)  # the checkpoint's weights: every expert and layer distinct
+    ex = HFExporter(chunks, cfg)
+    mtp = ex.draft_tensors(DRAFT_BUCKET)
+    out = {"layer": sorted(mtp.layer), "copies": sorted(mtp.copies), "full": digests(ex.state_dict()),
+           "fp8_full": digests(ex.state_dict(quantize="fp8"))}
+
+    def states(*names: str) -> dict | None:
+        dist.barrier()
+        got = {n: _http(urls[n], "/mcore2hf_state") for n in names} if lead else None
+        if lead:
+            for n in names:
+                _post(urls[n], "/mcore2hf_reset", {})
+        dist.barrier()
+        return got
+
+    def colocated(first: str, second: str):
+        return SGLangColocatedSender(urls[first] if lead else urls[second], 1, timeout=60, api_key=KEY)
+
+    def refused(fn) -> str | None:
+        try:
+            fn()
+        except (UnsupportedEngine, EngineError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    col = colocated("mtp", "plain")
+    for case, kw in (("auto", {}), ("fp8", {"quantize": "fp8"}), ("keep", {"draft": "keep"})):
+        rep = sync(ex, col, progress=False, bucket_bytes=DRAFT_BUCKET, **kw)
+        out[case] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets, "buckets": rep.buckets,
+                     "version": col.version, "states": states("mtp", "plain")}
+    # a proof sync covers the draft runner (SGLang's checker per role); one draft tensor loaded wrong is named
+    if lead:  # the recorders' parameters of the FP8 sync (scales) go: from here on the model's bf16 export only
+        for n in ("mtp", "plain"):
+            _post(urls[n], "/mcore2hf_reset", {"parameters": True})
+    dist.barrier()
+    sync(ex, col, progress=False, bucket_bytes=DRAFT_BUCKET)  # the engines hold the trainer's weights
+    rep = sync(ex, col, progress=False, bucket_bytes=DRAFT_BUCKET, verify="proof")
+    out["proof"] = {"checksums": rep.checksums, "version": col.version}
+    wrong = sorted(mtp.layer)[0]
+    if lead:
+        _post(urls["mtp"], "/mcore2hf_fault", {"kind": "corrupt", "name": wrong, "model": "draft"})
+    dist.barrier()
+    out["proof_wrong"] = {"error": refused(lambda: sync(ex, col, progress=False, bucket_bytes=DRAFT_BUCKET,
+                                                          verify="proof")), "version": col.version, "wrong": wrong}
+    sync(ex, col, progress=False, bucket_bytes=DRAFT_BUCKET, verify="checksum")  # repairs
+    states("mtp", "plain")
+    # distributed: both engines in one group; the draft's broadcasts reach the draftless one too (no runner loads)
+    dis = SGLangDistributedSender([urls["mtp"], urls["plain"]] if lead else None, [1, 1], "127.0.0.1", 0,
+                                  backend="gloo", timeout=60, api_key=KEY)
+    rep = sync(ex, dis, progress=False, bucket_bytes=DRAFT_BUCKET)
+    dis.close()
+    out["distributed"] = {"draft": rep.draft, "version": dis.version, "states": states("mtp", "plain")}
+    # refused before anything moves: 0.5.20 with a draft (no runner selectors: whatever the choice), and
+    # draft="update" into an engine whose draft is a model of its own (EAGLE3), which "auto" leaves alone
+    for case, name, kw in (("old", "old", {}), ("old_keep", "old", {"draft": "keep"}),
+                           ("eagle", "eagle", {"draft": "update"})):
+        sender = colocated(name, "plain")
+        out[f"{case}_refused"] = {"error": refused(lambda s=sender, k=kw: sync(ex, s, progress=False,
+                                                                                 bucket_bytes=DRAFT_BUCKET, **k)),
+                                  "version": sender.version, "states": states(name)}
+    rep = sync(ex, colocated("eagle", "plain"), progress=False, bucket_bytes=DRAFT_BUCKET)
+    out["eagle_synced"] = {"draft": rep.draft, "states": states("eagle", "plain")}
+    # a model trained without its MTP layer: the target only, the engine's draft left as it is
+    _, plain_chunks = worlds.build(ckpt, DRAFT_LAYOUT, mtp=False)
+    load_hf_weights(plain_chunks, ckpt)
+    plain = HFExporter(plain_chunks, cfg)
+    rep = sync(plain, col, progress=False, bucket_bytes=DRAFT_BUCKET)
+    out["no_mtp"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets, "states": states("mtp"),
+                     "full": digests(plain.state_dict())}
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> list:
+    """Per-rank results of draft_trainer (its four servers started together, stopped after)."""
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
+
+    servers = {"mtp": RealServer(SESSION_RELEASE, api_key=KEY, wait=False, extra=("--draft", "mtp")),
+               "plain": RealServer(SESSION_RELEASE, api_key=KEY, wait=False),
+               "eagle": RealServer(SESSION_RELEASE, api_key=KEY, wait=False, extra=("--draft", "separate")),
+               "old": RealServer(PRE_SESSION_RELEASE, api_key=KEY, wait=False, extra=("--draft", "mtp"))}
+    try:
+        ckpt = str(make_hf_checkpoint(tiny_config("deepseek_v3"), tmp_path_factory.mktemp("deepseek_v3")))
+        for s in servers.values():
+            s.wait()
+        try:
+            return run_world(draft_trainer, DRAFT_LAYOUT, {n: s.url for n, s in servers.items()}, ckpt, timeout=900)
+        except Exception:  # what the servers said (a scheduler's traceback)
+            for name, s in servers.items():
+                s.log.seek(0)
+                print(f"--- server {name}:\n{s.log.read()[-4000:]}", file=sys.stderr)
+            raise
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _expected(res: dict, key: str = "full") -> tuple[dict, dict, dict]:
+    """(the target's tensors, the MTP layers' own, every MTP tensor with the copies) of the export: {name: sha256}."""
+    every, layer = res[key], set(res["layer"])
+    mtp = layer | set(res["copies"])
+    if key == "fp8_full":  # FP8 weights' scales belong with them
+        layer |= {n for n in every if n.removesuffix("_scale_inv") in layer}
+        mtp |= layer
+    return {n: d for n, d in every.items() if n not in mtp}, {n: d for n, d in every.items() if n in layer}, mtp
+
+
+def test_mtp_draft_into_real_sglang(drafts):
+    """A model holding an MTP layer, colocated into two 0.5.23 engines (one with an MTP draft runner, one without):
+    the target runners got every tensor but the MTP layer's, the draft runner exactly the MTP layer's own tensors
+    (not the embedding / head copies: SGLang's NextN drafts take the target's, deepseek_weight_loader.py:333), each
+    byte for byte, through the release's own selector fan-out (weight_updater.py:178); the draftless engine's
+    draft pass sent nothing; the report says so. The same in block FP8 (`sync(quantize="fp8")`: the engines get
+    what `state_dict(quantize="fp8")` holds); with draft="keep" the draft runner got nothing."""
+    res = drafts[0]
+    assert res["layer"] and res["copies"] == ["model.layers.4.embed_tokens.weight",
+                                              "model.layers.4.shared_head.head.weight"], res["copies"]
+    assert all(n.startswith("model.layers.4.") for n in res["layer"]) and "model.layers.4.enorm.weight" in res["layer"]
+    for case, key in (("auto", "full"), ("fp8", "fp8_full")):
+        target, layer, _ = _expected(res, key)
+        got = res[case]
+        assert [r[case]["version"] for r in drafts] == [got["version"]] * 2 and got["draft_buckets"] > 0, got
+        assert got["draft"] == "updated on 1 of 2 engine(s)", got["draft"]
+        mtp_target, mtp_draft = _split(got["states"]["mtp"])
+        plain_target, plain_draft = _split(got["states"]["plain"])
+        assert mtp_target == target and plain_target == target, case
+        assert mtp_draft == layer, (case, sorted(set(mtp_draft) ^ set(layer))[:5])
+        assert plain_draft is None
+        calls = protocol(got["states"]["mtp"]["calls"])
+        assert calls.count("/update_weights_from_tensor") == 1 and "/begin_weight_update" in calls, calls
+    keep = res["keep"]
+    assert keep["draft"] == "left alone (draft='keep')" and keep["draft_buckets"] == 0
+    assert _split(keep["states"]["mtp"]) == (_expected(res)[0], {})
+
+
+def test_mtp_draft_verified_per_role_in_real_sglang(drafts):
+    """verify="proof" with the draft updated: SGLang 0.5.23's checker (selector "all") resets, reloads and checks
+    the draft runner too, its checksums reported per role ("dp0:pp0:tp0:draft"); a draft tensor loaded wrong fails
+    the sync on every rank, naming the draft runner's parameter and the HF tensor sent for it."""
+    for r in drafts:
+        ranks = r["proof"]["checksums"]
+        assert sorted(map(sorted, ranks.values())) == [["dp0:pp0:tp0"], ["dp0:pp0:tp0", "dp0:pp0:tp0:draft"]], ranks
+        err, wrong = r["proof_wrong"]["error"], r["proof_wrong"]["wrong"]
+        assert err and "1 engine parameters differ" in err and f"dp0:pp0:tp0:draft: {wrong} <- {wrong}" in err, err
+        assert r["proof_wrong"]["version"] == r["proof"]["version"]
+    assert len({r["proof_wrong"]["error"] for r in drafts}) == 1
+
+
+def test_mtp_draft_over_the_distributed_path_of_real_sglang(drafts):
+    """Both engines in one weight-update group: each draft broadcast reaches both, the MTP-draft engine's draft
+    runner loads it (0.5.23 weight_updater.py:199-221: received once, loaded into every selected runner), the
+    draftless one receives it into no runner."""
+    res = drafts[0]
+    target, layer, _ = _expected(res)
+    got = res["distributed"]
+    assert got["draft"] == "updated on 1 of 2 engine(s)"
+    assert _split(got["states"]["mtp"]) == (target, layer)
+    assert _split(got["states"]["plain"]) == (target, None)
+
+
+def test_mtp_draft_refusals_and_what_is_left_alone(drafts):
+    """Refused on every rank before anything is paused: SGLang 0.5.20 serving a draft, whatever the choice (no
+    runner selectors: its tensor path loads every update into draft and target, weight_updater.py:160-167), and
+    draft="update" into an engine whose draft is a model of its own (EAGLE3), which "auto" leaves alone (the
+    MTP layer sent nowhere). A model without MTP layers syncs the target only, the draft runner untouched."""
+    res = drafts[0]
+    target = _expected(res)[0]
+    for case, name, match in (("old", "old", "sglang 0.5.20 serves a speculative draft (EAGLE) and has no runner "
+                               "selectors"), ("old_keep", "old", "so a sync can neither update the draft nor leave "
+                                              "it alone"), ("eagle", "eagle", "draft='update': no engine serves an "
+                                                            "MTP draft")):
+        got = res[f"{case}_refused"]
+        assert got["error"] and got["error"].startswith("UnsupportedEngine") and match in got["error"], got["error"]
+        assert len({r[f"{case}_refused"]["error"] for r in drafts}) == 1 and got["version"] == 0
+        assert "/pause_generation" not in got["states"][name]["calls"], got["states"][name]["calls"]
+        assert _split(got["states"][name]) == ({}, {}), case  # nothing loaded
+    eagle = res["eagle_synced"]
+    assert eagle["draft"].startswith("target only:") and "serves a draft of its own" in eagle["draft"], eagle["draft"]
+    assert _split(eagle["states"]["eagle"]) == (target, {})
+    no_mtp = res["no_mtp"]
+    assert no_mtp["draft"] == "target only: the model holds no MTP layers" and no_mtp["draft_buckets"] == 0
+    assert no_mtp["full"] == target  # the same weights (the checkpoint's), without the MTP layer
+    assert _split(no_mtp["states"]["mtp"]) == (target, {})

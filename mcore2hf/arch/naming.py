@@ -497,15 +497,32 @@ class NameFilter:
         return not any(regex.search(p, hf_name) for p in self.exclude)
 
 
-def filter_outputs(keep: Callable[[str], bool], outputs) -> dict:
+@dataclass(frozen=True)
+class NameSet:
+    """HF names in a fixed set (`inside=False`: not in it), among those `within` keeps: one pass of a sync (the
+    target's tensors, or the draft's: senders/sync.py). Hashable, so plans and executors are cached per pass."""
+
+    names: frozenset[str]
+    inside: bool = True
+    within: Callable[[str], bool] | None = None
+
+    def __call__(self, hf_name: str) -> bool:
+        return (hf_name in self.names) == self.inside and (self.within is None or self.within(hf_name))
+
+
+def filter_outputs(keep: Callable[[str], bool], outputs, copies_alone: bool = False) -> dict:
     """Which outputs a name filter keeps. `outputs` yields (key, primary HF names, copy names) per Megatron tensor;
     returns {key: kept copy names} for the tensors kept at all. A layout op writes all its primary outputs together,
-    so keeping some of them but not others is an error, as is keeping nothing."""
+    so keeping some of them but not others is an error, as is keeping nothing. `copies_alone`: a tensor of one
+    primary output may keep only copies of it (an MTP draft's embedding / head copies, without the target's)."""
     out, split = {}, []
     for key, primary, copies in outputs:
         kept = [keep(n) for n in primary]
         kept_copies = tuple(c for c in copies if keep(c))
         if not any(kept) and not kept_copies:
+            continue
+        if copies_alone and len(primary) == 1 and not kept[0]:
+            out[key] = kept_copies
             continue
         if not all(kept):
             split.append(f"{key} -> {list(primary)} (kept: {[n for n, k in zip(primary, kept) if k]})")

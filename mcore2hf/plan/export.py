@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import NamedTuple
 
 import regex
 import torch
@@ -34,6 +35,8 @@ def natural_key(name: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in regex.split(r"(\d+)", name))
 
 
+_MTP_SOURCE = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.")  # canonical names (naming.py)
+_HF_LAYER = regex.compile(r"layers\.(\d+)\.")  # an HF name's decoder layer
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
                                torch.int32, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn,
                                torch.float8_e5m2)}
@@ -317,9 +320,38 @@ def filter_sources(sources: dict[str, Source], keep) -> dict[str, Source]:
     together, so a filter that keeps some outputs of one Megatron tensor but not others is an error."""
     if keep is None:
         return sources
-    kept = filter_outputs(keep, ((n, s.resolved.hf_names, s.resolved.copies) for n, s in sources.items()))
-    return {n: s if kept[n] == s.resolved.copies else replace(s, resolved=replace(s.resolved, copies=kept[n]))
-            for n, s in sources.items() if n in kept}
+    kept = filter_outputs(keep, ((n, s.resolved.hf_names, s.resolved.copies) for n, s in sources.items()),
+                          copies_alone=True)
+    out = {}
+    for n, s in sources.items():
+        if n not in kept:
+            continue
+        r = s.resolved
+        if keep(r.hf_names[0]):
+            new = r if kept[n] == r.copies else replace(r, copies=kept[n])
+        else:  # only copies kept (filter_outputs' copies_alone): the first is the output, made as split_copies does
+            new = replace(r, hf_names=kept[n][:1], copies=kept[n][1:])
+        out[n] = s if new is r else replace(s, resolved=new)
+    return out
+
+
+class MTPTensors(NamedTuple):
+    """The HF tensors of a model's MTP layers (the weights of an engine's MTP draft)."""
+
+    layer: frozenset[str]  # the MTP layers' own tensors
+    copies: frozenset[str]  # the embedding / head copies the published checkpoints keep in them
+
+
+def mtp_outputs(sources: dict[str, Source], num_layers: int) -> MTPTensors:
+    """The HF tensors of the model's MTP layers among `sources`' outputs. Canonical MTP names are `mtp.layers.*` and, for the inner
+    transformer layer, decoder layers from `num_layers` on (naming.mtp_inner)."""
+    layer, copies = set(), set()
+    for s in sources.values():
+        m = _MTP_SOURCE.match(s.name)
+        if m and (m[1] == "mtp" or int(m[2]) >= num_layers):
+            layer.update(s.resolved.hf_names)
+        copies.update(c for c in s.resolved.copies if (h := _HF_LAYER.search(c)) and int(h[1]) >= num_layers)
+    return MTPTensors(frozenset(layer), frozenset(copies - layer))
 
 
 def assign_buckets(sources: dict[str, Source], bucket_bytes: int) -> list[BucketPlan]:

@@ -26,8 +26,9 @@ from ..collective import agree
 from ..errors import EngineError, UnsupportedEngine, UsageError
 from ..plan.engine_shards import EngineRank, colocated_ranks
 from ..transfer.buckets import Bucket
-from . import checker
+from . import checker, drafts
 from .process_group import destroy_group, host_store, join_weight_update_group, start_broadcast
+from .protocol import Passes, Sender, SyncSpec
 
 
 def check_pause_mode(mode: str, modes: tuple[str, ...]) -> None:
@@ -55,13 +56,13 @@ def quietly(fn, **kwargs) -> str | None:
     return None
 
 
-class SenderBase:
+class SenderBase(Sender):
     """Version bookkeeping, the error agreement, and the engine calls around one sync, whatever the protocol.
 
     An engine protocol gives the hooks: `_driven()` (the engines this rank calls, as the protocol holds them),
     `_pause_engine` / `_resume_engine`, `_finish_sessions()` (the end of a sync on them: flush, close the update
-    sessions, committing the version when nothing failed; failures recorded) and `_close_sessions()` (after a
-    failure, best effort)."""
+    sessions, committing the version when nothing failed; failures recorded), `_close_sessions()` (after a
+    failure, best effort) and `_engine_draft(engine)` (what the engine serves as its speculative-decoding draft)."""
 
     receivers: object = "all"
     verify: str | None = None  # this sync's verification (sync(verify=...)): None, "proof" or "checksum"
@@ -87,6 +88,66 @@ class SenderBase:
 
     def begin(self, version: int) -> None:
         self._pending, self._error = version, None
+
+    # ---- this sync's kind (sync() calls prepare before begin, passes after it)
+    _spec = SyncSpec()
+    #: this sync's passes (Passes.roles) and which of this rank's engines take the draft pass (ids)
+    _passes = Passes(("target",))
+    _draft_engines: frozenset = frozenset()
+    _role = "target"  # the pass being sent (start_role)
+    #: the draft pass reaches every engine or none (a broadcast whose receivers all need a draft session)
+    _draft_every_engine = False
+
+    def prepare(self, spec: SyncSpec) -> None:
+        drafts.check_choice(spec)
+        self.set_verify(None if spec.adapter is not None else spec.verify)
+        self.set_adapter(spec.adapter, list(spec.adapter_entries) if spec.adapter is not None else None,
+                         verify=spec.verify if spec.adapter is not None else None)
+        self._spec, self._role, self._draft_engines = spec, "target", frozenset()
+
+    def roles(self, spec: SyncSpec) -> tuple[str, ...]:
+        if spec.adapter is not None:
+            return ("all",)
+        return ("target",) if drafts.without_draft(spec) else ("target", "draft")
+
+    def _engine_draft(self, engine) -> drafts.EngineDraft:
+        """What `engine` serves as its speculative-decoding draft (may raise EngineError)."""
+        return drafts.EngineDraft(self._where(engine), "unknown", f"{type(self).__name__} cannot ask")
+
+    def passes(self) -> Passes:
+        """Collective, after begin and before anything is paused: an adapter-only sync checks that every engine
+        can load adapters (UnsupportedEngine on every rank); a weight sync decides from every engine's draft
+        whether a draft pass follows the target's (drafts.decide: the same on every rank, or the same error)."""
+        if self.adapter is not None:
+            self.check_adapter()
+            self._passes = Passes(("all",))
+            return self._passes
+        fixed = drafts.without_draft(self._spec)
+        if fixed is not None:
+            self._passes = fixed
+            return fixed
+        mine, error = [], self._error  # a rank whose begin failed: every rank fails here, with its error
+        for engine in self._driven() if error is None else []:
+            try:
+                mine.append((id(engine), self._engine_draft(engine)))
+            except EngineError as e:
+                error = f"{self._where(engine)}: asking what it serves as its draft: {e}"
+                break
+        agree(error, EngineError, "weight update failed: ", self._status_group)
+        gathered: list = [None] * dist.get_world_size(self._status_group)
+        dist.all_gather_object(gathered, [d for _, d in mine], group=self._status_group)
+        self._passes = drafts.decide(self._spec, [d for part in gathered for d in part], self.draft_copies,
+                                     self._draft_every_engine)
+        if "draft" in self._passes.roles:
+            self._draft_engines = frozenset(i for i, d in mine if d.kind in ("mtp", "unknown"))
+        return self._passes
+
+    def _takes_draft(self, engine) -> bool:
+        """This engine's draft is updated by this sync (it takes the draft pass)."""
+        return id(engine) in self._draft_engines
+
+    def start_role(self, role: str) -> None:
+        self._role = role
 
     # ---- adapter sync (sync() of an HFExporter(lora="adapter")): the protocol gives `_adapter_refusal` and the
     # adapter's load at the end of the sync (`_finish_sessions`); the buckets are kept until then, because an
@@ -143,6 +204,7 @@ class SenderBase:
         """This sync's verification mode (called by sync() before begin)."""
         self.verify = checker.check_mode(mode)
         self.checksums, self._sent, self._baselines, self._records = None, set(), {}, []
+        self._sent_draft: set[str] = set()  # the draft pass's tensors (a draft runner's mismatches are traced there)
 
     def _where(self, engine) -> str:
         url = getattr(engine, "url", None) or getattr(getattr(engine, "engine", None), "url", None)
@@ -162,7 +224,7 @@ class SenderBase:
 
     def _note_sent(self, bucket: Bucket) -> None:
         if self.verify:  # mismatches are traced back to what we sent
-            self._sent.update(e.name for e in bucket.entries)
+            (self._sent_draft if self._role == "draft" else self._sent).update(e.name for e in bucket.entries)
 
     def start_verify(self) -> None:
         """Proof sync, after pause and before the first bucket: per engine a checksum baseline, then the engine's
@@ -194,7 +256,8 @@ class SenderBase:
                 bad += [n for n in own if n not in bad and not any(b.endswith(f": {n}") for b in bad)]
                 if bad:
                     self._fail(f"verify: {where}: {len(bad)} engine parameters differ from the weights it loaded "
-                               f"(engine parameter <- HF tensors sent): {checker.explain(bad, self._sent)}")
+                               f"(engine parameter <- HF tensors sent): "
+                               f"{checker.explain(bad, self._sent, draft=self._sent_draft)}")
                     return
 
     def _agree_replicas(self) -> None:

@@ -55,11 +55,40 @@ def changed(baseline: dict[str, dict[str, str]], now: dict[str, dict[str, str]])
     return out
 
 
-def trace(engine_name: str, sent: set[str]) -> list[str]:
+#: the role prefixes SGLang's checker gives a draft runner's parameters (0.5.23 weight_updater.py:53-68
+#: `_merge_checksum_payloads`: "<role>.<name>" for every role but "target", roles "draft" / "draft_step_<i>";
+#: 0.5.20 weight_updater.py:63-66: "draft.<name>")
+_ROLE = r"draft(?:_step_\d+)?"
+_DRAFT_ROLE = re.compile(rf"^({_ROLE})\.(.+)$")
+#: an MTP draft's own module prefixes in the engines' draft classes (SGLang 0.5.23 deepseek_nextn.py:115-138 and
+#: glm4_moe_nextn.py: `model.decoder.*` the MTP layer's decoder layer, `model.{enorm,hnorm,eh_proj,shared_head}`)
+_DRAFT_MODULE = re.compile(r"^model\.(?:decoder\.)?")
+_HF_LAYER = re.compile(r"^(.*layers\.\d+\.)")
+
+
+def split_roles(checksums: dict[str, str]) -> dict[str, dict[str, str]]:
+    """One engine rank's checksums per role: {"": the target's, "draft": the draft runner's, ...}, the role prefix
+    SGLang's checker gives the draft's parameters removed."""
+    out: dict[str, dict[str, str]] = {}
+    for name, digest in checksums.items():
+        m = _DRAFT_ROLE.match(name)
+        role, own = (m[1], m[2]) if m else ("", name)
+        out.setdefault(role, {})[own] = digest
+    return out
+
+
+def trace(engine_name: str, sent: set[str], draft: set[str] | None = None) -> list[str]:
     """The HF tensors we sent that an engine parameter is loaded from: the same name, else the HF modules its
-    fused module stacks (FUSED), else every tensor sent under its parent module."""
-    name = engine_name.rsplit(": ", 1)[-1]
+    fused module stacks (FUSED), else every tensor sent under its parent module. A draft runner's parameter
+    ("<rank>:draft: <name>") is traced among the draft's tensors (`draft`), its module prefix taken for their MTP
+    layer's."""
+    rank, _, name = engine_name.rpartition(": ")
     name = re.sub(r"^(dp\d+:pp\d+:pcp\d+:tp\d+:)", "", name)  # vLLM's per-worker prefix (gpu_worker.py:380)
+    if draft and re.fullmatch(_ROLE, rank.rsplit(":", 1)[-1]):
+        layer = next((m[1] for s in sorted(draft) if (m := _HF_LAYER.match(s))), "")
+        if name not in draft and layer:  # the draft class's own module names (model.decoder.*, model.enorm)
+            name = _DRAFT_MODULE.sub(layer, name)
+        sent = draft
     if name in sent:
         return [name]
     module, _, leaf = name.rpartition(".")
@@ -74,11 +103,12 @@ def trace(engine_name: str, sent: set[str]) -> list[str]:
     return sorted(s for s in sent if s.startswith(base + ".") or s == base)
 
 
-def explain(mismatches: list[str], sent: set[str], limit: int = 20) -> str:
-    """Each mismatched engine parameter with the HF tensors we sent for it (the first `limit`)."""
+def explain(mismatches: list[str], sent: set[str], limit: int = 20, draft: set[str] | None = None) -> str:
+    """Each mismatched engine parameter with the HF tensors we sent for it (the first `limit`; a draft runner's
+    among the draft's, `draft`)."""
     parts = []
     for m in mismatches[:limit]:
-        hf = trace(m, sent)
+        hf = trace(m, sent, draft)
         shown = ", ".join(hf[:6]) + (f" (+{len(hf) - 6})" if len(hf) > 6 else "")
         parts.append(f"{m} <- {shown or 'no HF tensor we sent'}")
     more = f"; and {len(mismatches) - limit} more" if len(mismatches) > limit else ""

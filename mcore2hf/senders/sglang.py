@@ -6,20 +6,28 @@ one sync, on every engine:
 
     GET  /server_info (>= 0.5.6; /get_server_info before)   once per sender: version, tp_size, dp_size
     POST /pause_generation {"mode": "abort"|"retract"}       -> {"message", "status": "ok"}
-    POST /begin_weight_update {}                             (>= 0.5.21 only) -> {"success", "message"}
+    POST /begin_weight_update {"selector"}                   (>= 0.5.21 only) -> {"success", "message"}
     POST /update_weights_from_tensor  {"serialized_named_tensors": [base64 pickle per engine TP rank],
-          "load_format": "flattened_bucket", "flush_cache": false, "weight_version"}     -> {"success", "message"}
+          "load_format": "flattened_bucket", "flush_cache": false, "weight_version", "selector"}
+                                                                                          -> {"success", "message"}
       or /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
           "group_name", "backend"} once, then per bucket /update_weights_from_distributed {"names", "dtypes",
-          "shapes", "group_name", "flush_cache": false, "weight_version", "load_format": "flattened_bucket"} with
-          one broadcast from rank 0 of the tightly packed buffer
+          "shapes", "group_name", "flush_cache": false, "weight_version", "load_format": "flattened_bucket",
+          "selector"} with one broadcast from rank 0 of the tightly packed buffer
     POST /flush_cache                                        -> plain text; HTTP 400 while requests are queued
     POST /end_weight_update {}                               (>= 0.5.21 only; finalizes quantized weights)
     POST /continue_generation {}                             -> {"message", "status": "ok"}
     POST /destroy_weights_update_group {"group_name"}        on teardown and before a retry
 
 (sglang 0.5.23 entrypoints/http_server.py, managers/io_struct.py, managers/scheduler_components/weight_updater.py;
-0.5.20 and 0.5.6 the same files less the session routes; 0.5.4.post3 has no /server_info.)
+0.5.20 and 0.5.6 the same files less the session routes and selectors; 0.5.4.post3 has no /server_info.)
+
+`selector` (>= 0.5.21): which runners a session, an update and a weight check apply to, "target" / "draft" /
+"all" (the release's default): the target's buckets go with "target", the MTP layers' with "draft", a session
+opens "all" only when the draft is updated, and the checker asks "all" then too (else "target": a proof must not
+reset a draft the sync leaves alone). A server with a draft on a release before selectors is refused (check_server:
+0.5.20's tensor path loads every update into draft and target, its distributed path into the target only, and its
+checker resets the draft with the target, weight_updater.py:160-167, :144-157, :299-313).
 
 An engine is anything with the method names of `SGLangHTTPEngine` (keyword arguments as above): it talks to a
 server, an in-process engine needs a thin adapter with the same methods.
@@ -41,6 +49,7 @@ import torch
 from ..collective import agree
 from ..errors import EngineError, HTTPStatusError, UnsupportedEngine, UsageError
 from ..transfer.buckets import Bucket
+from . import checker, drafts
 from .base import (
     BroadcastSender,
     ColocatedSender,
@@ -73,7 +82,15 @@ RELEASES = {
     # io_struct.py:2301, tp_worker.py:249) and 0.5.23 (http_server.py:1663, io_struct.py:2548, tp_worker.py:217),
     # the same request; 0.5.4.post3 has /load_lora_adapter (from a path) only; 0.5.6-0.5.19 not checked
     "lora_tensors": (0, 5, 20),
+    # speculative-decoding drafts: `selector` ("target" / "draft" / "all") on begin / update / checker requests,
+    # read in 0.5.21 and 0.5.23 (managers/io_struct.py: UpdateWeightsFromDistributed-, UpdateWeightsFromTensor-,
+    # BeginWeightUpdate- and CheckWeightsReqInput; 0.5.23 :2017, :2045, :2200, :2223); 0.5.20 has none
+    "selectors": (0, 5, 21),
 }
+
+#: speculative algorithms without draft weights (0.5.23 speculative/base_spec_worker.py:170-175: "NGRAM and UNO
+#: have no draft model")
+NO_DRAFT_WEIGHTS = ("NGRAM", "UNO")
 
 # How each route answers success (sglang 0.5.6-0.5.23 entrypoints/http_server.py): "success" = JSON
 # {"success": true, "message"} (HTTP 400 with success false), "status" = JSON {"message", "status": "ok"},
@@ -109,6 +126,25 @@ class ServerFacts:
     tp_size: int | None
     dp_size: int | None
     lora: bool | None = None  # LoRA serving on (--enable-lora, or adapters given at start); None: not reported
+    speculative: str | None = None  # the resolved --speculative-algorithm (None: no speculative decoding)
+    draft_path: str | None = None  # the resolved --speculative-draft-model-path
+    model_path: str | None = None
+
+    @property
+    def draft_kind(self) -> str | None:
+        """What the server serves as its draft (drafts.KINDS): its own MTP layers when the resolved draft path is
+        the model's (0.5.23 arg_groups/speculative_hook.py:720-725 and :1138-1142 set it so for MTP models; NEXTN
+        resolves to EAGLE, :109-115), a model of its own otherwise (EAGLE3, STANDALONE, an EAGLE checkpoint)."""
+        algo = (self.speculative or "").upper()
+        if not algo or algo in NO_DRAFT_WEIGHTS:
+            return None
+        if algo in ("EAGLE", "NEXTN") and self.draft_path in (None, self.model_path):
+            return "mtp"
+        return "separate"
+
+    @property
+    def selectors(self) -> bool:
+        return self.release >= RELEASES["selectors"]
 
     @property
     def lora_tensors(self) -> bool:
@@ -132,7 +168,9 @@ def check_server(info: dict, where: str, tp_size: int | None = None) -> ServerFa
     lora = None
     if "enable_lora" in info:
         lora = bool(info["enable_lora"]) or (info["enable_lora"] is None and bool(info.get("lora_paths")))
-    facts = ServerFacts(str(info["version"]), info.get("tp_size"), info.get("dp_size"), lora)
+    facts = ServerFacts(str(info["version"]), info.get("tp_size"), info.get("dp_size"), lora,
+                        info.get("speculative_algorithm"), info.get("speculative_draft_model_path"),
+                        info.get("model_path"))
     need = ".".join(map(str, RELEASES["min"]))
     if facts.release < RELEASES["min"]:
         raise UnsupportedEngine(f"{where}: sglang {facts.version} is not supported: mcore2hf needs sglang >= {need} "
@@ -141,6 +179,14 @@ def check_server(info: dict, where: str, tp_size: int | None = None) -> ServerFa
     if facts.dp_size not in (None, 1):
         raise UnsupportedEngine(f"{where}: sglang {facts.version} runs with dp_size={facts.dp_size}; SGLang's weight "
                                 "updates need dp_size 1 (one server per data-parallel replica)")
+    if facts.draft_kind is not None and not facts.selectors:
+        raise UnsupportedEngine(f"{where}: sglang {facts.version} serves a speculative draft "
+                                f"({facts.speculative}) and has no runner selectors (sglang >= "
+                                f"{'.'.join(map(str, RELEASES['selectors']))}): its tensor path loads every update "
+                                "into the draft worker, which loads it into draft and target alike (0.5.20 "
+                                "scheduler_components/weight_updater.py:160-167, speculative/eagle_worker_v2.py:"
+                                "1682-1702), its distributed path into the target only (:144-157), so a sync can "
+                                "neither update the draft nor leave it alone; use sglang >= 0.5.21")
     if tp_size is not None and facts.tp_size not in (None, tp_size):
         raise UnsupportedEngine(f"{where}: sglang {facts.version} runs with tp_size={facts.tp_size}, the sender was "
                                 f"given {tp_size}")
@@ -189,8 +235,8 @@ class SGLangHTTPEngine(HTTPClient):
     def destroy_weights_update_group(self, group_name: str) -> dict:
         return self._request("/destroy_weights_update_group", {"group_name": group_name})
 
-    def begin_weight_update(self) -> dict:
-        return self._request("/begin_weight_update")
+    def begin_weight_update(self, **kwargs) -> dict:
+        return self._request("/begin_weight_update", kwargs)
 
     def end_weight_update(self) -> dict:
         return self._request("/end_weight_update")
@@ -239,16 +285,21 @@ class _EngineState:
             get = getattr(self.engine, "server_info", None) or self.engine.get_server_info
             self.facts = check_server(call(get), self.where, self.tp_size)
 
-    def open_session(self) -> None:
+    def selector(self, role: str) -> dict:
+        """The `selector` argument of a request for `role` ("target" / "draft" / "all"), on releases with one."""
+        return {"selector": role} if self.facts.selectors else {}
+
+    def open_session(self, role: str) -> None:
+        """Open the update session on the runners of `role` ("all" when the sync updates the draft too)."""
         if self.session or not self.facts.sessions:
             return
         try:
-            call(self.engine.begin_weight_update)
+            call(self.engine.begin_weight_update, **self.selector(role))
         except EngineError as e:
             if "already open" not in str(e):  # a session left by a crashed trainer: close it, open ours
                 raise
             call(self.engine.end_weight_update)
-            call(self.engine.begin_weight_update)
+            call(self.engine.begin_weight_update, **self.selector(role))
         self.session = True
 
     def finish(self) -> None:
@@ -296,6 +347,16 @@ class _SGLangMixin:
     def _driven(self) -> list:
         return self._engines
 
+    def _engine_draft(self, st: _EngineState) -> drafts.EngineDraft:
+        """A server with a draft has selectors (check_server refuses the others)."""
+        f = st.facts
+        return drafts.EngineDraft(st.where, f.draft_kind, f"speculative_algorithm {f.speculative}, draft "
+                                  f"{f.draft_path or 'the model itself'}")
+
+    def _runners(self, st: _EngineState) -> str:
+        """The runners this sync's session and checker calls cover: the draft's too only when it is updated."""
+        return "all" if self._takes_draft(st) else "target"
+
     def _adapter_refusal(self, st: _EngineState) -> str | None:
         need = ".".join(map(str, RELEASES["lora_tensors"]))
         if not st.facts.lora_tensors:
@@ -338,27 +399,31 @@ class _SGLangMixin:
         return None
 
     def _checksums(self, st: _EngineState) -> dict[str, dict[str, str]]:
-        out = call(st.engine.weights_checker, action="checksum")
+        """Per engine rank and role ("dp0:pp0:tp0", "dp0:pp0:tp0:draft"): the checker's per-parameter checksums."""
+        out = call(st.engine.weights_checker, action="checksum", **st.selector(self._runners(st)))
         ranks = {}
         for info in out.get("ranks") or []:
             p = info["parallelism_info"]
             p = p[0] if isinstance(p, list) else p  # 0.5.23: one entry per role (target, drafts), same GPU rank
-            ranks[f"dp{p['dp_rank']}:pp{p['pp_rank']}:tp{p['tp_rank']}"] = dict(info["checksums"])
+            rank = f"dp{p['dp_rank']}:pp{p['pp_rank']}:tp{p['tp_rank']}"
+            for role, named in checker.split_roles(dict(info["checksums"])).items():
+                ranks[f"{rank}:{role}" if role else rank] = named
         if not ranks:
             raise EngineError(f"{st.where}/weights_checker: expected per-rank checksums ('ranks'), found "
                               f"{sorted(out)}")
         return ranks
 
     def _snapshot_and_reset(self, st: _EngineState) -> None:
-        call(st.engine.weights_checker, action="snapshot")  # the weights it loaded, kept on the host
-        call(st.engine.weights_checker, action="reset_tensors")  # every checked parameter random
+        runners = st.selector(self._runners(st))  # a draft this sync leaves alone is neither kept nor reset
+        call(st.engine.weights_checker, action="snapshot", **runners)  # the weights it loaded, kept on the host
+        call(st.engine.weights_checker, action="reset_tensors", **runners)  # every checked parameter random
 
     def _engine_compare(self, st: _EngineState, baseline: dict) -> list[str]:
         """SGLang's comparator against its snapshot (utils/weight_checker.py:258 _check_tensors: raises
         "check tensor equality failed:" with a "name=..." line per tensor); only TP rank 0's answer reaches the
         HTTP reply, the per-rank checksums cover the others."""
         try:
-            call(st.engine.weights_checker, action="compare")
+            call(st.engine.weights_checker, action="compare", **st.selector(self._runners(st)))
         except EngineError as e:
             names = re.findall(r"name=(\S+)", str(e))
             if not names:
@@ -465,9 +530,13 @@ class SGLangColocatedSender(_SGLangMixin, ColocatedSender):
         return serialize(flattened_payload(bucket), output_str=self.http)
 
     def _update(self, payloads: list) -> None:
-        self._engines[0].open_session()
+        st = self._engines[0]
+        if self._role == "draft" and not self._takes_draft(st):  # an engine without an MTP draft: not its tensors
+            return
+        st.open_session(self._runners(st))
         call(self.engine.update_weights_from_tensor, serialized_named_tensors=payloads,
-              load_format="flattened_bucket", flush_cache=False, weight_version=str(self._pending))
+             load_format="flattened_bucket", flush_cache=False, weight_version=str(self._pending),
+             **st.selector(self._role))
 
 
 class SGLangDistributedSender(_SGLangMixin, BroadcastSender):
@@ -522,14 +591,17 @@ class SGLangDistributedSender(_SGLangMixin, BroadcastSender):
 
     def _before_send(self) -> None:
         for st in self._engines:
-            st.open_session()
+            st.open_session(self._runners(st))
 
     def _update_calls(self, bucket: Bucket) -> list[tuple]:
+        """Every engine joins every broadcast; in the draft pass one without an MTP draft receives it into no
+        runner (0.5.23 weight_updater.py:178-184 `_select_runners`: no draft worker, no draft runner)."""
         meta = dict(names=[e.name for e in bucket.entries],
                     dtypes=[str(e.dtype).removeprefix("torch.") for e in bucket.entries],
                     shapes=[list(e.shape) for e in bucket.entries], group_name=self.group_name,
                     flush_cache=False, weight_version=str(self._pending), load_format="flattened_bucket")
-        return [(e.update_weights_from_distributed, meta) for e in self.engines]
+        return [(st.engine.update_weights_from_distributed, {**meta, **st.selector(self._role)})
+                for st in self._engines]
 
     def _after_failure(self) -> None:
         super()._after_failure()

@@ -52,10 +52,12 @@ import warnings
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ..errors import EngineError
+from ..errors import EngineError, UsageError
 from ..formats.safetensors import SafetensorsWriter, TensorInfo
 from ..transfer.buckets import Bucket
+from . import drafts
 from .base import BroadcastSender, ColocatedSender, call, check_pause_mode, quietly, refuse_broadcast_sharding
+from .protocol import Passes
 from .vllm_clients import VERIFIED_VLLM, VLLMHTTPEngine, VLLMLocalEngine, as_engine, vllm_module
 
 __all__ = ["VERIFIED_VLLM", "VLLMColocatedSender", "VLLMDistributedSender", "VLLMHTTPEngine", "VLLMLocalEngine",
@@ -67,6 +69,13 @@ __all__ = ["VERIFIED_VLLM", "VLLMColocatedSender", "VLLMDistributedSender", "VLL
 # read in 0.33.0, the release the contract tests run
 CHECKER_VLLM = (0, 33, 0)
 PAUSE_MODES = ("abort", "wait", "keep")  # /pause?mode=, vllm/entrypoints/rl/online/api_router.py
+#: speculative methods without draft weights (vllm 0.33.0 config/speculative.py:74-80 SpeculativeMethod); every MTP
+#: method is normalized to "mtp" (:1246-1250), any other names a draft model of its own (eagle, eagle3, dflash, ...)
+NO_DRAFT_WEIGHTS = (None, "ngram", "ngram_gpu", "suffix")
+#: which weight-transfer backends open draft sessions (`supports_draft_weight_update`, vllm 0.33.0
+#: distributed/weight_transfer/base.py:451 True by default; False in sparse_nccl_engine.py:125,
+#: sharded_rdt_engine.py:296, m2n_engine.py:225); the worker refuses the others (v1/worker/gpu_worker.py:1563)
+DRAFT_SESSIONS = {"ipc": True, "nccl": True, "sparse_nccl": False, "sharded_rdt": False, "nccl_m2n": False}
 
 
 def device_uuid(device: torch.device) -> str:
@@ -144,6 +153,45 @@ class _Session:
     # layers may still be mid-reload after a failed sync: the engine generates again only after one succeeds
     # (docs/engines.md, vLLM points to know)
     _resume_on_failure = False
+
+    draft_copies = True  # vLLM's MTP drafts load the embedding / head copies (models/deepseek_mtp.py:359, :541-566)
+
+    def _engine_draft(self, engine) -> drafts.EngineDraft:
+        """From the engine's config (GET /server_info?config_format=json, or an LLM's vllm_config): its speculative
+        method, its weight-transfer backend, its draft's TP (an engine-sharded sync plans for the target's)."""
+        where = getattr(engine, "url", type(engine).__name__)
+        info = call(engine.draft_info)
+        if info is None:
+            return drafts.EngineDraft(where, "unknown", "GET /server_info answered 404")
+        method, backend = info.get("method"), info.get("backend")
+        if method in NO_DRAFT_WEIGHTS:
+            return drafts.EngineDraft(where, None, f"speculative method {method}")
+        if method != "mtp":
+            return drafts.EngineDraft(where, "separate", f"speculative method {method}")
+        refusal = None
+        if not DRAFT_SESSIONS.get(backend, False):
+            refusal = (f"its weight-transfer backend {backend!r} opens no draft sessions (supports_draft_weight_update "
+                       "is False; vLLM 0.33.0: only ipc and nccl do)")
+        elif getattr(self, "engine_sharding", False) and info.get("draft_tp") not in (None, info.get("tp")):
+            refusal = (f"its draft runs at TP {info.get('draft_tp')}, the target at TP {info.get('tp')}: an "
+                       "engine-sharded sync plans for one TP")
+        return drafts.EngineDraft(where, "mtp", f"speculative method mtp, backend {backend}", refusal)
+
+    def passes(self) -> Passes:
+        passes = super().passes()
+        if self.verify and "draft" in passes.roles:  # decided from every engine: every rank raises the same
+            raise UsageError(f"verify={self.verify!r} with a draft update into vLLM: its /weight_checker covers the "
+                             "target model only (v1/worker/gpu_worker.py:388 compute_weight_checksums over "
+                             "model_runner.get_model()), so the draft's weights cannot be verified; pass "
+                             "draft='keep' (the target verified, the draft left as it is) or verify=None")
+        return passes
+
+    def start_role(self, role: str) -> None:
+        """vLLM loads one session's chunks into one model: the target's session ends (without the version) before
+        the draft's opens (start_draft_weight_update at its first bucket), which ends with the version."""
+        if role == "draft" and self._role != "draft":
+            self._finish(version=False)
+        super().start_role(role)
 
     def _check_engines(self) -> None:
         errors = []
@@ -283,16 +331,19 @@ class _Session:
         return ["{}: {}".format(*self._split(k)) for k in call(engine.compare_weights, baseline=flat)]
 
     def _start(self) -> None:
-        """Open the session on every engine once per sync, at the first bucket: after pause(), since vLLM's
-        layerwise reload moves the layers' weights off the device until they are reloaded."""
+        """Open the session of the current pass on every engine it reaches, at its first bucket: after pause(),
+        since vLLM's layerwise reload moves the layers' weights off the device until they are reloaded."""
         if self._open is not None or self._error is not None:
             return
         self._open = []
+        draft = self._role == "draft"
         for e in self._driven():
+            if draft and not self._takes_draft(e):
+                continue
             try:
-                call(e.start_weight_update)
+                call(e.start_draft_weight_update if draft else e.start_weight_update)
             except EngineError as err:
-                self._fail(f"start_weight_update: {err}")
+                self._fail(f"{'start_draft_weight_update' if draft else 'start_weight_update'}: {err}")
                 return
             self._open.append(e)
 
@@ -319,11 +370,11 @@ class _Session:
             quietly(e.finish_weight_update, weight_version=None)
         self._open = None
 
-    def _finish(self) -> None:
+    def _finish(self, version: bool = True) -> None:
         for e in self._open or []:
             try:
                 if self._error is None:
-                    call(e.finish_weight_update, weight_version=str(self._pending))
+                    call(e.finish_weight_update, weight_version=str(self._pending) if version else None)
                 else:  # close the session; the worker may have closed it on the failed update
                     call(e.finish_weight_update, weight_version=None)
             except EngineError as err:
@@ -391,6 +442,8 @@ class VLLMColocatedSender(_Session, ColocatedSender):
         return [{uuid: ipc_args(t)} for _, t in bucket]
 
     def _update(self, payloads: list) -> None:
+        if self._role == "draft" and not self._takes_draft(self.engine):  # its engine serves no MTP draft
+            return
         if self.packed:
             handles: dict | list = {}
             for p in payloads:
@@ -443,6 +496,7 @@ class VLLMDistributedSender(_Session, BroadcastSender):
     engines the port it got. Only rank 0 receives full tensors (`receivers = (0,)`)."""
 
     _join_failed = "init_weight_transfer_engine failed: "
+    _draft_every_engine = True  # every engine's workers receive each broadcast, inside a session of the pass
 
     def __init__(self, engines, engine_world_sizes: list[int] | None = None, master_address: str = "127.0.0.1",
                  master_port: int = 0, *, packed: bool = True, packed_buffer_size_bytes: int = 1 << 30,

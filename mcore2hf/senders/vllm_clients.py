@@ -58,6 +58,20 @@ class VLLMHTTPEngine(HTTPClient):
         _, ver = self._request("/version", method="GET", ok_codes=(404,))
         return str(ver.get("version", "unknown")) if isinstance(ver, dict) else "unknown"
 
+    def draft_info(self) -> dict | None:
+        """The speculative method, weight-transfer backend and TPs of the engine's config (GET
+        /server_info?config_format=json, a dev-mode route: vllm 0.33.0 entrypoints/serve/dev/server_info/
+        api_router.py:43-59, the VllmConfig dumped as JSON); None where the route is missing (404)."""
+        code, out = self._request("/server_info?config_format=json", method="GET", ok_codes=(404,))
+        if code == 404 or not isinstance(out, dict):
+            return None
+        return draft_fields(out.get("vllm_config") or {})
+
+    def start_draft_weight_update(self) -> None:
+        """POST /start_draft_weight_update (vllm 0.33.0 entrypoints/rl/online/api_router.py:188): this session's
+        chunks load into the speculative draft model (v1/worker/gpu_worker.py:1552)."""
+        self._request("/start_draft_weight_update")
+
     def weight_checksums(self) -> dict[str, str]:
         """{"dp{d}:pp{p}:pcp{c}:tp{t}:<parameter>": sha256} over every worker (POST /weight_checker checksum)."""
         _, out = self._request("/weight_checker", {"action": "checksum"})
@@ -155,6 +169,19 @@ class VLLMLocalEngine:
     def reset_weights(self) -> None:
         self.llm.collective_rpc("reset_weights")
 
+    def draft_info(self) -> dict:
+        """As VLLMHTTPEngine.draft_info, from the LLM's own VllmConfig."""
+        config = self.llm.llm_engine.vllm_config
+        spec, transfer = getattr(config, "speculative_config", None), getattr(config, "weight_transfer_config", None)
+        return draft_fields({"speculative_config": None if spec is None else {
+                                 "method": spec.method, "draft_tensor_parallel_size": spec.draft_tensor_parallel_size},
+                             "weight_transfer_config": None if transfer is None else {"backend": transfer.backend},
+                             "parallel_config": {"tensor_parallel_size":
+                                                 config.parallel_config.tensor_parallel_size}})
+
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()  # entrypoints/rl/offline.py:37
+
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
@@ -195,6 +222,16 @@ class VLLMLocalEngine:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
+
+
+def draft_fields(config: dict) -> dict:
+    """What the senders read of a VllmConfig (as /server_info dumps it, config/vllm.py field names): the
+    speculative method (None: no speculative decoding), the weight-transfer backend, the draft's and the target's
+    TP."""
+    spec = config.get("speculative_config") or {}
+    return {"method": spec.get("method"), "draft_tp": spec.get("draft_tensor_parallel_size"),
+            "backend": (config.get("weight_transfer_config") or {}).get("backend"),
+            "tp": (config.get("parallel_config") or {}).get("tensor_parallel_size")}
 
 
 def as_engine(engine, timeout: float = 300.0, api_key: str | None = None):

@@ -21,6 +21,10 @@ session, weight-update groups, paused flag, queued requests, flushes), POST /mco
 POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process, or
 "corrupt": load one named tensor with wrong bytes),
 POST /mcore2hf_requests (queue requests in the scheduler, the release's Req and _add_request_to_queue).
+`--draft mtp|separate` gives each rank's weight updater a speculative worker's draft runner (its own recorder model,
+the release's WeightUpdater and WeightChecker), which the release's own fan-out (runner selectors, >= 0.5.21) loads
+and checks; /server_info then reports the resolved speculative arguments of an MTP draft (EAGLE, draft path = the
+model's) or of a draft model of its own (EAGLE3), and GET /mcore2hf_state the draft's record too.
 """
 
 from __future__ import annotations
@@ -499,7 +503,7 @@ class _Rank:
         import torch.distributed as dist
 
         group = dist.group.WORLD  # the engine's TP world: in SGLang the TP group's CPU (gloo) group
-        self.rank = rank
+        self.rank, self.draft = rank, None  # the draft runner's model (serve(draft=...), >= 0.5.20 layout only)
         self.model = model = Recorder()
         ps = _t.SimpleNamespace(tp_rank=rank, tp_size=tp_size, dp_size=1, num_dp_ranks=1, pp_size=1,
                                 dp_rank=0, attn_dp_size=1, pp_rank=0,  # the weight checker's placement
@@ -527,15 +531,33 @@ class _Rank:
             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
         self.groups = updater._model_update_group
         worker = _Worker(rank, _model_runner(updater, model, ps), common, monkey_patch_torch_reductions)
+        self.draft, draft_worker = self._draft_worker(runner_wu, ps)
         cls = sched_wu.SchedulerWeightUpdaterManager
         extra = {"tp_cpu_group": group} if any(f.name == "tp_cpu_group" and f.init
                                                for f in dataclasses.fields(cls)) else {}  # 0.5.20: an argument
         # as scheduler.py init_weight_updater builds it (0.5.20 / 0.5.23): the scheduler's own flush and idle check
-        self.manager = cls(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
+        self.manager = cls(tp_worker=worker, draft_worker=draft_worker, memory_saver_adapter=None,
                            flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle,
                            scheduler=scheduler, **extra)
         self.lora = _LoRASide(rank, tp_size, worker, ps) if os.environ.get(_HF_CONFIG) else None
         self.lora_checked = 0  # adapter loads that carried expected_checksums and passed the release's check
+
+    def _draft_worker(self, runner_wu, ps):
+        """With serve(draft=...): a speculative worker's draft model runner (a recorder model of its own, its own
+        release WeightUpdater and WeightChecker), as the release's weight updater reaches it: 0.5.23
+        `draft_worker.weight_update_runners()` -> [("draft", runner)] (speculative/base_spec_worker.py:170-175),
+        0.5.20 `draft_worker.draft_model_runner` (weight_updater.py:49-60). Without: (None, None)."""
+        import types as _t
+
+        if not os.environ.get(_DRAFT):
+            return None, None
+        draft = Recorder()
+        updater = runner_wu.WeightUpdater(
+            tp_rank=self.rank, device=DEVICE.split(":")[0], gpu_id=torch.device(DEVICE).index or 0, model_config=None,
+            custom_weight_loaders={}, get_model=lambda: draft, update_model_fields=lambda *a, **k: None,
+            recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+        runner = _model_runner(updater, draft, ps)
+        return draft, _t.SimpleNamespace(weight_update_runners=lambda: [("draft", runner)], draft_model_runner=runner)
 
     @staticmethod
     def _before_0_5_20(rank: int, group, model, scheduler):
@@ -560,7 +582,10 @@ class _Rank:
         adapters loaded (each per-TP-rank LoRA weight the release builds: digest, shape)."""
         s = self.scheduler
         lora = getattr(self, "lora", None)
-        return {"weights": self.model.digests(how or "sha256"), "session": getattr(self.manager, "_session", None) is not None,
+        draft = self.draft
+        return {"weights": self.model.digests(how or "sha256"),
+                "draft_weights": None if draft is None else draft.digests(how or "sha256"),
+                "session": getattr(self.manager, "_session", None) is not None,
                 "groups": sorted(self.groups), "engine_paused": s._engine_paused, "queued": len(s.waiting_queue),
                 "flushes": s.tree_cache.resets, "loras": lora.state() if lora else {},
                 "lora_checked": self.lora_checked}
@@ -570,14 +595,17 @@ class _Rank:
         if method == _STATE:
             return True, self.state(req)
         if method == _RESET:
-            self.model.store.clear()
-            if (req or {}).get("parameters"):  # another model from now on (as an engine started on another checkpoint)
-                self.model._modules.clear()
-                self.model._parameters.clear()
+            for model in (self.model, self.draft):
+                if model is None:
+                    continue
+                model.store.clear()
+                if (req or {}).get("parameters"):  # another model from now on (an engine started on another checkpoint)
+                    model._modules.clear()
+                    model._parameters.clear()
             return True, ""
-        if method == _FAULT:
+        if method == _FAULT:  # {"model": "draft"}: the draft runner's model
             if req.get("rank") in (None, self.rank):
-                self.model.arm(req)
+                (self.draft if req.get("model") == "draft" else self.model).arm(req)
             return True, ""
         if method == _QUEUE:
             from sglang.srt.managers.schedule_batch import Req
@@ -604,6 +632,8 @@ class _Rank:
 
 
 _HF_CONFIG = "MCORE2HF_SGLANG_HF_CONFIG"  # the served model's HF config directory (serve --hf-config)
+_DRAFT = "MCORE2HF_SGLANG_DRAFT"  # serve --draft: "mtp" / "separate", the speculative draft the server runs
+MODEL_PATH, EAGLE_PATH = "/models/target", "/models/eagle3"  # what server_info reports as the served paths
 
 
 class _LoRASide:
@@ -837,7 +867,7 @@ def _release_has(route: str) -> bool:
 
 
 def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int = 0, device: str = "cpu",
-          hf_config: str | None = None, enable_lora: bool = False) -> None:
+          hf_config: str | None = None, enable_lora: bool = False, draft: str | None = None) -> None:
     import ctypes
     import json
     import os
@@ -858,6 +888,14 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     supported = tuple(int(x) for x in __version__.split(".")[:3] if x.isdigit()) >= (0, 5, 6)
     if hf_config:  # the ranks (forked below) build the release's LoRA manager for this model
         os.environ[_HF_CONFIG] = hf_config
+    if draft:  # the ranks (forked below) give their weight updater a draft runner
+        os.environ[_DRAFT] = draft
+    # the resolved speculative arguments server_info reports (0.5.23 arg_groups/speculative_hook.py: NEXTN becomes
+    # EAGLE, an MTP draft's path the model's own, :109-115, :720-725)
+    speculative = {"speculative_algorithm": None, "speculative_draft_model_path": None, "model_path": MODEL_PATH}
+    if draft:
+        speculative.update(speculative_algorithm="EAGLE3" if draft == "separate" else "EAGLE",
+                           speculative_draft_model_path=EAGLE_PATH if draft == "separate" else MODEL_PATH)
     engine = Engine(tp_size, api_key) if supported else None
     lora_routes = {r for r in ("/load_lora_adapter_from_tensors", "/unload_lora_adapter") if _release_has(r)}
     routes = {r for r in ("/server_info", "/get_server_info", "/begin_weight_update", "/end_weight_update")
@@ -915,14 +953,16 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
                 how = "fingerprint" if self.path.endswith("digest=fingerprint") else None
                 ok, ranks = run(_STATE, how) if engine is not None else (True, [])
                 weights = {str(r): st.pop("weights") for r, st in enumerate(ranks)}
+                drafts = {str(r): st.pop("draft_weights") for r, st in enumerate(ranks)}
                 return self._send(200 if ok else 500, {
-                    "weights": weights, "ranks": ranks, "versions": front.versions, "calls": front.calls,
+                    "weights": weights, "draft_weights": drafts, "ranks": ranks, "versions": front.versions, "calls": front.calls,
                     "paused": front.paused, "version": __version__})
             if self.path in routes and self.path.endswith("server_info"):
                 front.calls.append(self.path)
                 # build_server_info: the resolved server arguments (0.5.23 utils/common.py:3584), enable_lora among them
                 return self._send(200, {"version": __version__, "tp_size": tp_size, "dp_size": 1,
-                                        "enable_lora": enable_lora, "lora_paths": None, "internal_states": []})
+                                        "enable_lora": enable_lora, "lora_paths": None, "internal_states": [],
+                                        **speculative})
             self._send(404, {"detail": "Not Found"})
 
         def _control(self, path: str, body: dict):
@@ -1110,5 +1150,6 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu", help='"cpu", "cuda" or "cuda:N"')
     ap.add_argument("--hf-config")  # the model's HF config directory: the LoRA routes need it
     ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--draft", choices=("mtp", "separate"))  # a speculative draft runner beside the target's
     a = ap.parse_args()
-    serve(a.site_dir, a.tp, a.api_key, a.port, a.device, a.hf_config, a.enable_lora)
+    serve(a.site_dir, a.tp, a.api_key, a.port, a.device, a.hf_config, a.enable_lora, a.draft)

@@ -253,11 +253,16 @@ def check_model(model, tensors) -> None:
 # ---------------------------------------------------------------- vLLM workers, engine clients, servers
 
 def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, torch.Tensor] | None = None,
-                device: str = "cpu", load: bool = True):
+                device: str = "cpu", load: bool = True, draft: dict[str, torch.Tensor] | None = None,
+                keep_received: bool = True):
     """vLLM's real Worker class (methods unmodified) around a tiny model (or a named_model of `tensors`), with the
     weight-transfer engine vLLM's factory creates for `backend`; nothing of the GPU worker's init runs. On
     `device` "cuda" the named_model's parameters and the transfer engine are on GPU 0 (real CUDA IPC); with
-    load=False its parameters start as zeros (no initial load, nothing kept per load)."""
+    load=False its parameters start as zeros (no initial load, nothing kept per load). `draft`: a speculative
+    draft model too (a named_model of those tensors, zeros, keeping what it receives), which the worker's draft
+    sessions (start_draft_weight_update) retarget the transfer engine at, as its model runner holds one
+    (gpu_worker.py:1164 get_draft_model, :1180 _set_draft_weight_update_target); `keep_received=False`: only its
+    parameters hold what it was sent."""
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
@@ -273,9 +278,12 @@ def make_worker(backend: str, rank: int = 0, tp: int = 1, tensors: dict[str, tor
         model.received.clear()
     w = Worker.__new__(Worker)
     w.vllm_config, w.parallel_config, w.rank, w.local_rank = vc, pc, rank, rank  # WorkerBase.__init__ sets both
-    w.speculative_config = None
+    draft_model = None if draft is None else named_model(draft, device, keep_received=keep_received)
+    # the draft's ModelConfig fields the reload reads (finalize_layerwise_reload): the target's here
+    w.speculative_config = None if draft is None else types.SimpleNamespace(draft_model_config=MODEL_CONFIG)
     w.model_runner = types.SimpleNamespace(reset_lora_state=lambda: None, get_model=lambda: model,
-                                           get_draft_model=lambda: None)
+                                           get_draft_model=lambda: draft_model)
+    w.draft_model = draft_model
     w._weight_update_active, w._weight_update_is_draft = False, False
     vc.model_config = MODEL_CONFIG
     w.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
@@ -351,7 +359,8 @@ def async_client(core: EngineCore):
         pass
 
     for name in ("init_weight_transfer_engine", "shutdown_weight_transfer_engine", "start_weight_update",
-                 "update_weights", "finish_weight_update", "update_weight_version", "compute_weight_checksums"):
+                 "start_draft_weight_update", "update_weights", "finish_weight_update", "update_weight_version",
+                 "compute_weight_checksums"):
         setattr(Client, name, getattr(AsyncLLM, name))
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -402,7 +411,8 @@ def local_llm(core: EngineCore):
 class Server:
     """vLLM's RL routes (and /version) with vLLM's exception handlers, served by uvicorn on a port it picks."""
 
-    def __init__(self, client, rl_routes: bool = True, version: str | None = None, state=None):
+    def __init__(self, client, rl_routes: bool = True, version: str | None = None, state=None,
+                 config: dict | None = None):
         import uvicorn
         from fastapi import FastAPI
         from vllm.entrypoints.rl.factories import register_rl_api_routers
@@ -422,6 +432,12 @@ class Server:
         @app.get("/get_world_size")
         async def world_size():  # api_router.get_world_size reads this config
             return {"world_size": client.vllm_config.parallel_config.world_size_across_dp}
+
+        if config is not None:  # the dev-mode /server_info (entrypoints/serve/dev/server_info/api_router.py:43-59):
+            @app.get("/server_info")  # the VllmConfig as JSON; here the fields the senders read, as vLLM names them
+            async def server_info(config_format: str = "text"):
+                return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {},
+                        "system_env": {}}
 
         if state is not None:  # the harness' own route: what the engine's parameters hold (serve())
             @app.get("/mcore2hf_state")
@@ -999,7 +1015,18 @@ def scenario_engine_sharding_refusals() -> None:
         with pytest.raises(UsageError, match="expected an HFExporter"):
             sync(ListExporter([buckets_of(model_tensors(5))]),
                  VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
-        class Refusing:  # an exporter whose engine-shard plan the rules refuse (e.g. SGLang gpt-oss under EP)
+        from mcore2hf import HFExporter
+        from mcore2hf.plan import MTPTensors
+
+        class Refusing(HFExporter):  # an exporter whose engine-shard plan the rules refuse (e.g. SGLang gpt-oss
+            lora = None  # under EP); no model behind it
+
+            def __init__(self):
+                pass
+
+            def draft_tensors(self, *args, **kwargs):
+                return MTPTensors(frozenset(), frozenset())
+
             def engine_executor(self, *args, **kwargs):
                 raise EngineShardError("refused by the rules")
 
@@ -1214,6 +1241,192 @@ def scenario_refusals() -> None:
         old.stop()
 
 
+# ---------------------------------------------------------------- speculative-decoding drafts (issue 37)
+
+DRAFT_BUCKET = 64 * 1024  # bytes: several buckets per pass of the tiny deepseek_v3
+_DRAFTS: dict = {}  # the draft world's results (scenario_mtp_draft runs it, scenario_mtp_draft_engine_sharded reads)
+
+
+def _draft_config(method: str | None, backend: str = "ipc", tp: int = 1) -> dict:
+    """The VllmConfig fields /server_info dumps that the senders read (vllm 0.33.0 config names): an MTP draft's
+    speculative_config (method "mtp", draft TP = the target's), the weight-transfer backend, the TP."""
+    return {"speculative_config": None if method is None else {"method": method, "draft_tensor_parallel_size": tp},
+            "weight_transfer_config": {"backend": backend}, "parallel_config": {"tensor_parallel_size": tp}}
+
+
+def _draft_trainers(urls: dict, ckpt: str) -> dict:
+    """A rank of the draft world (deepseek_v3 tiny with its MTP layer, EP 2; 2 ranks): colocated into "mtp" (an
+    engine with an MTP draft, rank 0) and "plain" (no draft, rank 1): draft="auto", then verify (refused for vLLM
+    drafts), "keep"; into "m2n" (an MTP draft behind a backend without draft sessions, rank 0): refused, then
+    "keep"; into "tp2" (an engine of TP 2 with an MTP draft, both ranks) engine-sharded; a model without MTP."""
+    import torch.distributed as dist
+    import worlds
+
+    from mcore2hf import HFExporter, load_hf_weights
+    from mcore2hf.errors import UsageError
+    from mcore2hf.runtime.world import Layout
+    from mcore2hf.senders import UnsupportedEngine, sync, vllm
+
+    rank, out = dist.get_rank(), {}
+    cfg, chunks = worlds.build(ckpt, Layout(tp=1, ep=2))
+    load_hf_weights(chunks, ckpt)
+    ex = HFExporter(chunks, cfg)
+    mtp = ex.draft_tensors(DRAFT_BUCKET)
+    out["layer"], out["copies"], out["dims"] = sorted(mtp.layer), sorted(mtp.copies), ex.dims
+    full = ex.state_dict()  # collective: every rank
+    out["full"] = full if rank == 0 else None
+    col = vllm.VLLMColocatedSender(urls["mtp"] if rank == 0 else urls["plain"], 1, timeout=60)
+
+    def report(**kw):
+        rep = sync(ex, col, progress=False, bucket_bytes=DRAFT_BUCKET, **kw)
+        return {"draft": rep.draft, "draft_buckets": rep.draft_buckets, "version": col.version}
+
+    out["auto"] = report()
+    try:
+        report(verify="checksum")
+        out["verify"] = None
+    except UsageError as e:
+        out["verify"] = str(e)
+    out["keep"] = report(draft="keep")
+    m2n = vllm.VLLMColocatedSender(urls["m2n"] if rank == 0 else urls["plain"], 1, timeout=60)
+    try:
+        sync(ex, m2n, progress=False, bucket_bytes=DRAFT_BUCKET)
+        out["m2n"] = None
+    except UnsupportedEngine as e:
+        out["m2n"] = str(e)
+    out["m2n_keep"] = sync(ex, m2n, progress=False, bucket_bytes=DRAFT_BUCKET, draft="keep").draft
+    _, plain = worlds.build(ckpt, Layout(tp=1, ep=2), mtp=False)
+    load_hf_weights(plain, ckpt)
+    rep = sync(HFExporter(plain, cfg), col, progress=False, bucket_bytes=DRAFT_BUCKET)
+    out["no_mtp"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets}
+    # distributed (NCCL backend; gloo in PyNccl's place on CPU): every engine's workers join each broadcast inside a
+    # session of the pass, so a group whose engines do not all serve an MTP draft is refused
+    if rank == 0:
+        import vllm.distributed.device_communicators.pynccl as pynccl
+
+        pynccl.PyNcclCommunicator = GlooCommunicator
+    nccl = vllm.VLLMDistributedSender([urls["nccl"]] if rank == 0 else None, timeout=60)
+    rep = sync(ex, nccl, progress=False, bucket_bytes=DRAFT_BUCKET)
+    nccl.close()
+    out["nccl"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets, "version": nccl.version}
+    mixed = vllm.VLLMDistributedSender([urls["nccl"], urls["nccl_plain"]] if rank == 0 else None, timeout=60)
+    try:
+        sync(ex, mixed, progress=False, bucket_bytes=DRAFT_BUCKET)
+        out["nccl_mixed"] = None
+    except UnsupportedEngine as e:
+        out["nccl_mixed"] = str(e)
+    out["nccl_mixed_keep"] = sync(ex, mixed, progress=False, bucket_bytes=DRAFT_BUCKET, draft="keep").draft
+    mixed.close()
+    # engine-sharded: each rank sends only what its engine TP rank loads, the draft's too (its TP is the target's)
+    vllm.device_uuid = lambda device: f"GPU-{rank}"  # GPU-only fact stubbed: here each rank has its own GPU
+    tp2 = vllm.VLLMColocatedSender(urls["tp2"] if rank == 0 else None, 2, timeout=60, engine_sharding=True)
+    rep = sync(ex, tp2, progress=False, bucket_bytes=DRAFT_BUCKET, debug_nan=True)
+    out["tp2"] = {"draft": rep.draft, "draft_buckets": rep.draft_buckets, "version": tp2.version}
+    return out
+
+
+def scenario_mtp_draft() -> None:
+    """A model holding an MTP layer into vLLM's worker draft sessions (gpu_worker.py:1552-1590: the target's
+    session, then start_draft_weight_update retargets the IPC transfer engine at the draft model): the target
+    model loads every tensor but the MTP layer's (its named model has no parameter for them: a stray name fails
+    the load), the draft model the MTP layer with its embedding / head copies (what vLLM's MTP drafts load,
+    models/deepseek_mtp.py:359, :541-566), byte for byte; the version is set once, by the draft session's finish. An
+    engine without a draft gets the target session only; verify= is refused (vLLM's checker covers the target
+    only); draft="keep" opens no draft session; a backend without draft sessions is refused before anything moves
+    (then synced with "keep"); a model without MTP layers opens none."""
+    import tempfile
+
+    from harness.vllm_real import _draft_trainers  # by module name: this file may run as __main__
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
+    from mcore2hf.runtime.world import Layout, run_world
+
+    ckpt = make_hf_checkpoint(tiny_config("deepseek_v3"), tempfile.mkdtemp(prefix="vllm-draft-"))
+    full = read_hf_checkpoint(ckpt)
+    layer = {n for n in full if n.startswith("model.layers.4.")}  # the tiny config's 4 layers, then the MTP layer
+    target = {n: t for n, t in full.items() if n not in layer}
+    draft = {n: t for n, t in full.items() if n in layer}
+    engines = {"mtp": ("ipc", target, draft, _draft_config("mtp")), "plain": ("ipc", target, None, _draft_config(None)),
+               "m2n": ("ipc", target, draft, _draft_config("mtp", "nccl_m2n")),
+               "nccl": ("nccl", target, draft, _draft_config("mtp", "nccl")),
+               "nccl_plain": ("nccl", target, None, _draft_config(None, "nccl"))}
+    cores, servers = {}, {}
+    for name, (backend, t, d, config) in engines.items():
+        cores[name] = EngineCore([make_worker(backend, tensors=t, draft=d, load=False)])
+        servers[name] = Server(async_client(cores[name]), config=config)
+    tp2 = [make_worker("ipc", r, 2, target, load=False, draft=draft) for r in range(2)]
+    for r, w in enumerate(tp2):
+        w.gpu_uuid = f"GPU-{r}"
+    cores["tp2"] = EngineCore(tp2)
+    servers["tp2"] = Server(async_client(cores["tp2"]), config=_draft_config("mtp", tp=2))
+    try:
+        res = run_world(_draft_trainers, Layout(tp=1, ep=2), {n: s.url for n, s in servers.items()}, ckpt,
+                        timeout=600)
+    finally:
+        for s in servers.values():
+            s.stop()
+    _DRAFTS.update(res=res, full=full, target=target, draft=draft, tp2=tp2)
+    lead = res[0]
+    assert sorted(lead["layer"] + lead["copies"]) == sorted(layer), (lead["layer"], lead["copies"])
+    assert lead["copies"] == ["model.layers.4.embed_tokens.weight", "model.layers.4.shared_head.head.weight"]
+    exported = lead["full"]
+    assert set(exported) == set(full) and all(torch.equal(exported[n], full[n]) for n in full)
+    for r in res:
+        assert r["auto"]["draft"] == "updated on 1 of 2 engine(s)" and r["auto"]["draft_buckets"] > 0, r["auto"]
+        assert r["auto"]["version"] == 1 and r["keep"]["version"] == 2, r
+        assert r["verify"] and "its /weight_checker covers the target model only" in r["verify"], r["verify"]
+        assert r["keep"]["draft"] == "left alone (draft='keep')" and r["keep"]["draft_buckets"] == 0
+        assert r["m2n"] and "backend 'nccl_m2n' opens no draft sessions" in r["m2n"], r["m2n"]
+        assert r["m2n_keep"] == "left alone (draft='keep')"
+        assert r["tp2"]["draft"] == "updated on 1 of 1 engine(s)" and r["tp2"]["version"] == 1, r["tp2"]
+        assert r["no_mtp"] == {"draft": "target only: the model holds no MTP layers", "draft_buckets": 0}
+        assert r["nccl"]["draft"] == "updated on 1 of 1 engine(s)" and r["nccl"]["version"] == 1, r["nccl"]
+        assert r["nccl_mixed"] and "serves no draft, and the draft's weights reach every engine" in r["nccl_mixed"]
+        assert r["nccl_mixed_keep"] == "left alone (draft='keep')"
+    mtp_worker = cores["mtp"].workers[0]
+    for name, w in (("mtp", mtp_worker), ("plain", cores["plain"].workers[0])):
+        got = dict(w.model.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in target.items()), name
+        assert not w._weight_update_active
+    # the draft got every MTP tensor in "auto" and nothing else afterwards ("keep", the model without MTP)
+    received = mtp_worker.draft_model.received
+    assert sorted(received) == sorted(draft) and all(len(v) == 1 for v in received.values()), \
+        {n: len(v) for n, v in received.items()}
+    assert all(torch.equal(received[n][0], t) for n, t in draft.items())
+    calls = [e for e in cores["mtp"].events if e != "update_weights"]
+    auto = ["pause:abort", "start_weight_update", "finish_weight_update", "start_draft_weight_update",
+            "finish_weight_update", "resume"]
+    assert calls[1:1 + len(auto)] == auto, calls
+    assert "start_draft_weight_update" not in cores["plain"].events and \
+        "start_draft_weight_update" not in cores["m2n"].events
+    assert "pause:abort" in cores["m2n"].events and cores["m2n"].events.count("start_weight_update") == 1  # "keep"
+    assert cores["mtp"].version == "3" and cores["plain"].version == "3", (cores["mtp"].version, cores["plain"].version)
+    nccl = cores["nccl"].workers[0]  # the distributed sync: the draft session got the MTP layer over the broadcast
+    assert all(torch.equal(t, nccl.draft_model.received[n][0]) for n, t in draft.items())
+    assert sorted(nccl.draft_model.received) == sorted(draft) and all(len(v) == 1 for v in nccl.draft_model.received.values())
+    assert all(torch.equal(dict(nccl.model.named_parameters())[n], t) for n, t in target.items())
+    assert "start_draft_weight_update" not in cores["nccl_plain"].events
+
+
+def scenario_mtp_draft_engine_sharded() -> None:
+    """Engine-sharded colocated sync with the MTP draft (its TP the target's, 2): every tensor vLLM's receive path
+    handed worker r's draft model is mask_to_engine of the checkpoint tensor to r's engine_regions (NaN
+    elsewhere: nothing else written), byte for byte, the embedding / head copies vocab-split as the target's."""
+    from mcore2hf.plan.engine_shards import EnginePlacement, engine_regions, mask_to_engine
+
+    if not _DRAFTS:
+        scenario_mtp_draft()
+    full, draft, workers, dims = _DRAFTS["full"], _DRAFTS["draft"], _DRAFTS["tp2"], _DRAFTS["res"][0]["dims"]
+    for r, w in enumerate(workers):
+        received = w.draft_model.received
+        assert sorted(received) == sorted(draft), sorted(set(received) ^ set(draft))
+        place = EnginePlacement("vllm", r, 2)
+        for n in draft:
+            want = mask_to_engine(full[n], engine_regions(n, full[n].shape, dims, place, "deepseek_v3"), debug=True)
+            got = received[n][-1]
+            assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (r, n)
+        assert not w._weight_update_active
+
+
 SCENARIOS = {
     "ipc_http_packed": lambda: scenario_ipc(True, True),
     "ipc_http_unpacked": lambda: scenario_ipc(True, False),
@@ -1229,16 +1442,19 @@ SCENARIOS = {
     "packed_chunks": scenario_packed_chunks,
     "fp8_parsing": scenario_fp8_parsing,
     "refusals": scenario_refusals,
+    "mtp_draft": scenario_mtp_draft,
+    "mtp_draft_engine_sharded": scenario_mtp_draft_engine_sharded,
 }
 
 
-def serve(spec: str, device: str) -> None:
+def serve(spec: str, device: str, draft_spec: str | None = None) -> None:
     """One vLLM engine of TP 1 with an IPC weight-transfer engine, serving vLLM's RL routes until stdin closes
     (bench/gpu_ipc.py runs it as its own process on the trainer's GPU): its model holds one parameter per entry of
     `spec` (a JSON list of [name, shape, dtype]), zeros on `device` ("cuda": GPU 0, real CUDA IPC rebuilt by
     vLLM's ipc_engine; "cpu": CPU shared memory as in the scenarios). Prints `URL <url> VERSION <v>`. GET
     /mcore2hf_state?digest=sha256|fingerprint: per parameter [digest, dtype, shape], the weight version, the
-    engine calls."""
+    engine calls. `draft_spec`: an MTP draft model too (its parameters in the state's "draft"), which the
+    worker's draft sessions load; /server_info then reports speculative method "mtp" (tests/gpu)."""
     from harness.sglang_real import fingerprint, sha256_digest
 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -1254,20 +1470,27 @@ def serve(spec: str, device: str) -> None:
         torch.cuda.set_device(0)
     import vllm
 
-    with open(spec) as f:
-        shapes = {n: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for n, shape, dt in json.load(f)}
-    worker = make_worker("ipc", tensors=shapes, device=device, load=False)
+    def shapes(path: str | None) -> dict | None:
+        if path is None:
+            return None
+        with open(path) as f:
+            return {n: torch.empty(shape, dtype=getattr(torch, dt), device="meta") for n, shape, dt in json.load(f)}
+
+    draft = shapes(draft_spec)
+    worker = make_worker("ipc", tensors=shapes(spec), device=device, load=False, draft=draft, keep_received=False)
     core = EngineCore([worker])
+
+    def digests(model, fn) -> dict:
+        return {n: (fn(p), str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()}
 
     def state(digest: str) -> dict:
         fn = fingerprint if digest == "fingerprint" else sha256_digest
         if device == "cuda":
             torch.cuda.synchronize()
-        params = {n: (fn(p), str(p.dtype).removeprefix("torch."), list(p.shape))
-                  for n, p in worker.model.named_parameters()}
-        return {"weights": params, "version": core.version, "events": list(core.events)}
+        return {"weights": digests(worker.model, fn), "version": core.version, "events": list(core.events),
+                "draft": None if draft is None else digests(worker.draft_model, fn)}
 
-    server = Server(async_client(core), state=state)
+    server = Server(async_client(core), state=state, config=_draft_config("mtp" if draft is not None else None))
     print(f"URL {server.url} VERSION {vllm.__version__}", flush=True)
     sys.stdin.read()  # until the bench closes our stdin (or dies)
     server.stop()
@@ -1293,8 +1516,8 @@ def main(out: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--serve":  # --serve SPEC.json DEVICE
-        serve(sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "--serve":  # --serve SPEC.json DEVICE [DRAFT_SPEC.json]
+        serve(*sys.argv[2:5])
     elif sys.argv[1] == "--serve-lora":  # --serve-lora HF_CONFIG_DIR TP
         serve_lora(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "--moe3d-slices":  # --moe3d-slices ADAPTER_DIR HF_CONFIG_DIR TP,TP,...
