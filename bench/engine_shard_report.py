@@ -15,7 +15,7 @@ Network model (stated, not measured):
   NIC models (its best case; a naive star, rank 0 sending to each engine rank, would be N x M / 50 GB/s).
 
 Trainer ExportPlans are built without a Megatron world: each rank's shard names and shapes are synthesized from the
-HF config with the importer's name table (`megatron_names`, `_full_shape`: the same rules the offline importer
+HF config with the HF-as-Megatron name table (`megatron_names`, `full_shape`: the same rules the offline importer
 writes checkpoints with) and Megatron's rank order (tp-cp-ep-dp-pp), then `build_sources` / `assign_buckets` /
 `plan_engine_shards` run as in a live export.
 
@@ -73,7 +73,7 @@ def trainer_plan(model_type: str, overrides: dict, tp: int, pp: int, ep: int, et
     a live megatron-core world's."""
     from mcore2hf.arch.hf_config import hf_tensor_shapes
     from mcore2hf.arch.registry import get_converter, get_model_spec
-    from mcore2hf.importer import _full_shape, megatron_names
+    from mcore2hf.formats.hf_as_megatron import full_shape, megatron_names
     from mcore2hf.model_specs.common import padded_vocab_size
     from mcore2hf.plan.export import ExportPlan, RankRecord, assign_buckets, build_sources
     from mcore2hf.runtime.tiny import tiny_config
@@ -92,7 +92,7 @@ def trainer_plan(model_type: str, overrides: dict, tp: int, pp: int, ep: int, et
     experts_per_rank = (dims.num_experts or 1) // ep
     tensors = []  # (name, stage or None for every stage's ends, ep owner or -1, is_expert, op, full)
     for name, r in found.items():
-        full = _full_shape(r.op, [tuple(shapes[n]) for n in r.hf_names], padded)
+        full = full_shape(r.op, [tuple(shapes[n]) for n in r.hf_names], padded)
         m = _LAYER.match(name)
         if m:
             stage = min(int(m.group(1)) // layers_per_stage, pp - 1)  # MTP layers (index >= L) on the last stage

@@ -1016,7 +1016,7 @@ def scenario_engine_sharding_refusals() -> None:
             sync(ListExporter([buckets_of(model_tensors(5))]),
                  VLLMColocatedSender(server.url, 1, timeout=30, engine_sharding=True), progress=False)
         from mcore2hf import HFExporter
-        from mcore2hf.plan import MTPTensors
+        from mcore2hf.plan.export import MTPTensors
 
         class Refusing(HFExporter):  # an exporter whose engine-shard plan the rules refuse (e.g. SGLang gpt-oss
             lora = None  # under EP); no model behind it
