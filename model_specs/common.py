@@ -619,7 +619,15 @@ def build_hybrid_model(spec: ModuleType, hf_config, *, vocab_size: int | None = 
             raise ConfigMismatchError("megatron-core < 0.19 MambaModel has no virtual pipeline parallelism")
         pattern = _join_pattern(layers, 1, None, 0)  # 0.16 splits the Megatron layers evenly over PP itself
     else:  # 0.19: one '|'-separated segment per pipeline stage (uneven stages: its own split, no separators)
-        pattern = _join_pattern(layers, 1 if uneven else pp * vpp, mtp, depths)
+        segments = 1 if uneven else pp * vpp
+        pattern = _join_pattern(layers, segments, mtp, depths)
+        share = getattr(spec, "index_share_stage_problems", None)  # a shared DSA layer beside its top-k source
+        per = num_hf // segments
+        problems = share(text_config(hf_config), [list(range(i * per, (i + 1) * per)) for i in range(segments)]) if share else []
+        if problems:
+            raise ConfigMismatchError(f"GLM-5.2 IndexShare in the hybrid pattern {pattern!r}: a shared layer and the "
+                                      "layer whose top-k it reuses must sit in one pipeline segment (megatron-core does "
+                                      "not send top-k indices between stages):\n  " + "\n  ".join(problems))
     layout = HybridLayout.parse(pattern)
     # the GPT block spec of every layer (one pipeline stage holding all), to take each layer type's modules from
     whole = copy.copy(gpt_config)

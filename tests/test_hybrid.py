@@ -143,6 +143,8 @@ CI_ARCHS = ["deepseek_v3", "glm4_moe", "deepseek_v32", "minimax_m2"]
 MATES = ["glm_moe_dsa", "glm4_moe_lite", "kimi_k2", "olmoe", "mixtral", "qwen2", "llama", "mistral"]
 if not MCORE_019:
     MATES.append("deepseek_v2")  # MLA without q_lora_rank: 0.19 builds it only with TE's fused q projection
+#: the vision-language architectures' language models (the tower not held: completed from the checkpoint, `base=`)
+VLM_ARCHS = ["qwen3_vl", "qwen3_vl_moe", "glm4v_moe", "kimi_k25"]
 #: megatron-core >= 0.19 only (the GPU machines' stack, or its wheel on PYTHONPATH): yarn rope (gpt-oss), gated
 #: DeltaNet ('G'), GLM-5.2's IndexShare (0.19's DSA)
 ONLY_019 = ["gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm52"]
@@ -153,10 +155,12 @@ ARCH_WORLDS = [(Layout(tp=2, pp=2, ep=2, etp=1), CI_ARCHS + (ONLY_019 if MCORE_0
 if MCORE_019:
     ARCH_WORLDS.append((Layout(tp=2, pp=2, ep=2, etp=1), MTP_ARCHS, True))
 if os.environ.get("MCORE2HF_HYBRID_ALL"):
-    ARCH_WORLDS += [(Layout(tp=2, pp=2, ep=2, etp=1), MATES, False), (Layout(tp=2), CI_ARCHS, False),
-                    (Layout(pp=2), CI_ARCHS, False)]
+    ARCH_WORLDS += [(Layout(tp=2, pp=2, ep=2, etp=1), MATES, False), (Layout(tp=2, pp=2, ep=2, etp=1), VLM_ARCHS, False),
+                    (Layout(tp=2), CI_ARCHS, False), (Layout(pp=2), CI_ARCHS, False)]
     if MCORE_019:
-        ARCH_WORLDS += [(Layout(pp=2, vpp=2), CI_ARCHS + ONLY_019, False), (Layout(tp=2, ep=2), ONLY_019, False)]
+        # GLM-5.2's shared layers sit beside their sources only at PP2 (4 layers), not in 4 virtual chunks
+        ARCH_WORLDS += [(Layout(pp=2, vpp=2), CI_ARCHS + [a for a in ONLY_019 if a != "glm52"], False),
+                        (Layout(tp=2, ep=2, etp=1), ONLY_019, False)]
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +244,11 @@ def test_hybrid_refusals_name_the_release():
     assert not hybrid_pattern_problems(HybridLayout.parse("+-+E+E+E"), spec, cfg)
     assert hybrid_pattern_problems(HybridLayout.parse("+E+E+E+E"), spec, cfg) == [
         "hybrid layer pattern, HF layer 0: HF config implies '+-', the model has '+E'"]
+    if MCORE_019:  # IndexShare: every rank refuses a segment split that parts a shared layer from its source
+        share = load_hf_config(tiny_config("glm_moe_dsa", index_topk_freq=2, index_skip_topk_offset=1).to_dict())
+        refusals = run_world(worlds.hybrid_build_error, Layout(pp=2, vpp=2), share.to_dict())
+        assert all(r.startswith("GLM-5.2 IndexShare in the hybrid pattern") for r in refusals), refusals
     qwen3_next = get_model_spec("qwen3_next")
     assert hybrid_pattern_problems(HybridLayout.parse("*E*E*E*E"), qwen3_next, tiny_config("qwen3_next"))[0] == (
         "hybrid layer pattern, HF layer 0: HF config implies 'GE', the model has '*E'")
+
