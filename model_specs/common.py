@@ -793,7 +793,8 @@ def build_hybrid_model(spec: ModelSpec, hf_config, *, vocab_size: int | None = N
     depths = int(getattr(gpt_config, "mtp_num_layers", None) or 0)
     if depths and not hybrid_model:
         raise ConfigMismatchError(f"{depths} MTP layer(s) in a hybrid model need megatron-core >= 0.19 (HybridModel's "
-                                  "'/' MTP depths; 0.16-0.18's MambaModel has none): pass mtp_num_layers=None")
+                                  "'/' MTP depths; 0.16-0.18's MambaModel has none): pass mtp_num_layers=None "
+                                  "(mcore2hf plan: --no-mtp)")
     kwargs = dict(spec.gpt_kwargs(hf_config))
     if not hybrid_model and kwargs.get("position_embedding_type") not in (None, "rope", "none"):
         raise ConfigMismatchError(f"position_embedding_type {kwargs['position_embedding_type']!r} in a hybrid model "
