@@ -163,7 +163,8 @@ def cmd_plan(a) -> int:
         cfg = load_hf_config(a.hf_config)
     layout = _layout(a)
     report = run_plan(cfg, layout, bucket_bytes=a.bucket_size, dtype=DTYPES[a.dtype], te_names=a.te_names,
-                      name_filter=_name_filter(a), quantize=a.quantize, vision_tower=a.vision_tower)
+                      name_filter=_name_filter(a), quantize=a.quantize, vision_tower=a.vision_tower,
+                      model_class=a.model_class, mtp=not a.no_mtp)
     print(json.dumps(report, indent=2) if a.json else render(report, a.limit))
     return 0
 
@@ -312,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "(Megatron-Bridge 0.6.2's layout: qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe), 'hf' "
                          "transformers' tower embedded (Bridge 0.3.1's Qwen3VLModel for those, its GLM45VModel: "
                          "glm4v_moe, 0.6.2's KimiK25VLModel: kimi_k25)")
+    pl.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt",
+                    help="the Megatron model: GPTModel (default) or hybrid (megatron-core 0.19 HybridModel / 0.16 "
+                         "MambaModel, as build_model(..., model_class='hybrid') builds it)")
+    pl.add_argument("--no-mtp", action="store_true",
+                    help="a model built without the HF config's MTP layers (mtp_num_layers=None; RL runs often train "
+                         "without them, and a megatron-core < 0.19 hybrid model has none)")
     _filters(pl)
     _layout_args(pl)
     pl.set_defaults(fn=cmd_plan)

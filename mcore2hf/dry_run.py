@@ -72,7 +72,7 @@ def _no_rope_tables():
 
 
 def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_names: bool,
-                 vision_tower: str | None = None):
+                 vision_tower: str | None = None, model_class: str = "gpt", mtp: bool = True):
     """The model chunks of `rank` on the meta device, built under Megatron's parallel state at `layout` in a
     fake torch.distributed world (as `rank` of `world`); also the ParallelContext megatron-core gives that rank.
     The world and the parallel state are torn down before returning."""
@@ -90,12 +90,14 @@ def _stage_model(hf_config, layout, rank: int, world: int, dtype_name: str, te_n
     try:
         init_megatron(layout, gloo_groups=False)
         overrides = dict(layout.config_overrides(), params_dtype=dtype)
+        if not mtp:  # a model built without the HF config's MTP layers
+            overrides["mtp_num_layers"] = None
         if dtype != torch.float32:  # as Megatron-LM configures bf16 / fp16 training
             overrides.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         with torch.device("meta"), _no_rope_tables():  # shapes and names only: no memory, no initialization
             # local spec: TE names, when asked for, are applied below (Transformer Engine needs no GPU then)
             chunks = build_model(hf_config, use_te=False, vision_tower=None if vision_tower == "hf" else vision_tower,
-                                 **overrides)  # initialized as in training
+                                 model_class=model_class, **overrides)  # initialized as in training
             if vision_tower == "hf":
                 chunks = [_embedded_tower(c, hf_config) for c in chunks]
             chunks = [c.to(dtype) for c in chunks]  # as Megatron's Float16Module does in training
@@ -171,7 +173,7 @@ def _module_of(shapes: dict[str, tuple[int, ...]], dtype):
 
 
 def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: bool = False,
-                    vision_tower: str | None = None):
+                    vision_tower: str | None = None, model_class: str = "gpt", mtp: bool = True):
     """(every rank's RankRecord, every rank's ParallelContext, the Megatron model's TransformerConfig) at `layout`,
     derived in this process (module docstring). torch.distributed must not be initialized here."""
     import dataclasses
@@ -192,7 +194,8 @@ def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: boo
     for stage in range(layout.pp):
         ranks = [c for c in contexts if c.pp.rank == stage]
         first = ranks[0]
-        chunks, megatron_ctx = _stage_model(hf_config, layout, first.rank, layout.size, dtype, te_names, vision_tower)
+        chunks, megatron_ctx = _stage_model(hf_config, layout, first.rank, layout.size, dtype, te_names, vision_tower,
+                                            model_class, mtp)
         mine = dataclasses.replace(megatron_ctx, backend=first.backend)
         mine = dataclasses.replace(mine, tp=dataclasses.replace(mine.tp, group=None),
                                    pp=dataclasses.replace(mine.pp, group=None),
@@ -214,11 +217,14 @@ def dry_run_records(hf_config, layout, *, dtype: str = "bfloat16", te_names: boo
 
 
 def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te_names: bool = False,
-            name_filter=None, quantize: str | None = None, vision_tower: str | None = None):
+            name_filter=None, quantize: str | None = None, vision_tower: str | None = None, model_class: str = "gpt",
+            mtp: bool = True):
     """(the ExportPlan every rank of a live world at `layout` would build, each rank's memory estimate as
     `Executor.memory_estimate()` gives it, all ranks receiving), computed in this process. `vision_tower="native"`:
     the model as `build_model(..., vision_tower="native")` builds it (its tower on the first stage); "hf":
-    Megatron-Bridge 0.3.1's Qwen3VLModel (transformers' tower embedded on the first stage, `_embedded_tower`)."""
+    Megatron-Bridge 0.3.1's Qwen3VLModel (transformers' tower embedded on the first stage, `_embedded_tower`).
+    `model_class="hybrid"`: the hybrid model `build_model(..., model_class="hybrid")` builds; `mtp=False`: the
+    model built without the HF config's MTP layers (`mtp_num_layers=None`)."""
 
     from .arch.hf_config import load_hf_config
     from .arch.registry import get_converter
@@ -228,7 +234,8 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
     from .transfer.builders import memory_estimates
 
     cfg = load_hf_config(hf_config)
-    records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names, vision_tower=vision_tower)
+    records, contexts, config = dry_run_records(cfg, layout, dtype=dtype, te_names=te_names, vision_tower=vision_tower,
+                                                model_class=model_class, mtp=mtp)
     converter = get_converter(cfg.model_type)
     spec = converter.spec
     dims = checked_dims(spec, cfg, int(getattr(config, "mtp_num_layers", None) or 0), "the Megatron model")
@@ -239,7 +246,8 @@ def dry_run(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te
 
 
 def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", te_names: bool = False,
-             name_filter=None, quantize: str | None = None, vision_tower: str | None = None) -> dict:
+             name_filter=None, quantize: str | None = None, vision_tower: str | None = None,
+             model_class: str = "gpt", mtp: bool = True) -> dict:
     """The plan as a dict (tensors, buckets, layout, each rank's memory). The layout is checked first.
     `quantize="fp8"` / `"fp8-ue8m0"`: the FP8 export's plan (which weights are quantized, scale shapes)."""
     from .arch.hf_config import load_hf_config
@@ -248,7 +256,8 @@ def run_plan(hf_config, layout, *, bucket_bytes: int, dtype: str = "bfloat16", t
     cfg = load_hf_config(hf_config)
     layout.check(cfg, processes=False)
     plan, memory = dry_run(cfg, layout, bucket_bytes=bucket_bytes, dtype=dtype, te_names=te_names,
-                           name_filter=name_filter, quantize=quantize, vision_tower=vision_tower)
+                           name_filter=name_filter, quantize=quantize, vision_tower=vision_tower,
+                           model_class=model_class, mtp=mtp)
     report = plan.to_dict()
     report["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep,
                         "etp": layout.expert_tp, "world_size": layout.size}

@@ -42,7 +42,6 @@ from .arch.registry import get_converter
 from .dtypes import parse_dtype
 from .errors import (
     ImportTargetError,
-    LayoutError,
     Problem,
     ShapeMismatchError,
     UnknownParametersError,
@@ -313,11 +312,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     if model_class == "hybrid":
         from .model_specs.common import hybrid_pattern
 
-        if dims.num_mtp_layers:  # build_model refuses them too: nothing could load such keys
-            raise LayoutError(f"{option('model_class', 'hybrid')} with {dims.num_mtp_layers} MTP layer(s) in the HF "
-                              f"config: hybrid models with MTP are not supported (import as "
-                              f"{option('model_class', 'gpt')})")
-        hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg))  # the pattern build_model gives the model
+        # the pattern build_model gives the model, MTP depths as megatron-core 0.19's HybridModel holds them
+        hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg, mtp_depths=dims.num_mtp_layers))
     if vision_tower is not None:
         _check_vision_tower(converter, spec, vision_tower, model_class)
     stacked, why = layer_keys(spec, cfg, dims, moe_layer_freq, singleton=singleton_local_shards,

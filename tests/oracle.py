@@ -10,7 +10,7 @@ import torch
 from harness.wheels import unpacked_wheel
 
 from mcore2hf.arch.hf_config import load_hf_config
-from mcore2hf.runtime.forward import logit_tolerance
+from mcore2hf.runtime.forward import FAMILY, logit_tolerance
 
 #: deep_gemm/utils/math.py as published on PyPI in sgl-deep-gemm 0.2.5 (SGLang's DeepGEMM build; the file is
 #: identical to deepseek-ai/DeepGEMM at 54e22612409371d6364144b69086735beb54e98b), loaded from the wheel
@@ -63,7 +63,7 @@ def logit_problems(per_rank: list[dict[str, torch.Tensor]], ckpts: dict[str, str
     for mt in per_rank[0]:
         ref = hf_logits(ckpts[mt], tokens)
         diff = max((rank[mt].double() - ref).abs().max().item() for rank in per_rank)
-        tol = logit_tolerance(mt)
+        tol = logit_tolerance(mt if mt in FAMILY else load_hf_config(ckpts[mt]).model_type)  # a config variant
         print(f"{what} {mt}: max |megatron - transformers| = {diff:.2e} over {len(per_rank)} rank(s) "
               f"(tolerance {tol:.1e})")
         if not diff <= tol:

@@ -102,6 +102,9 @@ CASES = {
                                           names([GDN + MOE, GDN + MOE, ATTENTION + MOE])),
     "hybrid stack": (dict(num_layers=3, num_experts=E, gdn_layers=frozenset({1}), hybrid=HybridLayout.parse("*-G*E"),
                           moe_layers=moe(2)), names([ATTENTION + DENSE_MLP, GDN, ATTENTION + MOE])),
+    "hybrid stack with MLA and an MTP depth (megatron-core 0.19)": (
+        dict(num_layers=2, num_experts=E, mla=True, hybrid=HybridLayout.parse("+-+E/+E"), moe_layers=moe(1, 2)),
+        names([MLA + DENSE_MLP, MLA + MOE], MLA + MOE)),
     "vision-language wrapper, native tower, stacked": (dict(num_layers=2, stacked=True, **NATIVE_WRAPPER),
                                                         names([ATTENTION + DENSE_MLP] * 2) + NATIVE_TOWER),
     "vision-language wrapper, native tower, per index": (dict(num_layers=2, vision_stacked=False, **NATIVE_WRAPPER),
@@ -160,6 +163,12 @@ def test_the_key_forms_are_megatrons():
     assert hybrid.key("decoder.layers.1.pre_mlp_layernorm.weight") == (
         "decoder.layers.3.mlp.linear_fc1.layer_norm_weight", (), ())
     assert hybrid.key("decoder.final_layernorm.weight")[0] == "decoder.final_norm.weight"
+    # 0.19's hybrid MTP depth: its two-layer stack, `mtp_model_layer` kept in the keys (multi_token_prediction.py:
+    # 1018-1033, 1549-1558)
+    mtp = KeyLayout(2, E, hybrid=HybridLayout.parse("*-*E/*E"), moe_layers=moe(1, 2), transformer_impl=LOCAL)
+    assert mtp.key("decoder.layers.2.input_layernorm.weight")[0] == (
+        "mtp.layers.0.mtp_model_layer.layers.0.self_attention.linear_qkv.layer_norm_weight")
+    assert mtp.key("decoder.layers.2.mlp.router.weight")[0] == "mtp.layers.0.mtp_model_layer.layers.1.mlp.router.weight"
     assert extra_state_key("decoder.layers.2.mlp.experts.3.linear_fc2.weight",
                            *stacked.key("decoder.layers.2.mlp.experts.3.linear_fc2.weight")) == \
         "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_2.3_4.4"

@@ -48,6 +48,51 @@ def test_cli_plan_json_with_te_names_and_filter():
     assert plan["total_bytes"] == sum(t["bytes"] for t in plan["tensors"])
 
 
+def _cli_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_cli_plan_of_a_hybrid_model():
+    """`mcore2hf plan --model-class hybrid`: the hybrid model (megatron-core 0.16.1 MambaModel, 0.19 HybridModel)
+    of DeepSeek-V3's MLA + MoE layers plans the same HF tensors, bytes and holders as the GPTModel of the config
+    (each HF layer is two Megatron layers on the same stage); `--no-mtp` leaves out the MTP layer's tensors; on
+    megatron-core < 0.19, whose MambaModel has no MTP depths, the hybrid model with the config's MTP layer is
+    refused in one line naming the release."""
+    from mcore2hf.model_specs.deepseek_v3 import megatron_at_least
+
+    layout = ("--hf-config", "tiny:deepseek_v3", "--pp", "2", "--ep", "2", "--etp", "1", "--json")
+    plans = {}
+    for model_class in ("gpt", "hybrid"):
+        out = _cli_plan(*layout, "--model-class", model_class, "--no-mtp")
+        assert out.returncode == 0, out.stderr[-2000:]
+        plans[model_class] = json.loads(out.stdout)
+    gpt, hybrid = ({t["name"]: t for t in plans[mc]["tensors"]} for mc in ("gpt", "hybrid"))
+    held_as = {n: t.pop("megatron") for n, t in hybrid.items()}
+    assert hybrid == {n: {k: v for k, v in t.items() if k != "megatron"} for n, t in gpt.items()}
+    assert plans["hybrid"]["memory"] == plans["gpt"]["memory"]
+    # each HF tensor from the hybrid model's own parameter (its holder's local name): HF layer l is Megatron layers
+    # 2l (mixer) and 2l + 1 (MLP), four of them per stage; the stack's final norm is `final_norm`
+    assert held_as["model.layers.0.mlp.gate_proj.weight"] == "decoder.layers.1.mlp.linear_fc1.weight"
+    assert held_as["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] == (
+        "decoder.layers.2.self_attention.linear_kv_down_proj.weight")
+    assert held_as["model.layers.3.mlp.experts.7.down_proj.weight"] == (
+        "decoder.layers.3.mlp.experts.local_experts.3.linear_fc2.weight")
+    assert held_as["model.norm.weight"] == "decoder.final_norm.weight"
+    with_mtp = _cli_plan(*layout)
+    assert with_mtp.returncode == 0, with_mtp.stderr[-2000:]
+    mtp_names = set(t["name"] for t in json.loads(with_mtp.stdout)["tensors"]) - set(gpt)
+    assert mtp_names and all(n.startswith("model.layers.4.") for n in mtp_names), sorted(mtp_names)[:5]
+    hybrid_mtp = _cli_plan(*layout, "--model-class", "hybrid")
+    if megatron_at_least(0, 19):
+        assert hybrid_mtp.returncode == 0, hybrid_mtp.stderr[-2000:]
+        assert set(t["name"] for t in json.loads(hybrid_mtp.stdout)["tensors"]) == set(gpt) | mtp_names
+    else:
+        lines = hybrid_mtp.stderr.strip().splitlines()
+        assert hybrid_mtp.returncode == 1 and len(lines) == 1, hybrid_mtp.stderr[-2000:]
+        assert "MTP layer(s) in a hybrid model need megatron-core >= 0.19" in lines[0] and "--no-mtp" in lines[0]
+
+
 #: DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3), without its quantization_config
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,

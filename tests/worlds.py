@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import regex
 import torch
 import torch.distributed as dist
 from harness.te_spec import expected_te_names, megatron_fused_norm_names
@@ -757,7 +758,8 @@ def single_grouped_suite(ckpt: str, layout: Layout) -> dict:
 
 
 def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False, resave: str | None = None,
-                  model_class: str = "gpt", te_names: bool = False, built: tuple | None = None, **config) -> int:
+                  model_class: str = "gpt", te_names: bool = False, built: tuple | None = None,
+                  hf_names: set[str] | None = None, **config) -> int:
     """A model built at `layout` from zeros, loaded with Megatron's own `dist_checkpointing.load` from the
     checkpoint `mcore2hf import` wrote under root/<arch> (the sharded state dict Megatron-LM's load_checkpoint
     builds), then exported live: bit-identical to the HF source. With `resave`, Megatron then saves the model
@@ -766,7 +768,8 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
     Engine's names as Megatron-LM builds it by default (`to_te_names`, experts as `--moe-grouped-gemm` False keeps
     them) and without the local spec's `sharded_state_dict_keys_map`, so its sharded state dict has a TE model's
     tensor keys (not TE's own `_extra_state` objects, which a local model cannot hold); its forward is not run.
-    Returns the number of tensors checked."""
+    `hf_names`: the HF tensors the model holds, where that is fewer than the checkpoint's (a model built without the
+    config's MTP layers). Returns the number of tensors checked."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -798,7 +801,8 @@ def load_imported(ckpt: str, layout: Layout, root: str, singleton: bool = False,
         c.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     conv = get_converter(cfg.model_type)  # Qwen3.5's vision tower is not imported (unless the model holds one)
     towered = built is not None or "vision_tower" in config
-    ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if towered or not conv.not_held_by_model(n)}
+    ref = {n: t for n, t in read_hf_checkpoint(ckpt).items() if (towered or not conv.not_held_by_model(n))
+           and (hf_names is None or n in hf_names)}
     assert_same(HFExporter(chunks, cfg).state_dict(), ref, f"{layout} imported")
     # what Megatron loaded is right: its forward is transformers' (not under TE names: that model does not run)
     logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and not te_names and built is None else None
@@ -899,57 +903,133 @@ def qwen3_5_archs(ckpts: dict[str, str], out_root: str, tokens: torch.Tensor, di
     return out
 
 
-def hybrid_suite(ckpt: str, layout: Layout, dist_root: str | None = None, import_root: str | None = None) -> dict:
+def contradicting_config(cfg):
+    """An HF config whose hybrid pattern contradicts `cfg`'s (a multimodal config's language model, nested): HF
+    layer 0's mixer the other kind (gated DeltaNet / attention) or its MLP the other kind (dense / MoE) through the
+    architecture's own fields; a dense multimodal model one layer short; a dense text model as Qwen3-MoE's
+    with the same sizes."""
+    d = cfg.to_dict()
+    nested = isinstance(d.get("text_config"), dict)
+    text = d["text_config"] if nested else d
+
+    def config(**changes):
+        new = {**text, **changes}
+        return load_hf_config({**d, "text_config": new} if nested else new)
+
+    moe = bool(get_model_spec(cfg.model_type).dims(cfg).num_experts)
+    if "linear_attention" in (text.get("layer_types") or []):
+        types = list(text["layer_types"])
+        types[0] = "full_attention" if types[0] == "linear_attention" else "linear_attention"
+        return config(layer_types=types)
+    if "mlp_only_layers" in text and moe:
+        return config(mlp_only_layers=[0])
+    if text.get("mlp_layer_types") and moe:  # explicit per-layer types win over first_k_dense_replace
+        types = list(text["mlp_layer_types"])
+        types[0] = "sparse" if types[0] == "dense" else "dense"
+        return config(mlp_layer_types=types)
+    if "first_k_dense_replace" in text and moe:
+        return config(first_k_dense_replace=0 if text["first_k_dense_replace"] else 1)
+    if nested:
+        n = text["num_hidden_layers"] - 1
+        return config(num_hidden_layers=n, **({"layer_types": text["layer_types"][:n]} if text.get("layer_types") else {}))
+    return load_hf_config({**d, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                           "mlp_only_layers": [1, 2, 3], "num_key_value_heads": 2, "head_dim": 16,
+                           "num_attention_heads": 4})
+
+
+def hybrid_suite(ckpt: str, layout: Layout, dist_root: str | None = None, import_root: str | None = None,
+                 mtp: bool = False) -> dict:
     """The HF weights in a hybrid model (megatron-core 0.16 MambaModel / 0.19 HybridModel, attention and MLP as
     separate Megatron layers) and in a GPTModel at `layout`: both export exactly the HF source; the hybrid model
     also loads the GPTModel's export, under Transformer Engine's names too; a pattern the HF config contradicts
     is refused; (with `tokens`) both forwards give the same logits; (with `dist_root`) the hybrid model's
     torch_dist checkpoint is saved under dist_root/<arch>/ckpt for the offline export; (with `import_root`) a
     hybrid model loads what `mcore2hf import --model-class hybrid` wrote under import_root/<arch> with Megatron's
-    `dist_checkpointing.load` (strict) and exports the HF source."""
+    `dist_checkpointing.load` (strict) and exports the HF source. `mtp`: both models hold the HF config's MTP
+    layers (megatron-core 0.19: HybridModel's '/' depths), else neither (the HF source's MTP tensors are then
+    not compared)."""
+    from mcore2hf.arch.hf_config import text_config
     from mcore2hf.arch.naming import hybrid_layout, model_config
+    from mcore2hf.arch.registry import get_converter
     from mcore2hf.errors import ConfigMismatchError
 
-    cfg, gpt = build(ckpt, layout, mtp=False)
-    load_hf_weights(gpt, ckpt)
-    ref = read_hf_checkpoint(ckpt)
+    cfg, gpt = build(ckpt, layout, mtp=mtp)
+    text = text_config(cfg)  # a multimodal config's language model (Qwen3.5)
+    load_hf_weights(gpt, ckpt, strict=mtp)
     gpt_export = {n: t.clone() for n, t in HFExporter(gpt, cfg).state_dict().items()}
+    ref = read_hf_checkpoint(ckpt)
+    held = None
+    if not mtp:  # the model without MTP layers holds all but the HF MTP layers' tensors
+        held = set(gpt_export)
+        mtp_layer = regex.compile(rf"(model\.layers\.(?:{'|'.join(map(str, range(text.num_hidden_layers, text.num_hidden_layers + 9)))})|mtp)\.")
+        conv = get_converter(cfg.model_type)  # and what the Megatron model never holds (a vision tower)
+        unheld = sorted(n for n in ref if n not in held and not mtp_layer.search(n) and not conv.not_held_by_model(n))
+        assert not unheld, f"{layout}: the GPTModel without MTP lacks {unheld[:5]}"
+        ref = {n: t for n, t in ref.items() if n in held}
     assert_same(gpt_export, ref, f"{layout} GPTModel")
 
-    hybrid = build_model(ckpt, use_te=False, model_class="hybrid", **layout.config_overrides())
+    no_mtp = {} if mtp else {"mtp_num_layers": None}
+    hybrid = build_model(ckpt, use_te=False, model_class="hybrid", **layout.config_overrides(), **no_mtp)
     layout_ = hybrid_layout(hybrid[0])
-    assert layout_ is not None and model_config(hybrid).num_layers == cfg.num_hidden_layers
+    assert layout_ is not None and model_config(hybrid).num_layers == text.num_hidden_layers
     megatron_layers = sum(len(c.decoder.layers) for c in hybrid)
     load_hf_weights(hybrid, gpt_export, cfg)  # the GPTModel's export, not the file
-    got = HFExporter(hybrid, cfg).state_dict()
+    ex = HFExporter(hybrid, cfg)
+    got = ex.state_dict()
+    plan = ex.plan(4096)  # the live plan, for the one-process dry run (`mcore2hf plan --model-class hybrid`)
+    live_plan = (plan.describe(), plan.records, ex.executor(4096).memory_estimate())
     assert_same(got, gpt_export, f"{layout} hybrid vs GPTModel")
     assert_same(got, ref, f"{layout} hybrid vs HF source")
     # the oracle: the GPTModel's forward (compared with transformers' in the test) and the hybrid model's, which
-    # must be the same network bit for bit
-    gpt_logits = megatron_logits(gpt, TOKENS, cfg.vocab_size)
-    logits = float((gpt_logits - megatron_logits(hybrid, TOKENS, cfg.vocab_size)).abs().max())
+    # must be the same network bit for bit (not with MTP layers: Megatron's MTP forward needs labels; the same
+    # decoder runs without them)
+    gpt_logits = logits = None
+    if not mtp:
+        gpt_logits = megatron_logits(gpt, TOKENS, text.vocab_size)
+        logits = float((gpt_logits - megatron_logits(hybrid, TOKENS, text.vocab_size)).abs().max())
 
     to_te_names(hybrid)  # the same hybrid model under TE's names and attributes, reloaded from the file
     zero_(hybrid)
-    load_hf_weights(hybrid, ckpt)
+    load_hf_weights(hybrid, ckpt, strict=mtp)
     assert_same(HFExporter(hybrid, cfg).state_dict(), ref, f"{layout} hybrid, TE names")
 
-    # a pattern the HF config contradicts: HF layer 0 dense where the model has MoE (or the reverse)
-    moe = bool(get_model_spec(cfg.model_type).dims(cfg).num_experts)
-    wrong = load_hf_config({**cfg.to_dict(), "mlp_only_layers": [0]} if moe else
-                           {**cfg.to_dict(), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
-                            "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [1, 2, 3]})
+    wrong = contradicting_config(cfg)  # a pattern the HF config contradicts: HF layer 0 dense where the model has MoE
     try:
         HFExporter(hybrid, wrong).state_dict()
         error = None
     except ConfigMismatchError as e:
         error = str(e)
-    assert error and "hybrid layer pattern, HF layer 0" in error, error
+    assert error and "hybrid layer pattern" in error, error
     if dist_root is not None:
-        save_dist_checkpoint(ckpt, layout, dist_root, model_class="hybrid")
-    imported = load_imported(ckpt, layout, import_root, model_class="hybrid") if import_root is not None else None
-    return {"imported_tensors": imported, "pattern": layout_.pattern, "megatron_layers_here": megatron_layers, "tensors": len(ref),
-            "model_class": type(hybrid[0]).__name__, "logits_max_diff": logits, "logits": gpt_logits, "error": error}
+        save_dist_checkpoint(ckpt, layout, dist_root, model_class="hybrid", **no_mtp)
+    imported = (load_imported(ckpt, layout, import_root, model_class="hybrid", hf_names=held, **no_mtp)
+                if import_root is not None else None)
+    return {"imported_tensors": imported, "pattern": layout_.pattern, "megatron_layers_here": megatron_layers,
+            "tensors": len(ref), "model_class": type(hybrid[0]).__name__, "logits_max_diff": logits,
+            "logits": gpt_logits, "error": error, "mtp_pattern": layout_.mtp_pattern, "plan_4k": live_plan}
+
+
+def hybrid_build_error(cfg: dict) -> str:
+    """The ConfigMismatchError building `cfg`'s hybrid model (without MTP) raises on this rank, or ""."""
+    from mcore2hf.errors import ConfigMismatchError
+
+    try:
+        build_model(cfg, use_te=False, model_class="hybrid", mtp_num_layers=None)
+    except ConfigMismatchError as e:
+        return str(e)
+    return ""
+
+
+def hybrid_dry_run(ckpts: dict[str, str], layout: Layout, mtp: bool) -> dict[str, tuple]:
+    """The one-process dry run of each checkpoint's hybrid model at `layout` (run in a fresh process)."""
+    from mcore2hf.dry_run import dry_run
+
+    out = {}
+    for mt, ckpt in ckpts.items():
+        plan, memory = dry_run(ckpt, layout, bucket_bytes=4096, dtype="float32", model_class="hybrid", mtp=mtp)
+        out[mt] = (plan.describe(), plan.records, memory)
+    return out
 
 
 #: ops whose Megatron TP split equals the engines' at equal TP (the engines replicate some tensors Megatron

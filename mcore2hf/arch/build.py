@@ -57,6 +57,12 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
         raise UsageError(f"vision_tower={vision_tower!r}: expected None or 'native' (model types with a native "
                          f"Megatron vision tower), {cfg.model_type!r} has "
                          f"{'none' if spec.native_vision_tower is None else 'one'}")
+    if model_class == "hybrid" and vision_tower:
+        # NativeVLModel (model_specs/qwen3_vl_vision.py) runs the language model's decoder layers itself, adding
+        # the deepstack features after the first HF layers; a hybrid stack numbers its layers otherwise
+        raise UsageError("vision_tower='native' with model_class='hybrid': the native vision-language model runs a "
+                         "GPTModel's decoder (deepstack features per decoder layer); build the hybrid language model "
+                         "alone (vision_tower=None; the tower is completed from the checkpoint, base=)")
     if model_class == "hybrid":
         from ..model_specs.common import build_hybrid_model
 

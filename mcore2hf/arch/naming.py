@@ -120,6 +120,17 @@ class HybridLayout:
                                       f"({self.hf_layers()[layer]!r}), found {rest}")
         return first + 1
 
+    def mtp_layer(self, rest: str) -> int:
+        """The layer of an MTP depth's inner stack (0.19: `mtp_model_layer.layers.<i>`, one HF layer) that holds
+        `rest`: its MLP layer for MLP parts, else its mixer (the offline import's key of an MTP tensor)."""
+        if self.mtp_pattern is None:
+            raise ConfigMismatchError(f"hybrid layer pattern {self.pattern!r} has no MTP depth, found MTP tensor {rest}")
+        if not rest.startswith(_MLP_PARTS):
+            return 0
+        if len(self.mtp_pattern) < 2:
+            raise ConfigMismatchError(f"hybrid MTP pattern {self.mtp_pattern!r} has no MLP layer, found {rest}")
+        return 1
+
     @classmethod
     def parse(cls, full_pattern: str) -> HybridLayout:
         main, *mtp = full_pattern.split("/")
@@ -178,6 +189,14 @@ def hybrid_pattern_of(chunk: torch.nn.Module) -> str | None:
     return "".join(allocate_layers(chunk.config.num_layers, chunk.hybrid_attention_ratio, chunk.hybrid_mlp_ratio))
 
 
+def hybrid_mtp_inner(rest: str) -> str:
+    """A name inside an MTP depth as the GPT MTP layer has it: megatron-core 0.19's hybrid MTP holds its inner
+    layers as a HybridStack (`mtp_model_layer.layers.<i>.`, multi_token_prediction.py:1018-1033, saved under
+    that name), the GPT one a single `transformer_layer.`; both are one HF layer."""
+    inner = _HYBRID_MTP_INNER.fullmatch(rest)
+    return rest if inner is None else f"transformer_layer.{inner.group(2)}"
+
+
 def hybrid_layout(chunk: torch.nn.Module) -> HybridLayout | None:
     pattern = hybrid_pattern_of(chunk)
     return None if pattern is None else HybridLayout.parse(pattern)
@@ -224,7 +243,9 @@ def checkpoint_hybrid_layout(keys, pattern: str) -> HybridLayout | None:
 
 def model_config(chunks: list[torch.nn.Module]):
     """The chunks' TransformerConfig as an HF model has it: for a hybrid model a copy with `num_layers` in HF
-    layers, `mtp_num_layers` in MTP depths and `hybrid_layout` set (None for other models)."""
+    layers, `mtp_num_layers` in MTP depths, the per-layer fields a hybrid model holds per Megatron layer back in
+    HF layers (each HF layer's mixer entry; DSA IndexShare's period and offset, the inverse of
+    model_specs.common.hybrid_layer_fields) and `hybrid_layout` set (None for other models)."""
     config = language_model(chunks[0]).config
     layout = hybrid_layout(chunks[0])
     if layout is None:
@@ -233,6 +254,15 @@ def model_config(chunks: list[torch.nn.Module]):
     view.num_layers = layout.num_layers
     view.mtp_num_layers = layout.mtp_depths or None
     view.hybrid_layout = layout
+    mixers = [layout.hf_layer.index(hf) for hf in range(layout.num_layers)]
+    for name in ("window_attn_skip_freq", "linear_attention_freq"):
+        value = getattr(config, name, None)
+        if isinstance(value, list) and len(value) == len(layout.pattern):
+            setattr(view, name, [value[i] for i in mixers])
+    freq = getattr(config, "dsa_indexer_topk_freq", None) or 1
+    if freq > 1:
+        view.dsa_indexer_topk_freq = freq // 2
+        view.dsa_indexer_skip_topk_offset = (config.dsa_indexer_skip_topk_offset + 1) // 2
     return view
 
 
@@ -336,9 +366,7 @@ def canonical_name(name: str, chunk: torch.nn.Module, ctx_ep_rank: int, num_loca
         if kind == "decoder":  # layer_number: the global Megatron layer (0.16 TransformerLayer adds the PP offset)
             number = hybrid.hf_layer[number]
         else:  # 0.19 hybrid MTP: each depth's inner HybridStack is one HF layer (HybridLayout.parse checks)
-            inner = _HYBRID_MTP_INNER.fullmatch(rest)
-            if inner is not None:
-                rest = f"transformer_layer.{inner.group(2)}"
+            rest = hybrid_mtp_inner(rest)
     return canonical_layer_name(kind, number, rest, num_layers, ctx_ep_rank * num_local_experts)
 
 

@@ -56,6 +56,7 @@ from ..arch.naming import (
     HYBRID_FINAL_NORM,
     HybridLayout,
     canonical_layer_name,
+    hybrid_mtp_inner,
     mtp_inner,
     parse_name,
 )
@@ -98,6 +99,9 @@ LAYER_KEY = regex.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
 STACKED_LAYERS = "decoder.layers."
 #: the MTP layer's inner transformer layer (multi_token_prediction.py; what the import writes)
 MTP_INNER = "transformer_layer."
+#: a hybrid model's MTP depth holds its layers as a HybridStack (megatron-core 0.19.2 multi_token_prediction.py:
+#: 1018-1033, `mtp_model_layer`; its sharded_state_dict keeps that name for hybrid models, :1549-1558)
+HYBRID_MTP_INNER = "mtp_model_layer.layers."
 
 #: what a layer holds, which decides its renames: its attention (self-attention, gated DeltaNet, MLA) and its MLP
 ATTENTION, GDN, MLA, DENSE, MOE = "attention", "gdn", "mla", "dense", "moe"
@@ -300,6 +304,9 @@ class KeyLayout:
             else:
                 rest = f"mlp.experts.experts.{e.group(2)}"
                 lead, glob = (int(e.group(1)),), (self.num_experts,)
+        if mtp and self.hybrid is not None:  # 0.19's hybrid MTP: the depth's inner stack, mixer then MLP layer
+            inner = self.hybrid.mtp_layer(p.rest)
+            return f"mtp.layers.{layer - self.num_layers}.{HYBRID_MTP_INNER}{inner}.{rest}", lead, glob
         if mtp:
             return f"mtp.layers.{layer - self.num_layers}.{MTP_INNER}{rest}", lead, glob
         if self.stacked and self.hybrid is None:
@@ -343,6 +350,8 @@ def canonical_parts(keys: Iterable[str], shape: Callable[[str], tuple[int, ...]]
     def add(kind: str, number: int, rest: str, key: str, lead: tuple[int, ...], part: str) -> None:
         if hybrid is not None and kind == "decoder":
             number = hybrid.hf_layer[number]
+        if kind == "mtp":
+            rest = hybrid_mtp_inner(rest)
         kind, number, rest = mtp_inner(kind, number, rest, num_layers)
         rest = rename_from_key(rest)
         stacked = _STACKED_EXPERTS.fullmatch(rest)

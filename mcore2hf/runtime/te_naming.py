@@ -136,7 +136,9 @@ def to_te_names(model, single_grouped: bool = False, grouped: bool = True) -> No
         mtp = getattr(chunk, "mtp", None)
         if mtp is not None:
             for m in mtp.layers:
-                layers.append(getattr(m, "transformer_layer", None) or m.mtp_model_layer)
+                inner = getattr(m, "transformer_layer", None) or m.mtp_model_layer
+                # megatron-core 0.19's hybrid MTP depth: a HybridStack of its layers (multi_token_prediction.py:1018)
+                layers.extend(inner.layers if hasattr(inner, "layer_type_list") else [inner])
         for layer in layers:
             _te_layer(layer, explicit, single_grouped, grouped)
 
