@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -211,12 +212,65 @@ def memory_by_rank_class(model_type: str, layout: Layout, bucket_bytes: int) -> 
 
 
 def in_fresh_process(fn, *args):
-    """fn(*args) in a spawned process (for what must not touch this one's torch.distributed or shims)."""
+    """fn(*args) in a fresh process (for what must not touch this one's torch.distributed or shims): forked from
+    the workers' forkserver, which imported the modules and nothing else."""
     import concurrent.futures
-    import multiprocessing
 
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    from mcore2hf.runtime.world import worker_context
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=worker_context()) as pool:
         return pool.submit(fn, *args).result()
+
+
+def cli_run(*args, env: dict | None = None, cwd=None, workers: bool = True, check: bool = False, preexec=None):
+    """`mcore2hf *args` as the command line runs it (cli_main: mcore2hf.cli.main's stdout, stderr and exit code) in
+    a fresh process (in_fresh_process: no import to pay, no state of this one), with this process' environment or
+    `env`, in `cwd`, after `preexec()` (a module-level function: a umask, a resource limit of that process).
+    `workers=False`: starting a worker world fails the command; `check`: a failure raises. A subprocess of the
+    installed script is for what needs a process of its own: its exit status, signals."""
+    import subprocess
+
+    args = [str(a) for a in args]
+    code, out, err = in_fresh_process(cli_main, args, dict(os.environ) if env is None else env,
+                                      None if cwd is None else str(cwd), workers, preexec)
+    assert not check or code == 0, f"mcore2hf {' '.join(args)}: exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+    return subprocess.CompletedProcess(["mcore2hf", *args], code, out, err)
+
+
+def cli_main(args: list[str], env: dict | None = None, cwd: str | None = None, workers: bool = True,
+             preexec=None) -> tuple[int, str, str]:
+    """mcore2hf.cli.main(args) in this process: (exit code, stdout, stderr), an exception as the interpreter
+    reports it (exit 1, its traceback on stderr). `workers=False`: World() raises."""
+    import io
+
+    from mcore2hf.cli import main
+
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    if preexec is not None:
+        preexec()
+    if not workers:
+        from mcore2hf.runtime import world
+
+        def refuse(*_, **__):
+            raise AssertionError("a worker world was started")
+
+        world.World.__init__ = refuse
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001 - what the interpreter does with it (--debug raises)
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+    return code, out.getvalue(), err.getvalue()
 
 
 def for_each_arch(fn, ckpts: dict[str, str], *args) -> dict[str, object]:
