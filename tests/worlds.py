@@ -22,17 +22,57 @@ from mcore2hf.runtime.world import Layout
 
 def build(ckpt: str, layout: Layout, dtype: torch.dtype = torch.float32, mtp: bool = True, model_class: str = "gpt",
           **config):
-    """The model chunks at `layout`; `config`: TransformerConfig fields over the spec's (e.g. moe_layer_freq)."""
+    """The model chunks at `layout`; `config`: TransformerConfig fields over the spec's (e.g. moe_layer_freq,
+    sequence_parallel)."""
     cfg = load_hf_config(ckpt)
     overrides = dict(layout.config_overrides(), **config)
     if not mtp:
         overrides["mtp_num_layers"] = None
     if dtype != torch.float32:
         overrides.update(params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    chunks = build_model(ckpt, use_te=False, model_class=model_class, **overrides)  # gloo CPU workers: the local spec, even where TE exists
+    with sequence_parallel_norms(bool(overrides.get("sequence_parallel"))):
+        chunks = build_model(ckpt, use_te=False, model_class=model_class, **overrides)  # gloo CPU workers: the local spec, even where TE exists
     if dtype != torch.float32:
         chunks = [c.to(dtype) for c in chunks]  # what Megatron's Float16Module does in training
     return cfg, chunks
+
+
+@contextlib.contextmanager
+def sequence_parallel_norms(on: bool):
+    """Sequence-parallel models on the local spec: megatron-core 0.16.1's torch norm refuses sequence parallelism
+    (transformer/torch_norm.py:32), which Transformer Engine's norms, what such models are built with, do not;
+    while `on`, it builds model_specs.common.SequenceParallelNorm, the same torch norm without the refusal (each
+    rank normalizes its own rows; weights marked `sequence_parallel` as TE's are). The rest of the model (the
+    embedding's scatter, the linears' sequence-parallel gathers and reduce-scatters, MoE) is megatron-core's."""
+    from megatron.core.transformer import torch_norm
+
+    from mcore2hf.model_specs.common import SequenceParallelNorm
+
+    if not on:
+        yield
+        return
+    cls = torch_norm.WrappedTorchNorm
+    orig = cls.__new__
+    cls.__new__ = lambda _, config, hidden_size, eps=1e-5, **kw: SequenceParallelNorm(config, hidden_size, eps)
+    try:
+        yield
+    finally:
+        cls.__new__ = orig
+
+
+def vocab_padding(chunks, vocab_size: int) -> list[torch.Tensor]:
+    """Views of this rank's rows of the vocab-parallel embedding and output layer past `vocab_size` (Megatron's
+    padding: TP rank r holds rows r * rows ... (r + 1) * rows - 1 of the padded vocabulary)."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    out = []
+    for c in chunks:
+        for name, p in c.named_parameters():
+            if name.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
+                rows = p.shape[0]
+                out.append(p.data[min(rows, max(0, vocab_size - tp_rank * rows)):])
+    return out
 
 
 def assert_same(got: dict, ref: dict, what: str) -> None:
@@ -113,14 +153,22 @@ def te_renamed(chunks, tree: dict) -> str | None:
     return "; ".join(problems) or None
 
 
-def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, te_specs: dict[str, dict]) -> dict:
-    """Load the same HF weights at `layout`, export every way, and require bit-identical HF tensors; the Megatron
-    forward at `layout` for the transformers oracle (`logits`); then the model under Transformer Engine's names
-    (checked against megatron-core's TE spec `te_specs[model_type]`)."""
+def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, te_specs: dict[str, dict],
+                  sequence_parallel: bool = False) -> dict:
+    """Load the same HF weights at `layout` (a sequence-parallel model with `sequence_parallel`), export every
+    way, and require bit-identical HF tensors; the rows Megatron pads the vocabulary with are zeros after the load
+    (whatever they held); the Megatron forward at `layout` for the transformers oracle (`logits`); then the model
+    under Transformer Engine's names (checked against megatron-core's TE spec `te_specs[model_type]`)."""
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
-    cfg, chunks = build(ckpt, layout, dtype)
+    cfg, chunks = build(ckpt, layout, dtype, sequence_parallel=sequence_parallel)
+    vocab = load_hf_config(ckpt).vocab_size
+    for pad in vocab_padding(chunks, vocab):
+        pad.fill_(1.0)
     load_hf_weights(chunks, ckpt)
+    pads = vocab_padding(chunks, vocab)
+    agree(None if all(bool((t == 0).all()) for t in pads) else
+          f"{layout}: vocab padding rows are not zero after load_hf_weights ({[t.shape[0] for t in pads]} rows)")
     logits = forward_oracle(ckpt, layout, chunks)
     ref = read_hf_checkpoint(ckpt)
     ex = HFExporter(chunks, cfg)
@@ -176,7 +224,7 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, te_
             "plan_4k": (plan.describe(), plan.records) if rank == 0 else None,
             "memory_4k": ex.executor(4096).memory_estimate(),
             "rounds_4k": sum(len(b.rounds or ()) for b in plan.buckets),  # stacked tensors gathered in rounds
-            "te_names": names if rank == 0 else None, "logits": logits}
+            "te_names": names if rank == 0 else None, "logits": logits, "padding_rows": sum(t.shape[0] for t in pads)}
 
 
 def dry_run_plans(ckpts: dict[str, str], layout: Layout, dtype_name: str, bucket_bytes: int) -> dict[str, tuple]:
