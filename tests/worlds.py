@@ -584,12 +584,65 @@ def plan_suite(ckpt: str, layout: Layout) -> dict:
     return {"pp_padding": padded / real_bytes, "buckets": len(plan.buckets), "logits": logits}
 
 
+@contextlib.contextmanager
+def optimizer_on_cpu():
+    """megatron-core 0.16.1's mixed-precision optimizers on a CPU-only machine: they make three scalars with
+    device='cuda' (optimizer/optimizer.py:473-485) and accept only parameters whose `type()` is a CUDA one
+    (distrib_optimizer.py:361-435). Meanwhile tensors asked for on 'cuda' are made on the CPU and `type()` names
+    the CUDA type of the same dtype; the optimizer's own code runs unchanged."""
+    tensor, type_of = torch.tensor, torch.Tensor.type
+
+    def on_cpu(*args, device=None, **kw):
+        return tensor(*args, device="cpu" if device == "cuda" else device, **kw)
+
+    def cuda_type(self, *args, **kw):
+        out = type_of(self, *args, **kw)
+        return out.replace("torch.", "torch.cuda.", 1) if not args and not kw and self.device.type == "cpu" else out
+
+    torch.tensor, torch.Tensor.type = on_cpu, cuda_type
+    try:
+        yield
+    finally:
+        torch.tensor, torch.Tensor.type = tensor, type_of
+
+
+def as_trained(chunks: list) -> tuple[list, object]:
+    """The model as Megatron-LM trains it with --bf16 --use-distributed-optimizer: each chunk in megatron-core's
+    Float16Module (its parameters cast to bf16) inside its DistributedDataParallel (gradient buffers, parameters
+    sharded over data-parallel ranks for the optimizer), and megatron-core's DistributedOptimizer (fp32 main
+    parameters, Adam) built by get_megatron_optimizer; its Adam state from one zero-gradient step (no weight
+    decay: the weights do not move). Returns (the wrapped chunks, the optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    wrapped = []
+    for i, c in enumerate(chunks):
+        c.config.bf16 = True
+        wrapped.append(DistributedDataParallel(c.config, ddp_config, Float16Module(c.config, c),
+                                               disable_bucketing=i > 0))
+    with optimizer_on_cpu():
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=True,
+                                                     use_distributed_optimizer=True), wrapped)
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.optimizer.step()
+    return wrapped, opt
+
+
 def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 7, singleton: bool = False,
-                         model_class: str = "gpt", built: tuple | None = None, **build_kw) -> str:
+                         model_class: str = "gpt", built: tuple | None = None, trained: bool = False,
+                         **build_kw) -> str:
     """Megatron training output at `layout`: a torch_dist checkpoint with model and Adam state under
     root/<arch>/ckpt (latest_checkpointed_iteration.txt + iter_NNNNNNN), and the live export under root/<arch>/live.
     `built`: (cfg, chunks) of a model already built and loaded (e.g. Megatron-Bridge's), saved as it is; else the
-    model is built (`build_kw`: e.g. vision_tower="native") and loaded from the HF checkpoint.
+    model is built (`build_kw`: e.g. vision_tower="native") and loaded from the HF checkpoint. `trained`: the model
+    wrapped as Megatron-LM trains it (`as_trained`: bf16, DDP, the distributed optimizer), exported live through
+    its wrappers and saved as Megatron-LM saves it (the unwrapped chunks' sharded_state_dict, the optimizer's
+    `dp_reshardable` state, Megatron-LM's default); else Megatron's FP32Optimizer with Adam.
     Returns {"base": root/<arch>, "logits": the Megatron forward of the saved model (the oracle; None for hybrid
     and for a model passed in)}."""
     from megatron.core import parallel_state as ps
@@ -611,16 +664,28 @@ def save_dist_checkpoint(ckpt: str, layout: Layout, root: str, iteration: int = 
         cfg, chunks = built
     logits = forward_oracle(ckpt, layout, chunks) if model_class == "gpt" and built is None else None
     base = os.path.join(root, cfg.model_type)
-    HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
-
-    params = [p for c in chunks for p in c.parameters()]
-    opt = CPUFP32Optimizer(torch.optim.Adam(params, lr=1e-3), OptimizerConfig(optimizer="adam", lr=1e-3), None)
-    for p in params:  # Adam state from a zero-gradient step: the weights do not move
-        p.grad = torch.zeros_like(p)
-    opt.optimizer.step()
     md = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
-    sd = model_state(chunks, lambda c: c.sharded_state_dict(metadata=md))
-    sd["optimizer"] = opt.sharded_state_dict(dict(sd))  # nested: VPP chunks share local key names
+    if trained:
+        wrapped, opt = as_trained(chunks)
+        md["distrib_optim_sharding_type"] = "dp_reshardable"
+        # megatron-core's router turns the expert bias Float16Module cast to bf16 back to fp32 when it saves (and
+        # at every forward and load: moe/router.py `_maintain_float32_expert_bias`): exported after the save's
+        # state dict, as after a training step
+        sd = model_state(chunks, lambda c: c.sharded_state_dict(metadata=md))
+        HFExporter(wrapped, cfg).save_pretrained(os.path.join(base, "live"))
+    else:
+        HFExporter(chunks, cfg).save_pretrained(os.path.join(base, "live"))
+        params = [p for c in chunks for p in c.parameters()]
+        opt = CPUFP32Optimizer(torch.optim.Adam(params, lr=1e-3), OptimizerConfig(optimizer="adam", lr=1e-3), None)
+        for p in params:  # Adam state from a zero-gradient step: the weights do not move
+            p.grad = torch.zeros_like(p)
+        opt.optimizer.step()
+        sd = model_state(chunks, lambda c: c.sharded_state_dict(metadata=md))
+    if trained:  # nested: VPP chunks share local key names
+        with optimizer_on_cpu():
+            sd["optimizer"] = opt.sharded_state_dict(dict(sd), metadata=md)
+    else:
+        sd["optimizer"] = opt.sharded_state_dict(dict(sd))
     save_megatron(sd, os.path.join(base, "ckpt"), iteration)
     return {"base": base, "logits": logits}
 
@@ -2268,3 +2333,27 @@ def lora_sync(ckpt: str, layout: Layout, adapter_dir: str, bridge: str, targets:
             raise AssertionError("a failed adapter load did not fail the sync")
         d.close()
     return out if first else {}
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def export_peak_growth(exports: list[tuple[str, str, str]], bucket_bytes: int) -> list[int]:
+    """Per (torch_dist checkpoint, output directory, HF config): how far the offline export raised this process'
+    peak RSS (VmHWM) above its RSS before it, the peak reset before each (/proc/self/clear_refs 5). Run in a fresh
+    process; a first export of one small tensor imports what the exports need, so imports do not count."""
+    from mcore2hf.offline import export_checkpoint
+
+    ckpt, out, hf = exports[0]
+    export_checkpoint(ckpt, out + "-warm", hf, bucket_bytes=bucket_bytes, progress=False,
+                      name_filter=lambda n: n == "model.norm.weight")
+    growth = []
+    for ckpt, out, hf in exports:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = _status_bytes("VmRSS")
+        export_checkpoint(ckpt, out, hf, bucket_bytes=bucket_bytes, progress=False)
+        growth.append(_status_bytes("VmHWM") - before)
+    return growth
