@@ -365,7 +365,9 @@ def test_indexer_rope_rows_give_megatron_the_scores_transformers_computes(hf_int
                                         multi_latent_attention=True)
         return torch.cat([t[..., :d - r], pe[:, 0]], -1)
 
-    assert torch.allclose(torch.einsum("shd,tgd->sht", megatron(mq), megatron(mk)), hf, atol=1e-12)
+    diff = (torch.einsum("shd,tgd->sht", megatron(mq), megatron(mk)) - hf).abs().max().item()
+    print(f"indexer rope scores: max |megatron - transformers| {diff:.1e} (float64)")
+    assert diff <= 3 * 7.1e-15, diff  # float64 round-off: 2.7e-15 and 7.1e-15 measured (2026-11-28)
     # without the row move (a one-to-one copy) the scores differ
     wrong = torch.einsum("shd,tgd->sht", megatron(q), megatron(k))
     assert (wrong - hf).abs().max() > 1e-2
