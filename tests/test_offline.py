@@ -90,8 +90,9 @@ def test_offline_export_memory_is_bounded_by_the_bucket_not_the_checkpoint(tmp_p
     """Peak RSS of `export` (docs/offline.md: near one bucket, whatever the model size), measured: two
     checkpoints of 4 and 10 layers (qwen3 with hidden 1024, bf16; imported by `mcore2hf import`), exported with
     8 MiB buckets in one fresh process. The export of the larger one raises the peak by under a quarter of its
-    size, and by about what the smaller one's does: the growth follows the bucket, not the checkpoint (measured
-    2026-11-28 on the 2-core machine: 31 and 24 MiB for checkpoints of 84 and 186 MiB)."""
+    size, and by no more than the smaller one's (give or take an eighth of the size difference): the growth
+    follows the bucket, not the checkpoint (measured 2026-11-28 on the 2-core machine: 31 and 24 MiB for
+    checkpoints of 84 and 186 MiB)."""
     from mcore2hf.importer import import_checkpoint
 
     sizes, exports = [], []
@@ -106,7 +107,7 @@ def test_offline_export_memory_is_bounded_by_the_bucket_not_the_checkpoint(tmp_p
     print(f"offline export peak RSS growth: {[g >> 20 for g in growth]} MiB for checkpoints of "
           f"{[s >> 20 for s in sizes]} MiB (8 MiB buckets)")
     assert growth[1] < sizes[1] / 4, (growth, sizes)
-    assert abs(growth[1] - growth[0]) < (sizes[1] - sizes[0]) / 8, (growth, sizes)
+    assert growth[1] - growth[0] < (sizes[1] - sizes[0]) / 8, (growth, sizes)
 
 
 def test_cli_export_dtype_iteration_and_tokenizer_files(saved, ckpts, tmp_path):
