@@ -172,8 +172,24 @@ def dequantized_reference_logits(ckpt, tokens, quantize):
         return exact, model(tokens).logits
 
 
-@pytest.mark.parametrize("quantize", ["fp8", "fp8-ue8m0"])
-def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, ckpts, tmp_path):
+QUANTIZE = ("fp8", "fp8-ue8m0")
+
+
+@pytest.fixture(scope="module")
+def fp8_exports(ckpts, tmp_path_factory):
+    """One TP2 x EP2 world of every architecture (fp32 Megatron models, no MTP): its logits, and its FP8 export in
+    each scale format under root/<format>/<arch>."""
+    layout = Layout(tp=2, ep=2, etp=1)
+    root = tmp_path_factory.mktemp("fp8_parity")
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.fp8_parity,
+                                           {mt: ckpts[mt] for mt in ARCHS if mt in ckpts}, layout, str(root), tokens,
+                                           QUANTIZE))
+    return root, tokens, results
+
+
+@pytest.mark.parametrize("quantize", QUANTIZE)
+def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, ckpts, fp8_exports):
     """TP2 x EP2, fp32 Megatron models. Per architecture:
     1. transformers' FP8 loader reads every tensor (no missing / unexpected / mismatched keys) and its logits
        equal, bit for bit, those of the source model with reference-quantized-then-dequantized weights (the same
@@ -184,14 +200,10 @@ def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, c
        tiny random models (a 64-wide weight is one block
        with 3 mantissa bits, and MoE routing flips): measured 1.4-1.8 on logits of ~15 for the dense models,
        8-13 for the MoE models, so a bound on |fp8 - Megatron| alone would prove nothing."""
-    layout = Layout(tp=2, ep=2, etp=1)
-    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    results = same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.fp8_parity,
-                                           {mt: ckpts[mt] for mt in ARCHS if mt in ckpts}, layout, str(tmp_path), tokens,
-                                           quantize))
+    root, tokens, results = fp8_exports
     problems = []
     for mt, megatron in results.items():
-        out = tmp_path / mt
+        out = root / quantize / mt
         qc = _json(out / "config.json")["quantization_config"]
         assert qc["quant_method"] == "fp8" and (qc.get("scale_fmt") == "ue8m0") == (quantize == "fp8-ue8m0")
         fp8_logits, _ = hf_fp8_logits(out, tokens)

@@ -857,13 +857,15 @@ def fp8_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, save: 
             "fp8_wire": wire("fp8")}
 
 
-def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, quantize: str):
-    """Load HF weights at `layout`, save them as FP8 with HFExporter, and return the Megatron logits."""
+def fp8_parity(ckpt: str, layout: Layout, out_root: str, tokens: torch.Tensor, quantize: tuple[str, ...]):
+    """Load HF weights at `layout`, save them as FP8 with HFExporter in each format of `quantize`
+    (out_root/<format>/<arch>), and return the Megatron logits."""
     cfg, chunks = build(ckpt, layout, mtp=False)
     load_hf_weights(chunks, ckpt)
     logits = megatron_logits(chunks, tokens, cfg.vocab_size)
-    HFExporter(chunks, cfg).save_pretrained(os.path.join(out_root, cfg.model_type), quantize=quantize,
-                                            progress=False)
+    ex = HFExporter(chunks, cfg)
+    for q in quantize:
+        ex.save_pretrained(os.path.join(out_root, q, cfg.model_type), quantize=q, progress=False)
     return logits
 
 
