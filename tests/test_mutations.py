@@ -7,8 +7,9 @@ it); every test it names must then fail, and its failure report (junit XML) must
 A target that fails for another reason (a broken copy, an error in a fixture) is therefore no catch: this check
 fails instead. (The targets pass unmutated in the suite itself.) Most planted bugs are symmetric, made alike in
 loading and exporting, which no round trip sees: the transformers forward of the layout worlds (tests/oracle.py)
-must, and three of them show only at a layout with PP, virtual PP or expert-TP > 1. A bug the suite misses is a
-missing test.
+must, and three of them show only at a layout with PP, virtual PP or expert-TP > 1; MTP's two norms swapped only
+an MTP forward sees (the engines' draft classes against megatron-core's MTP layer, tests/test_mtp_drafts.py). A
+bug the suite misses is a missing test.
 
 A mutation waiting for its oracle is kept in PENDING with its edits, which must still apply (so the row cannot
 rot); once the oracle exists, the row moves to MUTATIONS with its `catches`."""
@@ -51,6 +52,8 @@ FORWARD = r"max \|megatron - transformers\| logit difference"
 TO_HF = r"assert torch\.equal\(a, b\)"
 #: tests/test_quantize.py: our block-FP8 quantizer's bytes against DeepGEMM's per_block_cast_to_fp8
 FP8_REFERENCE = r"assert _same_bits\(q, rq\) and _same_bits\(s, rs\)"
+#: tests/test_mtp_drafts.py: an engine's own MTP draft forward on the exported weights against megatron-core's layer
+MTP_FORWARD = r"(sglang|vllm) \w+ hidden: \S+ > \S+"
 
 # the layer number of a decoder layer computed from the stage instead of read from Megatron's own layer_number
 _STAGE_NUMBER = (
@@ -114,18 +117,17 @@ MUTATIONS = [
         # qwen3_moe has no dense MLP: only its experts' fc1 is split, and only expert-TP 2 splits it
         ((world("tp1-pp1-ep2-etp2-w4-float32"), FORWARD),
          ("test_layouts.py::test_gated_column_glu_gate16_up16_h8[2]", TO_HF)), "qwen3_moe"),
-]
-
-#: mutations whose oracle does not exist yet (catches empty): their edits are checked to apply
-PENDING = [
-    # MTP's two input norms swapped in load and export alike: names round-trip, so only an MTP forward against an
-    # independent implementation (SGLang's / vLLM's draft model classes) can catch it; add its node and message
-    # to `catches` and move the row to MUTATIONS
+    # MTP's two input norms swapped in load and export alike: names and every round trip pass; the engines' own
+    # draft classes' MTP forward on the exported weights against megatron-core's MultiTokenPredictionLayer does not
     Mutation("mtp-norm-swap", "converters/common.py", (
         ('Rule(f"{m}.enorm.weight", f"{h}.enorm.weight")', 'Rule(f"{m}.enorm.weight", f"{h}.hnorm.weight")'),
         ('Rule(f"{m}.hnorm.weight", f"{h}.hnorm.weight")', 'Rule(f"{m}.hnorm.weight", f"{h}.enorm.weight")')),
-        (), "deepseek_v3"),
+        tuple((f"test_mtp_drafts.py::test_mtp_forward_equals_megatron[{mt}-{engine}]", MTP_FORWARD)
+              for mt in ("deepseek_v3", "glm4_moe") for engine in ("sglang", "vllm"))),
 ]
+
+#: mutations whose oracle does not exist yet (catches empty): their edits are checked to apply
+PENDING: list[Mutation] = []
 
 
 def _apply(text: str, mutation: Mutation) -> str:
