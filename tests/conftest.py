@@ -76,7 +76,7 @@ def world_pool():
     groups and parallel state): starting workers is most of a small world's time."""
     from mcore2hf.runtime.world import close_pool, use_pool
 
-    use_pool(int(os.environ.get("MCORE2HF_WORLD_PROCS", "15")))
+    use_pool(int(os.environ.get("MCORE2HF_WORLD_PROCS", "15")), preload=("worlds", "oracle"))
     yield
     close_pool()
 

@@ -1,5 +1,8 @@
-"""The command line as a user meets it: the installed `mcore2hf` script in a subprocess, bad input refused before
-anything runs, in one bounded line on stderr that names the file or the fix, with the right exit code."""
+"""The command line as a user meets it: bad input refused before anything runs, in one bounded line on stderr
+that names the file or the fix, with the right exit code. Commands run through the script's own entry point in a
+fresh process (`cli`: worlds.cli_run, mcore2hf.cli.main's stdout, stderr and exit code); the installed `mcore2hf`
+script runs in a subprocess where the process itself is what is tested: its exit status, signals (Ctrl-C,
+SIGKILL), resource limits, the umask, mount namespaces."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import sys
 import time
 
 import pytest
+import worlds
 
 from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
 
@@ -18,7 +22,11 @@ CLI = os.path.join(os.path.dirname(sys.executable), "mcore2hf")
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The installed script in a subprocess."""
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+cli = worlds.cli_run  # `mcore2hf *args` in a fresh process (no interpreter start, no import to pay)
 
 
 def one_error_line(r: subprocess.CompletedProcess, code: int, *must: str, limit: int = 600) -> str:
@@ -54,28 +62,32 @@ def bad_configs(tmp_path_factory):
     ("wrong_architectures", ["config.json", "['LlamaForCausalLM'] disagree with model_type 'qwen3'"]),
 ])
 def test_bad_config_is_named_in_one_line(bad_configs, case, must):
-    line = one_error_line(run("plan", "--hf-config", bad_configs[case]), 1, bad_configs[case], *must)
+    line = one_error_line(cli("plan", "--hf-config", bad_configs[case]), 1, bad_configs[case], *must)
     assert "Traceback" not in line
 
 
-def test_layout_an_architecture_cannot_take_is_refused_at_once_with_the_fix():
-    t = time.perf_counter()
-    r = run("plan", "--hf-config", "tiny:gpt_oss", "--tp", "2", "--ep", "2")
-    one_error_line(r, 2, "expert-TP 1", "pass --etp 1")
-    assert time.perf_counter() - t < 60  # no worker process started (their start alone takes longer)
-    help_text = run("demo", "--help").stdout
+def test_layout_an_architecture_cannot_take_is_refused_before_any_worker_starts():
+    """The dry run and the demo refuse gpt-oss at expert-TP 2 (the dry run's default: expert-TP = TP; the demo's
+    is 1) with the fix, before a worker world starts; the installed script exits with status 2 (a usage error) and
+    the same line."""
+    line = one_error_line(cli("plan", "--hf-config", "tiny:gpt_oss", "--tp", "2", "--ep", "2"), 2, "expert-TP 1",
+                          "pass --etp 1")
+    one_error_line(cli("demo", "--model-type", "gpt_oss", "--tp", "2", "--ep", "2", "--etp", "2", workers=False), 2,
+                   "expert-TP 1", "pass --etp 1")
+    assert one_error_line(run("plan", "--hf-config", "tiny:gpt_oss", "--tp", "2", "--ep", "2"), 2) == line
+    help_text = cli("demo", "--help").stdout
     assert "expert tensor-parallel size (default 1)" in " ".join(help_text.split())  # the demo's own default
 
 
-def test_demo_refuses_a_non_empty_out_before_it_runs_and_overwrites_when_asked(tmp_path):
+def test_demo_refuses_a_non_empty_out_before_any_worker_starts(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    t = time.perf_counter()
-    line = one_error_line(run("demo", "--out", str(out), "--tp", "1", "--ep", "1"), 1, str(out), "--overwrite")
+    line = one_error_line(cli("demo", "--out", str(out), "--tp", "1", "--ep", "1", workers=False), 1, str(out),
+                          "--overwrite")
     assert "overwrite=" not in line  # the command line's flag, not the Python keyword
-    assert time.perf_counter() - t < 60 and os.listdir(out) == ["keep.txt"]
-    assert "--overwrite" in run("demo", "--help").stdout
+    assert os.listdir(out) == ["keep.txt"]
+    assert "--overwrite" in cli("demo", "--help").stdout
 
 
 @pytest.fixture(scope="module")
@@ -83,22 +95,59 @@ def hf_source(tmp_path_factory) -> str:
     return make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("src") / "qwen3_moe")
 
 
-@pytest.mark.parametrize("delay", [1.0, 4.0])
-def test_ctrl_c_during_import_is_interrupted_exit_130_and_leaves_nothing(hf_source, tmp_path, delay):
-    """SIGINT at any point of an import (interpreter start, imports, writing) is reported as 'interrupted', exit
-    130 (not an internal error from torch's writer unwinding), and leaves no checkpoint behind."""
+def _stopped_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
+    """Poll until `ready()` holds for the running `proc`, then SIGSTOP it there (waiting until it has stopped);
+    False if it ended first. Where a process is when a signal arrives then depends on what it did, not on how fast
+    the machine is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready():
+            proc.send_signal(signal.SIGSTOP)
+            _, status = os.waitpid(proc.pid, os.WUNTRACED)
+            return os.WIFSTOPPED(status)
+        time.sleep(0.002)
+    return False
+
+
+def _maps(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("when", ["importing", "writing"])
+def test_ctrl_c_during_import_is_interrupted_exit_130_and_leaves_nothing(hf_source, tmp_path, when):
+    """SIGINT while the import loads its libraries (torch's library mapped into the process) or while it writes
+    (its staging directory set up) is reported as 'interrupted', exit 130 (not an internal error from torch's
+    writer unwinding), and leaves no checkpoint behind. The process is stopped at that point, then signalled and
+    continued; a tiny import writes in milliseconds, so a run that got past the point first is run again."""
+    import shutil
+
     target = tmp_path / "ckpt"
-    proc = subprocess.Popen([CLI, "import", hf_source, str(target)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    time.sleep(delay)
-    if proc.poll() is not None:
-        pytest.skip(f"the import finished within {delay} s (nothing to interrupt)")
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    if (target / "latest_checkpointed_iteration.txt").exists():  # the signal came after the commit (a race)
-        assert proc.returncode in (0, -signal.SIGINT), (proc.returncode, err[-2000:])
-        assert sorted(os.listdir(target)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
-        pytest.skip("the import had committed its checkpoint when the signal arrived")
+
+    def staging() -> bool:
+        return os.path.isdir(target) and any(".mcore2hf-tmp-" in n and os.path.exists(target / n / ".mcore2hf-staging")
+                                             for n in os.listdir(target))
+
+    for _ in range(5):
+        proc = subprocess.Popen([CLI, "import", hf_source, str(target)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        ready = (lambda pid=proc.pid: "libtorch_cpu" in _maps(pid)) if when == "importing" else staging
+        if _stopped_when(proc, ready) and ready() and not (target / "latest_checkpointed_iteration.txt").exists():
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGCONT)
+            try:
+                out, err = proc.communicate(timeout=300)
+            finally:
+                proc.kill()
+            break
+        proc.kill()
+        proc.communicate()
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        pytest.fail(f"the import never was stopped while {when} in 5 tries")
     assert proc.returncode == 130, (proc.returncode, err[-2000:])
     assert err.strip().splitlines()[-1] == "mcore2hf import: interrupted", err[-2000:]
     leftovers = [f for f in (os.listdir(target) if target.exists() else []) if f.startswith("iter_")]
@@ -142,7 +191,7 @@ def test_verify_fp8_export_against_its_bf16_source(fp8_export):
     part of that comparison, not missing names); either side may be the FP8 one, B may be the Megatron
     checkpoint; fp8 against fp8 is exact; fp8="bound" accepts it too."""
     e = fp8_export
-    _passes(run("verify", e["fp8"], e["src16"]), "0 missing, 0 unexpected",
+    _passes(cli("verify", e["fp8"], e["src16"]), "0 missing, 0 unexpected",
                   "112 x float8_e4m3fn+scale vs bfloat16, by the reference quantizer", "23 x bfloat16 vs bfloat16")
     for a, b, kw, must in [
         (e["src16"], e["fp8"], {}, "112 x bfloat16 vs float8_e4m3fn+scale, by the reference quantizer"),
@@ -178,7 +227,7 @@ def test_verify_names_a_corrupted_fp8_byte(fp8_export, tmp_path):
     shutil.copytree(fp8_export["fp8"], bad)
     name = "model.layers.1.mlp.experts.3.up_proj.weight"  # [32, 64] float8_e4m3fn
     _flip(bad, name, 5 * 64 + 7, 0)  # the lowest mantissa bit: one FP8 step
-    r = run("verify", bad, fp8_export["src16"])
+    r = cli("verify", bad, fp8_export["src16"])
     assert r.returncode == 1 and "DIFFERENT" in r.stdout, r.stdout[-3000:]
     line = next(x for x in r.stdout.splitlines() if name in x)
     assert "1 of 2048 fp8 byte(s) and 0 of 1 scale(s) differ from the reference quantizer's" in line, line
@@ -200,7 +249,7 @@ def test_verify_truncated_file_is_named_in_one_line(fp8_export, tmp_path):
     size = victim.stat().st_size
     with open(victim, "r+b") as f:
         f.truncate(size - 10)
-    line = one_error_line(run("verify", str(bad), fp8_export["src16"]), 1, str(victim), "is truncated",
+    line = one_error_line(cli("verify", str(bad), fp8_export["src16"]), 1, str(victim), "is truncated",
                           f"the file ends at byte {size - 10}", f"..{size})")
     assert "internal error" not in line and "SafetensorError" not in line
 
@@ -209,17 +258,17 @@ def test_verify_atol_across_dtypes_and_a_bounded_grouped_report(fp8_export):
     """bf16 against fp32: exact, every tensor differs in dtype and values (the report shows --limit of each kind
     and counts the rest); within --atol, compared in fp32 and identical; below the bf16 rounding error not."""
     e = fp8_export
-    r = run("verify", e["src16"], e["src32"], "--limit", "3")
+    r = cli("verify", e["src16"], e["src32"], "--limit", "3")
     assert r.returncode == 1, r.stderr
     assert "135 dtype, 135 values" in r.stdout and "135 x bfloat16 vs float32, exactly" in r.stdout, r.stdout
     assert r.stdout.count("  ... and 132 more") == 2 and len(r.stdout.splitlines()) < 20, r.stdout
-    out = _passes(run("verify", e["src16"], e["src32"], "--atol", "4e-3"), "135 x bfloat16 vs float32, in float32",
+    out = _passes(cli("verify", e["src16"], e["src32"], "--atol", "4e-3"), "135 x bfloat16 vs float32, in float32",
                   "(atol 0.004)")
     worst = float(out.split("max |diff| ")[1].split()[0].rstrip(";"))
     assert 0 < worst <= 4e-3  # bf16 rounds these values (|x| < 2) by at most 2^-8
     same, text = _report(e["src16"], e["src32"], atol=worst / 2)
     assert not same and "by more than atol" in text, text
-    one_error_line(run("verify", e["src16"], e["src32"], "--atol", "-1"), 2, "expected a number >= 0")
+    one_error_line(cli("verify", e["src16"], e["src32"], "--atol", "-1"), 2, "expected a number >= 0")
 
 
 def test_verify_streams_fp8_blocks_and_rows_in_bounded_runs(tmp_path, monkeypatch):
@@ -291,14 +340,14 @@ def test_verify_exact_values_nan_signed_zero_integers_and_scalars(tmp_path):
 def megatron_ckpt(hf_source, tmp_path_factory) -> str:
     """A torch_dist checkpoint of the tiny model, written by `mcore2hf import` (what `export` reads)."""
     out = tmp_path_factory.mktemp("megatron") / "ckpt"
-    r = run("import", hf_source, str(out), "--quiet")
+    r = cli("import", hf_source, str(out), "--quiet")
     assert r.returncode == 0, r.stderr[-2000:]
     return str(out)
 
 
-def export(ckpt: str, config: str, out, *args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, "export", ckpt, str(out), "--hf-config", config, "--quiet", *args],
-                          capture_output=True, text=True, timeout=300, **kw)
+def export(ckpt: str, config: str, out, *args: str, preexec=None) -> subprocess.CompletedProcess:
+    """`mcore2hf export ... --quiet`, after `preexec()` in its process (a umask, a resource limit)."""
+    return cli("export", ckpt, str(out), "--hf-config", config, "--quiet", *args, preexec=preexec)
 
 
 def _identity(path) -> tuple[int, int, int, int]:
@@ -320,7 +369,7 @@ def test_export_into_an_existing_setgid_directory_keeps_it_and_the_users_files(m
     if os.geteuid() == 0:  # root can give the directory another group: the files must get it, not root's
         os.chown(out, -1, 1)
     before = _identity(out)
-    r = export(megatron_ckpt, hf_source, out, preexec_fn=_umask_027)
+    r = export(megatron_ckpt, hf_source, out, preexec=_umask_027)
     assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
     assert _identity(out) == before and before[2] & 0o2000
     files = sorted(os.listdir(out))
@@ -332,8 +381,8 @@ def test_export_into_an_existing_setgid_directory_keeps_it_and_the_users_files(m
 
     (out / "README.md").write_text("mine")
     one_error_line(export(megatron_ckpt, hf_source, out), 1, str(out), "--overwrite")
-    r = subprocess.run([CLI, "export", megatron_ckpt, str(out), "--hf-config", hf_source, "--overwrite",
-                        "--shard-size", "300KB"], capture_output=True, text=True, timeout=300)  # notes: not --quiet
+    r = cli("export", megatron_ckpt, str(out), "--hf-config", hf_source, "--overwrite", "--shard-size",
+            "300KB")  # notes: not --quiet
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"note: kept 1 file(s) of {out} that are not the checkpoint's: README.md" in r.stdout, r.stdout
     assert _identity(out) == before and (out / "README.md").read_text() == "mine"
@@ -377,30 +426,34 @@ def test_export_into_a_directory_whose_parent_is_read_only(megatron_ckpt, hf_sou
     assert _identity(parent / "out") == before and "model.safetensors.index.json" in os.listdir(parent / "out")
 
 
-_NAMESPACE = r"""
-import json, os, subprocess, sys
-cli, ckpt, config, out = sys.argv[1:5]
-def mount(size):
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=2775", "tmpfs", out], check=True)
-def export():
-    return subprocess.run([cli, "export", ckpt, out, "--hf-config", config, "--quiet"], capture_output=True, text=True)
-def ident():
-    st = os.stat(out)
-    return [st.st_ino, st.st_dev, st.st_mode]
-res = {}
-mount("8m")
-before = ident()
-r = export()
-res["fits"] = dict(rc=r.returncode, err=r.stderr, files=sorted(os.listdir(out)), same=ident() == before)
-subprocess.run(["umount", out], check=True)
-mount("256k")
-before = ident()
-r = export()
-res["full"] = dict(rc=r.returncode, err=r.stderr, files=sorted(os.listdir(out)), same=ident() == before)
-r = subprocess.run([cli, "import", config, os.path.join(out, "ckpt"), "--quiet"], capture_output=True, text=True)
-res["import"] = dict(rc=r.returncode, err=r.stderr, files=sorted(os.listdir(out)))
-print(json.dumps(res))
-"""
+def _in_a_mount_namespace(ckpt: str, config: str, out: str) -> dict:
+    """In a private mount namespace of this (fresh) process, as `unshare -m` makes one: a tmpfs mounted on `out`,
+    the export into it; then a 256 KiB one and the export and the import onto it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x20000, 0x4000, 1 << 18
+    if libc.unshare(clone_newns) or libc.mount(b"none", b"/", None, ms_rec | ms_private, None):
+        raise OSError(ctypes.get_errno(), "unshare / mount --make-rprivate /")
+
+    def mount(size):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=2775", "tmpfs", out], check=True)
+
+    def ident():
+        st = os.stat(out)
+        return [st.st_ino, st.st_dev, st.st_mode]
+
+    res = {}
+    for key, size in (("fits", "8m"), ("full", "256k")):
+        if key == "full":
+            subprocess.run(["umount", out], check=True)
+        mount(size)
+        before = ident()
+        rc, _, err = worlds.cli_main(["export", ckpt, out, "--hf-config", config, "--quiet"])
+        res[key] = dict(rc=rc, err=err, files=sorted(os.listdir(out)), same=ident() == before)
+    rc, _, err = worlds.cli_main(["import", config, os.path.join(out, "ckpt"), "--quiet"])
+    res["import"] = dict(rc=rc, err=err, files=sorted(os.listdir(out)))
+    return res
 
 
 def test_export_into_an_empty_mount_point_and_onto_a_full_disk(megatron_ckpt, hf_source, tmp_path):
@@ -412,10 +465,7 @@ def test_export_into_an_empty_mount_point_and_onto_a_full_disk(megatron_ckpt, hf
                     "test covers the never-renamed property without them)")
     out = tmp_path / "mnt"
     out.mkdir()
-    r = subprocess.run(["unshare", "-m", sys.executable, "-c", _NAMESPACE, CLI, megatron_ckpt, hf_source,
-                        str(out)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout)
+    res = worlds.in_fresh_process(_in_a_mount_namespace, megatron_ckpt, hf_source, str(out))
     fits, full, imp = res["fits"], res["full"], res["import"]
     assert fits["rc"] == 0 and fits["same"] and "model.safetensors.index.json" in fits["files"], fits
     assert full["rc"] == 1 and full["same"] and full["files"] == [], full
@@ -439,13 +489,12 @@ def test_a_write_error_is_one_line_naming_the_output_and_leaves_nothing(megatron
     existing = tmp_path / "existing"
     existing.mkdir()
     before = _identity(existing)
-    r = export(megatron_ckpt, hf_source, existing, preexec_fn=_file_size_limit)
+    r = export(megatron_ckpt, hf_source, existing, preexec=_file_size_limit)
     one_error_line(r, 1, f"cannot write {existing}: [Errno 27] File too large", f"{existing} is as it was")
     assert os.listdir(existing) == [] and _identity(existing) == before
-    r = export(megatron_ckpt, hf_source, tmp_path / "new", preexec_fn=_file_size_limit)
+    r = export(megatron_ckpt, hf_source, tmp_path / "new", preexec=_file_size_limit)
     one_error_line(r, 1, f"cannot write {tmp_path / 'new'}: [Errno 27] File too large", "was not created")
-    r = subprocess.run([CLI, "import", hf_source, str(tmp_path / "ckpt"), "--quiet"], capture_output=True, text=True,
-                       timeout=300, preexec_fn=_file_size_limit)
+    r = cli("import", hf_source, str(tmp_path / "ckpt"), "--quiet", preexec=_file_size_limit)
     one_error_line(r, 1, f"cannot write {tmp_path / 'ckpt' / 'iter_0000000'}: [Errno 27] File too large")
     assert sorted(os.listdir(tmp_path)) == ["existing"]
 
@@ -497,18 +546,18 @@ def test_import_killed_with_sigkill_then_run_again(hf_source, tmp_path):
     ckpt = tmp_path / "ckpt"
     stage = _kill_when_staging(["import", hf_source, str(ckpt), "--quiet"], ckpt)
     assert os.path.isdir(stage) and os.path.basename(stage).startswith(".iter_0000000.mcore2hf-tmp-")
-    r = run("import", hf_source, str(ckpt), "--quiet")
+    r = cli("import", hf_source, str(ckpt), "--quiet")
     assert r.returncode == 0 and r.stderr.splitlines() == [
         f"mcore2hf import: removed {stage}, left by an earlier run that was killed"], r.stderr[-2000:]
     assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
     files = sorted(os.listdir(ckpt / "iter_0000000"))
 
     stage = _kill_when_staging(["import", hf_source, str(ckpt), "--overwrite", "--quiet"], ckpt / "iter_0000000")
-    r = run("import", hf_source, str(ckpt), "--quiet")  # the earlier iteration is intact: --overwrite is needed
+    r = cli("import", hf_source, str(ckpt), "--quiet")  # the earlier iteration is intact: --overwrite is needed
     assert r.returncode == 1 and r.stderr.splitlines() == [
         f"mcore2hf import: removed {stage}, left by an earlier run that was killed",
         f"mcore2hf import: error: {ckpt / 'iter_0000000'} exists (pass --overwrite to replace it)"]
-    r = run("import", hf_source, str(ckpt), "--overwrite", "--quiet")
+    r = cli("import", hf_source, str(ckpt), "--overwrite", "--quiet")
     assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
     assert sorted(os.listdir(ckpt)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
     assert sorted(os.listdir(ckpt / "iter_0000000")) == files
@@ -522,10 +571,10 @@ def test_many_problems_of_one_cause_are_one_bounded_line_naming_the_file(megatro
     shard = src / "model-00002-of-00004.safetensors"
     shard.write_bytes(shard.read_bytes()[:100_000])
     # the one HF reader checks every file against its header when it opens the directory (hf_dir.HFDirectory)
-    line = one_error_line(run("import", str(src), str(tmp_path / "c1")), 1, str(shard), "the file ends at byte 100000",
+    line = one_error_line(cli("import", str(src), str(tmp_path / "c1")), 1, str(shard), "the file ends at byte 100000",
                           limit=2000)
     assert line.count(str(shard)) == 1, line
-    one_error_line(run("verify", hf_source, str(src)), 1, str(shard), "the file ends at byte 100000")
+    one_error_line(cli("verify", hf_source, str(src)), 1, str(shard), "the file ends at byte 100000")
     config = json.loads((src / "config.json").read_text())
     (tmp_path / "wide").mkdir()
     (tmp_path / "wide" / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
@@ -552,9 +601,9 @@ def test_list_is_the_registry_at_once_in_lines_that_fit():
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "IMPORTED []", r.stdout[-500:] + r.stderr
     lines = r.stdout.strip().splitlines()[:-1]
     assert len(lines) == len(listing) + 1 and max(map(len, lines)) <= 80, max(lines, key=len)
-    r = run("list", "qwen3_vl")
+    r = cli("list", "qwen3_vl")
     assert r.returncode == 0 and "Bridge 0.3.1's Qwen3VLModel" in r.stdout and max(map(len, r.stdout.splitlines())) <= 100
-    one_error_line(run("list", "qwen3-vl"), 2, "model_type must be one of", "'qwen3-vl'")
+    one_error_line(cli("list", "qwen3-vl"), 2, "model_type must be one of", "'qwen3-vl'")
 
 
 # -- what a new user gets wrong: another model's config, swapped arguments, two different models -----------------------
@@ -563,8 +612,8 @@ def test_a_checkpoint_of_another_architecture_is_named_as_such(hf_source, tmp_pa
     """A glm4_moe checkpoint exported with a qwen3_moe config: the error says the checkpoint is another
     architecture and which one its tensors map as (not that it has an MTP layer the config lacks), in one line."""
     glm = make_hf_checkpoint(tiny_config("glm4_moe"), tmp_path / "glm4_moe")
-    assert run("import", glm, str(tmp_path / "ckpt"), "--quiet").returncode == 0
-    line = one_error_line(run("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf-config", hf_source), 1,
+    assert cli("import", glm, str(tmp_path / "ckpt"), "--quiet").returncode == 0
+    line = one_error_line(cli("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf-config", hf_source), 1,
                           "another architecture than the HF config's model_type 'qwen3_moe'", "maps as glm4_moe",
                           limit=2000)
     assert "MTP" not in line.split("Megatron parameter(s)")[0] and not (tmp_path / "out").exists()
@@ -572,13 +621,13 @@ def test_a_checkpoint_of_another_architecture_is_named_as_such(hf_source, tmp_pa
 
 def test_swapped_arguments_get_the_order_that_works(hf_source, tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert run("import", hf_source, str(ckpt), "--quiet").returncode == 0
+    assert cli("import", hf_source, str(ckpt), "--quiet").returncode == 0
     for args, must in ((("export", hf_source, str(tmp_path / "out"), "--hf-config", hf_source),
                         ["CKPT_DIR", "is an HF directory", "swapped", "mcore2hf import HF_DIR CKPT_DIR"]),
                        (("import", str(ckpt), str(tmp_path / "out")),
                         ["HF_DIR", "is a Megatron checkpoint", "swapped", "mcore2hf export CKPT_DIR OUT_DIR"]),
                        (("verify", str(ckpt), hf_source), ["swapped", f"mcore2hf verify {hf_source} {ckpt}"])):
-        one_error_line(run(*args), 2, *must)
+        one_error_line(cli(*args), 2, *must)
     assert not (tmp_path / "out").exists()
 
 
@@ -592,13 +641,13 @@ def test_verify_names_two_different_models(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({"model_type": model_type}))
         save_file({"model.norm.weight": torch.ones(n)}, str(tmp_path / name / "model.safetensors"))
-    r = run("verify", str(tmp_path / "a"), str(tmp_path / "b"))
+    r = cli("verify", str(tmp_path / "a"), str(tmp_path / "b"))
     assert r.returncode == 1 and "different models: A is qwen3, B is llama" in r.stdout, r.stdout
     assert "max |diff|" not in r.stdout and "no values compared" in r.stdout, r.stdout
 
 
 def test_every_command_help_shows_examples():
     for cmd in ("demo", "list", "plan", "export", "import", "verify"):
-        text = run(cmd, "--help").stdout
+        text = cli(cmd, "--help").stdout
         assert "examples:\n" in text and f"\n  mcore2hf {cmd}" in text, (cmd, text[-500:])
-    assert "COMMAND --help" in run("--help").stdout
+    assert "COMMAND --help" in cli("--help").stdout

@@ -11,9 +11,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from mcore2hf.runtime.world import Layout, run_world
+from mcore2hf.runtime.world import Layout, run_world, worker_context
 
 GROUP = "disagg_weight_update"
 #: (engine, tp, ep): sglang TP2 without engine EP (experts split by expert TP), vllm TP2 with EP2 (whole experts)
@@ -94,7 +93,7 @@ def test_disaggregated_engine_shards_tp2_ep2_trainer_to_2_engine_ranks_every_hol
     layout = Layout(tp=2, ep=2, etp=1)
     world = layout.size + ENGINE_RANKS
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the OS picks the port
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # engine ranks forked from the workers' forkserver, as the trainer ranks are
     paths = [str(tmp_path / f"engine{j}.pt") for j in range(ENGINE_RANKS)]
     engines = [ctx.Process(target=_engine, args=(layout.size + j, world, store.port, paths[j]))
                for j in range(ENGINE_RANKS)]

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from mcore2hf.arch.registry import get_converter
 from mcore2hf.quantize.fp8 import FP8Policy, dequantize_fp8
+from mcore2hf.runtime.forward import logit_tolerance
 from mcore2hf.runtime.tiny import make_hf_checkpoint, read_hf_checkpoint, tiny_config
 from mcore2hf.runtime.world import Layout, run_world, same_on_every_rank
 
@@ -171,24 +172,38 @@ def dequantized_reference_logits(ckpt, tokens, quantize):
         return exact, model(tokens).logits
 
 
-@pytest.mark.parametrize("quantize", ["fp8", "fp8-ue8m0"])
-def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, ckpts, tmp_path):
-    """TP2 x EP2, fp32 Megatron models. Per architecture:
-    1. transformers' FP8 loader reads every tensor (no missing / unexpected / mismatched keys) and its logits
-       equal those of the source model with reference-quantized-then-dequantized weights (measured: 0.0);
-    2. the difference to the Megatron forward is the FP8 rounding's own effect: (fp8 - Megatron) equals
-       (reference qdq - exact) in transformers up to 1e-4, the fp32 Megatron-vs-transformers parity tolerance
-       (test_parity). The rounding itself is large on these tiny random models (a 64-wide weight is one block
-       with 3 mantissa bits, and MoE routing flips): measured 1.4-1.8 on logits of ~15 for the dense models,
-       8-13 for the MoE models, so a bound on |fp8 - Megatron| alone would prove nothing."""
+QUANTIZE = ("fp8", "fp8-ue8m0")
+
+
+@pytest.fixture(scope="module")
+def fp8_exports(ckpts, tmp_path_factory):
+    """One TP2 x EP2 world of every architecture (fp32 Megatron models, no MTP): its logits, and its FP8 export in
+    each scale format under root/<format>/<arch>."""
     layout = Layout(tp=2, ep=2, etp=1)
+    root = tmp_path_factory.mktemp("fp8_parity")
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     results = same_on_every_rank(run_world(worlds.for_each_arch, layout, worlds.fp8_parity,
-                                           {mt: ckpts[mt] for mt in ARCHS if mt in ckpts}, layout, str(tmp_path), tokens,
-                                           quantize))
+                                           {mt: ckpts[mt] for mt in ARCHS if mt in ckpts}, layout, str(root), tokens,
+                                           QUANTIZE))
+    return root, tokens, results
+
+
+@pytest.mark.parametrize("quantize", QUANTIZE)
+def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, ckpts, fp8_exports):
+    """TP2 x EP2, fp32 Megatron models. Per architecture:
+    1. transformers' FP8 loader reads every tensor (no missing / unexpected / mismatched keys) and its logits
+       equal, bit for bit, those of the source model with reference-quantized-then-dequantized weights (the same
+       weights in the same forward: measured 0.0);
+    2. the difference to the Megatron forward is the FP8 rounding's own effect: (fp8 - Megatron) equals
+       (reference qdq - exact) in transformers up to the family's fp32 Megatron-vs-transformers parity tolerance
+       (runtime.forward.logit_tolerance: what remains is exact - Megatron). The rounding itself is large on these
+       tiny random models (a 64-wide weight is one block
+       with 3 mantissa bits, and MoE routing flips): measured 1.4-1.8 on logits of ~15 for the dense models,
+       8-13 for the MoE models, so a bound on |fp8 - Megatron| alone would prove nothing."""
+    root, tokens, results = fp8_exports
     problems = []
     for mt, megatron in results.items():
-        out = tmp_path / mt
+        out = root / quantize / mt
         qc = _json(out / "config.json")["quantization_config"]
         assert qc["quant_method"] == "fp8" and (qc.get("scale_fmt") == "ue8m0") == (quantize == "fp8-ue8m0")
         fp8_logits, _ = hf_fp8_logits(out, tokens)
@@ -200,17 +215,15 @@ def test_fp8_output_loads_in_transformers_and_logits_follow_megatron(quantize, c
         print(f"{mt} {quantize}: |fp8 load - reference qdq| {loader:.2e}, |fp8 - Megatron fp32| {vs_megatron:.2e}, "
               f"FP8 rounding alone {rounding:.2e} (logit scale {exact.abs().max().item():.2f}), "
               f"difference beyond the rounding {beyond:.2e}")
-        if loader > 1e-4 or beyond > 1e-4:
+        if not torch.equal(fp8_logits, qdq) or beyond > logit_tolerance(mt):
             problems.append((mt, loader, vs_megatron, rounding, beyond))
     assert not problems, problems
 
 
 def test_dry_run_lists_quantized_weights_and_scale_shapes():
-    import subprocess
-    import sys
 
-    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:qwen3_moe", "--ep", "2",
-                        "--quantize", "fp8-ue8m0", "--json"], capture_output=True, text=True, timeout=600)
+    r = worlds.cli_run("plan", "--hf-config", "tiny:qwen3_moe", "--ep", "2",
+                       "--quantize", "fp8-ue8m0", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     tensors = {t["name"]: t for t in report["tensors"]}
@@ -223,6 +236,6 @@ def test_dry_run_lists_quantized_weights_and_scale_shapes():
     down = "model.layers.0.mlp.experts.3.down_proj.weight"  # a whole expert tensor: before the EP gather
     assert down in report["quantized_on_shards"] and w not in report["quantized_on_shards"]  # 32-row GLU halves
     assert w in report["quantized"]  # ... are quantized after the gather
-    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:qwen3_moe",
-                        "--quantize", "fp8", "--limit", "3"], capture_output=True, text=True, timeout=600)
+    r = worlds.cli_run("plan", "--hf-config", "tiny:qwen3_moe",
+                       "--quantize", "fp8", "--limit", "3")
     assert r.returncode == 0 and "quantized (fp8, 128x128 blocks)" in r.stdout, r.stdout + r.stderr

@@ -66,8 +66,9 @@ def test_full_width_norm_matches_transformers_forward_and_backward(tp):
                  (w_grad, gw[r * h * HEAD_DIM:(r + 1) * h * HEAD_DIM])]
         worst = max([worst] + [(a - b).abs().max().item() for a, b in pairs])
     print(f"TP{tp}: max |FullWidthRMSNorm - transformers| over outputs and gradients = {worst:.2e}")
-    # fp32, sum / width vs transformers' mean and the all-reduced sum: measured 0 at TP1, 4.8e-7 at TP2
-    assert worst <= 1e-5
+    # fp32, sum / width vs transformers' mean and the all-reduced sum: measured 0 at TP1 (the same arithmetic),
+    # 4.8e-7 at TP2 (2026-11-28 too): exact at TP1, 3x the measured error at TP2
+    assert worst <= {1: 0.0, 2: 3 * 4.8e-7}[tp]
 
 
 def test_full_width_norm_refuses_tp_not_dividing_heads():

@@ -1,10 +1,9 @@
 """gpt-oss specifics: the dry run shows one stacked tensor per layer fed by every EP rank's experts, the layouts
 megatron-core refuses for it are refused first with a clear error, and FP8 is refused (no FP8 table)."""
 
-import subprocess
-import sys
 
 import pytest
+import worlds
 
 from mcore2hf.errors import LayoutError
 from mcore2hf.model_specs import gpt_oss
@@ -13,9 +12,8 @@ from mcore2hf.runtime.tiny import tiny_config
 
 
 def test_cli_plan_shows_stacked_experts_from_both_ep_ranks():
-    out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:gpt_oss", "--tp", "2",
-                          "--ep", "2", "--etp", "1", "--json", "--bucket-size", "4KiB"],
-                         capture_output=True, text=True, check=True)
+    out = worlds.cli_run("plan", "--hf-config", "tiny:gpt_oss", "--tp", "2",
+                         "--ep", "2", "--etp", "1", "--json", "--bucket-size", "4KiB", check=True)
     import json
 
     plan = json.loads(out.stdout)

@@ -12,8 +12,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -326,10 +324,8 @@ def test_bad_input_is_reported_at_once_before_anything_is_written(ckpts, tmp_pat
 
 
 def test_cli(ckpts, tmp_path):
-    run = [sys.executable, "-m", "mcore2hf.cli", "import"]
-    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12", "--tp", "2",
-                              "--singleton-local-shards", "--dtype", "bf16", "--moe-layer-freq", "[0]+[1]*3"],
-                       capture_output=True, text=True)
+    r = worlds.cli_run("import", ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12", "--tp", "2",
+                       "--singleton-local-shards", "--dtype", "bf16", "--moe-layer-freq", "[0]+[1]*3")
     assert r.returncode == 0, r.stderr
     assert "decoder layer keys: per layer: singleton_local_shards" in r.stdout, r.stdout
     assert "norm keys: as a model built with --transformer-impl transformer_engine saves them" in r.stdout, r.stdout
@@ -338,20 +334,16 @@ def test_cli(ckpts, tmp_path):
     assert meta["embedding.word_embeddings.weight"] == ((256, 64), torch.bfloat16)  # 100 padded to 128 x TP 2
     assert "decoder.layers.1.mlp.experts.experts.7.linear_fc1.weight_v" in meta
     assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in meta  # TE: MLA's fused q norm
-    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "l"), "--transformer-impl", "local"],
-                       capture_output=True, text=True)
+    r = worlds.cli_run("import", ckpts["deepseek_v3"], str(tmp_path / "l"), "--transformer-impl", "local")
     assert r.returncode == 0 and "--transformer-impl local" in r.stdout, r.stderr
     assert "decoder.layers.1.self_attention.q_layernorm.weight" in model_keys(tmp_path / "l" / "iter_0000000")
-    r = subprocess.run(run + ["--help"], capture_output=True, text=True)
+    r = worlds.cli_run("import", "--help")
     assert "{" + ",".join(TRANSFORMER_IMPLS) + "}" in r.stdout.replace("\n", "").replace(" ", ""), r.stdout
-    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12"],
-                       capture_output=True, text=True)
+    r = worlds.cli_run("import", ckpts["deepseek_v3"], str(tmp_path / "c"), "--iteration", "12")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--overwrite" in r.stderr, r.stderr
-    r = subprocess.run(run + [ckpts["deepseek_v3"], str(tmp_path / "d"), "--file-size", "lots"],
-                       capture_output=True, text=True)
+    r = worlds.cli_run("import", ckpts["deepseek_v3"], str(tmp_path / "d"), "--file-size", "lots")
     assert r.returncode == 2 and "--file-size" in r.stderr
-    r = subprocess.run(run + [ckpts["qwen3_moe"], str(tmp_path / "f"), "--moe-layer-freq", "[0]+[1]*3"],
-                       capture_output=True, text=True)
+    r = worlds.cli_run("import", ckpts["qwen3_moe"], str(tmp_path / "f"), "--moe-layer-freq", "[0]+[1]*3")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "[0]+[1]*3" in r.stderr, r.stderr
     assert not (tmp_path / "f").exists()
 

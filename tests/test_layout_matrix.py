@@ -21,27 +21,31 @@ from oracle import logit_problems
 
 from mcore2hf.runtime.world import Layout, run_world
 
-# third field: the format-mates (conftest.FORMAT_MATES) run in this world too
+# third field: the format-mates (conftest.FORMAT_MATES) run in this world too; fourth: a sequence-parallel model
 LAYOUTS = [
-    (Layout(), "float32", False),
-    (Layout(tp=2, ep=2, etp=1), "float32", False),  # expert-TP != TP
-    (Layout(tp=2, pp=2, ep=2, etp=1), "float32", True),
-    (Layout(pp=2, vpp=2, ep=2, etp=1), "float32", True),  # virtual pipeline
-    (Layout(tp=2, pp=2, ep=4, etp=1), "bfloat16", False),  # 8 workers
-    (Layout(pp=2, first_stage_layers=1), "float32", True),  # uneven pipeline: 1 + 3 layers
-    (Layout(ep=2, etp=2), "float32", False),  # expert-TP > TP
+    (Layout(), "float32", False, False),
+    (Layout(tp=2, ep=2, etp=1), "float32", False, True),  # expert-TP != TP, sequence parallel
+    (Layout(tp=2, pp=2, ep=2, etp=1), "float32", True, False),
+    (Layout(pp=2, vpp=2, ep=2, etp=1), "float32", True, False),  # virtual pipeline
+    (Layout(tp=2, pp=2, ep=4, etp=1), "bfloat16", False, False),  # 8 workers
+    (Layout(pp=2, first_stage_layers=1), "float32", True, False),  # uneven pipeline: 1 + 3 layers
+    (Layout(ep=2, etp=2), "float32", False, False),  # expert-TP > TP
 ]
 ETP1_ONLY = {"gpt_oss"}
 
 
-@pytest.mark.parametrize("layout,dtype,mates", LAYOUTS, ids=[f"{lay}-{dt}" for lay, dt, _ in LAYOUTS])
-def test_layout_invariance_all_architectures(layout, dtype, mates, ckpts, ckpts_bf16, te_specs, tmp_path, capsys):
+@pytest.mark.parametrize("layout,dtype,mates,sp", LAYOUTS,
+                         ids=[f"{lay}-{dt}{'-sp' if sp else ''}" for lay, dt, _, sp in LAYOUTS])
+def test_layout_invariance_all_architectures(layout, dtype, mates, sp, ckpts, ckpts_bf16, te_specs, tmp_path,
+                                             capsys):
     source = ckpts_bf16 if dtype == "bfloat16" else ckpts
     source = source if mates else only_full(source)
     # gpt-oss's expert biases exist in megatron-core only at expert-TP 1 (its spec refuses more: test_gpt_oss.py)
     source = {mt: c for mt, c in source.items() if layout.expert_tp == 1 or mt not in ETP1_ONLY}
     results = run_world(worlds.for_each_arch, layout, worlds.layout_matrix, source, layout, dtype,
-                        str(tmp_path), te_specs, timeout=420)
+                        str(tmp_path), te_specs, sp, timeout=420)
+    # the padding rows the load must zero exist (vocab_size is no multiple of 128 x TP for some architecture)
+    assert sum(r[mt]["padding_rows"] for r in results for mt in r) > 0
     # the oracle that is not mcore2hf: the Megatron forward at this layout equals transformers' (same on every rank)
     logits = [{mt: r["logits"] for mt, r in res.items()} for res in results]
     problems = logit_problems(logits, source, worlds.TOKENS, str(layout))
@@ -79,7 +83,7 @@ def test_engine_placements_cover_tp_1_2_4_with_and_without_ep_for_every_architec
     want_moe = {("sglang", 2, 2, None), ("sglang", 4, 4, None), ("sglang", 4, 2, 2), ("vllm", 2, 2, None),
                 ("vllm", 4, 4, None)}
     for mt in ARCHS:
-        got = {p for layout, _, mates in LAYOUTS if mates or mt not in FORMAT_MATES
+        got = {p for layout, _, mates, _ in LAYOUTS if mates or mt not in FORMAT_MATES
                if layout.expert_tp == 1 or mt not in ETP1_ONLY for p in worlds.engine_placements(layout)}
         assert any(tp == 1 for _, tp, _, _ in got), mt
         assert want | want_moe <= got, (mt, sorted((want | want_moe) - got, key=str))
@@ -94,7 +98,7 @@ def test_mcore2hf_list_states_these_worlds():
     from mcore2hf.arch.registry import verified
 
     for mt in ARCHS:
-        worlds_run = sum(1 for layout, _, mates in LAYOUTS if (mates or mt not in FORMAT_MATES)
+        worlds_run = sum(1 for layout, _, mates, _ in LAYOUTS if (mates or mt not in FORMAT_MATES)
                          and (layout.expert_tp == 1 or mt not in ETP1_ONLY))
         stated = re.match(r"(\d+) layout worlds", verified(mt))
         assert stated and int(stated.group(1)) == worlds_run, (mt, worlds_run, verified(mt))

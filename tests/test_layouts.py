@@ -100,12 +100,13 @@ def megatron_qkv(q, k, v, heads, groups, d):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("heads,groups", [(8, 2), (4, 4), (4, 1)])
-def test_qkv_weight_heads_groups_d4_h16(tp, heads, groups):
+#: (heads, groups, tp): TP divides the query groups, as Megatron requires
+HEADS_GROUPS_TP = [(8, 2, 1), (8, 2, 2), (4, 4, 1), (4, 4, 2), (4, 1, 1)]
+
+
+@pytest.mark.parametrize("heads,groups,tp", HEADS_GROUPS_TP)
+def test_qkv_weight_heads_groups_d4_h16(heads, groups, tp):
     d = 4
-    if groups % tp:
-        pytest.skip("TP must divide the query groups")
     q, k, v = rand(heads * d, 16), rand(groups * d, 16), rand(groups * d, 16)
     fused = megatron_qkv(q, k, v, heads, groups, d)
     roundtrip(QKV(heads, groups, d), list(fused.chunk(tp, 0)), [q, k, v])
@@ -221,12 +222,9 @@ def megatron_gated_qkv(q_proj, k, v, heads, groups, d):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("heads,groups", [(8, 2), (4, 4), (4, 1)])
-def test_gated_qkv_weight_heads_groups_d4_h16(tp, heads, groups):
+@pytest.mark.parametrize("heads,groups,tp", HEADS_GROUPS_TP)
+def test_gated_qkv_weight_heads_groups_d4_h16(heads, groups, tp):
     d = 4
-    if groups % tp:
-        pytest.skip("TP must divide the query groups")
     q, k, v = rand(2 * heads * d, 16), rand(groups * d, 16), rand(groups * d, 16)
     fused = megatron_gated_qkv(q, k, v, heads, groups, d)
     roundtrip(GatedQKV(heads, groups, d), list(fused.chunk(tp, 0)), [q, k, v])
@@ -367,7 +365,9 @@ def test_indexer_rope_rows_give_megatron_the_scores_transformers_computes(hf_int
                                         multi_latent_attention=True)
         return torch.cat([t[..., :d - r], pe[:, 0]], -1)
 
-    assert torch.allclose(torch.einsum("shd,tgd->sht", megatron(mq), megatron(mk)), hf, atol=1e-12)
+    diff = (torch.einsum("shd,tgd->sht", megatron(mq), megatron(mk)) - hf).abs().max().item()
+    print(f"indexer rope scores: max |megatron - transformers| {diff:.1e} (float64)")
+    assert diff <= 3 * 7.1e-15, diff  # float64 round-off: 2.7e-15 and 7.1e-15 measured (2026-11-28)
     # without the row move (a one-to-one copy) the scores differ
     wrong = torch.einsum("shd,tgd->sht", megatron(q), megatron(k))
     assert (wrong - hf).abs().max() > 1e-2

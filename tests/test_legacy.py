@@ -6,12 +6,11 @@ import argparse
 import os
 import random
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+import worlds
 from oracle import logit_problems
 from worlds import TOKENS
 
@@ -210,8 +209,7 @@ def test_without_hf_config_the_error_says_what_the_args_lack(saved, tmp_path):
     assert "vocab_size (args hold only padded_vocab_size=100;" in str(e.value)
     assert "'num_hidden_layers': 4" in str(e.value) and "Pass --hf-config" in str(e.value)
     assert not (tmp_path / "out").exists()
-    r = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "export", os.path.join(base, "ckpt"), str(tmp_path / "o")],
-                       capture_output=True, text=True)
+    r = worlds.cli_run("export", os.path.join(base, "ckpt"), str(tmp_path / "o"))
     assert r.returncode != 0 and "missing: model_type" in r.stderr and not (tmp_path / "o").exists(), r.stderr
 
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import worlds
 from safetensors.torch import save_file
 from test_senders import make_bucket
 
@@ -21,10 +22,7 @@ from mcore2hf.formats.safetensors import SafetensorsWriter, TensorInfo, check_ta
 from mcore2hf.runtime.tiny import tiny_config
 from mcore2hf.sizes import parse_size
 
-
-def cli(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "mcore2hf.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=600)
+cli = worlds.cli_run  # `mcore2hf *args` in a fresh process
 
 
 def test_sizes_in_every_usual_spelling():

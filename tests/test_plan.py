@@ -1,8 +1,6 @@
 """Plan once, run many: the plan is built with one metadata exchange and reused; the dry run is complete."""
 
 import json
-import subprocess
-import sys
 
 import worlds
 from oracle import logit_problems
@@ -23,10 +21,10 @@ def test_plan_reuse_dry_run_and_balance(qwen3_moe_ckpt):
 
 
 def test_cli_list_and_plan():
-    out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "list"], capture_output=True, text=True, check=True)
+    out = worlds.cli_run("list", check=True)
     assert "qwen3_moe" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:qwen3_moe", "--tp", "2",
-                          "--ep", "2", "--bucket-size", "64KiB"], capture_output=True, text=True, check=True)
+    out = worlds.cli_run("plan", "--hf-config", "tiny:qwen3_moe", "--tp", "2",
+                         "--ep", "2", "--bucket-size", "64KiB", check=True)
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in out.stdout
     assert "135 HF tensors" in out.stdout
     assert "at TP2 PP1 EP2 ETP2 (world size 4)" in out.stdout  # the ETP Megatron uses when none is given
@@ -34,9 +32,8 @@ def test_cli_list_and_plan():
 
 
 def test_cli_plan_json_with_te_names_and_filter():
-    out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", "tiny:glm4_moe", "--pp", "2",
-                          "--ep", "2", "--etp", "1", "--json", "--te-names", "--exclude", r"^model\.layers\.4\."],
-                         capture_output=True, text=True, check=True)
+    out = worlds.cli_run("plan", "--hf-config", "tiny:glm4_moe", "--pp", "2",
+                         "--ep", "2", "--etp", "1", "--json", "--te-names", "--exclude", r"^model\.layers\.4\.", check=True)
     plan = json.loads(out.stdout)
     assert plan["layout"] == {"tp": 1, "pp": 2, "vpp": None, "ep": 2, "etp": 1, "world_size": 4}
     names = {t["name"]: t for t in plan["tensors"]}
@@ -48,9 +45,8 @@ def test_cli_plan_json_with_te_names_and_filter():
     assert plan["total_bytes"] == sum(t["bytes"] for t in plan["tensors"])
 
 
-def _cli_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=600)
+def _cli_plan(*args: str):
+    return worlds.cli_run("plan", *args)
 
 
 def test_cli_plan_of_a_hybrid_model():
@@ -125,9 +121,9 @@ def test_dry_run_deepseek_v3_at_pp16_ep64(tmp_path, capsys):
 
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "mcore2hf.cli", "plan", "--hf-config", str(tmp_path / "config.json"),
-                          "--pp", "16", "--ep", "64", "--first-stage-layers", "3", "--last-stage-layers", "2",
-                          "--json"], capture_output=True, text=True, check=True, timeout=600)
+    out = worlds.cli_run("plan", "--hf-config", str(tmp_path / "config.json"),
+                         "--pp", "16", "--ep", "64", "--first-stage-layers", "3", "--last-stage-layers", "2",
+                         "--json", check=True)
     wall = time.perf_counter() - t0
     report = json.loads(out.stdout)
     assert report["layout"] == {"tp": 1, "pp": 16, "vpp": None, "ep": 64, "etp": 1, "world_size": 1024}

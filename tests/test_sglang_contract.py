@@ -2,13 +2,14 @@
 each release runs in its own server (harness.sglang_real: one scheduler process per engine TP rank) whose
 request types, session checks (>= 0.5.21), SafeUnpickler, patch_torch rebuild, FlattenedTensorBucket rebuild and
 weight-update group + broadcast receive (init_weights_update_group at rank_offset + tp_rank, gloo), and the
-scheduler's pause / continue / abort / flush decisions, are the release's. Failures (failure_cases) are injected
-around that code (the model's load_weights raises, sleeps or kills its scheduler process); what follows is the
-release's doing. Pinned releases: 0.5.23 (the newest, with sessions), 0.5.20 (the last without sessions; already
+scheduler's pause / continue / abort / flush decisions, are the release's. Failures (class Case) are injected
+around that code (the model's load_weights raises, hangs until its client gave up, or kills its scheduler process);
+what follows is the release's doing. Pinned releases: 0.5.23 (the newest, with sessions), 0.5.20 (the last without sessions; already
 the newer internal layout), and 0.5.4.post3 (refused). Run by hand (MCORE2HF_SGLANG_EXTRA): 0.5.22 and 0.5.10
 (the 0.5.6-0.5.19 layout) passed on 2026-11-23, 0.5.10 again with the scheduler-side pause / flush on
-2026-11-25. A wheel that cannot be fetched or imported fails these tests. Most cases share one trainer world and
-its servers (session_tp2): each new world and server costs CI seconds."""
+2026-11-25. A wheel that cannot be fetched or imported fails these tests. Most cases share the servers of
+`Engines` (a new server costs CI seconds), each case in a trainer-world job of its own on servers replaced where
+an earlier case left one down or failed: no case depends on another."""
 
 import hashlib
 import os
@@ -113,47 +114,80 @@ def trainer(urls: list[str], engine_tp: int, api_key):
     return out
 
 
-SHARDED_LAYOUT = Layout(tp=1, ep=2)  # the trainer world of the engine-sharded case (qwen3_moe at EP 2)
-KEY = "k3y"  # every server of the shared world is started with this API key
-FAULT_TIMEOUT = 3.0  # s: the sender timeout of the timeout case; the injected delay is 1.5 s longer
+SHARDED_LAYOUT = Layout(tp=1, ep=2)  # the trainer world of every shared-server case (qwen3_moe at EP 2: 2 ranks)
+KEY = "k3y"  # every shared server is started with this API key
 
 
-def trainer_tp2(urls: dict, ckpt: str) -> dict:
-    """The shared world (2 trainer ranks): the all-ranks syncs (`trainer`) into the 0.5.23 engine-TP-2 server, then
-    into the 0.5.23 and 0.5.20 servers of TP 1 (one per rank; one group); the engine-sharded syncs of a real model
-    into the TP-2 server (`sharded_trainer`); then the same model into two engines and the failure cases
-    (`failure_cases`): one world for all, servers started together."""
+class Engines:
+    """The servers the cases share, started together (all keyed): "tp2" 0.5.23 engine TP 2, "a" 0.5.23 TP 1, "c"
+    0.5.20 TP 1, "old" 0.5.4.post3 (refused). Each case runs in a trainer world job of its own and gets the servers
+    through `use`: a server that is down (a case killed it) or that a failed case used is replaced first, on its
+    port, and every one is reset, so no case depends on another's order or outcome, and one case cannot fail
+    another."""
+
+    SPECS = {"tp2": (SESSION_RELEASE, 2), "a": (SESSION_RELEASE, 1), "c": (PRE_SESSION_RELEASE, 1),
+             "old": (REFUSED_RELEASE, 1)}
+
+    def __init__(self, ckpt: str):
+        self.ckpt, self.dirty = ckpt, set()
+        self.servers = {n: RealServer(v, tp=tp, api_key=KEY, wait=False) for n, (v, tp) in self.SPECS.items()}
+        for s in self.servers.values():
+            s.wait()
+        assert [s.version for s in self.servers.values()] == [s.wanted for s in self.servers.values()]
+        self.urls = {n: s.url for n, s in self.servers.items()}
+
+    def run(self, fn, names: tuple[str, ...], *args, timeout: float = 300) -> list:
+        """fn(urls, ckpt, *args) on every rank of the 2-rank trainer world, with servers `names` up and reset."""
+        for n in names:
+            server = self.servers[n]
+            if n in self.dirty or server.proc.poll() is not None:
+                server.stop()
+                version, tp = self.SPECS[n]
+                self.servers[n] = RealServer(version, tp=tp, api_key=KEY, port=server.port)
+                self.dirty.discard(n)
+            if n != "old":
+                _post(self.urls[n], "/mcore2hf_reset", {"parameters": True})
+        try:
+            return run_world(fn, SHARDED_LAYOUT, {n: self.urls[n] for n in names}, self.ckpt, *args, timeout=timeout)
+        except BaseException:
+            self.dirty.update(names)
+            raise
+
+    def stop(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
+
+    ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
+    e = Engines(ckpt)
+    yield e
+    e.stop()
+
+
+def real_model(ckpt: str):
+    """The real megatron-core qwen3_moe at SHARDED_LAYOUT (EP 2) loaded from `ckpt`, and its exporter."""
     import worlds
 
     from mcore2hf import HFExporter
 
-    out = {"tp2": trainer([urls["tp2"]], 2, KEY), "tp1": trainer([urls["a"], urls["c"]], 1, KEY)}
-    cfg, chunks = worlds.build(ckpt, SHARDED_LAYOUT)  # real megatron-core qwen3_moe, EP 2
-    ex = HFExporter(chunks, cfg)
-    out["sharded"] = sharded_trainer(urls["tp2"], ex, cfg, 256 * 1024)
-    out["failures"] = failure_cases(urls, ex)
-    return out
+    cfg, chunks = worlds.build(ckpt, SHARDED_LAYOUT)
+    return cfg, HFExporter(chunks, cfg)
+
+
+def all_ranks_case(urls: dict, ckpt: str, names: tuple[str, ...], engine_tp: int) -> dict:
+    """`trainer` into the servers `names` (engine TP `engine_tp`)."""
+    return trainer([urls[n] for n in names], engine_tp, KEY)
 
 
 @pytest.fixture(scope="module")
-def session_tp2(tmp_path_factory) -> list:
-    """Per-rank results of trainer_tp2. Servers (all keyed): "tp2" 0.5.23 engine TP 2, "a" 0.5.23 TP 1, "c" 0.5.20
-    TP 1, "old" 0.5.4.post3 (refused)."""
-    from mcore2hf.runtime.tiny import make_hf_checkpoint, tiny_config
-
-    servers = {"tp2": RealServer(SESSION_RELEASE, tp=2, api_key=KEY, wait=False),
-               "a": RealServer(SESSION_RELEASE, api_key=KEY, wait=False),
-               "c": RealServer(PRE_SESSION_RELEASE, api_key=KEY, wait=False),
-               "old": RealServer(REFUSED_RELEASE, api_key=KEY, wait=False)}
-    try:
-        ckpt = str(make_hf_checkpoint(tiny_config("qwen3_moe"), tmp_path_factory.mktemp("qwen3_moe")))
-        for s in servers.values():
-            s.wait()
-        assert [s.version for s in servers.values()] == [s.wanted for s in servers.values()]
-        return run_world(trainer_tp2, SHARDED_LAYOUT, {n: s.url for n, s in servers.items()}, ckpt, timeout=600)
-    finally:
-        for s in servers.values():
-            s.stop()
+def all_ranks_tp1(engines) -> list:
+    """The all-ranks syncs into two engines of TP 1 side by side, one per trainer rank and then in one group:
+    a (0.5.23) and c (0.5.20). test_sync_into_real_sglang reads each release's side of it."""
+    return engines.run(all_ranks_case, ("a", "c"), ("a", "c"), 1)
 
 
 # ------------------------------------------------------------------------------- failures (trainer rank 0 drives)
@@ -180,7 +214,7 @@ def _view(url: str, want: dict | None = None) -> dict:
     return out
 
 
-def _wait_down(url: str, timeout: float = 60.0) -> float:
+def _wait_down(url: str, timeout: float = 120.0) -> float:
     """Seconds until nothing answers at `url` any more (a dying server may first hold a request unanswered)."""
     import urllib.error
     import urllib.request
@@ -198,219 +232,273 @@ def _wait_down(url: str, timeout: float = 60.0) -> float:
     raise AssertionError(f"{url} still answers after {timeout} s")
 
 
-def failure_cases(urls: dict, ex) -> dict:
-    """Failures injected around the releases' own code (sglang_real: the model's load_weights raises, sleeps or
-    kills its scheduler process), with what each release then does. Per case, on every trainer rank: the error
-    and the version before / after (it must not move), then a retry (a dead server restarted on its port first)
-    whose bytes are checked on every engine rank; on rank 0 the engines' state as their objects report it. The two
-    servers that die are restarted together (their starts overlap), before either retry."""
-    import warnings
+class Case:
+    """What a failure case does on each trainer rank (rank 0 drives the harness' routes and owns the servers it
+    starts again): faults are injected around the releases' own code (sglang_real: the model's load_weights raises,
+    hangs or kills its scheduler process), and what follows is the release's doing."""
 
-    import torch.distributed as dist
+    def __init__(self, urls: dict):
+        import torch.distributed as dist
 
-    from mcore2hf.senders import (
-        EngineError,
-        SGLangColocatedSender,
-        SGLangDistributedSender,
-        UnsupportedEngine,
-        sync,
-    )
+        self.urls, self.lead, self.restarted = urls, dist.get_rank() == 0, []
 
-    lead = dist.get_rank() == 0
-    out, restarted, t0 = {}, [], time.monotonic()
+    def synced(self, sender, seed: int) -> int:
+        from mcore2hf.senders import sync
 
-    def synced(sender, seed: int) -> int:
         sync(_Exporter(tensors(seed)), sender, progress=False)
         return sender.version
 
-    def failed(sender, seed: int, match: str) -> dict:
+    def failed(self, sender, seed: int, match: str) -> dict:
+        """The sync raises EngineError matching `match`; the sender's version before and after, and the error."""
+        from mcore2hf.senders import EngineError
+
         before = sender.version
         with pytest.raises(EngineError, match=match) as e:
-            synced(sender, seed)
+            self.synced(sender, seed)
         return {"version": (before, sender.version), "error": str(e.value)}
 
-    def arm(url: str, **fault) -> None:
-        if lead:
-            _post(url, "/mcore2hf_fault", fault)
+    def arm(self, server: str, **fault) -> None:
+        import torch.distributed as dist
+
+        if self.lead:
+            _post(self.urls[server], "/mcore2hf_fault", fault)
         dist.barrier()
 
-    def views(want: int | dict | None, *names: str) -> dict | None:
+    def views(self, want: int | dict | None, *names: str) -> dict | None:
         """Rank 0's view of engines `names`; `want`: the bytes they must hold (a seed of tensors(), or digests)."""
+        import torch.distributed as dist
+
         dist.barrier()  # every rank's engine calls are done
         want = digests(tensors(want)) if isinstance(want, int) else want
-        return {n: _view(urls[n], want) for n in names} if lead else None
+        return {n: _view(self.urls[n], want) for n in names} if self.lead else None
 
-    def relaunch(name: str, version: str) -> dict | None:
-        """The dead server is started again on its port (as an orchestrator would); rank 0 owns it."""
-        if not lead:
-            return None
-        down = _wait_down(urls[name])
-        restarted.append(RealServer(version, 1, KEY, port=int(urls[name].rsplit(":", 1)[1]), wait=False))
-        return {"down_after_s": down}
+    def relaunch(self, name: str, version: str) -> dict | None:
+        """The dead server is started again on its port (as an orchestrator would), then waited for."""
+        import torch.distributed as dist
 
-    try:
-        if lead:
-            _post(urls["tp2"], "/mcore2hf_reset", {})
-        mine = urls["a"] if lead else urls["c"]  # two colocated engines of TP 1: rank 0 feeds a, rank 1 feeds c
-        col = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY)
-        # two engines in one weight-update group: tp2 (0.5.23, engine TP 2, group ranks 1-2) and c (0.5.20, rank 3)
-        dis = SGLangDistributedSender([urls["tp2"], urls["c"]] if lead else None, [2, 1], "127.0.0.1", 0,
-                                      backend="gloo", timeout=60, api_key=KEY)
-        # the real model (its buckets, `receivers` as each sender asks) through both senders
-        ref = digests(ex.state_dict())
-        model = {}
+        out = None
+        if self.lead:
+            down = _wait_down(self.urls[name])
+            self.restarted.append(RealServer(version, 1, KEY, port=int(self.urls[name].rsplit(":", 1)[1])))
+            out = {"down_after_s": down}
+        dist.barrier()
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for server in self.restarted:  # the engine set replaces it for the next case that needs it
+            server.stop()
+
+
+def real_model_case(urls: dict, ckpt: str) -> dict:
+    """The real model (its buckets, `receivers` as each sender asks) through a colocated sender into a and c (one
+    per trainer rank) and through a distributed sender into one group of tp2 and c."""
+    from mcore2hf.senders import SGLangColocatedSender, SGLangDistributedSender, sync
+
+    with Case(urls) as case:
+        _, ex = real_model(ckpt)
+        col = SGLangColocatedSender(urls["a"] if case.lead else urls["c"], 1, timeout=300, api_key=KEY)
+        dis = SGLangDistributedSender([urls["tp2"], urls["c"]] if case.lead else None, [2, 1], "127.0.0.1", 0,
+                                      backend="gloo", timeout=300, api_key=KEY)
+        ref, out = digests(ex.state_dict()), {}
         for kind, sender, names in (("colocated", col, ("a", "c")), ("distributed", dis, ("tp2", "c"))):
             sync(ex, sender, progress=False, bucket_bytes=256 * 1024)
-            model[kind] = {"version": sender.version, "engines": views(ref, *names)}
-            if lead:
+            out[kind] = {"version": sender.version, "engines": case.views(ref, *names)}
+            if case.lead:  # each kind's record on its own: c is fed by both
                 for name in names:
                     _post(urls[name], "/mcore2hf_reset", {})
-        out["real_model"] = model
-        out["verified"] = verified_cases(urls, ex, mine, arm)
-        # a's model raises on bucket 1: 0.5.23 does not catch it on the tensor path (model_runner_components/
-        # weight_updater.py _update_weights_from_flattened_bucket), its scheduler process dies
-        # (scheduler.py run_scheduler_process: SIGQUIT to the server), the server with it
-        arm(urls["a"], kind="raise", call=2)
-        load = {"failed": failed(col, 11, r"weight update failed: rank 0: bucket 1: "), "c": views(None, "c")}
-        load["restart"] = relaunch("a", SESSION_RELEASE)
-
-        # tp2's TP rank 0 model raises on bucket 1: the distributed path catches it and answers 400
-        # (weight_updater.py load_weights_from_distributed, 0.5.23; update_weights_from_distributed, 0.5.20)
-        arm(urls["tp2"], kind="raise", call=2, rank=0)
-        case = {"failed": failed(dis, 20, "Failed to update parameter online"), "after": views(None, "tp2", "c")}
-        case["retry_version"] = synced(dis, 21)
-        case["retry"] = views(21, "tp2", "c")
-        out["engine_error"] = case
-
-        # c's scheduler process dies in its model on bucket 0 (after the broadcast): the release's
-        # SubprocessWatchdog ends the server; the retry forms a new group with the restarted c
-        arm(urls["c"], kind="exit", call=1)
-        died = {"failed": failed(dis, 22, "bucket 0: .*update_weights_from_distributed"), "tp2": views(None, "tp2")}
-        died["restart"] = relaunch("c", PRE_SESSION_RELEASE)
-        t_restart = time.monotonic()
-        for server in restarted:
-            server.wait()
-        dist.barrier()
-        out["restart_s"] = time.monotonic() - t_restart
-
-        load["retry_version"] = synced(col, 12)
-        load["retry"] = views(12, "a", "c")
-        out["load_error"] = load
-        died["retry_version"] = synced(dis, 23)
-        died["retry"] = views(23, "tp2", "c")
         dis.close()
-        died["closed"] = views(None, "tp2", "c")
-        out["engine_died"] = died
-
-        # a's model takes FAULT_TIMEOUT + 1.5 s on bucket 0: the sender gives up at FAULT_TIMEOUT, the engine
-        # finishes later and takes the cleanup, then the retry, in order (its scheduler runs one request at a time)
-        slow = SGLangColocatedSender(mine, 1, timeout=FAULT_TIMEOUT, api_key=KEY)
-        arm(urls["a"], kind="sleep", call=1, seconds=FAULT_TIMEOUT + 1.5)
-        case = {"failed": failed(slow, 13, "timed out")}
-        case["retry_version"] = synced(slow, 14)
-        case["retry"] = views(14, "a", "c")
-        # the same into one engine of TP 2 fed by both ranks: rank 1 waits in the engine group for rank 0's call
-        tp2 = SGLangColocatedSender(urls["tp2"] if lead else None, 2, timeout=FAULT_TIMEOUT, api_key=KEY)
-        arm(urls["tp2"], kind="sleep", call=1, rank=0, seconds=FAULT_TIMEOUT + 1.5)
-        case["tp2"] = {"failed": failed(tp2, 15, "timed out")}
-        case["tp2"]["retry_version"] = synced(tp2, 16)
-        case["tp2"]["retry"] = views(16, "tp2")
-        out["timeout"] = case
-
-        # requests queued in both schedulers (rank 0 feeds c: 0.5.20, rank 1 feeds a: 0.5.23): a retract-mode
-        # pause leaves them queued, then each release's flush_cache decides (managers/scheduler.py: 0.5.20
-        # is_fully_idle() counts the queue, 0.5.23 is_fully_idle(ignore_waiting=self._engine_paused) does not);
-        # an abort-mode pause has the scheduler drop them (tokenizer_manager.py pause_generation: abort_request
-        # with abort_all, not the scheduler's pause; scheduler.py abort_request pops the waiting queue)
-        if lead:
-            for name in ("c", "a"):
-                _post(urls[name], "/mcore2hf_requests", {"queued": 3})
-        mine = urls["c"] if lead else urls["a"]
-        case = {"before": views(None, "c", "a")}
-        retract = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY, pause_mode="retract")
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            version = synced(retract, 30)
-        case["retract"] = {"version": version, "cache_flushed": retract.cache_flushed,
-                           "warned": any("refused /flush_cache" in str(w.message) for w in seen)}
-        case["retract_engines"] = views(30, "c", "a")
-        abort = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY)
-        case["abort"] = {"version": synced(abort, 31), "cache_flushed": abort.cache_flushed}
-        case["abort_engines"] = views(31, "c", "a")
-        out["pause_modes"] = case
-
-        # 0.5.4.post3 is refused before anything is paused (both ranks feed it); a key is needed and sent
-        t = time.monotonic()
-        with pytest.raises(UnsupportedEngine, match=r"sglang 0\.5\.4\.post3 is not supported"):
-            synced(SGLangColocatedSender(urls["old"], 1, timeout=60, api_key=KEY), 40)
-        case = {"refused_s": time.monotonic() - t}
-        with pytest.raises(UnsupportedEngine, match="HTTP 401"):
-            synced(SGLangColocatedSender(mine, 1, timeout=60), 41)
-        dist.barrier()
-        if lead:
-            case["old_calls"] = _http(urls["old"], "/mcore2hf_state")["calls"]
-        out["refusals"] = case
-        out["seconds"] = time.monotonic() - t0
-    finally:
-        for server in restarted:
-            server.stop()
+        out["closed"] = case.views(None, "tp2", "c")
     return out
 
 
-def verified_cases(urls: dict, ex, mine: str, arm) -> dict:
+def load_error_case(urls: dict, ckpt: str) -> dict:
+    """Colocated into a (rank 0) and c (rank 1): a's model raises on bucket 1 of the second sync. 0.5.23 does not
+    catch it on the tensor path (model_runner_components/weight_updater.py _update_weights_from_flattened_bucket),
+    its scheduler process dies (scheduler.py run_scheduler_process: SIGQUIT to the server), the server with it;
+    then a is started again on its port and the sender retries."""
+    from mcore2hf.senders import SGLangColocatedSender
+
+    with Case(urls) as case:
+        col = SGLangColocatedSender(urls["a"] if case.lead else urls["c"], 1, timeout=300, api_key=KEY)
+        case.synced(col, 10)
+        case.arm("a", kind="raise", call=2)
+        out = {"failed": case.failed(col, 11, r"weight update failed: rank 0: bucket 1: "), "c": case.views(None, "c")}
+        out["restart"] = case.relaunch("a", SESSION_RELEASE)
+        out["retry_version"] = case.synced(col, 12)
+        out["retry"] = case.views(12, "a", "c")
+    return out
+
+
+def engine_error_case(urls: dict, ckpt: str) -> dict:
+    """Distributed, tp2 (group ranks 1-2) and c (rank 3) in one group: tp2's TP rank 0 model raises on bucket 1;
+    the distributed path catches it and answers 400 (weight_updater.py load_weights_from_distributed, 0.5.23;
+    update_weights_from_distributed, 0.5.20)."""
+    from mcore2hf.senders import SGLangDistributedSender
+
+    with Case(urls) as case:
+        dis = SGLangDistributedSender([urls["tp2"], urls["c"]] if case.lead else None, [2, 1], "127.0.0.1", 0,
+                                      backend="gloo", timeout=300, api_key=KEY)
+        case.synced(dis, 19)
+        case.arm("tp2", kind="raise", call=2, rank=0)
+        out = {"failed": case.failed(dis, 20, "Failed to update parameter online"),
+               "after": case.views(None, "tp2", "c")}
+        out["retry_version"] = case.synced(dis, 21)
+        out["retry"] = case.views(21, "tp2", "c")
+        dis.close()
+    return out
+
+
+def engine_died_case(urls: dict, ckpt: str) -> dict:
+    """Distributed as above: c's scheduler process dies in its model on bucket 0 (after the broadcast) and the
+    release's SubprocessWatchdog ends the server; the retry forms a new group with c started again."""
+    from mcore2hf.senders import SGLangDistributedSender
+
+    with Case(urls) as case:
+        dis = SGLangDistributedSender([urls["tp2"], urls["c"]] if case.lead else None, [2, 1], "127.0.0.1", 0,
+                                      backend="gloo", timeout=300, api_key=KEY)
+        case.synced(dis, 21)
+        case.arm("c", kind="exit", call=1)
+        out = {"failed": case.failed(dis, 22, "bucket 0: .*update_weights_from_distributed"),
+               "tp2": case.views(None, "tp2")}
+        out["restart"] = case.relaunch("c", PRE_SESSION_RELEASE)
+        out["retry_version"] = case.synced(dis, 23)
+        out["retry"] = case.views(23, "tp2", "c")
+        dis.close()
+        out["closed"] = case.views(None, "tp2", "c")
+    return out
+
+
+def timeout_case(urls: dict, ckpt: str) -> dict:
+    """A model that does not answer before the sender gives up (sglang_real's "hang": held until the sender's
+    next request arrives), whatever the machine's pace: colocated into a (rank 0, hangs on bucket 0) and c (rank
+    1); then one engine of TP 2 fed by both ranks (rank 1 waits in the engine group for rank 0's call), its TP
+    rank 0 hanging. The sender timeout is measured, not guessed: 5x a healthy sync of the same tensors through the
+    same engines just before (at least 3 s), so no healthy call reaches it however loaded the machine."""
+    import torch.distributed as dist
+
+    from mcore2hf.senders import SGLangColocatedSender
+
+    with Case(urls) as case:
+        mine = urls["a"] if case.lead else urls["c"]
+        pace = {}
+        for name, url, tp in (("tp1", mine, 1), ("tp2", urls["tp2"] if case.lead else None, 2)):
+            t = time.monotonic()
+            case.synced(SGLangColocatedSender(url, tp, timeout=300, api_key=KEY), 12)
+            took = torch.tensor([time.monotonic() - t], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            pace[name] = max(3.0, 5 * took.item())
+        slow = SGLangColocatedSender(mine, 1, timeout=pace["tp1"], api_key=KEY)
+        case.synced(slow, 12)
+        case.arm("a", kind="hang", call=1)
+        out = {"timeouts": pace, "failed": case.failed(slow, 13, "timed out")}
+        out["retry_version"] = case.synced(slow, 14)
+        out["retry"] = case.views(14, "a", "c")
+        tp2 = SGLangColocatedSender(urls["tp2"] if case.lead else None, 2, timeout=pace["tp2"], api_key=KEY)
+        case.synced(tp2, 15)
+        case.arm("tp2", kind="hang", call=1, rank=0)
+        out["tp2"] = {"failed": case.failed(tp2, 16, "timed out")}
+        out["tp2"]["retry_version"] = case.synced(tp2, 17)
+        out["tp2"]["retry"] = case.views(17, "tp2")
+    return out
+
+
+def pause_modes_case(urls: dict, ckpt: str) -> dict:
+    """Requests queued in both schedulers (rank 0 feeds c: 0.5.20, rank 1 feeds a: 0.5.23): a retract-mode pause
+    leaves them queued, then each release's flush_cache decides (managers/scheduler.py: 0.5.20 is_fully_idle()
+    counts the queue, 0.5.23 is_fully_idle(ignore_waiting=self._engine_paused) does not); an abort-mode pause has
+    the scheduler drop them (tokenizer_manager.py pause_generation: abort_request with abort_all, not the
+    scheduler's pause; scheduler.py abort_request pops the waiting queue)."""
+    import warnings
+
+    from mcore2hf.senders import SGLangColocatedSender
+
+    with Case(urls) as case:
+        if case.lead:
+            for name in ("c", "a"):
+                _post(urls[name], "/mcore2hf_requests", {"queued": 3})
+        mine = urls["c"] if case.lead else urls["a"]
+        out = {"before": case.views(None, "c", "a")}
+        retract = SGLangColocatedSender(mine, 1, timeout=300, api_key=KEY, pause_mode="retract")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            version = case.synced(retract, 30)
+        out["retract"] = {"version": version, "cache_flushed": retract.cache_flushed,
+                          "warned": any("refused /flush_cache" in str(w.message) for w in seen)}
+        out["retract_engines"] = case.views(30, "c", "a")
+        abort = SGLangColocatedSender(mine, 1, timeout=300, api_key=KEY)
+        out["abort"] = {"version": case.synced(abort, 31), "cache_flushed": abort.cache_flushed}
+        out["abort_engines"] = case.views(31, "c", "a")
+    return out
+
+
+def refusals_case(urls: dict, ckpt: str) -> dict:
+    """0.5.4.post3 is refused before anything is paused (both ranks feed it); a key is needed and sent."""
+    from mcore2hf.senders import SGLangColocatedSender, UnsupportedEngine
+
+    with Case(urls) as case:
+        with pytest.raises(UnsupportedEngine, match=r"sglang 0\.5\.4\.post3 is not supported"):
+            case.synced(SGLangColocatedSender(urls["old"], 1, timeout=300, api_key=KEY), 40)
+        with pytest.raises(UnsupportedEngine, match="HTTP 401"):  # rank 0 feeds a, rank 1 c: no key sent
+            case.synced(SGLangColocatedSender(urls["a"] if case.lead else urls["c"], 1, timeout=300), 41)
+        out = {"engines": case.views(None, "a", "c")}
+        if case.lead:
+            out["old_calls"] = _http(urls["old"], "/mcore2hf_state")["calls"]
+    return out
+
+
+def verified_case(urls: dict, ckpt: str) -> dict:
     """sync(verify=...) through SGLang's own /weights_checker (utils/weight_checker.py of 0.5.23 and 0.5.20, their
-    hashing and comparison), right after the real-model syncs, so the engines hold the weights the trainer holds.
-    The engines first drop what the other cases left (the harness' model keeps every tensor it loaded as a
-    parameter). Two colocated engines of TP 1 (a: 0.5.23, c: 0.5.20; one per trainer rank, so replicas): a plain sync, a
-    proof sync, a checksum sync, each timed; then the TP-2 engine (0.5.23, fed by both ranks): a proof sync, then
-    one whose engine TP rank 1 loads one tensor wrong, which every trainer rank reports by engine rank and
-    parameter name (in SGLang only TP rank 0's compare result reaches the HTTP reply, weight_updater.py:424; the
-    per-rank checksums cover every rank)."""
+    hashing and comparison). Two colocated engines of TP 1 (a: 0.5.23, c: 0.5.20; one per trainer rank, so
+    replicas): a plain sync, a proof sync, a checksum sync, each timed; then the TP-2 engine (0.5.23, fed by both
+    ranks): a proof sync, then one whose engine TP rank 1 loads one tensor wrong, which every trainer rank reports
+    by engine rank and parameter name (in SGLang only TP rank 0's compare result reaches the HTTP reply,
+    weight_updater.py:424; the per-rank checksums cover every rank)."""
     import torch.distributed as dist
 
     from mcore2hf.senders import EngineError, SGLangColocatedSender, sync
 
     out: dict = {}
-    if dist.get_rank() == 0:  # the engines held the other tests' tensors too: from here on only the real model's
-        for name in ("a", "c", "tp2"):
-            _post(urls[name], "/mcore2hf_reset", {"parameters": True})
-    dist.barrier()
-    ver = SGLangColocatedSender(mine, 1, timeout=60, api_key=KEY)
-    for mode in (None, "proof", "checksum"):
-        dist.barrier()
-        t = time.perf_counter()
-        rep = sync(ex, ver, progress=False, bucket_bytes=256 * 1024, verify=mode)
-        dist.barrier()
-        out[str(mode)] = {"seconds": time.perf_counter() - t, "version": ver.version, "verify": rep.verify,
-                          "checksums": rep.checksums, "summary": rep.summary()}
-    tp2 = SGLangColocatedSender(urls["tp2"] if dist.get_rank() == 0 else None, 2, timeout=60, api_key=KEY)
-    sync(ex, tp2, progress=False, bucket_bytes=256 * 1024)  # the engine loads the trainer's weights
-    rep = sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="proof")
-    out["tp2_proof"] = {"version": tp2.version, "checksums": rep.checksums}
-    wrong = sorted(ex.state_dict())[3]  # one HF tensor of the export
-    arm(urls["tp2"], kind="corrupt", name=wrong, rank=1)
-    try:
-        sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="proof")
-        out["tp2_wrong"] = {"error": None}
-    except EngineError as e:
-        out["tp2_wrong"] = {"error": str(e), "version": tp2.version}
-    out["wrong"] = wrong
-    out["tp2_after"] = {"version": (sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="checksum"),
-                                    tp2.version)[1]}
-    dist.barrier()
-    if dist.get_rank() == 0:  # the next cases check the engines' records of their own syncs only
-        for name in ("a", "c", "tp2"):
-            _post(urls[name], "/mcore2hf_reset", {})
-    dist.barrier()
+    with Case(urls) as case:
+        _, ex = real_model(ckpt)
+        ver = SGLangColocatedSender(urls["a"] if case.lead else urls["c"], 1, timeout=300, api_key=KEY)
+        for mode in (None, "proof", "checksum"):
+            dist.barrier()
+            t = time.perf_counter()
+            rep = sync(ex, ver, progress=False, bucket_bytes=256 * 1024, verify=mode)
+            dist.barrier()
+            out[str(mode)] = {"seconds": time.perf_counter() - t, "version": ver.version, "verify": rep.verify,
+                              "checksums": rep.checksums, "summary": rep.summary()}
+        tp2 = SGLangColocatedSender(urls["tp2"] if case.lead else None, 2, timeout=300, api_key=KEY)
+        sync(ex, tp2, progress=False, bucket_bytes=256 * 1024)  # the engine loads the trainer's weights
+        rep = sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="proof")
+        out["tp2_proof"] = {"version": tp2.version, "checksums": rep.checksums}
+        wrong = sorted(ex.state_dict())[3]  # one HF tensor of the export
+        case.arm("tp2", kind="corrupt", name=wrong, rank=1)
+        try:
+            sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="proof")
+            out["tp2_wrong"] = {"error": None}
+        except EngineError as e:
+            out["tp2_wrong"] = {"error": str(e), "version": tp2.version}
+        out["wrong"] = wrong
+        sync(ex, tp2, progress=False, bucket_bytes=256 * 1024, verify="checksum")
+        out["tp2_after"] = {"version": tp2.version}
     return out
+
+
+def sharded_case(urls: dict, ckpt: str) -> dict:
+    cfg, ex = real_model(ckpt)
+    return sharded_trainer(urls["tp2"], ex, cfg, 256 * 1024)
 
 
 def protocol(calls):
     return [c for i, c in enumerate(calls) if i == 0 or calls[i - 1] != c]
 
 
-# (release, engine TP) served in the shared world: its `trainer` result, and which of its servers
-SHARED = {(SESSION_RELEASE, 2): ("tp2", 0), (SESSION_RELEASE, 1): ("tp1", 0), (PRE_SESSION_RELEASE, 1): ("tp1", 1)}
+# (release, engine TP) served by the shared servers: the test runs `trainer` through them
+SHARED = {(SESSION_RELEASE, 2): "tp2", (SESSION_RELEASE, 1): "a", (PRE_SESSION_RELEASE, 1): "c"}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -419,18 +507,19 @@ def test_sync_into_real_sglang(version, tp, request):
     """One server of engine TP `tp` (one scheduler process per TP rank, each running the release's code) fed by
     `tp` trainer ranks: colocated (one payload per engine rank) then distributed (each engine rank joins the
     weight-update group at its rank offset and receives the broadcast), two syncs each: every byte equal on every
-    engine rank, the version recorded, sessions exactly where the release has them. The pairs in SHARED run in the
-    shared world (engine TP 1: 0.5.23 and 0.5.20 side by side, one per trainer rank, and in one group); the
-    others in a world of their own."""
+    engine rank, the version recorded, sessions exactly where the release has them. The pairs in SHARED run on the
+    shared servers (engine TP 1: 0.5.23 and 0.5.20 side by side, one per trainer rank, and in one group:
+    fixture all_ranks_tp1); the others on a server of their own."""
     sessions = parse_version(version) >= (0, 5, 21)  # update sessions came with 0.5.21
     server = None if (version, tp) in SHARED else RealServer(version, tp=tp, api_key=KEY)
     try:
-        if server is None:
-            key, index = SHARED[version, tp]
-            results = [r[key] for r in request.getfixturevalue("session_tp2")]
-        else:
+        if server is not None:
             assert server.version == version
             results, index = run_world(trainer, Layout(world_size=tp), [server.url], tp, KEY, timeout=300), 0
+        elif tp == 2:
+            results, index = request.getfixturevalue("engines").run(all_ranks_case, ("tp2",), ("tp2",), 2), 0
+        else:
+            results, index = request.getfixturevalue("all_ranks_tp1"), ("a", "c").index(SHARED[version, tp])
         want = digests(tensors(1))  # the second sync's
         for kind in ("colocated", "distributed"):
             assert [r[kind]["version"] for r in results] == [2] * len(results), kind
@@ -457,12 +546,6 @@ def test_sync_into_real_sglang(version, tp, request):
             server.stop()
 
 
-def failures(session_tp2: list, case: str) -> tuple[list, dict]:
-    """One failure case's results: every trainer rank's, and rank 0's (which holds the engine views)."""
-    res = [r["failures"][case] for r in session_tp2]
-    return res, res[0]
-
-
 def assert_failed_then_retried(res: list, version: int) -> None:
     """Every trainer rank raised EngineError with the same message, the version stayed at `version`, and the
     retry committed version + 1."""
@@ -486,24 +569,27 @@ def assert_every_byte(views: dict, tp: dict, group_open: bool = False) -> None:
         assert_clean(view, group_open)
 
 
-def test_real_model_into_two_colocated_engines_and_a_two_engine_group(session_tp2):
-    """The shared world's qwen3_moe (real megatron-core, EP 2; 256 KiB buckets) through a colocated sender into
-    two engines of TP 1 (0.5.23 and 0.5.20, one per trainer rank), then through a distributed sender into one
-    group of two engines (0.5.23 at engine TP 2, 0.5.20): every engine rank holds every HF tensor of the export,
-    byte for byte, and each engine is left resumed with no session open."""
-    res, lead = failures(session_tp2, "real_model")
+def test_real_model_into_two_colocated_engines_and_a_two_engine_group(engines):
+    """The qwen3_moe of a real megatron-core model (EP 2; 256 KiB buckets) through a colocated sender into two
+    engines of TP 1 (0.5.23 and 0.5.20, one per trainer rank), then through a distributed sender into one group of
+    two engines (0.5.23 at engine TP 2, 0.5.20): every engine rank holds every HF tensor of the export, byte for
+    byte, and each engine is left resumed with no session open; close() leaves no group."""
+    res = engines.run(real_model_case, ("tp2", "a", "c"))
+    lead = res[0]
     assert [r[kind]["version"] for r in res for kind in ("colocated", "distributed")] == [1] * 4
     assert_every_byte(lead["colocated"]["engines"], {"a": 1, "c": 1})
     assert_every_byte(lead["distributed"]["engines"], {"tp2": 2, "c": 1}, group_open=True)
+    for view in lead["closed"].values():
+        assert_clean(view)
 
 
-def test_verified_sync_with_sglangs_own_weights_checker(session_tp2):
+def test_verified_sync_with_sglangs_own_weights_checker(engines):
     """sync(verify=...) through SGLang's /weights_checker (0.5.23 and 0.5.20's own checker code): a proof sync
     (checksums, snapshot, reset, sync, compare) of the real model passes on both releases and on every rank of an
     engine of TP 2; replicas of one step (a and c) report the same per-rank digest; a sync in which engine TP rank
     1 loads one tensor wrong fails on every trainer rank, naming that engine rank and parameter and the HF tensor
     sent for it, and the version stays; a checksum sync afterwards repairs and records it."""
-    res, lead = failures(session_tp2, "verified")
+    res = engines.run(verified_case, ("tp2", "a", "c"))
     for r in res:
         assert [r[m]["version"] for m in ("None", "proof", "checksum")] == [1, 2, 3], r
         assert r["None"]["verify"] is None and r["proof"]["verify"] == "proof", r
@@ -516,67 +602,46 @@ def test_verified_sync_with_sglangs_own_weights_checker(session_tp2):
         assert err and "1 engine parameters differ" in err and f"dp0:pp0:tp1: {r['wrong']} <- {r['wrong']}" in err, err
         assert r["tp2_wrong"]["version"] == 2 and r["tp2_after"]["version"] == 3, r
     assert len({r["tp2_wrong"]["error"] for r in res}) == 1
-    t = {m: lead[m]["seconds"] for m in ("None", "proof", "checksum")}
+    t = {m: res[0][m]["seconds"] for m in ("None", "proof", "checksum")}
     print(f"\nverified sync, CPU harness, qwen3_moe tiny into two engines: plain {t['None']:.3f} s, "
           f"proof {t['proof']:.3f} s, checksum {t['checksum']:.3f} s")
 
 
-def test_load_error_kills_the_0_5_23_engine_then_retry_after_restart(session_tp2):
-    """Colocated, two engines of TP 1 (0.5.23 and 0.5.20, one per trainer rank): 0.5.23's model raises on bucket
-    1; the release does not catch it on the tensor path and its server dies. Every trainer rank raises EngineError
-    and keeps its version; the other engine is left resumed; the retry, with the engine restarted on its port,
-    puts every byte on both."""
-    res, lead = failures(session_tp2, "load_error")
-    assert_failed_then_retried(res, 1)
-    assert lead["restart"]["down_after_s"] < 30
-    assert_clean(lead["c"]["c"], group_open=True)  # c also serves the distributed sender, which holds its group
-    assert_every_byte(lead["retry"], {"a": 1, "c": 1})
-
-
-def test_timeout_then_retry(session_tp2):
-    """Colocated as above, sender timeout FAULT_TIMEOUT: 0.5.23's model takes 1.5 s longer on bucket 0. Every rank
-    raises EngineError ("timed out"), the version stays; the retry succeeds on both engines. The same into one
-    engine of TP 2 fed by both ranks (the second rank waits for the first's engine call in their group)."""
-    res, lead = failures(session_tp2, "timeout")
+def test_timeout_then_retry(engines):
+    """Colocated into a (0.5.23, rank 0) and c (0.5.20, rank 1): a's model does not answer bucket 0 before the
+    sender gives up. Every rank raises EngineError ("timed out"), the version stays; the engine then takes the
+    sender's cleanup and the retry, in order (its scheduler runs one request at a time), and the retry puts every
+    byte on both engines. The same into one engine of TP 2 fed by both ranks (the second rank waits for the
+    first's engine call in their group)."""
+    res = engines.run(timeout_case, ("tp2", "a", "c"))
+    lead = res[0]
     for r, view, tp in ((res, lead["retry"], {"a": 1, "c": 1}), ([r["tp2"] for r in res], lead["tp2"]["retry"],
                                                                 {"tp2": 2})):
-        assert_failed_then_retried(r, 0)
+        assert_failed_then_retried(r, 1)
         assert all("timed out" in x["failed"]["error"] for x in r)
         assert_every_byte(view, tp)
+    print(f"\nsender timeouts (5x a healthy sync here, at least 3 s): {lead['timeouts']}")
 
 
-def test_engine_error_in_a_two_engine_group_then_retry(session_tp2):
+def test_engine_error_in_a_two_engine_group_then_retry(engines):
     """Distributed, two engines in one group (0.5.23 engine TP 2 and 0.5.20 TP 1): TP rank 0 of the first fails to
     load bucket 1 and its release answers 400. Every rank raises EngineError, the version stays; afterwards both
     engines are resumed with no session and no group open (as their objects report); the retry puts every byte
     on all three engine ranks."""
-    res, lead = failures(session_tp2, "engine_error")
+    res = engines.run(engine_error_case, ("tp2", "c"))
     assert_failed_then_retried(res, 1)
-    for view in lead["after"].values():
+    for view in res[0]["after"].values():
         assert_clean(view)
-    assert_every_byte(lead["retry"], {"tp2": 2, "c": 1}, group_open=True)
+    assert_every_byte(res[0]["retry"], {"tp2": 2, "c": 1}, group_open=True)
 
 
-def test_engine_dies_mid_update_then_retry_after_restart(session_tp2):
-    """Distributed as above: the 0.5.20 engine's scheduler process dies in bucket 0 and the release's watchdog
-    ends its server. Every rank raises EngineError, the version stays; the surviving engine is resumed with no
-    session and no group; the retry, with the engine restarted on its port, forms a new group and puts every
-    byte on all engine ranks; close() leaves no group on either engine."""
-    res, lead = failures(session_tp2, "engine_died")
-    assert_failed_then_retried(res, 2)
-    assert lead["restart"]["down_after_s"] < 30
-    assert_clean(lead["tp2"]["tp2"])
-    assert_every_byte(lead["retry"], {"tp2": 2, "c": 1}, group_open=True)
-    for view in lead["closed"].values():
-        assert_clean(view)
-
-
-def test_pause_modes_with_queued_requests(session_tp2):
+def test_pause_modes_with_queued_requests(engines):
     """Three requests queued in each engine's scheduler. Retract: 0.5.20's flush_cache refuses (its idle check
     counts the queue): the sync succeeds with a warning and cache_flushed False, nothing flushed, the requests
     still queued; 0.5.23 ignores the queue of a paused engine and flushes. Abort (the default): the release's
     abort_request drops the queued requests and both flush."""
-    res, lead = failures(session_tp2, "pause_modes")
+    res = engines.run(pause_modes_case, ("a", "c"))
+    lead = res[0]
     c_rank, a_rank = res  # trainer rank 0 feeds c (0.5.20), rank 1 feeds a (0.5.23)
     assert c_rank["retract"] == {"version": 1, "cache_flushed": False, "warned": True}, c_rank
     assert a_rank["retract"] == {"version": 1, "cache_flushed": True, "warned": False}, a_rank
@@ -592,16 +657,39 @@ def test_pause_modes_with_queued_requests(session_tp2):
     assert_every_byte(abort, {"c": 1, "a": 1})
 
 
-def test_refuses_sglang_0_5_4_and_needs_the_api_key(session_tp2, capsys):
-    """0.5.4.post3 is refused (UnsupportedEngine on every rank) within seconds, before any pause; without the API
-    key the keyed servers answer 401 and the sync is refused the same way (both raised inside the world)."""
-    _, lead = failures(session_tp2, "refusals")
-    assert lead["refused_s"] < 30
+def test_refuses_sglang_0_5_4_and_needs_the_api_key(engines):
+    """0.5.4.post3 is refused (UnsupportedEngine on every rank, raised inside the world) from its server info
+    alone, before any pause; without the API key a keyed server answers 401 and the sync is refused the same way,
+    leaving it untouched."""
+    lead = engines.run(refusals_case, ("a", "c", "old"))[0]
     assert lead["old_calls"] and "/pause_generation" not in lead["old_calls"], lead["old_calls"]
-    with capsys.disabled():
-        f = session_tp2[0]["failures"]
-        print(f"\nsglang failure cases: {f['seconds']:.1f} s, of which {f['restart_s']:.1f} s waiting for the two "
-              "restarted servers")
+    for view in lead["engines"].values():
+        assert_clean(view)
+
+
+def test_engine_dies_mid_update_then_retry_after_restart(engines):
+    """Distributed as above: the 0.5.20 engine's scheduler process dies in bucket 0 and the release's watchdog
+    ends its server. Every rank raises EngineError, the version stays; the surviving engine is resumed with no
+    session and no group; the retry, with the engine restarted on its port, forms a new group and puts every
+    byte on all engine ranks; close() leaves no group on either engine."""
+    res = engines.run(engine_died_case, ("tp2", "c"))
+    lead = res[0]
+    assert_failed_then_retried(res, 1)
+    assert_clean(lead["tp2"]["tp2"])
+    assert_every_byte(lead["retry"], {"tp2": 2, "c": 1}, group_open=True)
+    for view in lead["closed"].values():
+        assert_clean(view)
+
+
+def test_load_error_kills_the_0_5_23_engine_then_retry_after_restart(engines):
+    """Colocated, two engines of TP 1 (0.5.23 and 0.5.20, one per trainer rank): 0.5.23's model raises on bucket
+    1; the release does not catch it on the tensor path and its server dies. Every trainer rank raises EngineError
+    and keeps its version; the other engine is left resumed; the retry, with the engine restarted on its port,
+    puts every byte on both."""
+    res = engines.run(load_error_case, ("a", "c"))
+    assert_failed_then_retried(res, 1)
+    assert_clean(res[0]["c"]["c"])
+    assert_every_byte(res[0]["retry"], {"a": 1, "c": 1})
 
 
 def test_our_allowlist_is_within_sglangs_and_our_payload_passes_its_unpickler():
@@ -675,13 +763,13 @@ def sharded_trainer(url: str, ex, cfg, bucket_bytes: int) -> dict:
     return out
 
 
-def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(capsys, session_tp2):
+def test_engine_sharded_sync_into_real_sglang_tp2_from_qwen3_moe_ep2(capsys, engines):
     """Engine-sharded colocated sync (issue 15) through SGLang 0.5.23's own receive path (flattened bucket over
     IPC, one scheduler process per engine TP rank): trainer qwen3_moe at EP2 (2 gloo ranks) -> engine TP 2, then
     TP 2 x EP 2. Each engine rank's tensors are bit-identical to the full export inside its engine regions and
     NaN outside (nothing else written; checked in sharded_trainer), and each trainer rank received fewer bytes
-    than an all-ranks export. Runs in the world of test_sync_into_real_sglang[0.5.23-2] (fixture session_tp2)."""
-    res = [r["sharded"] for r in session_tp2]
+    than an all-ranks export. On the shared 0.5.23 server of engine TP 2."""
+    res = engines.run(sharded_case, ("tp2",))
     for r in res:
         for ep in (1, 2):
             assert r[f"ep{ep}"]["version"] == 1 and r[f"ep{ep}"]["versions"], r

@@ -26,11 +26,17 @@ The one place for them (measured with megatron-core 0.16.1, torch 2.13 CPU); eac
    fast_hadamard_transform. The same transform in torch (Sylvester's H / sqrt(n), any float dtype) instead; it
    is orthogonal, so the indexer's q.k scores are unchanged but for rounding (transformers 5.24 skips it for
    that reason, modeling_deepseek_v32.py `DeepseekV32Indexer.forward`).
+
+10. torch.compile off (`torch._dynamo.config.disable`): megatron-core's `jit_fuser` functions (megatron/core/jit.py:
+   torch.compile since torch 2.2: activations, norms, the router, gpt-oss' expert activation, ...) run as the plain
+   functions they wrap. Compiling costs seconds in every new process (gpt-oss' first forward: 24 s compiled, 0.08 s
+   eager) and fuses nothing worth it on a CPU. MCORE2HF_COMPILE=1 keeps torch.compile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -42,6 +48,10 @@ def apply_cpu_shims() -> None:
     if _applied or torch.cuda.is_available():
         return
     _applied = True
+    if os.environ.get("MCORE2HF_COMPILE") != "1":
+        from torch import _dynamo
+
+        _dynamo.config.disable = True  # read when a compiled function is called: the original runs
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self

@@ -10,6 +10,7 @@ test session) the worker processes of a world size are started once and reused.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import pickle
@@ -135,10 +136,38 @@ def init_megatron(layout: Layout, gloo_groups: bool = True) -> None:
         tp_random.model_parallel_cuda_manual_seed(1234)
 
 
-def _serve(rank: int, size: int, port: int, backend: str, jobs, out) -> None:
+#: what every gloo worker imports anyway (~15 CPU-s a process): imported once in the forkserver the workers are
+#: forked from, so a world of any size starts in about a second after the first (spawn: each worker imports all)
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+           "megatron.core.dist_checkpointing", "transformers", "mcore2hf", "mcore2hf.arch.build",
+           "mcore2hf.arch.cpu_shims")
+_preload: tuple[str, ...] | None = None
+
+
+def worker_context(preload: tuple[str, ...] = ()):
+    """The multiprocessing context every CPU worker process is started from: a forkserver that imported PRELOAD
+    (and `preload`, e.g. the test suite's modules) once, before any thread, torch.distributed state or CPU shim
+    existed in it, so each forked worker starts as a fresh process would, without the imports. The preload is
+    fixed at the forkserver's start (the first call that starts a process); later calls add nothing."""
+    global _preload
+    ctx = mp.get_context("forkserver")
+    if _preload is None:
+        _preload = tuple(dict.fromkeys(PRELOAD + tuple(preload)))
+        # the forkserver skips a preload it cannot import without a word: a moved module would only cost time
+        missing = [m for m in _preload if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(f"worker preload: no module {missing}")
+        ctx.set_forkserver_preload(list(_preload))
+    return ctx
+
+
+def _serve(rank: int, size: int, port: int, backend: str, jobs, out, env: dict[str, str]) -> None:
     """A worker: runs jobs (job id, layout, fn, args) until None. Each job gets a fresh process group (on its own
     prefix of the world's store) and a fresh Megatron parallel state, both destroyed after it, so a job finds the
-    worker as a new process would (imported modules aside)."""
+    worker as a new process would (imported modules aside). `env`: the starting process' environment when the
+    world started (a forked worker has the forkserver's)."""
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -194,14 +223,16 @@ class World:
     def __init__(self, size: int, backend: str = "gloo"):
         import torch.distributed as dist
 
-        ctx = mp.get_context("spawn")
+        # NCCL workers are spawned: a process forked after CUDA was touched anywhere cannot use it
+        ctx = worker_context() if backend == "gloo" else mp.get_context("spawn")
         self.size, self.backend, self._next = size, backend, 0
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self._jobs = [ctx.Queue() for _ in range(size)]
         self._out = ctx.Queue()
         # not daemonic: dist_checkpointing.save writes files from child processes of its own
         self._procs = [ctx.Process(target=_serve, args=(r, size, self._store.port, backend, self._jobs[r],
-                                                        self._out), daemon=False) for r in range(size)]
+                                                        self._out, dict(os.environ)), daemon=False)
+                       for r in range(size)]
         for p in self._procs:
             p.start()
 
@@ -308,9 +339,11 @@ class WorldPool:
 _pool: WorldPool | None = None
 
 
-def use_pool(max_procs: int) -> WorldPool:
-    """Keep worlds alive between run_world calls from now on (tests); close_pool() ends them."""
+def use_pool(max_procs: int, preload: tuple[str, ...] = ()) -> WorldPool:
+    """Keep worlds alive between run_world calls from now on (tests); close_pool() ends them. `preload`: modules
+    the workers' forkserver imports besides PRELOAD (worker_context)."""
     global _pool
+    worker_context(preload)
     _pool = _pool or WorldPool(max_procs)
     return _pool
 

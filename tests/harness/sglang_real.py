@@ -18,8 +18,8 @@ is hashed and kept as the model's parameter of that name, which the release's we
 ModelRunner.check_weights and WeightChecker (utils/weight_checker.py, weight_checker_comparator.py: hashing,
 snapshot, reset, comparison), the reply merged by its tokenizer-side check_weights. The harness' own routes (no API key): GET /mcore2hf_state (per rank: the hashes, the release's update
 session, weight-update groups, paused flag, queued requests, flushes), POST /mcore2hf_reset (forget the hashes; {"parameters": true}: the model's parameters too),
-POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, sleep or kill the scheduler process, or
-"corrupt": load one named tensor with wrong bytes),
+POST /mcore2hf_fault (arm a fault in the model's load_weights: raise, hang until released or kill the scheduler
+process, or "corrupt": load one named tensor with wrong bytes),
 POST /mcore2hf_requests (queue requests in the scheduler, the release's Req and _add_request_to_queue).
 `--draft mtp|separate` gives each rank's weight updater a speculative worker's draft runner (its own recorder model,
 the release's WeightUpdater and WeightChecker), which the release's own fan-out (runner selectors, >= 0.5.21) loads
@@ -261,9 +261,12 @@ def fingerprint(t: torch.Tensor, chunk: int = 1 << 26) -> str:
 class Recorder(torch.nn.Module):
     """The model: an empty torch module whose load_weights hashes every tensor it is given (per TP rank), and
     where the harness injects faults (POST /mcore2hf_fault, armed per TP rank): on the `call`-th load_weights call
-    after arming, "raise" (the model's loader raises), "sleep" (it takes `seconds`; the scheduler is busy
-    meanwhile) or "exit" (the scheduler process dies there, as on a segfault or an OOM kill). What follows is the
-    release's doing: whether it catches the error, and what its server does when a scheduler dies."""
+    after arming, "raise" (the model's loader raises), "hang" (it returns only once the file `release` exists,
+    which the server's front end creates when the client's next request arrives, i.e. once the client gave up on
+    this one; at the latest after `seconds`, default 600: an engine that does not answer a request before its
+    client's timeout, however fast or slow the machine) or "exit" (the scheduler process dies there, as on a
+    segfault or an OOM kill). What follows is the release's doing: whether it catches the error, and what its
+    server does when a scheduler dies."""
 
     def __init__(self):
         super().__init__()
@@ -300,11 +303,14 @@ class Recorder(torch.nn.Module):
 
         self.calls += 1
         if self.fault is not None and self.calls == self.fault["call"]:
-            kind, seconds, self.fault = self.fault["kind"], self.fault.get("seconds", 0.0), None  # once
+            fault, self.fault = self.fault, None  # once
+            kind = fault["kind"]
             if kind == "raise":
                 raise RuntimeError(f"mcore2hf fault: load_weights call {self.calls} failed")
-            if kind == "sleep":
-                time.sleep(seconds)
+            if kind == "hang":
+                deadline = time.monotonic() + fault.get("seconds", 600.0)
+                while not os.path.exists(fault["release"]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             if kind == "exit":
                 os._exit(17)
         for name, t in weights:
@@ -872,6 +878,7 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     import json
     import os
     import signal
+    import tempfile
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -914,12 +921,20 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
     harness = {"/mcore2hf_state", "/mcore2hf_reset", "/mcore2hf_fault", "/mcore2hf_requests"}
     # the tokenizer manager's side: is_pause (set by pause, cleared by continue), the calls and the versions of the
     # updates that succeeded
-    front = types.SimpleNamespace(paused=False, calls=[], versions=[], loras={})
+    front = types.SimpleNamespace(paused=False, calls=[], versions=[], loras={}, release=None, hangs=0)
     lock = threading.Lock()  # the scheduler runs one request at a time
+    hangs = tempfile.mkdtemp(prefix="sglang-hang-")
 
     def run(method: str, req) -> tuple[bool, object]:
-        with lock:
+        if not lock.acquire(blocking=False):  # busy: a "hang" fault holds the scheduler until a next request comes
+            if front.release is not None:
+                open(front.release, "w").close()
+                front.release = None
+            lock.acquire()
+        try:
             return engine.call(method, req)
+        finally:
+            lock.release()
 
     def run_each(method: str, req) -> tuple[bool, list]:
         """Every rank's reply (the LoRA routes merge them as the release's tokenizer does)."""
@@ -1065,6 +1080,9 @@ def serve(site_dir: str, tp_size: int = 1, api_key: str | None = None, port: int
                 if path == "/mcore2hf_reset":  # forget what was recorded
                     front.versions.clear()
                     front.calls.clear()
+                if path == "/mcore2hf_fault" and body.get("kind") == "hang":  # released by the next request (run)
+                    front.hangs += 1
+                    body["release"] = front.release = os.path.join(hangs, str(front.hangs))
                 ok, message = run({"/mcore2hf_reset": _RESET, "/mcore2hf_fault": _FAULT,
                                    "/mcore2hf_requests": _QUEUE}[path],
                                   body.get("queued", 0) if path == "/mcore2hf_requests" else body)
