@@ -21,7 +21,7 @@ the same model in one run:
 * the NCCL floor: the bytes each rank must receive (everything it does not hold in full) over the receive rate of
   an all-gather of a large buffer, measured in the same run.
 * with --engine-placements (or --engine/--engine-tp/--engine-ep): the engine-shard export (issue 15), colocated
-  (`mcore2hf.engine_shards.colocated_ranks`: engine instance k on trainer ranks [k*tp, (k+1)*tp)), timed through
+  (`mcore2hf.plan.engine_shards.colocated_ranks`: engine instance k on trainer ranks [k*tp, (k+1)*tp)), timed through
   `HFExporter.engine_buckets` iterated to the end; its wire bytes per GPU from the plan (`bytes_by_receiver`), and
   its own floor: wire bytes / the point-to-point receive rate of a batched isend/irecv exchange (--p2p-mb per rank
   pair) measured in the same run; each rank's slices checked bit for bit against the all-ranks export;

@@ -1,4 +1,4 @@
-"""The checkpoint key scheme (mcore2hf.checkpoint_keys), pure: what the import writes (`KeyLayout.key`, `part_key`)
+"""The checkpoint key scheme (mcore2hf.formats.checkpoint_keys), pure: what the import writes (`KeyLayout.key`, `part_key`)
 reads back (`canonical_parts`) as exactly the canonical names and parts it came from, for every key form: stacked
 and per-layer decoder layers, the key renames of both transformer_impls, gated DeltaNet layers and parts, MLA,
 stacked and per-expert experts with GLU halves, MTP layers, hybrid stacks. That the forms are megatron-core's own is

@@ -334,7 +334,7 @@ def test_verify_exact_values_nan_signed_zero_integers_and_scalars(tmp_path):
     assert sorted((n, k) for n, k, _ in r.rows) == [("f", "values"), ("i", "values"), ("s", "values")], r.rows
 
 
-# -- output directories as users have them (mcore2hf.paths) ---------------------------------------------------------
+# -- output directories as users have them (mcore2hf.formats.paths) ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def megatron_ckpt(hf_source, tmp_path_factory) -> str:

@@ -1,4 +1,4 @@
-"""Engine sharding rules (mcore2hf.engine_shards): pure-function tests, a coverage check over every registered
+"""Engine sharding rules (mcore2hf.plan.engine_shards): pure-function tests, a coverage check over every registered
 architecture, and the real-engine oracle: the engines' own layer classes and weight loaders, from sglang 0.5.23's
 and vllm 0.33.0's published wheels on CPU (one subprocess per engine, GPU-only imports stubbed by
 harness.sglang_real.install / vllm_real.install_gpu_stubs), fed (a) the full HF tensor and (b) our

@@ -1,4 +1,4 @@
-"""mcore2hf.hf_dir, the one reader of HF directories, against the safetensors library (0.8, the format's own
+"""mcore2hf.formats.hf_dir, the one reader of HF directories, against the safetensors library (0.8, the format's own
 reader) and transformers 5.24's save_pretrained (the writer of published checkpoints): unsharded and sharded
 directories read back bit for bit, whole and sliced; a damaged directory is refused when it is opened, with the
 file (and for a truncated file the byte range) named."""

@@ -229,7 +229,7 @@ def layout_matrix(ckpt: str, layout: Layout, dtype_name: str, out_root: str, te_
 
 
 def dry_run_plans(ckpts: dict[str, str], layout: Layout, dtype_name: str, bucket_bytes: int) -> dict[str, tuple]:
-    """The one-process dry run (mcore2hf.planning) of each checkpoint's model at `layout`: (describe(), records,
+    """The one-process dry run (mcore2hf.dry_run) of each checkpoint's model at `layout`: (describe(), records,
     every rank's memory estimate). Run in a fresh process: it sets up a fake torch.distributed world."""
     from mcore2hf.dry_run import dry_run
 

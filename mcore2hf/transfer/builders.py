@@ -1,7 +1,7 @@
 """Program builders: the plan's buckets as per-rank programs (`program`), built once, identically reasoned on
 every rank (no communication): the all-ranks export (collectives), the chosen-receivers export (one point-to-point
 round) and the engine-shard export (one point-to-point round of pieces clipped to engine regions). The two
-point-to-point builders take their routes from the planner (`mcore2hf.routes`)."""
+point-to-point builders take their routes from the planner (`mcore2hf.plan.routes`)."""
 
 from __future__ import annotations
 
