@@ -153,8 +153,10 @@ def worker_context(preload: tuple[str, ...] = ()):
     ctx = mp.get_context("forkserver")
     if _preload is None:
         _preload = tuple(dict.fromkeys(PRELOAD + tuple(preload)))
-        # the forkserver skips a preload it cannot import without a word: a moved module would only cost time
-        missing = [m for m in _preload if importlib.util.find_spec(m) is None]
+        # the forkserver skips a preload it cannot import without a word: a moved module of ours (or a test module)
+        # would only cost time; third-party packages are not probed here (their parents would import in this process)
+        missing = [m for m in _preload if (m.startswith("mcore2hf") or "." not in m)
+                   and importlib.util.find_spec(m) is None]
         if missing:
             raise ImportError(f"worker preload: no module {missing}")
         ctx.set_forkserver_preload(list(_preload))
