@@ -310,7 +310,7 @@ def import_checkpoint(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *,
     dims = spec.dims(cfg)
     hybrid = None
     if model_class == "hybrid":
-        from .model_specs.common import hybrid_pattern
+        from .model_specs.hybrid import hybrid_pattern
 
         # the pattern build_model gives the model, MTP depths as megatron-core 0.19's HybridModel holds them
         hybrid = HybridLayout.parse(hybrid_pattern(spec, cfg, mtp_depths=dims.num_mtp_layers))

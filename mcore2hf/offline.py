@@ -253,7 +253,7 @@ def prepare_sources(it_dir: str, cfg, make_vocab_size_divisible_by: int = 128, n
 def _checkpoint_sources(reader, spec, cfg, dims) -> tuple[list[CkptSource], list[str]]:
     hybrid = None
     if HYBRID_FINAL_NORM in reader.tensors:  # a hybrid model's: its pattern from the HF config
-        from .model_specs.common import hybrid_pattern
+        from .model_specs.hybrid import hybrid_pattern
 
         hybrid = checkpoint_hybrid_layout(reader.tensors, hybrid_pattern(spec, cfg))
     return reader.sources(dims.num_layers, bool(getattr(cfg, "tie_word_embeddings", False)), hybrid)

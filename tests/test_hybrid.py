@@ -230,7 +230,7 @@ def test_hybrid_refusals_name_the_release():
     """What a release's hybrid stack cannot hold is refused before anything is built: on 0.16-0.18 gated
     DeltaNet layers, attention kinds mixed, MTP depths; the pattern check counts every attention kind as one."""
     from mcore2hf.arch.registry import get_model_spec
-    from mcore2hf.model_specs.common import hybrid_pattern_problems, release_symbols
+    from mcore2hf.model_specs.hybrid import hybrid_pattern_problems, release_symbols
 
     assert release_symbols(["+E", "+-"], True) == ["+E", "+-"]
     assert release_symbols(["+-", "+E"], False) == ["*-", "*E"]

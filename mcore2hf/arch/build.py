@@ -64,7 +64,7 @@ def build_model(hf_config: HFConfigLike, *, use_te: bool | None = None, make_voc
                          "GPTModel's decoder (deepstack features per decoder layer); build the hybrid language model "
                          "alone (vision_tower=None; the tower is completed from the checkpoint, base=)")
     if model_class == "hybrid":
-        from ..model_specs.common import build_hybrid_model
+        from ..model_specs.hybrid import build_hybrid_model
 
         chunks = build_hybrid_model(spec, cfg, vocab_size=vocab, use_te=use_te, **overrides)
     else:

@@ -245,7 +245,7 @@ def model_config(chunks: list[torch.nn.Module]):
     """The chunks' TransformerConfig as an HF model has it: for a hybrid model a copy with `num_layers` in HF
     layers, `mtp_num_layers` in MTP depths, the per-layer fields a hybrid model holds per Megatron layer back in
     HF layers (each HF layer's mixer entry; DSA IndexShare's period and offset, the inverse of
-    model_specs.common.hybrid_layer_fields) and `hybrid_layout` set (None for other models)."""
+    model_specs.hybrid.hybrid_layer_fields) and `hybrid_layout` set (None for other models)."""
     config = language_model(chunks[0]).config
     layout = hybrid_layout(chunks[0])
     if layout is None:

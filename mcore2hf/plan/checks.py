@@ -84,7 +84,7 @@ def config_problems(model_config, spec, hf_config, what: str) -> list[str]:
         if have != want:
             diffs.append(f"{name}: HF config implies {want!r}, {what} has {have!r}")
     if getattr(model_config, "hybrid_layout", None) is not None:  # a hybrid model (naming.model_config)
-        from ..model_specs.common import hybrid_pattern_problems
+        from ..model_specs.hybrid import hybrid_pattern_problems
 
         diffs += hybrid_pattern_problems(model_config.hybrid_layout, spec, hf_config)
     return diffs
