@@ -286,21 +286,28 @@ class SafetensorsWriter:
             for f in sources.values():
                 f.close()
 
+    @contextlib.contextmanager
+    def _aborting(self):
+        """Whatever fails inside leaves nothing behind: the staging directory is removed (an OSError named as the
+        stage's failure)."""
+        try:
+            yield
+        except OSError as e:
+            self.abort()
+            raise self.stage.failure(e) from e
+        except BaseException:
+            self.abort()
+            raise
+
     def finish(self) -> str:
         if self.base:
-            try:
+            with self._aborting():
                 self._copy_base()
-            except OSError as e:
-                self.abort()
-                raise self.stage.failure(e) from e
-            except BaseException:
-                self.abort()
-                raise
         missing = [n for n in self.location if n not in self._written]
         if missing:
             self.abort()
             raise Mcore2HFError(f"{len(missing)} planned tensor(s) were never written, e.g. {missing[:5]}")
-        try:
+        with self._aborting():
             for f in self._handles.values():
                 f.close()
             weight_map = {name: loc[0] for name, loc in sorted(self.location.items())}
@@ -314,12 +321,6 @@ class SafetensorsWriter:
                 self._write_config()
             for path in self.extra_files:  # content only: the mode is the umask's, as for every file written
                 shutil.copyfile(path, os.path.join(self.tmp, os.path.basename(path)))
-        except OSError as e:
-            self.abort()
-            raise self.stage.failure(e) from e
-        except BaseException:
-            self.abort()
-            raise
         kept = self.stage.commit()
         if kept:
             note = (f"kept {len(kept)} file(s) of {self.out_dir} that are not the checkpoint's: "
